@@ -1,0 +1,11 @@
+"""weightgeom: geometry-aware training of neural networks.
+
+Top-level names:
+    msign: matrix sign / polar factor U Vᵀ by Newton–Schulz presets (``weightgeom.linalg``).
+    manifolds, optim, models, data, diagnostics, analysis, train, experiments: subpackages.
+"""
+
+from weightgeom.linalg import msign
+
+__version__ = "0.1.0"
+__all__ = ["msign", "__version__"]

@@ -1,0 +1,1 @@
+"""weightgeom.analysis (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,57 @@
+"""``weightgeom`` command line: train | sweep | analyze | report | bench | data | demo.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only
+dispatches, importing the chosen module lazily so ``weightgeom --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("weightgeom.experiments.demo", "the main CPU job: small versions of the paper experiments + report"),
+    "train": ("weightgeom.train.cli", "train a model from a TOML/YAML config (torchrun for DDP/FSDP2)"),
+    "sweep": ("weightgeom.experiments.cli", "run an experiment recipe: manifolds | continuity | md"),
+    "report": ("weightgeom.experiments.report_cli", "regenerate tables and plots from run directories"),
+    "analyze": ("weightgeom.analysis.cli", "continuity analysis of a checkpoint (HF dir, torch .pt, GGUF)"),
+    "bench": ("weightgeom.benchmarks_cli", "run the benchmarks in benchmarks/"),
+    "data": ("weightgeom.data.cli", "prepare token datasets (train.bin/val.bin) from text, JSONL, parquet"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per available subcommand."""
+    parser = argparse.ArgumentParser(prog="weightgeom", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # subcommand not built yet
+            raise
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``weightgeom`` script. Returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("weightgeom: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""weightgeom.data (see docs/ARCHITECTURE.md)."""

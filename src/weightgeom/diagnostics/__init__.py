@@ -1,0 +1,1 @@
+"""weightgeom.diagnostics (see docs/ARCHITECTURE.md)."""

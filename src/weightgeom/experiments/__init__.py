@@ -1,0 +1,1 @@
+"""weightgeom.experiments (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,5 @@
+"""Linear-algebra kernels: msign (polar factor) presets and top singular vectors."""
+
+from weightgeom.linalg.msign import MSIGN_PRESETS, NSPreset, default_dtype, msign, msign_reference
+
+__all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype"]

@@ -1,0 +1,149 @@
+"""msign(G) ≈ U Vᵀ for G = U S Vᵀ: odd-polynomial (Newton–Schulz style) iterations and an exact SVD reference.
+
+Each step is X ← a·X + b·(XXᵀ)X + c·(XXᵀ)²X on the wide orientation (rows ≤ cols), after pre-scaling by the
+Frobenius norm (which bounds the spectral norm, so every singular value starts in (0, 1]). Derivation and the
+error curves of the presets are in ``docs/msign.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NSPreset", "MSIGN_PRESETS", "msign", "msign_reference", "default_dtype"]
+
+
+@dataclass(frozen=True)
+class NSPreset:
+    """A named polynomial iteration.
+
+    Attributes:
+        coeffs: per-step (a, b, c) triples; steps past the end repeat the last triple.
+        steps: default number of steps.
+        safety: the input is divided by ‖X‖_F·safety; all triples but the last are rescaled as
+            (a/s, b/s³, c/s⁵) so that singular values slightly above 1 (rounding) are still mapped into range.
+        source: where the coefficients come from.
+    """
+
+    coeffs: tuple[tuple[float, float, float], ...]
+    steps: int
+    safety: float = 1.0
+    source: str = ""
+
+    def triples(self, steps: int) -> list[tuple[float, float, float]]:
+        """The (a, b, c) used at each of ``steps`` steps, safety scaling applied."""
+        s = self.safety
+        out = []
+        last = len(self.coeffs) - 1
+        for k in range(steps):
+            a, b, c = self.coeffs[min(k, last)]
+            if k < last and s != 1.0:
+                a, b, c = a / s, b / s**3, c / s**5
+            out.append((a, b, c))
+        return out
+
+
+MSIGN_PRESETS: dict[str, NSPreset] = {
+    # Keller Jordan's Muon quintic (github.com/KellerJordan/Muon); also torch.optim.Muon's default ns_coefficients.
+    # Converges to singular values in roughly [0.7, 1.2], not to 1: fast, loose.
+    "muon": NSPreset(coeffs=((3.4445, -4.7750, 2.0315),), steps=5, safety=1.0,
+                     source="Keller Jordan, Muon (2024); torch.optim.Muon defaults"),
+    # Polar Express, Amsel, Persson, Musco & Gower 2025 (arXiv:2505.16932), minimax-optimal per-step quintics,
+    # safety factor 1.01; converges to 1 (accurate enough for retractions and dual ascent).
+    "polar_express": NSPreset(
+        coeffs=(
+            (8.28721201814563, -23.595886519098837, 17.300387312530933),
+            (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+            (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+            (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+            (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+            (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+            (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+            (1.875, -1.25, 0.375),
+        ),
+        steps=10,
+        safety=1.01,
+        source="Amsel et al. 2025, The Polar Express, arXiv:2505.16932",
+    ),
+}
+
+# Added to the Frobenius norm before dividing: keeps a zero input at exactly zero output (never 0/0 = NaN).
+_NORM_EPS = 1e-30
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """Compute dtype msign uses when none is given: bfloat16 on CUDA, float32 elsewhere.
+
+    On a CPU without bf16 units a bf16 matmul is several times slower than fp32 (SPEC §A), so fp32 is the
+    CPU default; float64 inputs are also computed in float64 on the CPU.
+    """
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def msign_reference(G: torch.Tensor) -> torch.Tensor:
+    """Exact polar factor U Vᵀ by SVD in float64 (batched). Zero singular directions map to zero.
+
+    Slow reference for tests and for the ``svd`` method. Returns float64.
+    """
+    X = G.to(torch.float64)
+    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    # Singular values at rounding level of the largest are treated as zero (rank-deficient inputs → partial isometry).
+    tol = S.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * torch.finfo(torch.float64).eps
+    keep = (S > tol).to(X.dtype)
+    return (U * keep.unsqueeze(-2)) @ Vh
+
+
+def msign(
+    G: torch.Tensor,
+    method: str = "polar_express",
+    steps: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Orthogonalise ``G``: return ≈ U Vᵀ where G = U S Vᵀ (the matrix sign / polar factor).
+
+    Args:
+        G: tensor of shape (..., m, n), m and n ≥ 1; leading dims are batched.
+        method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's 5-step quintic, loose) or
+            ``"svd"`` (exact, float64 SVD; the slow reference).
+        steps: number of polynomial steps; the preset's default when None.
+        dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU (float64 input stays float64).
+
+    Returns:
+        Tensor of G's shape and dtype. A zero matrix maps to zero (never NaN).
+
+    Raises:
+        ValueError: unknown method, fewer than 2 dims, empty matrix, or steps < 1.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"msign: input must have at least 2 dims (..., m, n), got shape {tuple(G.shape)}")
+    if G.shape[-1] == 0 or G.shape[-2] == 0:
+        raise ValueError(f"msign: empty matrix of shape {tuple(G.shape)}")
+    if method == "svd":
+        return msign_reference(G).to(G.dtype)
+    if method not in MSIGN_PRESETS:
+        raise ValueError(f"msign: unknown method {method!r}; choose one of {sorted([*MSIGN_PRESETS, 'svd'])}")
+    preset = MSIGN_PRESETS[method]
+    steps = preset.steps if steps is None else int(steps)
+    if steps < 1:
+        raise ValueError(f"msign: steps must be ≥ 1, got {steps}")
+    if dtype is None:
+        dtype = torch.float64 if (G.dtype == torch.float64 and G.device.type != "cuda") else default_dtype(G.device)
+
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.mT if tall else G
+    X = X.to(dtype)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    X = X / (norm * preset.safety + _NORM_EPS).to(dtype)
+    batched = X.ndim > 2
+    for a, b, c in preset.triples(steps):
+        A = X @ X.mT
+        if batched:
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if X.ndim == 3 else b * A + c * (A @ A)
+            X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
+        else:
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)

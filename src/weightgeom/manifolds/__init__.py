@@ -1,0 +1,1 @@
+"""weightgeom.manifolds (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""weightgeom.models (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""weightgeom.optim (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""weightgeom.train (see docs/ARCHITECTURE.md)."""

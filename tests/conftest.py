@@ -1,0 +1,22 @@
+"""Shared test configuration: deterministic seeds, CUDA marker skipping, the slow-marker switch (WG_SLOW=1)."""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    slow = os.environ.get("WG_SLOW") == "1"
+    for item in items:
+        if "cuda" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="long experiment check: set WG_SLOW=1"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
