@@ -133,7 +133,9 @@ def msign(
     tall = G.shape[-2] > G.shape[-1]
     X = G.mT if tall else G
     X = X.to(dtype)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
+    norm_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     X = X / (norm * preset.safety + _NORM_EPS).to(dtype)
     batched = X.ndim > 2
     for a, b, c in preset.triples(steps):
