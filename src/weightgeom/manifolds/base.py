@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Manifold", "CheckResult", "tall", "untall"]
+from weightgeom.linalg.msign import msign
+
+__all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check"]
 
 
 def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -36,6 +38,88 @@ def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def untall(X: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Undo ``tall``: transpose back if the input was wide."""
     return X.mT if transposed else X
+
+
+def tall_pair(W: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Tall views of a point W and a direction A of the same shape, and whether they were transposed."""
+    if A.shape != W.shape:
+        raise ValueError(f"direction A has shape {tuple(A.shape)} but the point W has shape {tuple(W.shape)}")
+    X, t = tall(W)
+    return X, (A.mT if t else A), t
+
+
+def compute_dtype(W: torch.Tensor) -> torch.dtype:
+    """Dtype used for retractions: float64 for float64 input, float32 for everything else (incl. bf16/fp16)."""
+    return torch.float64 if W.dtype == torch.float64 else torch.float32
+
+
+def polar(W: torch.Tensor, method: str = "polar_express", steps: int | None = None) -> torch.Tensor:
+    """Polar factor U Vᵀ of W (either orientation, batched), returned in W's dtype.
+
+    Args:
+        W: (..., m, n) tensor.
+        method: ``"polar_express"`` (msign iteration in ``compute_dtype(W)``; a rank-deficient W gives a partial
+            isometry, a zero W gives zero) or ``"svd"`` (exact, float64 SVD; rank-deficient W gets an arbitrary
+            orthonormal completion from the SVD, so the result always has orthonormal columns/rows).
+        steps: polynomial steps for ``"polar_express"`` (its default, 10, when None).
+    """
+    if method == "svd":
+        U, _, Vh = torch.linalg.svd(W.to(torch.float64), full_matrices=False)
+        return (U @ Vh).to(W.dtype)
+    return msign(W, method=method, steps=steps, dtype=compute_dtype(W)).to(W.dtype)
+
+
+def _argmax_index(E: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """Value and full multi-index of the largest entry of E."""
+    flat = int(torch.argmax(E.reshape(-1)))
+    idx: list[int] = []
+    rest = flat
+    for size in reversed(E.shape):
+        idx.append(rest % size)
+        rest //= size
+    return float(E.reshape(-1)[flat]), tuple(reversed(idx))
+
+
+def _batch_prefix(batch: tuple[int, ...]) -> str:
+    """"matrix [i, j]: " for a batched tensor's matrix index, "" for a single matrix."""
+    return f"matrix {list(batch)}: " if batch else ""
+
+
+def gram_check(name: str, W: torch.Tensor, tol: float, unit_norms: bool, orthogonal: bool) -> CheckResult:
+    """Entrywise check of a Gram-space constraint that names the worst column (or row, for wide input).
+
+    Conditions on the tall view X (Gram G = XᵀX computed in float64; dimensionless):
+        unit_norms: |‖x_j‖ − 1| ≤ tol for every column j.
+        orthogonal: |cos θ_ij| = |G_ij| / (‖x_i‖‖x_j‖) ≤ tol for i ≠ j (a zero column is orthogonal to all).
+
+    Returns:
+        CheckResult: error is the largest violation; reason names the worst one (and which matrix, when batched).
+    """
+    if not torch.isfinite(W).all():
+        bad = int((~torch.isfinite(W)).sum())
+        return CheckResult(False, f"{name}: point has {bad} NaN/Inf entries", math.inf)
+    X, t = tall(W)
+    word = "row" if t else "column"
+    X = X.to(torch.float64)
+    G = X.mT @ X
+    norms = torch.diagonal(G, dim1=-2, dim2=-1).clamp_min(0).sqrt()
+    worst: list[tuple[float, str]] = [(0.0, "")]
+    if unit_norms:
+        err, idx = _argmax_index((norms - 1).abs())
+        worst.append((err, f"{name}: {_batch_prefix(idx[:-1])}{word} {idx[-1]} has norm {float(norms[idx]):.6g}, "
+                           f"not 1 (|‖w‖ − 1| = {err:.3g} > tol {tol:g})"))
+    if orthogonal and G.shape[-1] > 1:
+        outer = norms.unsqueeze(-1) * norms.unsqueeze(-2)
+        cos = torch.where(outer > 0, G / outer.clamp_min(torch.finfo(G.dtype).tiny), torch.zeros_like(G))
+        cos = cos - torch.diag_embed(torch.diagonal(cos, dim1=-2, dim2=-1))
+        err, idx = _argmax_index(cos.abs())
+        i, j = sorted(idx[-2:])
+        worst.append((err, f"{name}: {_batch_prefix(idx[:-2])}{word}s {i} and {j} not orthogonal: "
+                           f"|cos| = {err:.3g} > tol {tol:g}"))
+    err, reason = max(worst, key=lambda e: e[0])
+    if err <= tol:
+        return CheckResult(True, "", err)
+    return CheckResult(False, reason, err)
 
 
 @dataclass(frozen=True)
@@ -116,4 +200,11 @@ class Manifold(ABC):
         return self.retract(torch.randn(*shape, generator=generator, dtype=dtype))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))

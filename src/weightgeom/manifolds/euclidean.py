@@ -1,0 +1,44 @@
+"""Euclidean "manifold" (no constraint): P = 0 in the Gram-space family; what ``manifold=None`` means."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from weightgeom.manifolds.base import CheckResult, Manifold, tall, tall_pair
+
+__all__ = ["Euclidean"]
+
+
+class Euclidean(Manifold):
+    """All of R^{m×n}: P = 0, the retraction and the tangent projection are the identity."""
+
+    name = "euclidean"
+
+    def P(self, S: torch.Tensor) -> torch.Tensor:
+        """Zero: no Gram entry is constrained."""
+        return torch.zeros_like(S)
+
+    def retract(self, W: torch.Tensor) -> torch.Tensor:
+        """Identity (returns W itself, not a copy)."""
+        tall(W)  # validates the shape
+        return W
+
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """Identity (returns A itself): every direction is tangent."""
+        tall_pair(W, A)  # validates the shapes
+        return A
+
+    def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
+        """Every finite matrix is on the manifold."""
+        tall(W)
+        if not torch.isfinite(W).all():
+            bad = int((~torch.isfinite(W)).sum())
+            return CheckResult(False, f"{self.name}: point has {bad} NaN/Inf entries", math.inf)
+        return CheckResult(True, "", 0.0)
+
+    def random_point(self, *shape: int, generator: torch.Generator | None = None,
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A standard Gaussian matrix."""
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)

@@ -1,0 +1,64 @@
+"""Oblique manifold {W : diag(WᵀW) = 1} (unit columns of the tall view): P = Diag in the Gram-space family.
+
+Tangent space at W: {A : ⟨w_j, a_j⟩ = 0 ∀j}; orthogonal projection A − W·diag(diag(WᵀA)/diag(WᵀW)).
+Retraction: normalise each column; a zero column becomes the standard basis vector e_j (never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, tall, tall_pair, untall
+
+__all__ = ["Oblique", "normalize_columns", "oblique_proj_tangent"]
+
+
+def normalize_columns(X: torch.Tensor) -> torch.Tensor:
+    """Scale each column of tall X (..., m, n), m ≥ n, to unit L2 norm; a zero column j becomes e_j.
+
+    The replacement e_j (the j-th standard basis vector of R^m) is deterministic and keeps several replaced
+    columns mutually orthogonal. Computed in float32/float64, returned in X's dtype.
+    """
+    Z = X.to(compute_dtype(X))
+    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    eye = torch.eye(Z.shape[-2], Z.shape[-1], dtype=Z.dtype, device=Z.device)
+    out = torch.where(norms > 0, Z / norms.clamp_min(torch.finfo(Z.dtype).tiny), eye)
+    return out.to(X.dtype)
+
+
+def oblique_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """Y − X·diag(⟨x_j, y_j⟩/‖x_j‖²) on the tall view: exact orthogonal projection for any X without zero
+    columns (zero columns: nothing is subtracted)."""
+    d = (X * X).sum(dim=-2, keepdim=True)
+    lam = torch.where(d > 0, (X * Y).sum(dim=-2, keepdim=True) / d.clamp_min(torch.finfo(d.dtype).tiny),
+                      torch.zeros_like(d))
+    return Y - X * lam
+
+
+class Oblique(Manifold):
+    """Matrices with unit-norm columns (tall view; rows of a wide matrix). No orthogonality constraint."""
+
+    name = "oblique"
+
+    def P(self, S: torch.Tensor) -> torch.Tensor:
+        """Diagonal part: only the column norms are constrained."""
+        return torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
+
+    def retract(self, W: torch.Tensor) -> torch.Tensor:
+        """Normalise each column of the tall view (zero column → e_j)."""
+        X, t = tall(W)
+        return untall(normalize_columns(X), t)
+
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """A − W·diag(diag(WᵀA)/diag(WᵀW)) on the tall view."""
+        X, Y, t = tall_pair(W, A)
+        return untall(oblique_proj_tangent(X, Y), t)
+
+    def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
+        """|‖w_j‖ − 1| ≤ tol for every column of the tall view; the reason names the worst column."""
+        return gram_check(self.name, W, tol, unit_norms=True, orthogonal=False)
+
+    def random_point(self, *shape: int, generator: torch.Generator | None = None,
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Uniform on the product of spheres: a Gaussian matrix with normalised columns."""
+        return self.retract(torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
