@@ -1,0 +1,286 @@
+"""Distributed training helpers: process-group setup from torchrun's environment, DDP / FSDP2 wrapping, and a
+sharded optimizer step in which every parameter is updated by exactly one rank.
+
+Launch: ``torchrun --nproc_per_node=N -m weightgeom train CONFIG``. Backend: ``nccl`` on CUDA, ``gloo`` on CPU.
+
+Sharded step (:class:`ShardedStep`) — "Muon orthogonalises each matrix on one rank": after the gradients are
+synchronised (DDP all-reduce, or an all-gather of the FSDP2 gradient shards), each parameter belongs to one owner rank
+(greedy balancing by element count, deterministic on all ranks). The optimizer is the normal one (Muon, AdamW, any
+``torch.optim.Optimizer``) with its param groups filtered to the owned parameters, so each rank runs msign only for
+its own matrices and keeps optimizer state only for them (ZeRO-1 style). The updated values are then broadcast from
+each owner (one flattened buffer per rank). Nothing in the optimizer needs to know about distribution, and a
+parameter's update is computed by exactly the code a single process would run — so the result equals a
+1-process run up to the floating-point order of the gradient all-reduce.
+
+Under FSDP2 (``fully_shard``) parameters are DTensors sharded along dim 0, and msign needs whole matrices: the owner
+of a parameter keeps a full-size copy (the "shadow", the Parameter the optimizer was built on before sharding), gets
+the full gradient with ``DTensor.full_tensor()`` (an all-gather every rank joins), steps the shadow, broadcasts it,
+and every rank copies its own dim-0 chunk back into the local shard. Memory: each rank holds full copies of its owned
+parameters only (≈ 1/N of the model) plus one parameter's full gradient at a time. Limitations: the magnitude–
+direction wrapper (which keeps per-parameter gain tensors) is stepped whole on every rank rather than sharded, and
+diagnostics are skipped under FSDP2 (they read whole weight matrices).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistInfo", "init_distributed", "cleanup", "wrap_model", "ShardedStep", "all_reduce_mean", "barrier",
+           "is_dtensor", "clip_grad_norm", "full_state_dict"]
+
+
+@dataclass
+class DistInfo:
+    """Where this process stands.
+
+    Attributes:
+        rank: global rank (0 without torchrun).
+        world_size: number of processes (1 without torchrun).
+        local_rank: rank on this node (CUDA device index).
+        device: the torch device this rank trains on.
+        enabled: a process group is initialised (world_size > 1).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    enabled: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _pick_device(pref: str, local_rank: int) -> torch.device:
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("config key run.device='cuda': no CUDA device is available")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Initialise the process group from torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (no-op without them).
+
+    Args:
+        device: ``auto`` | ``cpu`` | ``cuda`` (``run.device``).
+
+    Returns:
+        The :class:`DistInfo` of this process.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local)
+    if world <= 1:
+        return DistInfo(device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, device=dev,
+                    enabled=True)
+
+
+def cleanup(info: DistInfo) -> None:
+    """Destroy the process group if this module created one."""
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def all_reduce_mean(x: float | torch.Tensor, info: DistInfo) -> float:
+    """Mean of a scalar over ranks (the value itself without a process group)."""
+    if not info.enabled:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.item() / info.world_size
+
+
+def is_dtensor(t) -> bool:
+    """True for a torch.distributed DTensor (FSDP2 parameters and gradients)."""
+    return type(t).__name__ == "DTensor" or hasattr(t, "full_tensor")
+
+
+def _block_lists(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard individually: the children of every ModuleList."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            out.extend(m)
+    return out
+
+
+def wrap_model(model: nn.Module, info: DistInfo, parallel: str = "ddp") -> nn.Module:
+    """The module to run forward/backward on.
+
+    Args:
+        model: the (unwrapped) model, already on ``info.device``.
+        info: from :func:`init_distributed`.
+        parallel: ``ddp`` (replicated weights, gradient all-reduce) or ``fsdp`` (FSDP2 ``fully_shard`` on every
+            block of every ModuleList, then the root).
+
+    Returns:
+        ``model`` itself without a process group; a DDP wrapper; or ``model`` converted in place by ``fully_shard``.
+    """
+    if not info.enabled:
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [info.local_rank] if info.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _block_lists(model):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    raise ValueError(f"config key run.parallel={parallel!r}: must be ddp or fsdp")
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) -> float:
+    """Clip the global gradient norm to ``max_norm`` (0 = only measure); returns the norm before clipping.
+
+    Works for plain tensors (DDP gradients are already identical on every rank) and FSDP2 DTensor gradient shards
+    (squared norms of the local shards are summed over ranks).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if any(is_dtensor(g) for g in grads):
+        sq = torch.zeros((), dtype=torch.float32, device=info.device)
+        for g in grads:
+            loc = g.to_local() if is_dtensor(g) else g
+            sq += loc.float().pow(2).sum().to(sq.device)
+        if info.enabled:
+            dist.all_reduce(sq)
+        total = sq.sqrt()
+    else:
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm = float(total)
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            (g.to_local() if is_dtensor(g) else g).mul_(coef)
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A full (unsharded) CPU state dict; every rank must call it under FSDP2 (it all-gathers DTensors)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if is_dtensor(v):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu().clone()
+    return out
+
+
+class ShardedStep:
+    """Runs an optimizer so that each parameter is updated on one rank only, then broadcasts the results.
+
+    Args:
+        optimizer: built on the *unwrapped, unsharded* model's parameters (these become the shadows under FSDP2).
+            Its param groups are filtered in place to the parameters this rank owns.
+        names: parameter names in the order of ``model.named_parameters()`` before wrapping.
+        info: from :func:`init_distributed`.
+        sharded_params: under FSDP2, name → the DTensor parameter that replaced it (None for DDP).
+
+    Attributes:
+        owner: name → owning rank.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], info: DistInfo,
+                 sharded_params: dict[str, torch.Tensor] | None = None):
+        self.optimizer = optimizer
+        self.info = info
+        self.sharded = sharded_params
+        self.named = named
+        # greedy balancing: largest first onto the least-loaded rank (ties → lowest rank); same on every rank
+        load = [0] * info.world_size
+        self.owner: dict[str, int] = {}
+        for name, p in sorted(named, key=lambda np_: (-np_[1].numel(), np_[0])):
+            r = min(range(info.world_size), key=lambda i: (load[i], i))
+            self.owner[name] = r
+            load[r] += p.numel()
+        by_id = {id(p): n for n, p in named}
+        for g in optimizer.param_groups:
+            names = g.get("names")
+            keep = [i for i, p in enumerate(g["params"]) if self.owner.get(by_id.get(id(p)), 0) == info.rank]
+            g["params"] = [g["params"][i] for i in keep]
+            if isinstance(names, list) and names:
+                g["names"] = [names[i] for i in keep]
+        self.mine = [(n, p) for n, p in named if self.owner[n] == info.rank]
+        if self.sharded is not None:  # free the full copies this rank does not own
+            for n, p in named:
+                if self.owner[n] != info.rank:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Gradients → owners, optimizer step on owned parameters, updated values → everyone."""
+        info = self.info
+        if self.sharded is not None:
+            for n, p in self.named:
+                sp = self.sharded[n]
+                g = sp.grad
+                full = g.full_tensor() if g is not None else None
+                if self.owner[n] == info.rank:
+                    p.grad = full.to(p.dtype) if full is not None else None
+        self.optimizer.step()
+        for r in range(info.world_size):
+            names = [(n, p) for n, p in self.named if self.owner[n] == r]
+            if not names:
+                continue
+            shapes = [tuple(self.sharded[n].shape) if self.sharded is not None else tuple(p.shape) for n, p in names]
+            numel = sum(int(torch.Size(s).numel()) for s in shapes)
+            dtype = names[0][1].dtype
+            if r == info.rank:
+                flat = torch.cat([p.detach().reshape(-1).to(dtype) for _, p in names])
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=names[0][1].device if self.sharded is None
+                                   else info.device)
+            dev_flat = flat.to(info.device) if info.device.type == "cuda" else flat
+            dist.broadcast(dev_flat, src=r)
+            off = 0
+            for (n, p), s in zip(names, shapes):
+                k = int(torch.Size(s).numel())
+                chunk = dev_flat[off:off + k].view(s)
+                off += k
+                if self.sharded is None:
+                    if r != info.rank:
+                        p.copy_(chunk)
+                else:
+                    sp = self.sharded[n]
+                    local = sp.to_local()
+                    pieces = torch.chunk(chunk, info.world_size, dim=0)
+                    if info.rank < len(pieces) and local.numel() > 0:
+                        local.copy_(pieces[info.rank])
+        if self.sharded is not None:
+            for _, p in self.mine:
+                p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.sharded is not None:
+            for sp in self.sharded.values():
+                sp.grad = None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)

@@ -1,0 +1,168 @@
+"""Run logging: ``metrics.jsonl`` (one JSON object per line), TensorBoard scalars, and a tqdm progress bar.
+
+Every line of ``metrics.jsonl`` has ``step`` (optimizer steps taken), ``split`` (``train`` | ``val`` | ``diag``) and
+numbers; non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so the file stays valid JSON.
+Only rank 0 writes (the other ranks get a logger whose methods do nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLogger", "read_metrics", "Progress", "write_json_atomic"]
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (tmp + os.replace)."""
+    from weightgeom.train.checkpoint import atomic_write_bytes
+
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
+
+
+class MetricsLogger:
+    """Appends metrics to ``run_dir/metrics.jsonl`` and TensorBoard (``run_dir/tb``).
+
+    Args:
+        run_dir: the run directory.
+        enabled: False on non-zero ranks (all methods become no-ops).
+        tensorboard: also write TensorBoard scalars (skipped with a warning if tensorboard is not importable).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._f = None
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception as e:  # tensorboard missing or broken: JSONL is the record of truth
+                print(f"weightgeom: TensorBoard disabled ({e})", file=sys.stderr)
+
+    def log(self, step: int, split: str, metrics: dict[str, Any]) -> None:
+        """Write one line ``{"step": step, "split": split, **metrics}`` and the scalars to TensorBoard."""
+        if not self.enabled:
+            return
+        row = {"step": int(step), "split": split, **{k: _clean(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k in ("step", "split"):
+                    continue
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self.flush()
+            self._f.close()
+            self._f = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def truncate_after(self, step: int) -> int:
+        """On resume: move lines with ``step > step`` to ``metrics.dropped.jsonl`` (kept, not deleted).
+
+        Returns:
+            The number of lines moved.
+        """
+        if not self.enabled:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        if self._f is not None:
+            self._f.close()
+        keep, drop = [], []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    s = json.loads(line).get("step", 0)
+                except json.JSONDecodeError:
+                    s = math.inf
+                (keep if s <= step else drop).append(line)
+        if drop:
+            with open(self.run_dir / "metrics.dropped.jsonl", "a") as f:
+                f.write("\n".join(drop) + "\n")
+            from weightgeom.train.checkpoint import atomic_write_bytes
+
+            atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
+        self._f = open(path, "a", buffering=1)
+        return len(drop)
+
+
+def read_metrics(run_dir: str | os.PathLike, split: str | None = None) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl`` (optionally only one split), with "nan"/"inf" strings as floats."""
+    rows = []
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        for k, v in r.items():
+            if v in ("nan", "inf", "-inf") and k != "split":
+                r[k] = float(v)
+        if split is None or r.get("split") == split:
+            rows.append(r)
+    return rows
+
+
+class Progress:
+    """A tqdm progress bar over optimizer steps (disabled → silent).
+
+    Args:
+        total: final step.
+        initial: starting step (resume).
+        enabled: show the bar (rank 0 and ``progress=True``).
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, desc: str = "train"):
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+
+    def update(self, n: int = 1, **postfix: Any) -> None:
+        if self._bar is None:
+            return
+        if postfix:
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+                                  refresh=False)
+        self._bar.update(n)
+
+    def write(self, msg: str) -> None:
+        if self._bar is not None:
+            self._bar.write(msg)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,496 @@
+"""The training loop: one function, :func:`train`, used by the CLI, the experiments and the tests.
+
+Per optimizer step s (1-based): the LR factor of step s−1 is applied to every group (AdamW, Muon, MD gains);
+``train.grad_accum`` micro-batches (split across ranks) are forwarded and back-propagated; the mean loss is checked
+for divergence *before* the update (NaN/Inf, or larger than ``diverge_factor`` × the best smoothed loss so far);
+gradients are clipped to ``train.grad_clip``; the optimizer steps. Then, as due: a ``train`` metrics line, a
+``diag`` line (``weightgeom.diagnostics.collect``), an evaluation (``val``), a checkpoint. Metrics are tagged with
+s = number of updates done (evaluation at s = 0 is before training).
+
+Divergence is a result, not an error: ``status.json`` becomes ``{"state": "diverged", "step": s, "reason": ...}``,
+logs are flushed and kept, and :func:`train` returns normally with ``status="diverged"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from weightgeom.train import checkpoint as ckpt_mod
+from weightgeom.train.batches import Batches, build_batches
+from weightgeom.train.config import config_hash, dump_toml, load_config
+from weightgeom.train.distributed import (
+    DistInfo,
+    ShardedStep,
+    all_reduce_mean,
+    barrier,
+    clip_grad_norm,
+    full_state_dict,
+    init_distributed,
+    wrap_model,
+)
+from weightgeom.train.logging import MetricsLogger, Progress, write_json_atomic
+from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
+
+__all__ = ["train", "build_model", "build_optimizer_from_config", "read_status"]
+
+
+# ----------------------------------------------------------------------------------------------------------- builders
+def _fill_model_config(cfg: dict[str, Any], batches: Batches) -> None:
+    """Fill data-derived model fields the config leaves out (vocab size, context length, input/output sizes)."""
+    m, kind = cfg["model"], cfg["model"]["kind"]
+    if kind == "gpt":
+        m.setdefault("vocab_size", batches.vocab_size)
+        m.setdefault("block_size", cfg["data"]["block_size"])
+    elif kind == "llama":
+        m.setdefault("vocab_size", batches.vocab_size)
+        m.setdefault("max_seq_len", cfg["data"]["block_size"])
+    elif kind == "resmlp":
+        m.setdefault("in_dim", batches.input_dim)
+        m.setdefault("out_dim", batches.vocab_size)
+    if batches.kind == "lm" and kind == "resmlp":
+        raise ValueError("config: model.kind='resmlp' needs a classification dataset (data.kind='mnist')")
+    if batches.kind == "cls" and kind in ("gpt", "llama"):
+        raise ValueError(f"config: model.kind={kind!r} needs a token dataset, not data.kind={cfg['data']['kind']!r}")
+
+
+def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+    """A model from a ``[model]`` section (``kind`` + the model config's fields).
+
+    Raises:
+        ValueError: unknown kind or bad field (from the model config's ``from_dict``).
+    """
+    from weightgeom.models import build_model as _build
+
+    mc = dict(model_cfg)
+    kind = mc.pop("kind")
+    preset = mc.pop("preset", "") or None
+    return _build(kind, preset=preset, **mc)
+
+
+def build_optimizer_from_config(model: nn.Module, cfg: dict[str, Any], verbose: bool = False):
+    """The optimizer for ``cfg["optim"]`` via ``weightgeom.optim.build.build_optimizer``.
+
+    Falls back to ``torch.optim.AdamW`` (decay on ≥2-D parameters only) for ``name="adamw"`` when the optim package
+    does not provide ``build_optimizer``.
+    """
+    o = cfg["optim"]
+    try:
+        from weightgeom.optim.build import build_optimizer
+    except ImportError:
+        build_optimizer = None
+    if build_optimizer is None:
+        if o["name"] != "adamw":
+            raise ValueError(f"config key optim.name={o['name']!r}: weightgeom.optim.build is not available")
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=o["adamw_lr"], betas=tuple(o["betas"]), eps=o["eps"])
+    hp = {
+        "lr": o["lr"],
+        "adamw_lr": o["adamw_lr"],
+        "weight_decay": o["muon_weight_decay"],
+        "adamw_weight_decay": o["weight_decay"],
+        "betas": tuple(o["betas"]),
+        "eps": o["eps"],
+        "momentum": o["momentum"],
+        "nesterov": o["nesterov"],
+        "momentum_form": o["momentum_form"],
+        "msign_method": o["msign_method"],
+        "adjust_lr_fn": o["adjust_lr_fn"],
+        "dual_steps": o["dual_steps"],
+        "dual_lr": o["dual_lr"],
+        "dual_tol": o["dual_tol"],
+        "split_qkv": o["split_qkv"],
+        "verbose": verbose,
+    }
+    return build_optimizer(model, o["name"], strategy=o["strategy"], md=dict(o["md"]) or None, **hp)
+
+
+# ------------------------------------------------------------------------------------------------------------ helpers
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _versions() -> dict[str, str]:
+    import weightgeom
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+         "weightgeom": getattr(weightgeom, "__version__", "?")}
+    if torch.cuda.is_available():
+        v["cuda"] = str(torch.version.cuda)
+    return v
+
+
+def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``run_dir/status.json`` as a dict, or None if absent."""
+    p = Path(run_dir) / "status.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _is_md(opt) -> bool:
+    return any(hasattr(opt, a) for a in ("base_optimizer", "gain_optimizer")) or not isinstance(
+        opt, torch.optim.Optimizer)
+
+
+# -------------------------------------------------------------------------------------------------------------- train
+def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike | None = None,
+          overrides=(), progress: bool = True, resume: bool | str = "auto") -> dict[str, Any]:
+    """Train a model from a config.
+
+    Args:
+        config: path to a TOML/YAML file, a bundled config name, or a (partial) config dict.
+        run_dir: the run directory (default ``run.out_dir/run.name``).
+        overrides: ``section.key=value`` strings applied on top of ``config``.
+        progress: show a tqdm bar (rank 0).
+        resume: ``"auto"`` — continue from the newest checkpoint in ``run_dir`` if there is one; ``True`` — require
+            one; ``False`` — start fresh (earlier metrics are moved aside, never deleted).
+
+    Returns:
+        ``{"status": "done" | "diverged", "run_dir": str, "step": int, "final": {metric: value}}``.
+
+    Raises:
+        ValueError: bad config (one line naming the key); CheckpointError (a ValueError) for an unusable checkpoint.
+    """
+    import torch.distributed as dist
+
+    cfg = load_config(config, overrides)
+    preexisting = dist.is_available() and dist.is_initialized()
+    info = init_distributed(cfg["run"]["device"])
+    try:
+        return _Trainer(cfg, info, run_dir, progress, resume).run()
+    finally:
+        if info.enabled and not preexisting:
+            from weightgeom.train.distributed import cleanup
+
+            cleanup(info)
+
+
+class _Trainer:
+    def __init__(self, cfg: dict[str, Any], info: DistInfo, run_dir, progress: bool, resume):
+        self.cfg, self.info = cfg, info
+        self.run_dir = Path(run_dir if run_dir is not None else Path(cfg["run"]["out_dir"]) / cfg["run"]["name"])
+        self.progress_on = progress and info.is_main
+        self.resume = resume
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg, info = self.cfg, self.info
+        seed = cfg["run"]["seed"]
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+        self.batches = build_batches(cfg)
+        _fill_model_config(cfg, self.batches)
+        self.hash = config_hash(cfg)
+        tr = cfg["train"]
+        if tr["grad_accum"] % info.world_size != 0:
+            raise ValueError(f"config key train.grad_accum={tr['grad_accum']}: must be a multiple of the number of "
+                             f"processes ({info.world_size})")
+        self.accum_local = tr["grad_accum"] // info.world_size
+
+        # checkpoint to resume from
+        self.payload = None
+        ckdir = self.run_dir / "checkpoints"
+        if self.resume:
+            latest = ckpt_mod.latest_checkpoint(ckdir)
+            if latest is None and self.resume is True:
+                raise ValueError(f"resume: no checkpoint in {ckdir}")
+            if latest is not None:
+                self.payload = ckpt_mod.load_checkpoint(latest, expected_hash=self.hash)
+                if self.payload.get("world_size", 1) != info.world_size:
+                    raise ckpt_mod.CheckpointError(
+                        f"checkpoint {latest}: written by {self.payload.get('world_size')} processes, resuming with "
+                        f"{info.world_size}; resume with the same number of processes")
+                if info.rank > 0 and self.payload.get("sharded"):
+                    shard = ckdir / ckpt_mod.checkpoint_name(self.payload["step"], info.rank)
+                    self.shard_payload = ckpt_mod.load_checkpoint(shard, expected_hash=self.hash)
+                self.ckpt_path = latest
+
+        # model (identical init on every rank: same seed), then the optimizer on the unwrapped parameters
+        self.device = info.device
+        self.model = build_model(cfg["model"]).to(self.device)
+        if self.payload is not None:
+            self.model.load_state_dict(self.payload["model"])
+        if info.rank > 0:
+            torch.manual_seed(seed + 1000003 * info.rank)  # different dropout masks per rank
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        opt = build_optimizer_from_config(self.model, cfg, verbose=info.is_main and self.progress_on)
+        capture_base_lrs(opt)
+        self.optimizer = opt
+        parallel = cfg["run"]["parallel"]
+        self.fsdp = info.enabled and parallel == "fsdp"
+        if info.enabled and _is_md(opt):
+            if self.fsdp:
+                raise ValueError(f"config: optim.name={cfg['optim']['name']!r} (magnitude–direction wrapper) is not "
+                                 "supported with run.parallel='fsdp'; use run.parallel='ddp'")
+            self.wrapped = wrap_model(self.model, info, parallel)
+            self.stepper = opt  # replicated step: every rank computes the same update
+            self.sharded = False
+        elif info.enabled:
+            self.wrapped = wrap_model(self.model, info, parallel)
+            sharded_params = dict(self.model.named_parameters()) if self.fsdp else None
+            self.stepper = ShardedStep(opt, named, info, sharded_params)
+            self.sharded = True
+        else:
+            self.wrapped = self.model
+            self.stepper = opt
+            self.sharded = False
+        if cfg["run"]["compile"]:
+            self.wrapped = torch.compile(self.wrapped)
+        self.clip_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.lr_fn = make_lr_fn(cfg["schedule"], tr["max_steps"])
+
+        # trainer state
+        self.step = 0
+        self.ema, self.ema_n, self.best = 0.0, 0, math.inf
+        self.tokens, self.train_time = 0, 0.0
+        self.last_val: dict[str, float] = {}
+        if self.payload is not None:
+            own = getattr(self, "shard_payload", None) or self.payload
+            self.stepper.load_state_dict(own["optimizer"])
+            ckpt_mod.set_rng_state(own["rng"])
+            st = self.payload["trainer"]
+            self.step = self.payload["step"]
+            self.ema, self.ema_n, self.best = st["ema"], st["ema_n"], st["best"]
+            self.tokens, self.train_time = st["tokens"], st["train_time"]
+            self.last_val = st.get("last_val", {})
+
+        dt = cfg["run"]["dtype"]
+        if dt != "float32":
+            self.amp = lambda: torch.autocast(self.device.type, dtype=getattr(torch, dt))
+        else:
+            self.amp = contextlib.nullcontext
+
+    def _write_run_files(self) -> None:
+        if not self.info.is_main:
+            return
+        rd = self.run_dir
+        rd.mkdir(parents=True, exist_ok=True)
+        (rd / "checkpoints").mkdir(exist_ok=True)
+        ckpt_mod.atomic_write_bytes(rd / "config.resolved.toml", dump_toml(self.cfg).encode())
+        meta_path = rd / "meta.json"
+        session = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
+                   "world_size": self.info.world_size, "device": str(self.device), "start_step": self.step,
+                   "host": platform.node()}
+        if self.payload is not None and meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            meta.setdefault("resumes", []).append({**session, "checkpoint": str(self.ckpt_path)})
+        else:
+            if meta_path.exists():  # fresh start in a used directory: keep the old record
+                meta_path.replace(rd / f"meta.{int(time.time())}.json")
+            meta = {"seed": self.cfg["run"]["seed"], "config_hash": self.hash, "versions": _versions(),
+                    "git_commit": _git_commit(), "data": self.batches.meta,
+                    "num_params": sum(p.numel() for p in self.model.parameters()), **session}
+        write_json_atomic(meta_path, meta)
+
+    def _status(self, state: str, reason: str | None = None) -> None:
+        if self.info.is_main:
+            write_json_atomic(self.run_dir / "status.json", {"state": state, "step": self.step, "reason": reason,
+                                                             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                   time.gmtime())})
+
+    # -- pieces of a step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean val loss (and accuracy for classification) over ``train.eval_iters`` fixed micro-batches."""
+        info, n_iter = self.info, self.cfg["train"]["eval_iters"]
+        per_rank = math.ceil(n_iter / info.world_size)
+        self.model.eval()
+        tot = torch.zeros(3, dtype=torch.float64)
+        for k in range(per_rank):
+            x, y = self.batches.get("val", 0, info.rank + k * info.world_size, self.device)
+            with self.amp():
+                logits, loss = self.model(x, y)
+            tot[0] += float(loss)
+            tot[1] += 1
+            if self.batches.kind == "cls":
+                tot[2] += (logits.argmax(-1) == y).float().mean().item()
+        if info.enabled:
+            import torch.distributed as dist
+
+            t = tot.to(self.device) if self.device.type == "cuda" else tot
+            dist.all_reduce(t)
+            tot = t.cpu()
+        self.model.train()
+        out = {"loss": tot[0].item() / tot[1].item()}
+        if self.batches.kind == "cls":
+            out["acc"] = tot[2].item() / tot[1].item()
+        return out
+
+    def _save(self) -> None:
+        info, tr = self.info, self.cfg["train"]
+        ckdir = self.run_dir / "checkpoints"
+        model_sd = full_state_dict(self.model) if self.fsdp else {k: v.detach().cpu().clone()
+                                                                  for k, v in self.model.state_dict().items()}
+        trainer_state = {"ema": self.ema, "ema_n": self.ema_n, "best": self.best, "tokens": self.tokens,
+                         "train_time": self.train_time, "last_val": self.last_val}
+        opt_sd = self.stepper.state_dict()
+        if info.rank > 0:
+            if self.sharded:
+                ckpt_mod.save_checkpoint(ckdir / ckpt_mod.checkpoint_name(self.step, info.rank),
+                                         {"step": self.step, "config_hash": self.hash, "optimizer": opt_sd,
+                                          "rng": ckpt_mod.rng_state(), "rank": info.rank})
+            barrier(info)
+            barrier(info)
+            return
+        barrier(info)  # shard files are complete before the main file appears
+        ckpt_mod.save_checkpoint(ckdir / ckpt_mod.checkpoint_name(self.step), {
+            "format": "weightgeom-ckpt-1", "step": self.step, "config_hash": self.hash, "config": self.cfg,
+            "model": model_sd, "optimizer": opt_sd, "rng": ckpt_mod.rng_state(), "trainer": trainer_state,
+            "world_size": info.world_size, "sharded": self.sharded})
+        ckpt_mod.prune_checkpoints(ckdir, tr["keep_checkpoints"])
+        barrier(info)
+
+    def _diverged(self, reason: str) -> dict[str, Any]:
+        self.logger.log(self.step, "train", {"loss": self._last_loss, "diverged": 1})
+        self._status("diverged", reason)
+        if self.info.is_main:
+            self.bar.write(f"weightgeom: run diverged at step {self.step}: {reason}")
+        return self._finish("diverged")
+
+    def _finish(self, status: str) -> dict[str, Any]:
+        self.bar.close()
+        self.logger.close()
+        final = {"train_loss": self._last_loss, "train_loss_smooth": self._smooth(),
+                 **{f"val_{k}": v for k, v in self.last_val.items()},
+                 "steps": self.step, "tokens": self.tokens, "train_time_s": self.train_time,
+                 "tokens_per_s": self.tokens / self.train_time if self.train_time > 0 else float("nan")}
+        return {"status": status, "run_dir": str(self.run_dir), "step": self.step, "final": final}
+
+    def _smooth(self) -> float:
+        sm = self.cfg["train"]["smoothing"]
+        return self.ema / (1 - sm ** self.ema_n) if self.ema_n else float("nan")
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self._setup()
+        self._write_run_files()
+        info, tr = self.info, self.cfg["train"]
+        self.logger = MetricsLogger(self.run_dir, enabled=info.is_main)
+        if self.payload is not None:
+            self.logger.truncate_after(self.step)
+        elif info.is_main and (self.run_dir / "metrics.jsonl").stat().st_size > 0:
+            self.logger.close()  # fresh start in a used directory: keep the old metrics under another name
+            (self.run_dir / "metrics.jsonl").replace(self.run_dir / f"metrics.{int(time.time())}.jsonl")
+            self.logger = MetricsLogger(self.run_dir, enabled=True)
+        self.bar = Progress(tr["max_steps"], self.step, enabled=self.progress_on)
+        self._last_loss = float("nan")
+        self._status("running")
+        try:
+            return self._loop()
+        except BaseException as e:
+            self._status("failed", f"{type(e).__name__}: {e}")
+            self.bar.close()
+            self.logger.close()
+            raise
+
+    def _loop(self) -> dict[str, Any]:
+        cfg, info, tr = self.cfg, self.info, self.cfg["train"]
+        ddp = info.enabled and not self.fsdp
+        diag_every = cfg["diagnostics"]["every"]
+        sm = tr["smoothing"]
+        tokens_per_micro = self.batches.batch_size * max(1, self.batches.block_size)
+        if self.step == 0:
+            self.last_val = self.evaluate()
+            self.logger.log(0, "val", self.last_val)
+        x = y = None
+        while self.step < tr["max_steps"]:
+            t0 = time.perf_counter()
+            factor = apply_lr(self.optimizer, self.lr_fn(self.step))
+            loss_sum = 0.0
+            for m in range(self.accum_local):
+                x, y = self.batches.get("train", self.step, info.rank * self.accum_local + m, self.device)
+                sync = self.wrapped.no_sync() if ddp and m < self.accum_local - 1 else contextlib.nullcontext()
+                with sync:
+                    with self.amp():
+                        _, loss = self.wrapped(x, y)
+                    (loss / self.accum_local).backward()
+                loss_sum += float(loss.detach())
+            loss_val = all_reduce_mean(loss_sum / self.accum_local, info)
+            self._last_loss = loss_val
+            s_next = self.step + 1
+            # divergence: checked before the update, so the parameters stay those that produced a finite loss
+            if not math.isfinite(loss_val):
+                self.step = s_next
+                return self._diverged(f"non-finite train loss ({loss_val}) at step {s_next}")
+            if (tr["diverge_factor"] > 0 and self.ema_n >= tr["diverge_warmup"]
+                    and loss_val > tr["diverge_factor"] * self.best):
+                self.step = s_next
+                return self._diverged(f"loss explosion at step {s_next}: loss {loss_val:.4g} > "
+                                      f"{tr['diverge_factor']:g} x best smoothed loss {self.best:.4g}")
+            gnorm = clip_grad_norm(self.clip_params, tr["grad_clip"], info)
+            if not math.isfinite(gnorm):
+                self.step = s_next
+                return self._diverged(f"non-finite gradient norm ({gnorm}) at step {s_next}")
+            self.stepper.step()
+            self.stepper.zero_grad(set_to_none=True)
+            self.step = s_next
+            self.ema = sm * self.ema + (1 - sm) * loss_val
+            self.ema_n += 1
+            self.best = min(self.best, self._smooth())
+            dt = time.perf_counter() - t0
+            self.train_time += dt
+            n_tok = tokens_per_micro * tr["grad_accum"]
+            self.tokens += n_tok
+            self.bar.update(1, loss=loss_val, val=self.last_val.get("loss", float("nan")))
+
+            if self.step % tr["log_every"] == 0 or self.step == tr["max_steps"]:
+                lrs = {}
+                for g in self.optimizer.param_groups:
+                    key = "lr_" + str(g.get("algorithm", "group"))
+                    lrs.setdefault(key, g.get("lr"))
+                self.logger.log(self.step, "train", {"loss": loss_val, "loss_smooth": self._smooth(),
+                                                     "grad_norm": gnorm, "lr_factor": factor, **lrs,
+                                                     "tokens": self.tokens, "tokens_per_s": n_tok / dt,
+                                                     "ms_per_step": dt * 1e3})
+            if diag_every and self.step % diag_every == 0 and not self.fsdp:
+                self._diagnostics(x, y)
+            ev = tr["eval_every"]
+            if (ev and self.step % ev == 0) or self.step == tr["max_steps"]:
+                self.last_val = self.evaluate()
+                self.logger.log(self.step, "val", self.last_val)
+            ce = tr["ckpt_every"]
+            if (ce and self.step % ce == 0) or self.step == tr["max_steps"]:
+                self.logger.flush()
+                self._save()
+                self._status("running")
+        self._status("done")
+        return self._finish("done")
+
+    def _diagnostics(self, x, y) -> None:
+        if getattr(self, "_diag_off", False):
+            return
+        try:
+            from weightgeom.diagnostics import collect
+
+            rng = torch.get_rng_state()
+            with torch.no_grad():
+                d = collect(self.model, self.optimizer, (x, y))
+            torch.set_rng_state(rng)  # diagnostics never change the training trajectory
+            self.model.train()
+            self.logger.log(self.step, "diag", d)
+        except ImportError:
+            self._diag_off = True
+            if self.info.is_main:
+                print("weightgeom: diagnostics.every is set but weightgeom.diagnostics.collect is not available; "
+                      "diagnostics off", file=sys.stderr)
