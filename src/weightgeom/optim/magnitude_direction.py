@@ -1,0 +1,772 @@
+"""Magnitude–direction decoupling (MD, SPEC §D): a wrapper that lets any optimizer train the *direction* of each weight
+matrix on a sphere while learned row/column gains carry its magnitude.
+
+    W = diag(γ_r) · Ŵ · diag(γ_c),    γ = φ(θ) (φ = softplus by default, θ₀ = φ⁻¹(1)),    Ŵ on a sphere of fixed radius.
+
+The model keeps one fused tensor W and never sees Ŵ or the gains. Each ``MagnitudeDirection.step()``:
+
+1. reads G = ∂L/∂W from the model's ``.grad``;
+2. splits it (``split_gradient``): ∂L/∂γ_r = Σ_j (Ŵ⊙G)_ij γ_c,j, ∂L/∂γ_c = Σ_i γ_r,i (Ŵ⊙G)_ij (then × φ'(θ)), and
+   the direction gradient Ĝ = γ_r G γ_c;
+3. lets the base optimizer step Ŵ with Ĝ: around ``base.step()`` the parameter's ``.data``/``.grad`` are swapped to
+   Ŵ/Ĝ, so the base optimizer's state (momentum, Adam moments) is the state of Ŵ and is keyed by the model's parameter;
+4. re-projects Ŵ onto its sphere (``project_to_sphere_``);
+5. updates θ by Adam at ``gain_lr`` (``adam_update_``);
+6. recomposes W = γ_r Ŵ γ_c into the model's tensor, in place (``compose``).
+
+The maths lives in the small pure functions below; the class only moves tensors. ``docs/md.md`` has the design notes
+(why the swap, manifold groups, weight decay, checkpoint format, measured overhead).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.optim import Optimizer
+
+__all__ = [
+    "MagnitudeDirection",
+    "GAINS",
+    "PARAMETERIZATIONS",
+    "SPHERES",
+    "EMBEDDINGS",
+    "gain_init",
+    "gain_value",
+    "gain_chain",
+    "split_gradient",
+    "sphere_norm",
+    "project_to_sphere_",
+    "normalize_rows_",
+    "compose",
+    "adam_update_",
+    "is_embedding_name",
+]
+
+GAINS = ("row+col", "row", "col", "scalar", "none")
+PARAMETERIZATIONS = ("softplus", "exp", "direct")
+SPHERES = ("frobenius", "row", "col")
+EMBEDDINGS = ("exclude", "unit_rows", "decouple")
+
+# Norms below this (absolute, in the weight's units) count as zero when a radius is measured or a sphere projection
+# divides: a zero-norm weight has no direction. Far below any trained weight's norm (≥ 1e-3 in practice).
+_ZERO_NORM = 1e-30
+
+_EMBED_RE = re.compile(
+    r"(^|[._])(wte|wpe|tok_emb\w*|pos_emb\w*|embed\w*|embedding\w*|word_embeddings|position_embeddings)([._]|$)"
+)
+
+
+def is_embedding_name(name: str) -> bool:
+    """Whether a name looks like an embedding table (``transformer.wte.weight``, ``model.embed_tokens.weight``)."""
+    return bool(_EMBED_RE.search(name))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure functions: the maths of MD, one operation each.
+# ---------------------------------------------------------------------------------------------------------------------
+def gain_init(shape: tuple[int, ...], parameterization: str = "softplus", dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Raw gain parameters θ with φ(θ) = 1 exactly, so the forward pass is unchanged at initialisation.
+
+    Args:
+        shape: shape of the gain vector (e.g. (rows,), (cols,) or (1,) for a scalar gain).
+        parameterization: ``"softplus"`` (θ₀ = log(e − 1) ≈ 0.5413), ``"exp"`` (θ₀ = 0) or ``"direct"`` (θ₀ = 1).
+        dtype: dtype of θ.
+        device: device of θ.
+
+    Returns:
+        Tensor θ of the given shape (dimensionless).
+    """
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
+    value = {"softplus": math.log(math.expm1(1.0)), "exp": 0.0, "direct": 1.0}[parameterization]
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def gain_value(theta: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
+    """γ = φ(θ): softplus(θ), exp(θ) or θ itself (``"direct"``; may become ≤ 0, nothing stops it)."""
+    if parameterization == "softplus":
+        return F.softplus(theta)
+    if parameterization == "exp":
+        return torch.exp(theta)
+    if parameterization == "direct":
+        return theta.clone()
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
+    raise AssertionError("unreachable")
+
+
+def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
+    """∂L/∂θ = ∂L/∂γ · φ'(θ): φ' = sigmoid(θ) for softplus, exp(θ) for exp, 1 for direct."""
+    if parameterization == "softplus":
+        return grad_gamma * torch.sigmoid(theta)
+    if parameterization == "exp":
+        return grad_gamma * torch.exp(theta)
+    if parameterization == "direct":
+        return grad_gamma.clone()
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
+    raise AssertionError("unreachable")
+
+
+def split_gradient(
+    G: torch.Tensor,
+    D: torch.Tensor,
+    gamma_row: torch.Tensor | None,
+    gamma_col: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Chain rule through W = γ_r ⊙ D ⊙ γ_c (broadcast): gradients of the gains and of the direction.
+
+    Args:
+        G: ∂L/∂W, shape (m, n).
+        D: the direction Ŵ, shape (m, n).
+        gamma_row: γ_r as (m, 1), a scalar gain as (1, 1), or None (no row gain).
+        gamma_col: γ_c as (1, n) or None.
+        out: optional (m, n) buffer for Ĝ (must not alias G or D).
+
+    Returns:
+        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c).
+        Gain gradients are float32 at least (reductions of low-precision products are accumulated in float32).
+    """
+    need = gamma_row is not None or gamma_col is not None
+    g_row = g_col = None
+    if need:
+        H = G * D
+        if H.dtype in (torch.float16, torch.bfloat16):
+            H = H.float()
+        if gamma_row is not None:
+            if gamma_col is not None:
+                hr = H @ gamma_col.reshape(-1).to(H.dtype)
+            else:
+                hr = H.sum(dim=1)
+            # a (1, 1) gain on an m > 1 matrix is the scalar gain: its gradient sums over rows too
+            g_row = (hr if gamma_row.numel() == hr.numel() else hr.sum()).reshape(gamma_row.shape)
+        if gamma_col is not None:
+            if gamma_row is None:
+                hc = H.sum(dim=0)
+            elif gamma_row.numel() == 1:
+                hc = H.sum(dim=0) * gamma_row.reshape(()).to(H.dtype)
+            else:
+                hc = gamma_row.reshape(-1).to(H.dtype) @ H
+            g_col = hc.reshape(gamma_col.shape)
+    if gamma_row is None and gamma_col is None:
+        Gd = G.clone() if out is None else out.copy_(G)
+    else:
+        first = gamma_row if gamma_row is not None else gamma_col
+        Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
+        if gamma_row is not None and gamma_col is not None:
+            Gd.mul_(gamma_col.to(G.dtype))
+    return g_row, g_col, Gd
+
+
+def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
+    """Norm(s) that define the sphere: ‖D‖_F (shape (1, 1)), row norms (m, 1) or column norms (1, n)."""
+    if sphere == "frobenius":
+        return torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
+    if sphere == "row":
+        return torch.linalg.vector_norm(D, dim=-1, keepdim=True)
+    if sphere == "col":
+        return torch.linalg.vector_norm(D, dim=-2, keepdim=True)
+    raise ValueError(f"MagnitudeDirection: unknown sphere {sphere!r}; choose from {SPHERES}")
+
+
+def project_to_sphere_(D: torch.Tensor, radius: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
+    """In place: D ← radius · D / ‖D‖ on the chosen sphere (Frobenius, each row, or each column).
+
+    Args:
+        D: (m, n) direction, modified in place.
+        radius: radius broadcastable to ``sphere_norm(D, sphere)`` (same units as D).
+        sphere: ``"frobenius"``, ``"row"`` or ``"col"``.
+
+    Returns:
+        D. A zero-norm slice stays zero (the divisor is clamped at 1e-30, never NaN).
+    """
+    norm = sphere_norm(D, sphere)
+    return D.mul_((radius.to(norm.dtype) / norm.clamp_min(_ZERO_NORM)).to(D.dtype))
+
+
+def normalize_rows_(E: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
+    """In place: every row of E gets L2 norm ``radius`` (unit-norm embeddings). Zero rows stay zero."""
+    norm = torch.linalg.vector_norm(E, dim=-1, keepdim=True)
+    return E.mul_(radius / norm.clamp_min(_ZERO_NORM))
+
+
+def compose(D: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """W = γ_r ⊙ D ⊙ γ_c (gains as in ``split_gradient``), written into ``out`` when given (may be the model's W)."""
+    if gamma_row is None and gamma_col is None:
+        return D.clone() if out is None else out.copy_(D)
+    first = gamma_row if gamma_row is not None else gamma_col
+    W = torch.mul(D, first.to(D.dtype), out=out) if out is not None else D * first.to(D.dtype)
+    if gamma_row is not None and gamma_col is not None:
+        W.mul_(gamma_col.to(D.dtype))
+    return W
+
+
+def adam_update_(
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """One bias-corrected Adam step on θ, in place (no weight decay). ``step`` counts from 1.
+
+    m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr · (m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + eps).
+    """
+    b1, b2 = betas
+    exp_avg.lerp_(grad, 1 - b1)
+    exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    bc1 = 1 - b1**step
+    bc2 = 1 - b2**step
+    denom = (exp_avg_sq / bc2).sqrt_().add_(eps)
+    return theta.addcdiv_(exp_avg, denom, value=-lr / bc1)
+
+
+def _check_choice(what: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"MagnitudeDirection: unknown {what} {value!r}; choose from {list(choices)}")
+
+
+# How a base group's manifold interacts with the sphere: "free" (no manifold, or a constraint invariant under
+# scaling, e.g. DGram: off-diagonal Gram = 0) → project Ŵ on the sphere directly; "fixed" (Stiefel, Oblique: the
+# manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)).
+_FIXED_BY_NAME = {"stiefel": "fixed", "oblique": "fixed", "dgram": "free", "euclidean": "free", "none": "free"}
+
+
+def _manifold_kind(manifold: Any, k: int) -> str:
+    if manifold is None:
+        return "free"
+    name = manifold if isinstance(manifold, str) else getattr(manifold, "name", None)
+    obj = manifold if not isinstance(manifold, str) else None
+    if obj is None:
+        try:  # the registry (weightgeom.manifolds.get) answers generically; fall back on the known names
+            from weightgeom.manifolds import get as _get  # type: ignore[attr-defined]
+
+            obj = _get(name)
+        except Exception:
+            obj = None
+    if obj is not None and hasattr(obj, "P"):
+        target = obj.P(torch.eye(k, dtype=torch.float64))
+        diag = target.diagonal()
+        if bool(torch.all(target == 0)):
+            return "free"
+        if bool(torch.all(diag == 1)):
+            return "fixed"
+        raise ValueError(f"MagnitudeDirection: manifold {name!r} neither fixes ‖W‖_F nor is scale-invariant; "
+                         "MD cannot combine its sphere with it")
+    if str(name).lower() in _FIXED_BY_NAME:
+        return _FIXED_BY_NAME[str(name).lower()]
+    raise ValueError(f"MagnitudeDirection: unknown manifold {name!r} in a base param group")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The wrapper.
+# ---------------------------------------------------------------------------------------------------------------------
+class MagnitudeDirection(Optimizer):
+    """Magnitude–direction decoupling around any base optimizer (SPEC §D).
+
+    Each selected matrix W (m×n, PyTorch (out, in) layout) is trained as W = diag(γ_r) Ŵ diag(γ_c): the base
+    optimizer steps the direction Ŵ (kept on a sphere of its initial norm), the gains γ = φ(θ) are trained by a
+    separate Adam at ``gain_lr``. The model keeps its one fused tensor; the forward is unchanged at construction.
+
+    ``param_groups`` is the base optimizer's groups followed by one gains group (keys ``lr`` = ``gain_lr``,
+    ``betas``, ``eps``, ``weight_decay`` = 0, ``md_role`` = ``"gains"``, ``names``): LR schedulers built on the wrapper
+    schedule both. ``state`` holds the MD state (per matrix: ``direction``, ``radius``, ``gain_row``, ``gain_col``; per
+    gain tensor: its Adam moments); the base optimizer's own state stays in ``base_optimizer.state``. ``state_dict``
+    nests both (``{"base": ..., "md": ...}``).
+
+    Weight decay: decoupled (and unit-row) params never get weight decay — the sphere already fixes their norm. Base
+    groups with ``weight_decay`` ≠ 0 are edited at construction: if every param of the group is MD-handled its
+    ``weight_decay`` is set to 0, otherwise those params move to a new group (same hyperparameters, ``weight_decay``
+    = 0). The names affected are in ``weight_decay_overridden``.
+
+    Manifold-Muon groups (group key ``manifold``): a scale-invariant manifold (DGram) is intersected with the sphere
+    (Ŵ is projected as usual, which keeps its Gram off-diagonal zero). A norm-fixing manifold (Stiefel, Oblique: ‖Q‖_F =
+    sqrt(min(m, n))) is stepped on the scaled point Q = Ŵ/s, s = radius/sqrt(min(m, n)), with gradient s·Ĝ (chain
+    rule), so Ŵ = s·Q is on both the manifold (up to s) and the sphere; such groups require ``sphere="frobenius"``.
+
+    Args:
+        base_optimizer: any ``torch.optim.Optimizer`` (AdamW, ``weightgeom.optim.Muon`` incl. manifold groups, ...).
+        gains: ``"row+col"`` (default), ``"row"``, ``"col"``, ``"scalar"`` or ``"none"`` (pure spherical training).
+        parameterization: γ = softplus(θ) (default), exp(θ) or θ (``"direct"``).
+        sphere: ``"frobenius"`` (‖Ŵ‖_F = ‖W₀‖_F, default), ``"row"`` (each row keeps its initial norm) or ``"col"``.
+        gain_lr: Adam learning rate of θ (dimensionless per step); 0 freezes the gains.
+        gain_betas: Adam (β₁, β₂) of θ.
+        gain_eps: Adam ε of θ.
+        params: which base params to decouple. None: every 2-D param of the base optimizer except embeddings. Else
+            an iterable of tensors and/or names (exact or ``fnmatch`` patterns); listed embeddings are decoupled.
+        exclude: names or patterns never decoupled by the default rule (e.g. ``("lm_head.*",)``).
+        embeddings: ``"exclude"`` (default: embeddings are left to the base optimizer), ``"unit_rows"`` (each row is
+            projected to L2 norm ``embedding_radius`` after every step, and once at construction — this changes the
+            forward) or ``"decouple"`` (treat embeddings like any matrix).
+        model: the ``nn.Module`` the params belong to; used for names (errors name parameters) and to recognise
+            ``nn.Embedding`` weights. Without it, names come from group ``"names"``/``"param_names"`` keys, and
+            embeddings are recognised by name only.
+        embedding_radius: row norm of unit-row embeddings.
+
+    Raises:
+        ValueError: unknown option value; a param marked for decoupling that is not 2-D, not in the base optimizer,
+            has zero norm (or a zero row/column on a row/col sphere) or non-finite entries — the message names it.
+        TypeError: base_optimizer is not a torch optimizer, or is itself a MagnitudeDirection.
+    """
+
+    def __init__(
+        self,
+        base_optimizer: Optimizer,
+        gains: str = "row+col",
+        parameterization: str = "softplus",
+        sphere: str = "frobenius",
+        gain_lr: float = 1e-3,
+        gain_betas: tuple[float, float] = (0.9, 0.95),
+        gain_eps: float = 1e-8,
+        params: Iterable[torch.Tensor | str] | None = None,
+        exclude: Iterable[str] = (),
+        embeddings: str = "exclude",
+        model: torch.nn.Module | None = None,
+        embedding_radius: float = 1.0,
+    ) -> None:
+        if isinstance(base_optimizer, MagnitudeDirection):
+            raise TypeError("MagnitudeDirection: the base optimizer is already a MagnitudeDirection")
+        if not isinstance(base_optimizer, Optimizer):
+            raise TypeError(f"MagnitudeDirection: base_optimizer must be a torch.optim.Optimizer, "
+                            f"got {type(base_optimizer).__name__}")
+        _check_choice("gains", gains, GAINS)
+        _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
+        _check_choice("sphere", sphere, SPHERES)
+        _check_choice("embeddings", embeddings, EMBEDDINGS)
+        if not gain_lr >= 0:
+            raise ValueError(f"MagnitudeDirection: gain_lr must be ≥ 0, got {gain_lr}")
+        b1, b2 = gain_betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"MagnitudeDirection: gain_betas must lie in [0, 1), got {gain_betas}")
+        if not gain_eps > 0:
+            raise ValueError(f"MagnitudeDirection: gain_eps must be > 0, got {gain_eps}")
+        if not embedding_radius > 0:
+            raise ValueError(f"MagnitudeDirection: embedding_radius must be > 0, got {embedding_radius}")
+
+        self.base_optimizer = base_optimizer
+        self.gains = gains
+        self.parameterization = parameterization
+        self.sphere = sphere
+        self.embeddings = embeddings
+        self.embedding_radius = float(embedding_radius)
+        self._gain_groups: list[dict[str, Any]] = []
+
+        names = self._param_names(model)
+        self._name = names
+        decoupled, unit_rows = self._select(names, params, exclude, embeddings, model)
+        for p in decoupled:
+            self._validate_matrix(p, names[p])
+        for p in unit_rows:
+            if p.ndim != 2:
+                raise ValueError(f"MagnitudeDirection: embedding {names[p]!r} has shape {tuple(p.shape)}; "
+                                 "unit-row embeddings must be 2-D (rows = tokens)")
+        self._decoupled: list[torch.Tensor] = decoupled
+        self._unit_rows: list[torch.Tensor] = unit_rows
+        self.weight_decay_overridden: list[str] = self._override_weight_decay(set(decoupled) | set(unit_rows), names)
+
+        gain_group = {"params": [], "names": [], "lr": float(gain_lr), "betas": tuple(gain_betas),
+                      "eps": float(gain_eps), "weight_decay": 0.0, "md_role": "gains"}
+        defaults = {k: v for k, v in gain_group.items() if k not in ("params", "names")}
+        # torch's Optimizer machinery (hooks, profiling, state); param_groups is a property (see below).
+        super().__init__([gain_group], defaults)
+
+        self._versions: dict[torch.Tensor, int | None] = {}
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        group = self._gain_groups[0]
+        for p in decoupled:
+            st = self.state[p]
+            gdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            D = p.detach().clone()
+            st["direction"] = D
+            st["radius"] = sphere_norm(D, sphere).to(gdtype)
+            m, n = p.shape
+            shapes = {"row+col": ((m,), (n,)), "row": ((m,), None), "col": (None, (n,)), "scalar": ((1,), None),
+                      "none": (None, None)}[gains]
+            for key, shape in zip(("gain_row", "gain_col"), shapes):
+                if shape is not None:
+                    theta = gain_init(shape, parameterization, dtype=gdtype, device=p.device)
+                    st[key] = theta
+                    group["params"].append(theta)
+                    group["names"].append(f"{names[p]}.{key}")
+            self._versions[p] = p._version
+        for p in decoupled:
+            self._scale_for(p, self._group_of(p))  # validates manifold/sphere compatibility up front
+        with torch.no_grad():
+            for p in unit_rows:
+                normalize_rows_(p, self.embedding_radius)
+
+    # ---- torch.optim citizenship -----------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The base optimizer's param groups, then the gains group (a new list each access; the dicts are live)."""
+        return [*self.base_optimizer.param_groups, *self._gain_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        # Only torch's Optimizer.__init__ assigns this (to []); the wrapper owns just its gains group.
+        self._gain_groups = [g for g in groups if g.get("md_role") == "gains"]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: a gains group (``md_role="gains"``, internal) or a base group (not decoupled)."""
+        if param_group.get("md_role") == "gains":
+            self._gain_groups.append(param_group)
+        else:
+            self.base_optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"MagnitudeDirection(gains={self.gains!r}, parameterization={self.parameterization!r}, "
+                f"sphere={self.sphere!r}, gain_lr={self._gain_groups[0]['lr']}, decoupled={len(self._decoupled)}, "
+                f"unit_rows={len(self._unit_rows)},\n  base={self.base_optimizer!r})")
+
+    @property
+    def decoupled_names(self) -> list[str]:
+        """Names of the decoupled matrices, in order."""
+        return [self._name[p] for p in self._decoupled]
+
+    @property
+    def unit_row_names(self) -> list[str]:
+        """Names of the unit-row-norm embeddings."""
+        return [self._name[p] for p in self._unit_rows]
+
+    def direction(self, p: torch.Tensor) -> torch.Tensor:
+        """The direction Ŵ of a decoupled parameter (live tensor; do not modify)."""
+        return self.state[p]["direction"]
+
+    def gain_values(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(γ_r as (m, 1) or (1, 1) for a scalar gain, γ_c as (1, n)); None where that gain is absent."""
+        st = self.state[p]
+        r = st.get("gain_row")
+        c = st.get("gain_col")
+        gr = None if r is None else gain_value(r, self.parameterization).reshape(-1, 1)
+        gc = None if c is None else gain_value(c, self.parameterization).reshape(1, -1)
+        return gr, gc
+
+    def summary(self) -> str:
+        """A table: each decoupled matrix with its shape, radius and gain statistics (γ mean/min/max)."""
+        rows = [f"{'name':40s} {'shape':>12s} {'radius':>10s} {'γ_r mean':>9s} {'γ_c mean':>9s}"]
+        for p in self._decoupled:
+            gr, gc = self.gain_values(p)
+            radius = self.state[p]["radius"]
+            rad = f"{float(radius):.4g}" if radius.numel() == 1 else f"{float(radius.mean()):.3g}*"
+            rows.append(f"{self._name[p]:40s} {str(tuple(p.shape)):>12s} {rad:>10s} "
+                        f"{'-' if gr is None else f'{float(gr.mean()):.4g}':>9s} "
+                        f"{'-' if gc is None else f'{float(gc.mean()):.4g}':>9s}")
+        for p in self._unit_rows:
+            rows.append(f"{self._name[p]:40s} {str(tuple(p.shape)):>12s} {'unit rows':>10s}")
+        return "\n".join(rows)
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One MD step (module docstring, 1–6). ``closure`` re-evaluates the loss with gradients, as in torch.optim.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        gain_group = self._gain_groups[0]
+        work = []  # (p, W, G, direction, handed-to-base tensor, scale s or None, gains (r, c))
+        for p in self._decoupled:
+            G = p.grad
+            if G is None:
+                continue
+            if G.is_sparse:
+                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} has a sparse gradient; "
+                                 "decoupled matrices need dense gradients")
+            if self._versions.get(p) != p._version:
+                self._resync(p)
+            st = self.state[p]
+            D = st["direction"]
+            gr, gc = self.gain_values(p)
+            buf = None
+            if gr is not None or gc is not None:
+                buf = self._buffers.get(p)
+                if buf is None:
+                    buf = self._buffers[p] = torch.empty_like(G)
+            g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
+            for key, g in (("gain_row", g_row), ("gain_col", g_col)):
+                if g is not None:
+                    theta = st[key]
+                    theta.grad = gain_chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
+            s = self._scale_for(p, self._group_of(p))
+            target = D
+            if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
+                target = D / s.to(D.dtype)
+                Gd = Gd * s.to(Gd.dtype)
+            work.append([p, p.data, G, D, target, s, (gr, gc), Gd])
+
+        try:
+            for item in work:
+                p, target, Gd = item[0], item[4], item[7]
+                p.data = target
+                p.grad = Gd
+            self.base_optimizer.step()
+        finally:
+            for item in work:
+                p, W, G = item[0], item[1], item[2]
+                item[4] = p.data  # what the base left (it may have rebound .data instead of writing in place)
+                p.data = W
+                p.grad = G
+
+        lr = gain_group["lr"]
+        betas = gain_group["betas"]
+        eps = gain_group["eps"]
+        for theta in gain_group["params"]:
+            if theta.grad is None:
+                continue
+            gst = self.state[theta]
+            if not gst:
+                gst["step"] = torch.zeros((), dtype=torch.float32)
+                gst["exp_avg"] = torch.zeros_like(theta)
+                gst["exp_avg_sq"] = torch.zeros_like(theta)
+            gst["step"] += 1
+            adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), lr, betas, eps)
+
+        for p, _W, _G, D, new, s, _gains, _Gd in work:
+            st = self.state[p]
+            if s is not None:
+                torch.mul(new, s.to(new.dtype), out=D)
+            elif new.data_ptr() != D.data_ptr():
+                D.copy_(new)
+            project_to_sphere_(D, st["radius"], self.sphere)
+            gr, gc = self.gain_values(p)
+            compose(D, gr, gc, out=p)
+            self._versions[p] = p._version
+
+        for p in self._unit_rows:
+            normalize_rows_(p, self.embedding_radius)
+        return loss
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"base": base_optimizer.state_dict(), "md": {...}}``; MD part: options, names, per-matrix direction,
+        radius, raw gains θ and their Adam state, and the gains group's hyperparameters (incl. scheduler keys).
+
+        Tensors are references (like torch's state_dict): serialise or clone before stepping on.
+        """
+        md_state = {}
+        for i, p in enumerate(self._decoupled):
+            st = self.state[p]
+            entry = {"direction": st["direction"], "radius": st["radius"]}
+            for key in ("gain_row", "gain_col"):
+                if key in st:
+                    entry[key] = st[key]
+                    if self.state.get(st[key]):
+                        entry[key + "_adam"] = dict(self.state[st[key]])
+            md_state[i] = entry
+        gain_group = {k: v for k, v in self._gain_groups[0].items() if k != "params"}
+        return {
+            "base": self.base_optimizer.state_dict(),
+            "md": {
+                "options": {"gains": self.gains, "parameterization": self.parameterization, "sphere": self.sphere,
+                            "embeddings": self.embeddings, "embedding_radius": self.embedding_radius},
+                "names": self.decoupled_names,
+                "unit_rows": self.unit_row_names,
+                "state": md_state,
+                "gain_group": gain_group,
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a ``state_dict()``. The model's weights are not written; at the next step each W is checked
+        against γ_r Ŵ γ_c (exact equality, as after loading the same checkpoint into the model) and, if it differs,
+        the direction is re-derived from W so that the model's weights win.
+
+        Raises:
+            ValueError: not an MD state dict, different options, or different decoupled matrices (count or shape).
+        """
+        if not isinstance(state_dict, dict) or "md" not in state_dict or "base" not in state_dict:
+            raise ValueError("MagnitudeDirection.load_state_dict: expected {'base': ..., 'md': ...} "
+                             "(a MagnitudeDirection.state_dict())")
+        md = state_dict["md"]
+        for key in ("gains", "parameterization", "sphere", "embeddings"):
+            saved = md["options"][key]
+            if saved != getattr(self, key):
+                raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint has {key}={saved!r}, "
+                                 f"this optimizer has {getattr(self, key)!r}")
+        if len(md["state"]) != len(self._decoupled):
+            raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint decouples {len(md['state'])} matrices "
+                             f"({md['names'][:3]}...), this optimizer {len(self._decoupled)}")
+        for i, p in enumerate(self._decoupled):
+            saved = md["state"][i]
+            if tuple(saved["direction"].shape) != tuple(p.shape):
+                raise ValueError(f"MagnitudeDirection.load_state_dict: {self._name[p]!r} has shape {tuple(p.shape)}, "
+                                 f"checkpoint entry {md['names'][i]!r} has {tuple(saved['direction'].shape)}")
+        self.base_optimizer.load_state_dict(state_dict["base"])
+        for i, p in enumerate(self._decoupled):
+            saved = md["state"][i]
+            st = self.state[p]
+            st["direction"].copy_(saved["direction"])
+            st["radius"].copy_(saved["radius"])
+            for key in ("gain_row", "gain_col"):
+                if key in st:
+                    theta = st[key]
+                    theta.copy_(saved[key])
+                    adam = saved.get(key + "_adam")
+                    self.state.pop(theta, None)
+                    if adam:
+                        self.state[theta] = {k: v.detach().clone().to(theta.device if k != "step" else "cpu")
+                                             for k, v in adam.items()}
+            self._versions[p] = None  # check W against the restored state at the next step
+        group = self._gain_groups[0]
+        for k, v in md["gain_group"].items():
+            if k != "names":
+                group[k] = v
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _param_names(self, model: torch.nn.Module | None) -> dict[torch.Tensor, str]:
+        model_names = {}
+        if model is not None:
+            for n, q in model.named_parameters():
+                model_names.setdefault(q, n)
+        names: dict[torch.Tensor, str] = {}
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            given = group.get("names", group.get("param_names"))
+            for pi, q in enumerate(group["params"]):
+                if given is not None and pi < len(given):
+                    names[q] = str(given[pi])
+                elif q in model_names:
+                    names[q] = model_names[q]
+                else:
+                    names[q] = f"param_groups[{gi}].params[{pi}]"
+        return names
+
+    def _select(self, names, params, exclude, embeddings, model):
+        base_params = list(names)
+        embed_ids = set()
+        if model is not None:
+            for mod in model.modules():
+                if isinstance(mod, torch.nn.Embedding):
+                    embed_ids.add(id(mod.weight))
+
+        def is_embedding(q):
+            return id(q) in embed_ids or is_embedding_name(names[q])
+
+        def matches(name, patterns):
+            return any(name == pat or fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+        exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+        if params is None:
+            chosen = [q for q in base_params if q.ndim == 2 and not matches(names[q], exclude)
+                      and (embeddings == "decouple" or not is_embedding(q))]
+        else:
+            if isinstance(params, (str, torch.Tensor)):
+                params = [params]
+            chosen_set: dict[int, torch.Tensor] = {}
+            for item in params:
+                if isinstance(item, torch.Tensor):
+                    if item not in names:
+                        raise ValueError(f"MagnitudeDirection: a tensor of shape {tuple(item.shape)} marked for "
+                                         "decoupling is not a parameter of the base optimizer")
+                    chosen_set[id(item)] = item
+                elif isinstance(item, str):
+                    hits = [q for q in base_params if matches(names[q], [item])]
+                    if not hits:
+                        raise ValueError(f"MagnitudeDirection: no base-optimizer parameter is named {item!r} "
+                                         f"(known: {sorted(names.values())[:8]}...)")
+                    for q in hits:
+                        chosen_set[id(q)] = q
+                else:
+                    raise TypeError(f"MagnitudeDirection: params entries must be tensors or names, got {type(item)}")
+            chosen = [q for q in base_params if id(q) in chosen_set]  # base order
+        chosen_ids = {id(q) for q in chosen}
+        unit_rows = []
+        if embeddings == "unit_rows":
+            unit_rows = [q for q in base_params if is_embedding(q) and id(q) not in chosen_ids]
+        return chosen, unit_rows
+
+    def _validate_matrix(self, p: torch.Tensor, name: str) -> None:
+        if p.ndim != 2:
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} has shape {tuple(p.shape)}; only 2-D matrices "
+                             "can be decoupled (drop it from params=, or let the default rule pick 2-D params)")
+        if not p.is_floating_point():
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} is not floating point ({p.dtype})")
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} has NaN/Inf entries")
+        norms = sphere_norm(p.detach(), self.sphere)
+        if bool((norms <= _ZERO_NORM).any()):
+            what = {"frobenius": "zero norm", "row": "a zero row", "col": "a zero column"}[self.sphere]
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} has {what}; its direction is undefined "
+                             f"(initialise it non-zero, or exclude it from decoupling)")
+
+    def _override_weight_decay(self, handled: set, names) -> list[str]:
+        changed: list[str] = []
+        base = self.base_optimizer
+        for group in list(base.param_groups):
+            if not group.get("weight_decay", 0):
+                continue
+            mine = [q for q in group["params"] if q in handled]
+            if not mine:
+                continue
+            changed += [names[q] for q in mine]
+            if len(mine) == len(group["params"]):
+                group["weight_decay"] = 0.0
+                continue
+            name_key = "names" if "names" in group else ("param_names" if "param_names" in group else None)
+            keep_idx = [i for i, q in enumerate(group["params"]) if q not in handled]
+            move_idx = [i for i, q in enumerate(group["params"]) if q in handled]
+            new = {k: v for k, v in group.items() if k not in ("params", "names", "param_names")}
+            new["params"] = [group["params"][i] for i in move_idx]
+            if name_key is not None:
+                new[name_key] = [group[name_key][i] for i in move_idx]
+                group[name_key] = [group[name_key][i] for i in keep_idx]
+            group["params"] = [group["params"][i] for i in keep_idx]
+            new["weight_decay"] = 0.0
+            base.add_param_group(new)
+        return changed
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        for group in self.base_optimizer.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return group
+        raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
+
+    def _scale_for(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+        manifold = group.get("manifold")
+        k = min(p.shape)
+        kind = _manifold_kind(manifold, k)
+        if kind == "free":
+            return None
+        if self.sphere != "frobenius":
+            raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is in a {manifold!r} manifold group, "
+                             f"which fixes ‖W‖_F; only sphere='frobenius' is supported there (got {self.sphere!r})")
+        return self.state[p]["radius"].reshape(()) / math.sqrt(k)
+
+    def _resync(self, p: torch.Tensor) -> None:
+        """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius."""
+        st = self.state[p]
+        gr, gc = self.gain_values(p)
+        W = p.detach()
+        if torch.equal(compose(st["direction"], gr, gc), W):  # e.g. the same checkpoint loaded into the model
+            self._versions[p] = p._version
+            return
+        D = st["direction"]
+        D.copy_(W)
+        for g in (gr, gc):
+            if g is not None:
+                if bool((g == 0).any()):
+                    raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {self._name[p]!r}: "
+                                     "a gain is zero")
+                D.div_(g.to(D.dtype))
+        self._validate_matrix(D, self._name[p])
+        st["radius"].copy_(sphere_norm(D, self.sphere))
+        self._versions[p] = p._version
