@@ -1,0 +1,54 @@
+"""Recipe ``manifolds`` (seed 000): which manifold for which module, plus two arms the paper did not run.
+
+Variants (identical model, data, schedule and hyperparameters; only the assignment changes):
+
+* the paper's five strategies ``unconstrained``, ``all-stiefel``, ``all-dgram``, ``hetero`` (attention Stiefel,
+  MLP DGram), ``hetero-inv`` (attention DGram, MLP Stiefel) — Muon (manifold Muon on the hidden matrices, AdamW on
+  the rest);
+* ``all-dgram-capped`` — ALL-DGRAM with an explicit scale control: σ_max(W_Q)·σ_max(W_K) ≤ ``sigma_cap`` per layer,
+  enforced by scalar rescaling after each step (:class:`weightgeom.experiments.controls.SigmaCap`). The paper says
+  DGram attention is unstable *without additional scale control*; this arm tests that sentence;
+* ``hetero-md`` — HETERO inside the magnitude–direction wrapper (``optim.name = "muon-md"``), seed 000 × seed 002.
+
+The preset's ``[sweep]`` table may set ``seeds`` and ``sigma_cap`` (default 2.0: twice the Stiefel bound of 1 for
+a fused c_attn). The base config must switch diagnostics on (``[diagnostics] every``) for the mechanism curves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightgeom.experiments.runner import Recipe, Variant
+
+STRATEGIES = {
+    "unconstrained": "Muon, no manifold (UNCONSTRAINED)",
+    "all-stiefel": "Stiefel on attention and MLP (ALL-STIEFEL)",
+    "all-dgram": "DGram on attention and MLP (ALL-DGRAM)",
+    "hetero": "attention Stiefel, MLP DGram (HETERO)",
+    "hetero-inv": "attention DGram, MLP Stiefel (HETERO-INV)",
+}
+
+DEFAULT_SIGMA_CAP = 2.0
+
+
+def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
+    """The seven arms as override dicts on the base config (part ``main``)."""
+    base_name = str(parts["main"].get("optim", {}).get("name", "muon"))
+    name = base_name if base_name.startswith("muon") and not base_name.endswith("-md") else "muon"
+    cap = float(sweep.get("sigma_cap", DEFAULT_SIGMA_CAP))
+    out = [Variant(s, {"optim.name": name, "optim.strategy": s}, d, group=s) for s, d in STRATEGIES.items()]
+    out.append(Variant("all-dgram-capped", {"optim.name": name, "optim.strategy": "all-dgram"},
+                       f"ALL-DGRAM + scale control σ_max(W_Q)·σ_max(W_K) ≤ {cap:g} (not in the paper)",
+                       controls={"sigma_cap": cap}, group="all-dgram"))
+    out.append(Variant("hetero-md", {"optim.name": f"{name}-md", "optim.strategy": "hetero"},
+                       "HETERO inside the magnitude–direction wrapper (not in the paper)", group="hetero"))
+    return out
+
+
+RECIPE = Recipe(
+    name="manifolds",
+    default_config="tiny-shakespeare",
+    default_seeds=(0, 1, 2),
+    variants=variants,
+    doc="seed 000: UNCONSTRAINED / ALL-STIEFEL / ALL-DGRAM / HETERO / HETERO-INV + ALL-DGRAM with a σ cap + HETERO+MD",
+)
