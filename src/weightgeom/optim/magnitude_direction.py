@@ -242,6 +242,19 @@ _FIXED_BY_NAME = {"stiefel": "fixed", "oblique": "fixed", "dgram": "free", "eucl
 
 
 def _manifold_kind(manifold: Any, k: int) -> str:
+    if not (manifold is None or isinstance(manifold, str)):
+        return _manifold_kind_uncached(manifold, k)
+    key = (manifold, k)
+    kind = _KIND_CACHE.get(key)
+    if kind is None:
+        kind = _KIND_CACHE[key] = _manifold_kind_uncached(manifold, k)
+    return kind
+
+
+_KIND_CACHE: dict[tuple[Any, int], str] = {}
+
+
+def _manifold_kind_uncached(manifold: Any, k: int) -> str:
     if manifold is None:
         return "free"
     name = manifold if isinstance(manifold, str) else getattr(manifold, "name", None)
@@ -483,6 +496,7 @@ class MagnitudeDirection(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         gain_group = self._gain_groups[0]
+        group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
         work = []  # (p, W, G, direction, handed-to-base tensor, scale s or None, gains (r, c))
         for p in self._decoupled:
             G = p.grad
@@ -506,7 +520,9 @@ class MagnitudeDirection(Optimizer):
                 if g is not None:
                     theta = st[key]
                     theta.grad = gain_chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
-            s = self._scale_for(p, self._group_of(p))
+            if id(p) not in group_of:
+                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
+            s = self._scale_for(p, group_of[id(p)])
             target = D
             if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
                 target = D / s.to(D.dtype)
