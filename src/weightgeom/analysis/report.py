@@ -1,0 +1,192 @@
+"""Analysis outputs: a summary table for the screen, CSV/JSON files and PNG plots.
+
+Files written by :func:`write_report` into ``out_dir``:
+    ``pairs.csv`` (one row per (role, layer pair)), ``layers.csv`` (one row per (role, layer)), ``summary.csv``
+    (per-role means with random levels), ``analysis.json`` (all of it plus metadata), ``continuity.png`` (each metric
+    across depth, one line per role, dashed = random level), ``v1_heatmap.png`` / ``u1_heatmap.png``
+    (|cos(x1_i, x1_j)| for all layer pairs, one panel per role).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from weightgeom.analysis.api import AnalysisResult
+
+__all__ = ["summary_table", "format_summary", "write_report", "plot_continuity", "plot_heatmaps"]
+
+_LABELS = {
+    "cv": "C_v = |cos(v1_l, v1_l+1)| (input space)",
+    "cu": "C_u = |cos(u1_l, u1_l+1)| (output space)",
+    "gram_in": "Gram alignment, input space (σ²-weighted)",
+    "gram_out": "Gram alignment, output space (σ²-weighted)",
+    "idx_in": "index-matched alignment, input space",
+    "idx_out": "index-matched alignment, output space",
+}
+
+
+def _metric_cols(df: pd.DataFrame) -> list[str]:
+    return [c for c in df.columns if f"{c}_rand" in df.columns]
+
+
+def summary_table(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Per-role mean of every metric over its layer pairs, with the mean random level beside it (``*_rand``)."""
+    if pairs.empty:
+        return pd.DataFrame()
+    cols = []
+    for c in _metric_cols(pairs):
+        cols += [c, f"{c}_rand"]
+    extra = [c for c in ("dominance",) if c in pairs.columns]
+    g = pairs.groupby("role", sort=False)
+    out = g[cols + extra].mean()
+    out.insert(0, "pairs", g.size())
+    return out
+
+
+def format_summary(result: AnalysisResult, digits: int = 3) -> str:
+    """The screen table: per role, metric (random level) means over adjacent pairs, plus notes."""
+    s = summary_table(result.pairs)
+    lines = []
+    if s.empty:
+        lines.append("(no role had two or more layers of one shape: no adjacent pairs)")
+    else:
+        mets = [c for c in s.columns if c != "pairs" and not c.endswith("_rand") and c != "dominance"]
+        head = ["role", "pairs"] + mets + (["dominance"] if "dominance" in s.columns else [])
+        rows = []
+        for role, r in s.iterrows():
+            row = [str(role), str(int(r["pairs"]))]
+            for c in mets:
+                row.append(f"{r[c]:.{digits}f} ({r[c + '_rand']:.{digits}f})")
+            if "dominance" in s.columns:
+                row.append(f"{r['dominance']:.{digits}f}")
+            rows.append(row)
+        w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+        lines.append("  ".join(h.ljust(w[i]) for i, h in enumerate(head)))
+        lines.append("  ".join("-" * x for x in w))
+        lines += ["  ".join(x[i].ljust(w[i]) for i in range(len(head))) for x in rows]
+        lines.append("mean over adjacent layer pairs; (random level) beside each metric")
+    for n in result.meta.get("notes", []):
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, (np.floating, np.integer)):
+        return _json_safe(x.item())
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def plot_continuity(pairs: pd.DataFrame, path: str | Path, title: str = "") -> Path | None:
+    """One panel per metric: value vs layer for each role (solid) and its random level (dashed, same colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mets = [c for c in _metric_cols(pairs) if not c.startswith(("grad_", "delta_"))]
+    mets += [c for c in _metric_cols(pairs) if c.startswith(("grad_", "delta_"))]
+    if pairs.empty or not mets:
+        return None
+    ncol = 2
+    nrow = math.ceil(len(mets) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.4 * ncol, 3.6 * nrow), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    roles = list(dict.fromkeys(pairs["role"]))
+    for ax, m in zip(axes.flat, mets):
+        for i, role in enumerate(roles):
+            d = pairs[pairs["role"] == role]
+            c = colors[i % len(colors)]
+            ax.plot(d["layer"], d[m], marker="o", ms=3, color=c, label=role)
+            ax.plot(d["layer"], d[f"{m}_rand"], ls="--", lw=1, color=c, alpha=0.7)
+        base = m.split("_", 1)[1] if m.startswith(("grad_", "delta_")) else m
+        kind = "gradient " if m.startswith("grad_") else "update ΔW " if m.startswith("delta_") else ""
+        ax.set_title(kind + _LABELS.get(base, base), fontsize=10)
+        ax.set_xlabel("layer l (pair l, l+1)")
+        ax.set_ylabel(m)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(mets):]:
+        ax.axis("off")
+    h, lab = axes.flat[0].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+
+    h.append(Line2D([], [], color="gray", ls="--"))
+    lab.append("random level")
+    fig.legend(h, lab, loc="upper right", ncol=min(len(lab), 9), fontsize=9)
+    fig.suptitle(title or "Adjacent-layer continuity per projection role", y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_heatmaps(mats: dict[str, np.ndarray], path: str | Path, which: str = "v1", title: str = "") -> Path | None:
+    """Grid of |cos(x1_i, x1_j)| matrices (one panel per role), colour scale 0..1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mats = {k: v for k, v in mats.items() if v.shape[0] >= 2}
+    if not mats:
+        return None
+    n = len(mats)
+    ncol = min(4, n)
+    nrow = math.ceil(n / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol + 0.8, 3.4 * nrow), squeeze=False)
+    im = None
+    for ax, (role, M) in zip(axes.flat, mats.items()):
+        im = ax.imshow(M, vmin=0, vmax=1, cmap="viridis", origin="upper")
+        ax.set_title(role)
+        ax.set_xlabel("layer j")
+        ax.set_ylabel("layer i")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    space = "input space" if which == "v1" else "output space"
+    fig.suptitle(title or f"|cos({which}_i, {which}_j)| of top singular vectors, all layer pairs ({space})")
+    fig.tight_layout(rect=(0, 0, 0.92, 0.94))
+    cax = fig.add_axes((0.93, 0.15, 0.015, 0.7))
+    fig.colorbar(im, cax=cax, label=f"|cos({which}_i, {which}_j)|")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True, title: str = "") -> list[Path]:
+    """Write CSV, JSON and (optionally) PNG files for ``result`` into ``out_dir`` (created). Returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    result.pairs.to_csv(out / "pairs.csv", index=False)
+    result.layers.to_csv(out / "layers.csv", index=False)
+    s = summary_table(result.pairs)
+    s.to_csv(out / "summary.csv")
+    paths += [out / "pairs.csv", out / "layers.csv", out / "summary.csv"]
+    doc = {
+        "meta": result.meta,
+        "summary": s.reset_index().to_dict(orient="records") if not s.empty else [],
+        "pairs": result.pairs.to_dict(orient="records"),
+        "layers": result.layers.to_dict(orient="records"),
+        "v1_cos": {k: v.tolist() for k, v in result.v1_cos.items()},
+        "u1_cos": {k: v.tolist() for k, v in result.u1_cos.items()},
+    }
+    (out / "analysis.json").write_text(json.dumps(_json_safe(doc), indent=1))
+    paths.append(out / "analysis.json")
+    if plots:
+        for p in (plot_continuity(result.pairs, out / "continuity.png", title),
+                  plot_heatmaps(result.v1_cos, out / "v1_heatmap.png", "v1"),
+                  plot_heatmaps(result.u1_cos, out / "u1_heatmap.png", "u1")):
+            if p is not None:
+                paths.append(p)
+    return paths
