@@ -1,0 +1,365 @@
+"""Property tests shared by every manifold (one table drives them), plus per-manifold reasons and the registry.
+
+Adding a manifold: add one line to MANIFOLDS below (and, only if its retraction is deliberately not idempotent,
+its id to NOT_IDEMPOTENT).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightgeom import manifolds
+from weightgeom.manifolds import DGram, Euclidean, Manifold, Oblique, Stiefel
+
+# ---- the table ----------------------------------------------------------------------------------------------------
+MANIFOLDS = [
+    pytest.param(Stiefel, id="stiefel"),
+    pytest.param(lambda: Stiefel(method="svd"), id="stiefel-svd"),
+    pytest.param(DGram, id="dgram"),
+    pytest.param(lambda: DGram(method="svd"), id="dgram-svd"),
+    pytest.param(lambda: DGram(retraction="paper"), id="dgram-paper"),
+    pytest.param(Oblique, id="oblique"),
+    pytest.param(Euclidean, id="euclidean"),
+]
+# Seed 000's DGram retraction re-assigns the sorted singular values to columns by index (docs/manifolds.md).
+NOT_IDEMPOTENT = {"dgram-paper"}
+
+# Tall, wide, square, batched 3-D and 4-D, single row/column.
+SHAPES = [(7, 4), (4, 7), (5, 5), (3, 6, 4), (2, 2, 4, 6), (1, 5), (5, 1)]
+DTYPES = [torch.float64, torch.float32]
+# Tolerances on dimensionless quantities (entrywise |‖w‖−1|, |cos|, relative differences). Measured on these shapes:
+# float64 results agree to ~1e-15 and float32 ones to ~5e-7; the constants leave ~100× (float64: 1e5×) headroom.
+TOL = {torch.float64: 1e-10, torch.float32: 3e-5}
+
+
+def _id(request) -> str:
+    """The MANIFOLDS table id of the running test (its parameter id comes last in the node id)."""
+    return max((p.id for p in MANIFOLDS if request.node.callspec.id.endswith(p.id)), key=len)
+
+
+def rand(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max-entry difference relative to the max entry of b (dimensionless)."""
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+
+
+def inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Frobenius inner product per matrix (batched)."""
+    return (a * b).sum(dim=(-2, -1))
+
+
+def point(m: Manifold, shape, dtype, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return m.random_point(*shape, generator=g, dtype=dtype)
+
+
+def sym_pair(n, batch=(), seed=0):
+    S, T = rand(*batch, n, n, seed=seed), rand(*batch, n, n, seed=seed + 1)
+    return S + S.mT, T + T.mT
+
+
+params_m = pytest.mark.parametrize("make", MANIFOLDS)
+params_shape = pytest.mark.parametrize("shape", SHAPES, ids=str)
+params_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+
+# ---- P: a self-adjoint projector ----------------------------------------------------------------------------------
+@params_m
+def test_P_is_selfadjoint_projector(make):
+    m = make()
+    S, T = sym_pair(6, batch=(3,))
+    PS = m.P(S)
+    assert torch.allclose(m.P(PS), PS, rtol=0, atol=1e-14)
+    assert torch.allclose(inner(PS, T), inner(S, m.P(T)), atol=1e-12)
+    assert torch.allclose(m.P(PS).mT, m.P(PS))  # maps symmetric to symmetric
+    assert torch.equal(m.target(6, S), m.P(torch.eye(6, dtype=S.dtype)))
+
+
+# ---- retraction ---------------------------------------------------------------------------------------------------
+@params_m
+@params_shape
+@params_dtype
+def test_retraction_lands_on_manifold(make, shape, dtype):
+    m = make()
+    W0 = point(m, shape, dtype)
+    for W in (W0 + 0.1 * rand(*shape, dtype=dtype, seed=1), rand(*shape, dtype=dtype, seed=2)):
+        R = m.retract(W)
+        assert R.shape == W.shape and R.dtype == dtype
+        res = m.check(R, tol=TOL[dtype])
+        assert res.ok, res.reason
+        assert float(m.constraint_violation(R).max()) < TOL[dtype]
+
+
+@params_m
+@params_shape
+@params_dtype
+def test_retraction_idempotent_on_manifold(make, shape, dtype, request):
+    m = make()
+    W = point(m, shape, dtype)
+    R = m.retract(W)
+    if _id(request) in NOT_IDEMPOTENT:
+        # Paper DGram: column j receives the j-th largest norm. Moves the point unless norms are already sorted
+        # (a single column, or the one-matrix-of-one-column shapes, are trivially sorted).
+        X, _ = manifolds.tall(W)
+        norms = torch.linalg.vector_norm(X, dim=-2)
+        if bool((norms[..., :-1] >= norms[..., 1:]).all()):
+            assert rel(R, W) < TOL[dtype]
+        else:
+            assert rel(R, W) > 0.05
+            assert rel(m.retract(R), R) < TOL[dtype]  # once sorted, it is a fixed point
+        return
+    assert rel(R, W) < TOL[dtype]
+    assert rel(m.retract(R), R) < TOL[dtype]
+
+
+def test_paper_retraction_sorts_column_norms():
+    W = torch.linalg.qr(rand(8, 4))[0] * torch.tensor([1.0, 3.0, 2.0, 0.5], dtype=torch.float64)
+    R = DGram(retraction="paper").retract(W)
+    assert torch.allclose(torch.linalg.vector_norm(R, dim=0), torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
+    P = DGram().retract(W)
+    assert torch.allclose(P, W, atol=1e-12)  # the polar retraction keeps each column's norm
+
+
+@params_m
+@params_dtype
+def test_retraction_never_nan_on_zero_columns(make, dtype):
+    m = make()
+    for W in (rand(6, 4, dtype=dtype), rand(4, 6, dtype=dtype)):
+        W = W.clone()
+        if W.shape[0] >= W.shape[1]:
+            W[:, 1] = 0
+        else:
+            W[1, :] = 0
+        R = m.retract(W)
+        assert torch.isfinite(R).all()
+        assert torch.isfinite(m.retract(torch.zeros_like(W))).all()
+
+
+def test_zero_column_policies():
+    W = rand(6, 4)
+    W[:, 2] = 0
+    O = Oblique().retract(W)
+    assert torch.equal(O[:, 2], torch.eye(6, dtype=W.dtype)[:, 2])  # documented: zero column → e_j
+    assert Oblique().check(O)
+    D = DGram().retract(W)
+    assert torch.equal(D[:, 2], torch.zeros(6, dtype=W.dtype))  # documented: stays zero (orthogonal to all)
+    assert DGram().check(D, tol=1e-10), DGram().check(D).reason
+    # A zero column is a valid DGram point; its tangent projection is finite and tangent.
+    A = rand(6, 4, seed=5)
+    T = DGram().proj_tangent(D, A)
+    assert torch.isfinite(T).all() and float(DGram().tangent_residual(D, T)) < 1e-12
+    assert torch.equal(Stiefel().retract(torch.zeros(3, 5)), torch.zeros(3, 5))  # polar_express: 0 → 0
+    assert Stiefel(method="svd").check(Stiefel(method="svd").retract(torch.zeros(3, 5, dtype=torch.float64)))
+
+
+# ---- tangent projection -------------------------------------------------------------------------------------------
+@params_m
+@params_shape
+@params_dtype
+def test_proj_tangent(make, shape, dtype):
+    m = make()
+    W = point(m, shape, dtype)
+    A, B = rand(*shape, dtype=dtype, seed=3), rand(*shape, dtype=dtype, seed=4)
+    T = m.proj_tangent(W, A)
+    assert T.shape == A.shape and T.dtype == dtype
+    assert float(m.tangent_residual(W, T).max()) < TOL[dtype] * float(A.abs().max())
+    assert rel(m.proj_tangent(W, T), T) < TOL[dtype]  # idempotent
+    # Orthogonal projection: self-adjoint, and the removed part is orthogonal to every tangent vector.
+    TB = m.proj_tangent(W, B)
+    scale = float(A.norm() * B.norm())
+    assert float((inner(T, B) - inner(A, TB)).abs().max()) < TOL[dtype] * scale
+    assert float(inner(A - T, TB).abs().max()) < TOL[dtype] * scale
+
+
+@params_m
+@params_shape
+def test_adjoint_identity(make, shape):
+    """⟨Λ, P(WᵀA + AᵀW)⟩ = 2⟨W·P(Λ), A⟩ for symmetric Λ (tall view): the normal space is {W·P(Λ)}."""
+    m = make()
+    W = point(m, shape, torch.float64)
+    A = rand(*shape, seed=3)
+    X, t = manifolds.tall(W)
+    Y = A.mT if t else A
+    n = X.shape[-1]
+    L = rand(*X.shape[:-2], n, n, seed=6)
+    L = L + L.mT
+    lhs = inner(L, m.P(X.mT @ Y + Y.mT @ X))
+    rhs = 2 * inner(X @ m.P(L), Y)
+    assert torch.allclose(lhs, rhs, atol=1e-12 * float(L.norm() * Y.norm() * X.norm()))
+    # ... so W·P(Λ) is normal: the tangent projection removes it entirely.
+    N = untall_like(X @ m.P(L), t)
+    assert float(m.proj_tangent(W, N).abs().max()) < 1e-10 * float(N.abs().max().clamp_min(1))
+
+
+def untall_like(X, t):
+    return X.mT if t else X
+
+
+@params_m
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (4, 4)], ids=str)
+def test_proj_tangent_matches_bruteforce(make, shape):
+    """Closed form = Euclidean orthogonal projection onto ker(A ↦ P(WᵀA + AᵀW)), built as an explicit matrix."""
+    m = make()
+    W = point(m, shape, torch.float64)
+    k = W.numel()
+    basis = torch.eye(k, dtype=torch.float64).reshape(k, *shape)
+    X, t = manifolds.tall(W)
+    Ys = basis.mT if t else basis
+    J = m.P(X.mT @ Ys + Ys.mT @ X).reshape(k, -1).T  # (n², k): the constraint's linearisation
+    proj = torch.eye(k, dtype=torch.float64) - torch.linalg.pinv(J) @ J
+    A = rand(*shape, seed=7)
+    expected = (proj @ A.reshape(-1)).reshape(shape)
+    assert torch.allclose(m.proj_tangent(W, A), expected, atol=1e-10)
+
+
+def test_tangent_residual_detects_normal_directions():
+    W = Stiefel().random_point(6, 3)
+    assert float(Stiefel().tangent_residual(W, W)) > 0.1  # W itself is normal for Stiefel
+    D = DGram().random_point(6, 3)
+    L = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert float(DGram().tangent_residual(D, D @ L)) > 0.01
+    assert float(DGram().tangent_residual(D, D)) < 1e-12  # scaling columns is tangent to DGram
+    assert float(Oblique().tangent_residual(Oblique().random_point(6, 3), rand(6, 3))) > 0.01
+
+
+def test_proj_tangent_shape_mismatch():
+    with pytest.raises(ValueError, match="shape"):
+        Stiefel().proj_tangent(rand(5, 3), rand(3, 5))
+
+
+# ---- batching, orientation, random points, dtypes -----------------------------------------------------------------
+@params_m
+@params_dtype
+def test_batched_equals_looped(make, dtype):
+    m = make()
+    W = rand(2, 3, 6, 4, dtype=dtype) + 0.5 * point(m, (2, 3, 6, 4), dtype)
+    A = rand(2, 3, 6, 4, dtype=dtype, seed=8)
+    Wm = point(m, (2, 3, 6, 4), dtype)
+    R, T, cv = m.retract(W), m.proj_tangent(Wm, A), m.constraint_violation(W)
+    assert cv.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            assert rel(R[i, j], m.retract(W[i, j])) < TOL[dtype]
+            assert rel(T[i, j], m.proj_tangent(Wm[i, j], A[i, j])) < TOL[dtype]
+            assert abs(float(cv[i, j] - m.constraint_violation(W[i, j]))) < TOL[dtype] * (1 + float(cv[i, j]))
+
+
+@params_m
+@params_dtype
+def test_wide_is_transposed_tall(make, dtype):
+    m = make()
+    W = rand(7, 4, dtype=dtype)
+    Wm = point(m, (7, 4), dtype)
+    A = rand(7, 4, dtype=dtype, seed=9)
+    assert rel(m.retract(W.mT), m.retract(W).mT) < TOL[dtype]
+    assert rel(m.proj_tangent(Wm.mT, A.mT), m.proj_tangent(Wm, A).mT) < TOL[dtype]
+    assert abs(float(m.tangent_residual(Wm.mT, A.mT) - m.tangent_residual(Wm, A))) < TOL[dtype]
+    assert m.check(W.mT).ok == m.check(W).ok
+
+
+@params_m
+@params_shape
+@params_dtype
+def test_random_point_on_manifold(make, shape, dtype):
+    m = make()
+    W = point(m, shape, dtype)
+    assert W.shape == shape and W.dtype == dtype
+    res = m.check(W, tol=TOL[dtype])
+    assert res.ok and res.reason == "" and res.error <= TOL[dtype], res.reason
+    assert not torch.equal(W, point(m, shape, dtype, seed=1))
+
+
+@params_m
+def test_low_precision_input_keeps_dtype(make):
+    m = make()
+    W = rand(8, 4).to(torch.bfloat16)
+    R = m.retract(W)
+    assert R.dtype == torch.bfloat16 and torch.isfinite(R).all()
+    assert m.check(R, tol=2e-2), m.check(R, tol=2e-2).reason  # bf16 rounding of an fp32-accurate result
+
+
+@params_m
+def test_bad_input_raises(make):
+    m = make()
+    with pytest.raises(ValueError, match="matrices"):
+        m.retract(torch.ones(4))
+    with pytest.raises(ValueError, match="matrices"):
+        m.check(torch.ones(4))
+
+
+# ---- check(): reasons name the problem ----------------------------------------------------------------------------
+def test_check_reasons_name_the_problem():
+    W = Stiefel().random_point(8, 5)
+    W[:, 2] *= 1.3
+    res = Stiefel().check(W)
+    assert not res and "stiefel" in res.reason and "column 2 has norm 1.3" in res.reason
+    assert abs(res.error - 0.3) < 1e-9
+    assert "row 2 has norm" in Stiefel().check(W.mT.contiguous()).reason
+
+    D = DGram().random_point(10, 8)
+    D[:, 7] += 0.5 * D[:, 3] / D[:, 3].norm() * D[:, 7].norm()
+    res = DGram().check(D)
+    assert not res and "dgram: columns 3 and 7 not orthogonal: |cos| =" in res.reason and "> tol" in res.reason
+
+    B = Oblique().random_point(3, 6, 4)
+    B[1, :, 3] *= 2
+    res = Oblique().check(B)
+    assert not res and "oblique: matrix [1]: column 3 has norm 2" in res.reason
+
+    N = Stiefel().random_point(5, 3)
+    N[0, 0] = float("nan")
+    assert "NaN" in Stiefel().check(N).reason and not Euclidean().check(N)
+    assert Euclidean().check(rand(3, 4)).ok
+
+
+@params_m
+def test_check_rejects_off_manifold_points(make):
+    m = make()
+    W = rand(3, 6, 4) * 2
+    res = m.check(W)
+    if isinstance(m, Euclidean):  # every finite matrix is a Euclidean point
+        assert res.ok and res.error == 0
+        return
+    assert not res.ok and res.reason.startswith(m.name + ": matrix [") and res.error > 0.01
+
+
+# ---- registry -----------------------------------------------------------------------------------------------------
+def test_registry_get():
+    assert isinstance(manifolds.get("Stiefel"), Stiefel)
+    assert isinstance(manifolds.get("DGRAM"), DGram)
+    assert manifolds.get("dgram", retraction="paper") == DGram(retraction="paper")
+    assert isinstance(manifolds.get("none"), Euclidean) and isinstance(manifolds.get(None), Euclidean)
+    m = Oblique()
+    assert manifolds.get(m) is m
+    with pytest.raises(ValueError, match="available: dgram, euclidean, none, oblique, stiefel"):
+        manifolds.get("sphere")
+    with pytest.raises(ValueError, match="retraction"):
+        manifolds.get("dgram", retraction="qr")
+    with pytest.raises(ValueError, match="method"):
+        Stiefel(method="muon")
+    with pytest.raises(TypeError):
+        manifolds.get("oblique", retraction="polar")
+
+
+def test_register_new_manifold(monkeypatch):
+    monkeypatch.setattr(manifolds, "_REGISTRY", dict(manifolds._REGISTRY))
+
+    class Sphere(Oblique):
+        name = "Sphere"
+
+    assert manifolds.register(Sphere) is Sphere
+    assert "sphere" in manifolds.available() and isinstance(manifolds.get("SPHERE"), Sphere)
+    with pytest.raises(ValueError, match="already taken"):
+        manifolds.register(type("Other", (Oblique,), {"name": "stiefel"}))
+    with pytest.raises(ValueError, match="Manifold subclass"):
+        manifolds.register(int)
+
+
+def test_every_registered_manifold_is_in_the_table():
+    tested = {type(p.values[0]()) for p in MANIFOLDS}
+    assert set(manifolds._REGISTRY.values()) <= tested
