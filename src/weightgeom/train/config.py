@@ -171,21 +171,22 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
         ValueError: unknown extension, or a parse error (with the file name and the parser's message).
     """
     path = Path(path)
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        raise ValueError(f"config {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .yml)")
     text = path.read_text()
     try:
         if path.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
 
             data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
+        else:
             import yaml
 
             data = yaml.safe_load(text) or {}
-        else:
-            raise ValueError(f"config {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .yml)")
-    except ValueError:
-        raise
-    except Exception as e:  # tomllib.TOMLDecodeError is a ValueError, yaml errors are not
+    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError
         raise ValueError(f"config {path}: cannot parse: {e}".replace("\n", " ")) from e
     if not isinstance(data, dict):
         raise ValueError(f"config {path}: top level must be a table/mapping, got {type(data).__name__}")

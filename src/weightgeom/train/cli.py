@@ -1,0 +1,70 @@
+"""``weightgeom train CONFIG [--set section.key=value ...] [--resume RUN_DIR] [--out DIR]``.
+
+CONFIG is a TOML/YAML file or a bundled config name (``tiny-shakespeare``, ``resmlp-mnist``, ``gpt2-small-owt``;
+``--list`` prints them). ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest checkpoint using the run's
+``config.resolved.toml`` (CONFIG may then be omitted; ``--set`` still applies, e.g. to raise ``train.max_steps``).
+Distributed: ``torchrun --nproc_per_node=N -m weightgeom train CONFIG`` (``--set run.parallel=fsdp`` for FSDP2).
+Exit codes: 0 done, 3 diverged, 2 bad config or unusable checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the ``train`` subcommand's arguments."""
+    p.add_argument("config", nargs="?", help="TOML/YAML config file or bundled config name")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable), e.g. --set train.max_steps=200")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: run.out_dir/run.name)")
+    p.add_argument("--fresh", action="store_true", help="start from step 0 even if the run directory has checkpoints")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list the bundled configs and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (TOML) and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``weightgeom train``; returns the exit code (0 done, 3 diverged, 2 error)."""
+    from weightgeom.train.config import bundled_configs, dump_toml, load_config
+
+    if args.list:
+        print("\n".join(bundled_configs()))
+        return 0
+    config = args.config
+    run_dir = args.out
+    resume: bool | str = False if args.fresh else "auto"
+    if args.resume:
+        rd = Path(args.resume)
+        resolved = rd / "config.resolved.toml"
+        if config is None:
+            if not resolved.is_file():
+                print(f"weightgeom train: --resume {rd}: no config.resolved.toml there", file=sys.stderr)
+                return 2
+            config = str(resolved)
+        if run_dir and Path(run_dir).resolve() != rd.resolve():
+            print("weightgeom train: --out and --resume name different directories", file=sys.stderr)
+            return 2
+        run_dir, resume = str(rd), True
+    if config is None:
+        print(f"weightgeom train: give a CONFIG (file or one of: {', '.join(bundled_configs())})", file=sys.stderr)
+        return 2
+    try:
+        if args.print_config:
+            print(dump_toml(load_config(config, args.overrides)))
+            return 0
+        from weightgeom.train import train
+
+        res = train(config, run_dir=run_dir, overrides=args.overrides, progress=not args.no_progress,
+                    resume=resume)
+    except ValueError as e:  # bad config / unusable checkpoint: one clear line
+        print(f"weightgeom train: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(res, default=str))
+    return 0 if res["status"] == "done" else 3
