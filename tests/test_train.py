@@ -1,0 +1,250 @@
+"""Trainer: end-to-end runs, bit-identical resume, atomic and verified checkpoints, divergence marking, CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from weightgeom.train import checkpoint as ck
+from weightgeom.train import read_status, train
+from weightgeom.train.batches import Batches
+from weightgeom.train.logging import read_metrics
+
+TINY = {
+    "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+    "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
+    "optim": {"name": "adamw", "adamw_lr": 1e-2},
+    "schedule": {"warmup": 2, "kind": "cosine"},
+    "train": {"max_steps": 12, "eval_every": 6, "eval_iters": 2, "log_every": 1, "ckpt_every": 4},
+}
+
+
+def _have(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+def _losses(run_dir, split="train"):
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir, split)]
+
+
+def test_train_writes_run_directory(tmp_path):
+    res = train(TINY, run_dir=tmp_path / "r", progress=False)
+    rd = tmp_path / "r"
+    assert res["status"] == "done" and res["step"] == 12
+    assert read_status(rd)["state"] == "done"
+    for f in ("config.resolved.toml", "meta.json", "metrics.jsonl", "status.json"):
+        assert (rd / f).is_file(), f
+    assert any((rd / "tb").iterdir())
+    meta = json.loads((rd / "meta.json").read_text())
+    assert meta["seed"] == 0 and "torch" in meta["versions"]
+    assert [s for s, _ in ck.list_checkpoints(rd / "checkpoints")] == [8, 12]  # keep_checkpoints = 2
+    rows = read_metrics(rd)
+    assert {r["split"] for r in rows} == {"train", "val"}
+    assert [r["step"] for r in rows if r["split"] == "val"] == [0, 6, 12]
+    assert res["final"]["val_loss"] == rows[-1]["loss"]
+    # the resolved config reproduces the run
+    train(rd / "config.resolved.toml", run_dir=tmp_path / "r2", progress=False)
+    assert _losses(tmp_path / "r2") == _losses(rd)
+
+
+def _optim_variants():
+    out = [pytest.param({"name": "adamw"}, id="adamw")]
+    muon = pytest.mark.skipif(not _have("weightgeom.optim.muon"), reason="weightgeom.optim.muon not built yet")
+    out.append(pytest.param({"name": "muon", "strategy": "hetero", "momentum_form": "sum"}, id="muon-hetero",
+                            marks=muon))
+    out.append(pytest.param({"name": "muon-md"}, id="muon-md", marks=muon))
+    return out
+
+
+@pytest.mark.parametrize("optim", _optim_variants())
+def test_resume_is_bit_identical(tmp_path, monkeypatch, optim):
+    cfg = {**TINY, "optim": {**TINY["optim"], **optim}, "model": {**TINY["model"], "dropout": 0.1}}
+    full = train(cfg, run_dir=tmp_path / "full", progress=False)
+
+    # interrupted run: dies while computing step 10 (after the checkpoint at step 8)
+    orig = Batches.get
+
+    def dying_get(self, split, step, index, device="cpu"):
+        if split == "train" and step == 9:
+            raise KeyboardInterrupt
+        return orig(self, split, step, index, device)
+
+    monkeypatch.setattr(Batches, "get", dying_get)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, run_dir=tmp_path / "cut", progress=False)
+    assert read_status(tmp_path / "cut")["state"] == "failed"
+    monkeypatch.setattr(Batches, "get", orig)
+    res = train(cfg, run_dir=tmp_path / "cut", progress=False, resume=True)
+    assert res["status"] == "done"
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "full")  # exactly equal floats, every step
+    assert _losses(tmp_path / "cut", "val") == _losses(tmp_path / "full", "val")
+    a = ck.load_checkpoint(tmp_path / "full" / "checkpoints" / "ckpt_00000012.pt")
+    b = ck.load_checkpoint(tmp_path / "cut" / "checkpoints" / "ckpt_00000012.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert res["final"]["train_loss"] == full["final"]["train_loss"]
+    assert len(json.loads((tmp_path / "cut" / "meta.json").read_text())["resumes"]) == 1
+
+
+def test_checkpoint_roundtrip_and_corruption_refused(tmp_path):
+    p = tmp_path / "ckpt_00000001.pt"
+    ck.save_checkpoint(p, {"step": 1, "config_hash": "abc", "w": torch.arange(1000.0)})
+    assert ck.load_checkpoint(p, expected_hash="abc")["w"].sum() == 499500
+    raw = p.read_bytes()
+    # truncated
+    p.write_bytes(raw[:-100])
+    with pytest.raises(ck.CheckpointError, match=r"ckpt_00000001.pt: truncated or corrupt"):
+        ck.load_checkpoint(p)
+    # one flipped byte in the payload
+    bad = bytearray(raw)
+    bad[-50] ^= 0xFF
+    p.write_bytes(bytes(bad))
+    with pytest.raises(ck.CheckpointError, match="corrupt \\(SHA-256 mismatch\\)"):
+        ck.load_checkpoint(p)
+    # not a checkpoint at all
+    p.write_bytes(b"hello")
+    with pytest.raises(ck.CheckpointError, match="not a weightgeom checkpoint"):
+        ck.load_checkpoint(p)
+    # config mismatch
+    p.write_bytes(raw)
+    with pytest.raises(ck.CheckpointError, match="different config"):
+        ck.load_checkpoint(p, expected_hash="xyz")
+
+
+def test_resume_refuses_corrupt_checkpoint_and_other_config(tmp_path):
+    rd = tmp_path / "r"
+    train(TINY, run_dir=rd, progress=False)
+    latest = ck.latest_checkpoint(rd / "checkpoints")
+    with pytest.raises(ValueError, match="different config"):
+        train(TINY, run_dir=rd, overrides=["optim.adamw_lr=0.5"], progress=False, resume=True)
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    with pytest.raises(ck.CheckpointError, match="truncated or corrupt"):
+        train(TINY, run_dir=rd, progress=False, resume=True)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(TINY, run_dir=tmp_path / "empty", progress=False, resume=True)
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    p = tmp_path / "ckpt_00000004.pt"
+    ck.save_checkpoint(p, {"step": 4, "v": torch.ones(3)})
+
+    def boom(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(p, {"step": 8, "v": torch.zeros(3)})
+    monkeypatch.undo()
+    assert ck.load_checkpoint(p)["step"] == 4
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt_00000004.pt"]  # the tmp file was removed
+
+
+def test_killed_write_leaves_previous_checkpoint_loadable(tmp_path):
+    """SIGKILL a process in the middle of writing a newer checkpoint (same final name and a new one)."""
+    d = tmp_path / "checkpoints"
+    ck.save_checkpoint(d / "ckpt_00000004.pt", {"step": 4, "v": torch.ones(3)})
+    marker = tmp_path / "writing"
+    script = textwrap.dedent(f"""
+        import os, time, torch
+        from weightgeom.train import checkpoint as ck
+        real = os.fsync
+        def hang(fd):
+            open({str(marker)!r}, "w").close()
+            time.sleep(60)
+        ck.os.fsync = hang
+        big = {{"step": 8, "v": torch.zeros(2_000_000)}}
+        ck.save_checkpoint({str(d / "ckpt_00000008.pt")!r}, big)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    t0 = time.time()
+    while not marker.exists() and time.time() - t0 < 60 and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists(), "writer never reached the write"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(x.name.endswith(".tmp") for x in d.iterdir())  # the half-written temporary is all that is left
+    assert [s for s, _ in ck.list_checkpoints(d)] == [4]
+    assert ck.load_checkpoint(ck.latest_checkpoint(d))["step"] == 4
+    ck.prune_checkpoints(d, keep=1)
+    assert ck.load_checkpoint(d / "ckpt_00000004.pt")["step"] == 4
+
+
+def test_divergence_marks_run_and_keeps_logs(tmp_path):
+    cfg = {**TINY, "optim": {"name": "adamw", "adamw_lr": 50.0}, "schedule": {"kind": "constant"},
+           "train": {**TINY["train"], "max_steps": 200, "grad_clip": 0.0, "diverge_factor": 1.5,
+                     "diverge_warmup": 2}}
+    res = train(cfg, run_dir=tmp_path / "d", progress=False)
+    st = read_status(tmp_path / "d")
+    assert res["status"] == "diverged" and st["state"] == "diverged"
+    assert st["step"] == res["step"] < 200
+    assert "loss explosion" in st["reason"] or "non-finite" in st["reason"]
+    rows = read_metrics(tmp_path / "d", "train")
+    assert rows and rows[-1]["step"] == st["step"] and rows[-1].get("diverged") == 1
+
+
+def test_nan_loss_diverges_before_update(tmp_path, monkeypatch):
+    import weightgeom.train.trainer as tr
+
+    real_build = tr.build_model
+
+    def nan_model(cfg):
+        m = real_build(cfg)
+        fwd = m.forward
+        calls = {"n": 0}
+
+        def forward(x, y=None):
+            logits, loss = fwd(x, y)
+            if m.training:
+                calls["n"] += 1
+                if calls["n"] == 5 and loss is not None:
+                    loss = loss * float("nan")
+            return logits, loss
+
+        m.forward = forward
+        return m
+
+    monkeypatch.setattr(tr, "build_model", nan_model)
+    res = train(TINY, run_dir=tmp_path / "n", progress=False)
+    st = read_status(tmp_path / "n")
+    assert res["status"] == "diverged" and st["step"] == 5 and "non-finite train loss" in st["reason"]
+    assert (tmp_path / "n" / "metrics.jsonl").read_text().count("\n") >= 5  # logs kept
+
+
+def test_cli_errors_and_run(tmp_path, capsys):
+    from weightgeom.cli import main
+
+    assert main(["train", "tiny-shakespeare", "--set", "train.max_stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key train.max_stepz; did you mean 'max_steps'" in err and err.count("\n") == 1
+    assert main(["train", "no-such-config"]) == 2
+    assert main(["train", "--list"]) == 0
+    assert "tiny-shakespeare" in capsys.readouterr().out
+    cfgfile = tmp_path / "tiny.yaml"
+    import yaml
+
+    cfgfile.write_text(yaml.safe_dump(TINY))
+    rd = tmp_path / "cli"
+    assert main(["train", str(cfgfile), "--out", str(rd), "--no-progress", "--set", "train.max_steps=4"]) == 0
+    assert read_status(rd)["step"] == 4
+    # --resume with more steps continues from step 4
+    assert main(["train", "--resume", str(rd), "--no-progress", "--set", "train.max_steps=6"]) == 0
+    assert read_status(rd)["step"] == 6
+    assert [s for s, _ in _losses(rd)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resmlp_mnist_classification(tmp_path):
+    res = train("resmlp-mnist", run_dir=tmp_path / "m", progress=False,
+                overrides=["model.depth=2", "model.width=32", "train.max_steps=20", "train.eval_every=20",
+                           "data.batch_size=64", "schedule.warmup=2"])
+    assert res["status"] == "done"
+    assert 0.0 <= res["final"]["val_acc"] <= 1.0 and res["final"]["val_acc"] > 0.3
