@@ -1,0 +1,160 @@
+"""msign presets against the float64 SVD reference (weightgeom.linalg.msign)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightgeom.linalg import MSIGN_PRESETS, msign, msign_reference
+
+# Tolerances, measured on the shapes below (cond ≤ 4 inputs) with torch 2.13 CPU:
+# polar_express (8, 10, 12 steps) vs the SVD reference, max |entry| error: float64 2.5e-15, float32 1.2e-6.
+PE_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+# muon (5 or 7 steps) does not converge to 1: measured singular values of the output in [0.682, 1.134] here
+# ([0.51, 1.20] up to cond 100 on 768×768); the test band allows the published ~[0.7, 1.2] plus margin.
+MUON_BAND = (0.65, 1.25)
+# Singular vectors are preserved exactly by any odd matrix polynomial: off-diagonal of Uᵀ·msign(G)·V, measured
+# 1e-15 (float64) / 4e-7 (float32).
+VEC_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+# bfloat16 compute (the CUDA default): measured singular values in [0.994, 1.008], entry error 2.7e-2.
+BF16_SV_TOL = 0.05
+
+# Tall, wide, square, batched 3-D and 4-D, 1×n and n×1, and one larger wide matrix.
+SHAPES = [(24, 8), (8, 24), (16, 16), (3, 10, 6), (2, 3, 6, 10), (1, 9), (9, 1), (64, 256)]
+DTYPES = [torch.float64, torch.float32]
+
+
+def well_conditioned(*shape: int, cond: float = 4.0, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    """Random (..., m, n) matrix with Haar singular vectors and singular values log-spaced in [1/cond, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, m, n = shape
+    k = min(m, n)
+    U = torch.linalg.qr(torch.randn(*batch, m, k, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(*batch, n, k, generator=g, dtype=torch.float64))[0]
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
+    return ((U * s) @ V.mT).to(dtype)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("steps", [8, 10, 12])
+def test_polar_express_matches_reference(shape, dtype, steps):
+    G = well_conditioned(*shape, dtype=dtype)
+    O = msign(G, method="polar_express", steps=steps)
+    assert O.shape == G.shape and O.dtype == dtype
+    assert max_err(O, msign_reference(G)) < PE_TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("steps", [5, 7])
+def test_muon_loose_band_same_singular_vectors(shape, dtype, steps):
+    """muon is loose by design: singular values land in a band around 1, singular vectors are G's exactly."""
+    G = well_conditioned(*shape, dtype=dtype)
+    O = msign(G, method="muon", steps=steps).double()
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    D = U.mT @ O @ Vh.mT  # diagonal iff O = U·f(S)·Vᵀ
+    diag = torch.diagonal(D, dim1=-2, dim2=-1)
+    assert float((D - torch.diag_embed(diag)).abs().max()) < VEC_TOL[dtype]
+    assert float(diag.min()) > MUON_BAND[0] and float(diag.max()) < MUON_BAND[1]
+    assert max_err(O, msign_reference(G)) > 1e-3 or min(shape[-2:]) == 1  # it really is loose (not exact)
+
+
+@pytest.mark.parametrize("method", ["polar_express", "muon"])
+def test_one_step_is_the_documented_polynomial(method):
+    """steps=1: X = G/(‖G‖_F·s), output a·X + b·(XXᵀ)X + c·(XXᵀ)²X with the safety-scaled first triple."""
+    preset = MSIGN_PRESETS[method]
+    G = well_conditioned(5, 9)
+    X = G / (G.norm() * preset.safety)
+    a, b, c = preset.coeffs[0]
+    if len(preset.coeffs) > 1:
+        s = preset.safety
+        a, b, c = a / s, b / s**3, c / s**5
+    A = X @ X.mT
+    expected = a * X + b * A @ X + c * A @ A @ X
+    assert max_err(msign(G, method=method, steps=1), expected) < 1e-13
+    assert max_err(msign(G.mT, method=method, steps=1), expected.mT) < 1e-13
+
+
+def test_preset_triples_repeat_last_without_safety():
+    t = MSIGN_PRESETS["polar_express"].triples(10)
+    assert len(t) == 10 and t[7] == t[8] == t[9] == (1.875, -1.25, 0.375)
+    assert t[0][0] == pytest.approx(8.28721201814563 / 1.01)
+    assert MSIGN_PRESETS["muon"].triples(5) == [(3.4445, -4.7750, 2.0315)] * 5
+
+
+def test_default_steps_and_dtypes():
+    G = well_conditioned(6, 10, dtype=torch.float32)
+    assert torch.equal(msign(G), msign(G, steps=MSIGN_PRESETS["polar_express"].steps))
+    assert torch.equal(msign(G, method="muon"), msign(G, method="muon", steps=5))
+    # float64 input is computed in float64 on CPU (reaches float64 accuracy).
+    assert max_err(msign(G.double()), msign_reference(G)) < PE_TOL[torch.float64]
+    # explicit compute dtype: float32 in, float64 compute, float32 out (only the final rounding remains).
+    O = msign(G, dtype=torch.float64)
+    assert O.dtype == torch.float32 and max_err(O, msign_reference(G)) < 1e-7
+    # bfloat16 compute (CUDA default) is loose but sane; bf16 input gives bf16 output.
+    Ob = msign(G, dtype=torch.bfloat16)
+    s = torch.linalg.svdvals(Ob.double())
+    assert Ob.dtype == torch.float32 and float((s - 1).abs().max()) < BF16_SV_TOL
+    assert msign(G.bfloat16()).dtype == torch.bfloat16
+    assert torch.equal(msign(G, method="svd"), msign_reference(G).float())
+
+
+@pytest.mark.parametrize("method", ["polar_express", "muon", "svd"])
+@pytest.mark.parametrize("shape", [(3, 4), (5, 2), (2, 3, 4, 5), (1, 1)], ids=str)
+def test_zero_maps_to_zero(method, shape):
+    O = msign(torch.zeros(*shape), method=method)
+    assert torch.isfinite(O).all() and torch.equal(O, torch.zeros(*shape))
+
+
+def test_zero_matrix_in_a_batch_and_rank_deficient():
+    G = well_conditioned(4, 6, 9)
+    G[2] = 0
+    O = msign(G)
+    assert torch.equal(O[2], torch.zeros(6, 9, dtype=G.dtype))
+    assert max_err(O, msign_reference(G)) < PE_TOL[torch.float64]
+    # Rank 1: u vᵀ ↦ u vᵀ/(‖u‖‖v‖) (zero singular values stay zero: a partial isometry).
+    u, v = torch.randn(7, 1, dtype=torch.float64), torch.randn(1, 5, dtype=torch.float64)
+    assert max_err(msign(u @ v), (u @ v) / (u.norm() * v.norm())) < 1e-10
+    # Scale invariance (the input is Frobenius-normalised).
+    assert max_err(msign(1e-20 * G), msign(1e20 * G)) < PE_TOL[torch.float64]
+
+
+@pytest.mark.parametrize("method", ["polar_express", "muon"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 10, 6), (2, 3, 6, 10)], ids=str)
+def test_batched_equals_looped(method, dtype, shape):
+    G = well_conditioned(*shape, dtype=dtype)
+    O = msign(G, method=method)
+    flat, Of = G.reshape(-1, *shape[-2:]), O.reshape(-1, *shape[-2:])
+    for i in range(flat.shape[0]):
+        assert max_err(Of[i], msign(flat[i], method=method)) < PE_TOL[dtype]
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        msign(torch.ones(5))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        msign(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="empty matrix"):
+        msign(torch.ones(0, 4))
+    with pytest.raises(ValueError, match="unknown method 'newton'"):
+        msign(torch.ones(3, 4), method="newton")
+    with pytest.raises(ValueError, match="steps must be"):
+        msign(torch.ones(3, 4), steps=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["polar_express", "muon"])
+def test_cuda_default_bf16(method):
+    G = well_conditioned(3, 64, 256, dtype=torch.float32).cuda()
+    O = msign(G, method=method)
+    assert O.device == G.device and O.dtype == torch.float32 and torch.isfinite(O).all()
+    s = torch.linalg.svdvals(O.double().cpu())
+    lo, hi = (1 - BF16_SV_TOL, 1 + BF16_SV_TOL) if method == "polar_express" else MUON_BAND
+    assert float(s.min()) > lo and float(s.max()) < hi
+    assert torch.equal(msign(torch.zeros_like(G), method=method), torch.zeros_like(G))
