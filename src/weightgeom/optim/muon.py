@@ -1,0 +1,300 @@
+"""``Muon``: one torch.optim optimizer for Muon, manifold Muon and AdamW parameter groups (SPEC §B, §C).
+
+Per group, ``algorithm="muon"`` (2-D parameters) runs
+
+    momentum (EMA or sum form) → direction → shape scale → decoupled decay → lr step [→ retraction]
+
+where the direction is msign(U) without a manifold, or the manifold-Muon direction (dual ascent, warm-started Λ,
+``optim/manifold_muon.py``) with one; ``algorithm="adamw"`` groups take an AdamW step. The maths lives in
+``optim/functional.py``; this class only keeps state and loops. Derivations: ``docs/muon.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+
+from weightgeom.linalg import MSIGN_PRESETS, msign
+from weightgeom.optim.functional import (
+    ADJUST_LR_FNS,
+    MOMENTUM_FORMS,
+    adamw_update,
+    apply_update,
+    momentum_direction,
+    shape_scale,
+)
+from weightgeom.optim.manifold_muon import DUAL_SCHEDULES, manifold_direction
+
+__all__ = ["Muon", "ALGORITHMS"]
+
+ALGORITHMS = ("muon", "adamw")
+_MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
+# Group keys that are not hyperparameters: the params themselves, their names (ours, and torch's named-params key),
+# and keys LR schedulers / torch add to groups.
+_BOOKKEEPING_KEYS = frozenset({"params", "names", "param_names", "initial_lr", "name"})
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon / manifold Muon / AdamW in one optimizer; every keyword is also a per-group key.
+
+    Args:
+        params: parameters or groups (dicts). A group may carry ``"names": [...]`` (one per param, as
+            ``param_groups`` produces) so errors and ``last_stats`` name parameters; torch-style named
+            parameters (``model.named_parameters()``) also work.
+        lr: step size. Muon: spectral-norm units per step (‖ΔW‖₂ = lr·s, s the shape scale); AdamW: parameter
+            units per step.
+        momentum: β of the momentum buffer, in [0, 1).
+        nesterov: use the Nesterov look-ahead U = (1−β)G + βM (EMA) / G + βM (sum).
+        weight_decay: decoupled decay coefficient; W ← W(1 − lr·wd) before the step.
+        ns_steps: msign polynomial steps (None: the preset's default).
+        msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
+            torch.optim.Muon uses) or ``"svd"`` (exact, slow).
+        msign_dtype: msign compute dtype (None: msign's default, fp32 on CPU / bf16 on CUDA; manifold groups use
+            fp32 when None because the dual ascent needs it to reach ``dual_tol``).
+        adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
+            0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
+            (seed 000 steps W − lr·A with ‖A‖₂ = 1).
+        momentum_form: ``"ema"`` (M ← βM + (1−β)G, torch.optim.Muon) or ``"sum"`` (M ← βM + G, seed 000's code).
+        algorithm: ``"muon"`` or ``"adamw"``.
+        manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
+            Constrained matrices are retracted onto the manifold at their first step, then after every step.
+        dual_steps: maximum dual-ascent iterations per step (each costs one msign).
+        dual_lr: dual step α (units of the Frobenius-normalised momentum).
+        dual_tol: stop the dual ascent once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol.
+        dual_schedule: ``"linear"`` (α_k = α(1 − k/K), seed 000) or ``"constant"``.
+        retraction: passed to the manifold's constructor when not None (e.g. DGram ``"paper"``).
+        betas: AdamW (β1, β2).
+        eps: AdamW denominator epsilon.
+        adamw_lr: lr given to ``algorithm="adamw"`` groups that set no ``"lr"`` themselves (None: ``lr``).
+
+    Attributes:
+        last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int}} for every
+            manifold-constrained parameter that had a gradient.
+
+    Raises:
+        ValueError: unknown group key or value, a non-2-D parameter in a Muon group (naming it), and, in ``step``,
+            a NaN/Inf gradient (naming the parameter).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int | None = None,
+        msign_method: str = "polar_express",
+        msign_dtype: torch.dtype | None = None,
+        adjust_lr_fn: str | None = None,
+        momentum_form: str = "ema",
+        algorithm: str = "muon",
+        manifold: str | None = None,
+        dual_steps: int = 20,
+        dual_lr: float = 0.1,
+        dual_tol: float = 1e-4,
+        dual_schedule: str = "linear",
+        retraction: str | None = None,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        adamw_lr: float | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
+            msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
+            momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
+            dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, retraction=retraction,
+            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr,
+        )
+        self._manifolds: dict[tuple[Any, Any], Any] = {}
+        self.last_stats: dict[str, dict[str, float]] = {}
+        _validate_values(defaults, where="Muon()")
+        super().__init__(params, defaults)
+
+    # ---- groups ----------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the group's keys and values, then add it (see torch.optim.Optimizer.add_param_group)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
+        unknown = sorted(set(param_group) - set(self.defaults) - _BOOKKEEPING_KEYS)
+        if unknown:
+            raise ValueError(
+                f"Muon: unknown param-group key(s) {unknown}; valid keys: {sorted(self.defaults)} "
+                f"(plus 'params', 'names')"
+            )
+        algorithm = param_group.get("algorithm", self.defaults["algorithm"])
+        if algorithm == "adamw" and "lr" not in param_group and self.defaults["adamw_lr"] is not None:
+            param_group["lr"] = self.defaults["adamw_lr"]
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("names")
+        if names is not None:
+            names = list(names)
+            if len(names) != len(group["params"]):
+                raise ValueError(
+                    f"Muon: group {len(self.param_groups) - 1} has {len(group['params'])} params but "
+                    f"{len(names)} names"
+                )
+            group["names"] = names
+        _validate_values(group, where=f"Muon group {len(self.param_groups) - 1}")
+        if group["algorithm"] == "muon":
+            for i, p in enumerate(group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"Muon: parameter {self._name(group, i, len(self.param_groups) - 1)!r} has shape "
+                        f"{tuple(p.shape)}; algorithm='muon' needs 2-D matrices (put it in an algorithm='adamw' "
+                        f"group, e.g. via weightgeom.optim.param_groups)"
+                    )
+        if group["manifold"] is not None:
+            self._manifold(group)  # resolve now so an unknown name fails at construction
+
+    @staticmethod
+    def _name(group: dict[str, Any], i: int, gi: int) -> str:
+        names = group.get("names") or group.get("param_names")
+        return names[i] if names is not None else f"group{gi}.param{i}"
+
+    def _manifold(self, group: dict[str, Any]):
+        name, retraction = group["manifold"], group["retraction"]
+        if not isinstance(name, str):
+            return name  # a Manifold instance
+        key = (name, retraction)
+        if key not in self._manifolds:
+            from weightgeom import manifolds
+
+            kwargs = {} if retraction is None else {"retraction": retraction}
+            try:
+                self._manifolds[key] = manifolds.get(name, **kwargs)
+            except (KeyError, ValueError, TypeError) as e:
+                raise ValueError(f"Muon: manifold={name!r} (retraction={retraction!r}) is not available: {e}") from e
+        return self._manifolds[key]
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimisation step over all groups; returns the closure's loss when one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_stats = {}
+        for gi, group in enumerate(self.param_groups):
+            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            if not items:
+                continue
+            self._check_finite(group, gi, items)
+            if group["algorithm"] == "adamw":
+                for _, p in items:
+                    self._adamw_step(group, p)
+            else:
+                for i, p in items:
+                    self._muon_step(group, p, self._name(group, i, gi))
+        return loss
+
+    def _check_finite(self, group: dict[str, Any], gi: int, items: list[tuple[int, torch.Tensor]]) -> None:
+        grads = [p.grad for _, p in items]
+        if any(g.is_sparse for g in grads):
+            bad = next(i for i, p in items if p.grad.is_sparse)
+            raise ValueError(f"Muon: parameter {self._name(group, bad, gi)!r} has a sparse gradient (unsupported)")
+        norms = torch._foreach_norm(grads)
+        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+            return
+        for i, p in items:  # slow path: find the culprit (the norm itself may overflow on huge finite grads)
+            if not bool(torch.isfinite(p.grad).all()):
+                raise ValueError(
+                    f"Muon: gradient of parameter {self._name(group, i, gi)!r} contains NaN/Inf "
+                    f"(shape {tuple(p.shape)}); skip the step or lower the learning rate"
+                )
+
+    def _adamw_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        adamw_update(
+            p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], float(group["lr"]),
+            group["betas"], group["eps"], group["weight_decay"],
+        )
+
+    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["step"] = 0
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        lr = float(group["lr"])
+        U = momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
+                               group["momentum_form"])
+        manifold = self._manifold(group) if group["manifold"] is not None else None
+        adjust = group["adjust_lr_fn"] or ("none" if manifold is not None else "original")
+        if manifold is None:
+            direction = msign(U, method=group["msign_method"], steps=group["ns_steps"], dtype=group["msign_dtype"])
+        else:
+            if state["step"] == 0:  # start on the manifold (documented: constrained matrices are retracted first)
+                p.copy_(manifold.retract(p.float()).to(p.dtype))
+            dtype = group["msign_dtype"] or torch.float32
+            ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
+            W32 = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+            G32 = U.to(W32.dtype)
+            lam0 = state.get("dual_multiplier")
+            direction, lam, residual, iters = manifold_direction(
+                W32, G32, manifold, lam0, steps=group["dual_steps"], lr=group["dual_lr"], tol=group["dual_tol"],
+                msign_fn=ms, schedule=group["dual_schedule"],
+            )
+            state["dual_multiplier"] = lam
+            self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters}
+        apply_update(p, direction, lr, shape_scale(p.shape, adjust), group["weight_decay"])
+        if manifold is not None:
+            p.copy_(manifold.retract(p.float() if p.dtype != torch.float64 else p).to(p.dtype))
+        state["step"] += 1
+
+
+def _validate_values(group: dict[str, Any], where: str) -> None:
+    """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
+
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {key}={group[key]!r} is invalid: {why}")
+
+    choices = {
+        "algorithm": ALGORITHMS,
+        "momentum_form": MOMENTUM_FORMS,
+        "msign_method": _MSIGN_METHODS,
+        "dual_schedule": DUAL_SCHEDULES,
+    }
+    for key, allowed in choices.items():
+        if key in group and group[key] not in allowed:
+            raise bad(key, f"choose one of {list(allowed)}")
+    if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
+        raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
+    lr = group.get("lr")
+    if lr is not None and not (float(lr) >= 0.0 and math.isfinite(float(lr))):
+        raise bad("lr", "must be a finite number ≥ 0")
+    if "adamw_lr" in group and group["adamw_lr"] is not None and not float(group["adamw_lr"]) >= 0.0:
+        raise bad("adamw_lr", "must be ≥ 0 or None")
+    if "momentum" in group and not 0.0 <= float(group["momentum"]) < 1.0:
+        raise bad("momentum", "must be in [0, 1)")
+    if "weight_decay" in group and not float(group["weight_decay"]) >= 0.0:
+        raise bad("weight_decay", "must be ≥ 0")
+    if "betas" in group:
+        b = group["betas"]
+        if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
+            raise bad("betas", "must be two numbers in [0, 1)")
+    if "eps" in group and not float(group["eps"]) > 0.0:
+        raise bad("eps", "must be > 0")
+    if "ns_steps" in group and group["ns_steps"] is not None and int(group["ns_steps"]) < 1:
+        raise bad("ns_steps", "must be ≥ 1 or None")
+    if "dual_steps" in group and int(group["dual_steps"]) < 1:
+        raise bad("dual_steps", "must be ≥ 1")
+    if "dual_lr" in group and not float(group["dual_lr"]) > 0.0:
+        raise bad("dual_lr", "must be > 0")
+    if "dual_tol" in group and not float(group["dual_tol"]) >= 0.0:
+        raise bad("dual_tol", "must be ≥ 0")
+    if "msign_dtype" in group and group["msign_dtype"] is not None and not isinstance(group["msign_dtype"],
+                                                                                       torch.dtype):
+        raise bad("msign_dtype", "must be a torch.dtype or None")
+    if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
+        raise bad("manifold", "manifold constraints need algorithm='muon'")
