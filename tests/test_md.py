@@ -20,10 +20,12 @@ from weightgeom.optim.magnitude_direction import (
     MagnitudeDirection,
     compose,
     gain_chain,
+    gain_chain_log,
     gain_init,
     gain_value,
     sphere_norm,
     split_gradient,
+    split_gradient_log,
 )
 
 # float64 chain rule vs autograd: the two compute the same sums in a different order; measured max |diff| ≈ 4e-16 on
@@ -80,6 +82,12 @@ def test_split_gradient_matches_autograd(gains, param):
     for t, g in zip(thetas, (g_row, g_col)):
         if t is not None:
             mine.append(gain_chain(t.detach(), g, param))
+    for a, b in zip(auto[1:], mine):
+        assert torch.allclose(a, b, atol=GRAD_TOL, rtol=0)
+    # the log-gain form used by the wrapper for softplus/exp gives the same numbers
+    s_row, s_col, Gd2 = split_gradient_log(G, D.detach(), *[None if g is None else g.detach() for g in gammas])
+    assert torch.allclose(Gd2, auto[0], atol=GRAD_TOL, rtol=0)
+    mine = [gain_chain_log(t.detach(), s, param) for t, s in zip(thetas, (s_row, s_col)) if t is not None]
     for a, b in zip(auto[1:], mine):
         assert torch.allclose(a, b, atol=GRAD_TOL, rtol=0)
 

@@ -7,7 +7,8 @@ The model keeps one fused tensor W and never sees Ŵ or the gains. Each ``Magnit
 
 1. reads G = ∂L/∂W from the model's ``.grad``;
 2. splits it (``split_gradient``): ∂L/∂γ_r = Σ_j (Ŵ⊙G)_ij γ_c,j, ∂L/∂γ_c = Σ_i γ_r,i (Ŵ⊙G)_ij (then × φ'(θ)), and
-   the direction gradient Ĝ = γ_r G γ_c;
+   the direction gradient Ĝ = γ_r G γ_c (for softplus/exp gains the same numbers come from the cheaper log-gain
+   form ``split_gradient_log``: Ĝ first, then row/column sums of Ŵ⊙Ĝ);
 3. lets the base optimizer step Ŵ with Ĝ: around ``base.step()`` the parameter's ``.data``/``.grad`` are swapped to
    Ŵ/Ĝ, so the base optimizer's state (momentum, Adam moments) is the state of Ŵ and is keyed by the model's parameter;
 4. re-projects Ŵ onto its sphere (``project_to_sphere_``);
@@ -40,6 +41,8 @@ __all__ = [
     "gain_value",
     "gain_chain",
     "split_gradient",
+    "split_gradient_log",
+    "gain_chain_log",
     "sphere_norm",
     "project_to_sphere_",
     "normalize_rows_",
@@ -161,6 +164,61 @@ def split_gradient(
         if gamma_row is not None and gamma_col is not None:
             Gd.mul_(gamma_col.to(G.dtype))
     return g_row, g_col, Gd
+
+
+def split_gradient_log(
+    G: torch.Tensor,
+    D: torch.Tensor,
+    gamma_row: torch.Tensor | None,
+    gamma_col: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``split_gradient`` in log-gain form, with fewer and contiguous passes over the (m, n) tensors.
+
+    With Ĝ = γ_r ⊙ G ⊙ γ_c and P = Ŵ ⊙ Ĝ: s_r = Σ_j P_ij = γ_r ⊙ ∂L/∂γ_r and s_c = Σ_i P_ij = γ_c ⊙ ∂L/∂γ_c
+    (the gradients w.r.t. log γ). Turned into ∂L/∂θ by ``gain_chain_log`` without dividing by γ, so it is exact for
+    the positive parameterizations (softplus, exp) even where γ underflows.
+
+    Args:
+        G, D, gamma_row, gamma_col, out: as in ``split_gradient``.
+        scratch: optional (m, n) buffer for P, overwritten (the wrapper passes the model's W, which it rewrites
+            after the base step anyway; avoids allocating — on CPU a fresh large tensor costs a pass of page faults).
+
+    Returns:
+        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least.
+    """
+    if gamma_row is None and gamma_col is None:
+        return None, None, (G.clone() if out is None else out.copy_(G))
+    first = gamma_row if gamma_row is not None else gamma_col
+    Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
+    if gamma_row is not None and gamma_col is not None:
+        Gd.mul_(gamma_col.to(G.dtype))
+    P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
+    if P.dtype in (torch.float16, torch.bfloat16):
+        P = P.float()
+    s_row = s_col = None
+    if gamma_row is not None:
+        s_row = (P.sum(dim=1) if gamma_row.numel() == P.shape[0] else P.sum()).reshape(gamma_row.shape)
+    if gamma_col is not None:
+        s_col = P.sum(dim=0).reshape(gamma_col.shape)
+    return s_row, s_col, Gd
+
+
+def gain_chain_log(theta: torch.Tensor, s: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
+    """∂L/∂θ from the log-gain gradient s = γ·∂L/∂γ: s for exp; s·sigmoid(θ)/softplus(θ) for softplus (→ s where
+    softplus underflows to 0, its limit); s/θ for direct (undefined at θ = 0: use ``split_gradient`` there)."""
+    if parameterization == "exp":
+        return s.clone()
+    if parameterization == "softplus":
+        sp = F.softplus(theta)
+        ratio = torch.where(sp > 0, torch.sigmoid(theta) / sp.clamp_min(torch.finfo(sp.dtype).tiny),
+                            torch.ones_like(sp))
+        return s * ratio
+    if parameterization == "direct":
+        return s / theta
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
+    raise AssertionError("unreachable")
 
 
 def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
@@ -495,9 +553,26 @@ class MagnitudeDirection(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        gain_group = self._gain_groups[0]
+        work: list[list] = []
+        try:
+            self._prepare(work)
+            self._base_step(work)
+            self._update_gains()
+            self._finish(work)
+        except BaseException:
+            # the model's W served as scratch: whatever failed, leave the model at γ_r Ŵ γ_c
+            for item in work:
+                p = item[0]
+                compose(self.state[p]["direction"], *self.gain_values(p), out=p)
+                self._versions[p] = p._version
+            raise
+        for p in self._unit_rows:
+            normalize_rows_(p, self.embedding_radius)
+        return loss
+
+    def _prepare(self, work: list[list]) -> None:
+        """Steps 1–2: resync if needed, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``."""
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
-        work = []  # (p, W, G, direction, handed-to-base tensor, scale s or None, gains (r, c))
         for p in self._decoupled:
             G = p.grad
             if G is None:
@@ -505,33 +580,42 @@ class MagnitudeDirection(Optimizer):
             if G.is_sparse:
                 raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} has a sparse gradient; "
                                  "decoupled matrices need dense gradients")
+            if id(p) not in group_of:
+                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
             if self._versions.get(p) != p._version:
                 self._resync(p)
             st = self.state[p]
             D = st["direction"]
             gr, gc = self.gain_values(p)
-            buf = None
-            if gr is not None or gc is not None:
+            item = [p, p.data, G, D, None, None]  # p, W, G, Ŵ, what the base steps, its gradient
+            work.append(item)
+            if gr is None and gc is None:
+                Gd = G  # W = Ŵ: the base sees the model's gradient itself
+            else:
                 buf = self._buffers.get(p)
                 if buf is None:
                     buf = self._buffers[p] = torch.empty_like(G)
-            g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
-            for key, g in (("gain_row", g_row), ("gain_col", g_col)):
-                if g is not None:
-                    theta = st[key]
-                    theta.grad = gain_chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
-            if id(p) not in group_of:
-                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
+                if self.parameterization != "direct":  # W's storage is scratch until it is recomposed
+                    g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
+                    chain = gain_chain_log
+                else:
+                    g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
+                    chain = gain_chain
+                for key, g in (("gain_row", g_row), ("gain_col", g_col)):
+                    if g is not None:
+                        theta = st[key]
+                        theta.grad = chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
             s = self._scale_for(p, group_of[id(p)])
             target = D
             if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
                 target = D / s.to(D.dtype)
                 Gd = Gd * s.to(Gd.dtype)
-            work.append([p, p.data, G, D, target, s, (gr, gc), Gd])
+            item[4], item[5] = target, Gd
 
+    def _base_step(self, work: list[list]) -> None:
+        """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step)."""
         try:
-            for item in work:
-                p, target, Gd = item[0], item[4], item[7]
+            for p, _W, _G, _D, target, Gd in work:
                 p.data = target
                 p.grad = Gd
             self.base_optimizer.step()
@@ -542,10 +626,10 @@ class MagnitudeDirection(Optimizer):
                 p.data = W
                 p.grad = G
 
-        lr = gain_group["lr"]
-        betas = gain_group["betas"]
-        eps = gain_group["eps"]
-        for theta in gain_group["params"]:
+    def _update_gains(self) -> None:
+        """Step 5: Adam on every θ that received a gradient."""
+        group = self._gain_groups[0]
+        for theta in group["params"]:
             if theta.grad is None:
                 continue
             gst = self.state[theta]
@@ -554,22 +638,22 @@ class MagnitudeDirection(Optimizer):
                 gst["exp_avg"] = torch.zeros_like(theta)
                 gst["exp_avg_sq"] = torch.zeros_like(theta)
             gst["step"] += 1
-            adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), lr, betas, eps)
+            adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), group["lr"],
+                         group["betas"], group["eps"])
 
-        for p, _W, _G, D, new, s, _gains, _Gd in work:
+    def _finish(self, work: list[list]) -> None:
+        """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
+        group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
+        for p, _W, _G, D, new, _Gd in work:
             st = self.state[p]
+            s = self._scale_for(p, group_of[id(p)])
             if s is not None:
                 torch.mul(new, s.to(new.dtype), out=D)
             elif new.data_ptr() != D.data_ptr():
                 D.copy_(new)
             project_to_sphere_(D, st["radius"], self.sphere)
-            gr, gc = self.gain_values(p)
-            compose(D, gr, gc, out=p)
+            compose(D, *self.gain_values(p), out=p)
             self._versions[p] = p._version
-
-        for p in self._unit_rows:
-            normalize_rows_(p, self.embedding_radius)
-        return loss
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

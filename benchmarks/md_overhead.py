@@ -1,0 +1,127 @@
+"""Magnitude–direction overhead: time of one ``MagnitudeDirection(base).step()`` over the bare ``base.step()``.
+
+Shapes are GPT-2 small's block matrices (PyTorch (out, in) layout), per layer: attn.c_attn (2304, 768),
+attn.c_proj (768, 768), mlp.c_fc (3072, 768), mlp.c_proj (768, 3072) — the matrices MD decouples. Embeddings and
+1-D params are not decoupled and would only dilute the ratio, so they are left out. The ratio does not depend on the
+number of layers (every cost is per matrix), so the CPU default is 1 layer; pass ``--layers 12`` on a GPU.
+
+Both optimizers see the same fixed random gradients; steps of the two are interleaved (base, MD, base, ...) so that
+machine load drifts hit both equally, and the median per-step time is reported.
+
+Usage::
+
+    python benchmarks/md_overhead.py                       # AdamW and Muon (when available), 1 layer, CPU
+    python benchmarks/md_overhead.py --device cuda --layers 12 --iters 50 --json md_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from weightgeom.optim.magnitude_direction import MagnitudeDirection
+
+GPT2_SMALL = {"attn.c_attn": (2304, 768), "attn.c_proj": (768, 768), "mlp.c_fc": (3072, 768),
+              "mlp.c_proj": (768, 3072)}
+TARGET_RATIO = 1.10
+
+
+def make_params(layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[list, list[str]]:
+    """GPT-2-small block matrices (std 0.02 init) with fixed random gradients."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    params, names = [], []
+    for i in range(layers):
+        for name, shape in GPT2_SMALL.items():
+            p = torch.nn.Parameter((0.02 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype))
+            p.grad = (1e-3 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype)
+            params.append(p)
+            names.append(f"transformer.h.{i}.{name}.weight")
+    return params, names
+
+
+def make_base(kind: str, params: list, names: list[str]) -> torch.optim.Optimizer:
+    """The bare base optimizer over ``params`` (named groups)."""
+    if kind == "adamw":
+        return torch.optim.AdamW([{"params": params, "names": names}], lr=1e-4, weight_decay=0.0)
+    if kind == "muon":
+        from weightgeom.optim.muon import Muon
+
+        return Muon([{"params": params, "names": names}], lr=0.02)
+    raise ValueError(f"unknown base {kind!r}")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype: torch.dtype,
+            md_kw: dict | None = None) -> dict:
+    """Median seconds per step of the bare base and of MD around an identical base; their ratio."""
+    p_base, names = make_params(layers, device, dtype)
+    p_md, _ = make_params(layers, device, dtype)
+    base = make_base(kind, p_base, names)
+    md = MagnitudeDirection(make_base(kind, p_md, names), **(md_kw or {}))
+    t_base, t_md = [], []
+    for it in range(warmup + iters):
+        for opt, sink in ((base, t_base), (md, t_md)):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if it >= warmup:
+                sink.append(time.perf_counter() - t0)
+    b, m = statistics.median(t_base), statistics.median(t_md)
+    return {"base": kind, "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
+            "device": device, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "md": md_kw or {},
+            "base_ms": 1e3 * b, "md_ms": 1e3 * m, "ratio": m / b, "target": TARGET_RATIO}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="adamw,muon", help="comma list of base optimizers (adamw, muon)")
+    ap.add_argument("--layers", type=int, default=None, help="GPT-2-small blocks (default 1 on CPU, 12 on CUDA)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10 on CPU, 50 on CUDA)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--gains", default="row+col")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    layers = args.layers or (12 if cuda else 1)
+    iters = args.iters or (50 if cuda else 10)
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for kind in [k.strip() for k in args.base.split(",") if k.strip()]:
+        if kind == "muon":
+            try:
+                import weightgeom.optim.muon  # noqa: F401
+            except ImportError:
+                print("muon: weightgeom.optim.muon not available, skipped", file=sys.stderr)
+                continue
+        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains})
+        results.append(r)
+        flag = "ok" if r["ratio"] <= TARGET_RATIO else f"above target {TARGET_RATIO}"
+        print(f"{kind:6s} {r['matrices']:3d} matrices {r['params'] / 1e6:6.1f}M params  base {r['base_ms']:8.2f} ms  "
+              f"MD {r['md_ms']:8.2f} ms  ratio {r['ratio']:.3f} ({flag})")
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "gpu": torch.cuda.get_device_name() if cuda else None}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
