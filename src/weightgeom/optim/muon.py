@@ -70,6 +70,10 @@ class Muon(torch.optim.Optimizer):
         betas: AdamW (β1, β2).
         eps: AdamW denominator epsilon.
         adamw_lr: lr given to ``algorithm="adamw"`` groups that set no ``"lr"`` themselves (None: ``lr``).
+        layout: how 2-D weights are stored: ``"out_in"`` (nn.Linear) or ``"in_out"`` (HF GPT-2 ``Conv1D``); the
+            shape scale and ``split`` use the (out, in) view.
+        split: None, or k: the weight is k equal matrices stacked along the output dimension (fused QKV, k = 3);
+            each block gets its own msign / manifold direction, multiplier, retraction and shape scale.
 
     Attributes:
         last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int}} for every
@@ -102,13 +106,15 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         adamw_lr: float | None = None,
+        layout: str = "out_in",
+        split: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
             momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
             dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, retraction=retraction,
-            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr,
+            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
         self.last_stats: dict[str, dict[str, float]] = {}
@@ -143,12 +149,16 @@ class Muon(torch.optim.Optimizer):
         _validate_values(group, where=f"Muon group {len(self.param_groups) - 1}")
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
+                name = self._name(group, i, len(self.param_groups) - 1)
                 if p.ndim != 2:
                     raise ValueError(
-                        f"Muon: parameter {self._name(group, i, len(self.param_groups) - 1)!r} has shape "
-                        f"{tuple(p.shape)}; algorithm='muon' needs 2-D matrices (put it in an algorithm='adamw' "
-                        f"group, e.g. via weightgeom.optim.param_groups)"
+                        f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D matrices "
+                        f"(put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)"
                     )
+                k = group["split"]
+                out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
+                if k is not None and out_dim % int(k) != 0:
+                    raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
         if group["manifold"] is not None:
             self._manifold(group)  # resolve now so an unknown name fails at construction
 
@@ -229,16 +239,18 @@ class Muon(torch.optim.Optimizer):
         lr = float(group["lr"])
         U = momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
                                group["momentum_form"])
+        W = _matrices(p, group["layout"], group["split"])  # (out, in) view, or (k, out/k, in) blocks
+        U = _matrices(U, group["layout"], group["split"])
         manifold = self._manifold(group) if group["manifold"] is not None else None
         adjust = group["adjust_lr_fn"] or ("none" if manifold is not None else "original")
         if manifold is None:
             direction = msign(U, method=group["msign_method"], steps=group["ns_steps"], dtype=group["msign_dtype"])
         else:
             if state["step"] == 0:  # start on the manifold (documented: constrained matrices are retracted first)
-                p.copy_(manifold.retract(p.float()).to(p.dtype))
+                W.copy_(_retract(manifold, W))
             dtype = group["msign_dtype"] or torch.float32
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
-            W32 = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+            W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
             G32 = U.to(W32.dtype)
             lam0 = state.get("dual_multiplier")
             direction, lam, residual, iters = manifold_direction(
@@ -247,10 +259,22 @@ class Muon(torch.optim.Optimizer):
             )
             state["dual_multiplier"] = lam
             self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters}
-        apply_update(p, direction, lr, shape_scale(p.shape, adjust), group["weight_decay"])
+        apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"])
         if manifold is not None:
-            p.copy_(manifold.retract(p.float() if p.dtype != torch.float64 else p).to(p.dtype))
+            W.copy_(_retract(manifold, W))
         state["step"] += 1
+
+
+def _matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
+    """View of a stored 2-D weight as (out, in), or as (k, out/k, in) blocks when split = k (writes go through)."""
+    X = t if layout == "out_in" else t.mT
+    return X if not split else X.unflatten(0, (int(split), -1))
+
+
+def _retract(manifold, W: torch.Tensor) -> torch.Tensor:
+    """Retraction computed in at least float32, returned in W's dtype."""
+    X = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
+    return manifold.retract(X).to(W.dtype)
 
 
 def _validate_values(group: dict[str, Any], where: str) -> None:
@@ -264,6 +288,7 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         "momentum_form": MOMENTUM_FORMS,
         "msign_method": _MSIGN_METHODS,
         "dual_schedule": DUAL_SCHEDULES,
+        "layout": ("out_in", "in_out"),
     }
     for key, allowed in choices.items():
         if key in group and group[key] not in allowed:
@@ -296,5 +321,7 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
     if "msign_dtype" in group and group["msign_dtype"] is not None and not isinstance(group["msign_dtype"],
                                                                                        torch.dtype):
         raise bad("msign_dtype", "must be a torch.dtype or None")
+    if "split" in group and group["split"] is not None and int(group["split"]) < 1:
+        raise bad("split", "must be None or an int ≥ 1")
     if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
         raise bad("manifold", "manifold constraints need algorithm='muon'")
