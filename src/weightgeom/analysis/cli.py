@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     res.meta["time_load_s"] = t_load
     print(format_summary(res))
-    paths = write_report(res, out, plots=not args.no_plots, title=f"Continuity: {path.name}")
+    paths = write_report(res, out, plots=not args.no_plots, title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")
     print(f"analysis {res.meta['time_total_s']:.1f} s (+ load {t_load:.1f} s); wrote {len(paths)} files to {out}/: "
           + ", ".join(p.name for p in paths))
     return 0

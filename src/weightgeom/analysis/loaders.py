@@ -153,7 +153,7 @@ def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
         else:
             arr = dequantize(t.data, t.tensor_type).astype(np.float32)
             quantised.add(t.tensor_type.name)
-        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(arr.reshape(shape)))
+        tensors[t.name] = torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))  # owned copy
     if quantised:
         notes.append(f"dequantised {', '.join(sorted(quantised))} tensors with gguf.quants.dequantize")
     do = arch in GGUF_PERMUTED_ARCHS if undo_permute is None else undo_permute

