@@ -248,3 +248,13 @@ def test_resmlp_mnist_classification(tmp_path):
                            "data.batch_size=64", "schedule.warmup=2"])
     assert res["status"] == "done"
     assert 0.0 <= res["final"]["val_acc"] <= 1.0 and res["final"]["val_acc"] > 0.3
+
+
+def test_diagnostics_logged_without_changing_the_trajectory(tmp_path):
+    plain = train(TINY, run_dir=tmp_path / "p", progress=False)
+    diag = train({**TINY, "diagnostics": {"every": 4}}, run_dir=tmp_path / "d", progress=False)
+    rows = read_metrics(tmp_path / "d", "diag")
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    assert any(k.startswith("mat.") for k in rows[0])
+    assert _losses(tmp_path / "d") == _losses(tmp_path / "p")
+    assert diag["final"]["val_loss"] == plain["final"]["val_loss"]

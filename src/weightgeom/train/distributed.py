@@ -274,7 +274,10 @@ class ShardedStep:
                 p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of *every* parameter (the optimizer only knows the owned ones)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        for _, p in self.named:
+            p.grad = None
         if self.sharded is not None:
             for sp in self.sharded.values():
                 sp.grad = None

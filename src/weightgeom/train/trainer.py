@@ -443,8 +443,12 @@ class _Trainer:
                 self.step = s_next
                 return self._diverged(f"non-finite gradient norm ({gnorm}) at step {s_next}")
             self.stepper.step()
-            self.stepper.zero_grad(set_to_none=True)
             self.step = s_next
+            if diag_every and self.step % diag_every == 0 and not self.fsdp:
+                self._diagnostics(x, y)  # while this step's (clipped) gradients are still in .grad
+            self.stepper.zero_grad(set_to_none=True)
+            for p in self.clip_params:  # also parameters an optimizer does not hold (sharded step, frozen groups)
+                p.grad = None
             self.ema = sm * self.ema + (1 - sm) * loss_val
             self.ema_n += 1
             self.best = min(self.best, self._smooth())
@@ -463,8 +467,6 @@ class _Trainer:
                                                      "grad_norm": gnorm, "lr_factor": factor, **lrs,
                                                      "tokens": self.tokens, "tokens_per_s": n_tok / dt,
                                                      "ms_per_step": dt * 1e3})
-            if diag_every and self.step % diag_every == 0 and not self.fsdp:
-                self._diagnostics(x, y)
             ev = tr["eval_every"]
             if (ev and self.step % ev == 0) or self.step == tr["max_steps"]:
                 self.last_val = self.evaluate()
@@ -484,8 +486,7 @@ class _Trainer:
             from weightgeom.diagnostics import collect
 
             rng = torch.get_rng_state()
-            with torch.no_grad():
-                d = collect(self.model, self.optimizer, (x, y))
+            d = collect(self.model, self.optimizer, (x, y))
             torch.set_rng_state(rng)  # diagnostics never change the training trajectory
             self.model.train()
             self.logger.log(self.step, "diag", d)
