@@ -172,10 +172,12 @@ def optimizer_stats(optimizer, model: nn.Module | None = None) -> dict[str, floa
     Keys of ``last_stats`` may be parameter names or flat indices (over the groups' params in order).
     """
     out: dict[str, float] = {}
+    seen: set[int] = set()
     for o in _inner_optimizers(optimizer):
         stats = getattr(o, "last_stats", None)
-        if not stats:
+        if not stats or id(stats) in seen:
             continue
+        seen.add(id(stats))
         flat = [p for g in getattr(o, "param_groups", []) for p in g.get("params", [])]
         names = _param_names(model, o)
         res, its = [], []
@@ -201,17 +203,27 @@ def optimizer_stats(optimizer, model: nn.Module | None = None) -> dict[str, floa
 
 
 def monitored_matrices(model: nn.Module, optimizer=None) -> list[tuple[str, torch.Tensor]]:
-    """The matrices ``collect`` reports on: parameters of the optimizer's Muon / manifold groups when there are any,
-    else every 2-D parameter except embeddings and ``lm_head``."""
+    """The matrices ``collect`` reports on: parameters of the optimizer's Muon / manifold groups when there are any
+    (a group with ``split=k`` contributes its k blocks, named ``<param>.q/.k/.v`` for k = 3, since each block carries
+    its own constraint), else every 2-D parameter except embeddings and ``lm_head``."""
     names = _param_names(model, None)
     chosen: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
     for o in _inner_optimizers(optimizer):
         for g in getattr(o, "param_groups", []):
             if g.get("algorithm", "muon") == "adamw" or ("algorithm" not in g and "manifold" not in g):
                 continue
+            k = int(g.get("split") or 1)
+            dim = 1 if g.get("layout") == "in_out" else 0
             for p in g.get("params", []):
-                if p.ndim == 2:
-                    chosen.append((names.get(id(p), f"p{len(chosen)}"), p))
+                if p.ndim == 2 and id(p) not in seen:
+                    seen.add(id(p))
+                    name = names.get(id(p), f"p{len(chosen)}")
+                    if k > 1 and p.shape[dim] % k == 0:  # fused QKV split into k constrained blocks
+                        tags = "qkv" if k == 3 else [str(b) for b in range(k)]
+                        chosen += [(f"{name}.{t}", blk) for t, blk in zip(tags, p.chunk(k, dim=dim))]
+                    else:
+                        chosen.append((name, p))
     if chosen:
         return chosen
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
