@@ -107,3 +107,40 @@ def test_muon_names_train(name, strategy):
     losses = _train(model, opt)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+@needs_muon
+def test_stiefel_attention_plus_md_one_liner():
+    model = _gpt()
+    opt = build_optimizer(model, "muon-md", rules={r"\.attn\.": "stiefel"}, md={"gains": "row+col"})
+    manifolds = {n: g.get("manifold") for g in opt.base_optimizer.param_groups for n in g.get("names", [])}
+    assert manifolds["transformer.h.0.attn.c_attn.weight"] == "stiefel"
+    assert manifolds["transformer.h.0.mlp.c_fc.weight"] is None
+    losses = _train(model, opt)
+    assert losses[-1] < losses[0]
+
+
+@needs_muon
+def test_muon_md_manifold_checkpoint_round_trip():
+    import io
+
+    def make(seed):
+        model = _gpt()
+        torch.manual_seed(seed)
+        opt = build_optimizer(model, "muon-md", strategy="hetero", split_qkv=True, dual_steps=3,
+                              md={"gain_lr": 1e-2})
+        return model, opt
+
+    model, opt = make(0)
+    _train(model, opt, steps=2)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(model, opt, steps=2)
+    model2, opt2 = make(1)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=False)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    _train(model2, opt2, steps=2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), n

@@ -841,15 +841,21 @@ class MagnitudeDirection(Optimizer):
         raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
 
     def _scale_for(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+        """None for a free / scale-invariant group; else s = radius/κ, κ = the manifold's fixed ‖Q‖_F."""
         manifold = group.get("manifold")
-        k = min(p.shape)
-        kind = _manifold_kind(manifold, k)
-        if kind == "free":
+        if manifold is None:
+            return None
+        # Muon's group keys: layout "in_out" stores (in, out); split=k stacks k blocks along the output dim, each
+        # its own manifold point, so κ² = Σ_blocks min(block rows, cols) = k·min(out/k, in).
+        out_dim, in_dim = (p.shape[1], p.shape[0]) if group.get("layout") == "in_out" else tuple(p.shape)
+        k = int(group.get("split") or 1)
+        block = min(out_dim // k, in_dim)
+        if _manifold_kind(manifold, block) == "free":
             return None
         if self.sphere != "frobenius":
             raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is in a {manifold!r} manifold group, "
                              f"which fixes ‖W‖_F; only sphere='frobenius' is supported there (got {self.sphere!r})")
-        return self.state[p]["radius"].reshape(()) / math.sqrt(k)
+        return self.state[p]["radius"].reshape(()) / math.sqrt(k * block)
 
     def _resync(self, p: torch.Tensor) -> None:
         """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius."""
