@@ -58,27 +58,39 @@ def _orient(W: torch.Tensor, space: str) -> torch.Tensor:
 
 
 class _GramStack:
-    """Per-layer quantities for the Gram alignment of a stack (L, m, n) in the input space, computed once.
+    """Per-layer quantities for the Gram alignment of a stack (L, m, n), computed once and shared by both spaces.
 
-    If n ≤ m the n×n Grams S_l = W_lᵀW_l are stored and tr(S_a S_b) = Σ S_a ⊙ S_b; otherwise the m×m Grams give the
-    norms and tr(S_a S_b) = ‖W_a W_bᵀ‖_F² (cost m²n per pair instead of forming n×n matrices).
+    Only the Gram of the smaller side is formed (k×k, k = min(m, n)); ‖S‖_F² = Σσ⁴ and tr S = ‖W‖_F² are the same for
+    WᵀW and W Wᵀ. In the space of dimension k, tr(S_a S_b) = Σ G_a ⊙ G_b; in the other space it is the squared
+    Frobenius norm of the cross product of the long sides, e.g. tr(W_aW_aᵀ W_bW_bᵀ) = ‖W_aᵀW_b‖_F² for tall W
+    (cost k²·max(m, n) per pair instead of forming max(m, n)² matrices).
     """
 
     def __init__(self, W: torch.Tensor):
         self.W = W
         m, n = W.shape[-2], W.shape[-1]
-        self.small_in = n <= m
-        G = W.mT @ W if self.small_in else W @ W.mT
+        self.m, self.n = m, n
+        self.tall = n <= m  # small Gram is WᵀW (input space) when tall, W Wᵀ (output space) when wide
+        G = W.mT @ W if self.tall else W @ W.mT
         self.G = G
         self.sq = (G * G).sum(dim=(-2, -1))  # ‖S_l‖_F² (same for both Grams)
-        self.tr = (W * W).sum(dim=(-2, -1))  # tr S_l = ‖W_l‖_F²
-        self.d = n
+        self.tr = torch.diagonal(G, dim1=-2, dim2=-1).sum(-1)  # tr S_l = ‖W_l‖_F²
 
-    def inner(self, a: int, b: int) -> torch.Tensor:
-        if self.small_in:
+    def dim(self, space: str) -> int:
+        return self.n if space == "input" else self.m
+
+    def inner(self, a: int, b: int, space: str) -> torch.Tensor:
+        if (space == "input") == self.tall:
             return (self.G[a] * self.G[b]).sum()
-        X = self.W[a] @ self.W[b].mT
+        X = self.W[a].mT @ self.W[b] if self.tall else self.W[a] @ self.W[b].mT
         return (X * X).sum()
+
+    def alignment(self, a: int, b: int, space: str) -> tuple[float, float]:
+        """(alignment, random level) of layers a, b in ``space``."""
+        den = torch.sqrt(self.sq[a] * self.sq[b])
+        if den <= 0:
+            return 0.0, 0.0
+        return float(self.inner(a, b, space) / den), float(self.tr[a] * self.tr[b] / (self.dim(space) * den))
 
 
 def gram_alignment(Wa: torch.Tensor, Wb: torch.Tensor, space: str = "input") -> float:
@@ -101,9 +113,7 @@ def gram_alignment(Wa: torch.Tensor, Wb: torch.Tensor, space: str = "input") -> 
         ga, gb = (A.mT @ A), (B.mT @ B)
         den = torch.sqrt((ga * ga).sum() * (gb * gb).sum())
         return float((X * X).sum() / den) if den > 0 else 0.0
-    gs = _GramStack(torch.stack([A, B]).to(_dt(A)))
-    den = torch.sqrt(gs.sq[0] * gs.sq[1])
-    return float(gs.inner(0, 1) / den) if den > 0 else 0.0
+    return _GramStack(torch.stack([Wa, Wb]).to(_dt(Wa))).alignment(0, 1, space)[0]
 
 
 def gram_alignment_svd(Wa: torch.Tensor, Wb: torch.Tensor, space: str = "input") -> float:
@@ -208,15 +218,11 @@ def stack_continuity(
             cols[p + "cu"] = [float((u[a, :, 0] * u[a + 1, :, 0]).sum().abs()) for a in pairs]
             cols[p + "cu_rand"] = [random_level_cos(m)] * (L - 1)
     if "gram" in metrics:
-        for space, X in (("in", W), ("out", W.mT)):
-            gs = _GramStack(X)
-            vals, rand = [], []
-            for a in pairs:
-                den = torch.sqrt(gs.sq[a] * gs.sq[a + 1])
-                vals.append(float(gs.inner(a, a + 1) / den) if den > 0 else 0.0)
-                rand.append(float(gs.tr[a] * gs.tr[a + 1] / (gs.d * den)) if den > 0 else 0.0)
-            cols[f"{p}gram_{space}"] = vals
-            cols[f"{p}gram_{space}_rand"] = rand
+        gs = _GramStack(W)
+        for space, tag in (("input", "in"), ("output", "out")):
+            vals = [gs.alignment(a, a + 1, space) for a in pairs]
+            cols[f"{p}gram_{tag}"] = [v[0] for v in vals]
+            cols[f"{p}gram_{tag}_rand"] = [v[1] for v in vals]
     if "idx" in metrics:
         uu, ss, vh = torch.linalg.svd(W, full_matrices=False)
         V = vh.mT
