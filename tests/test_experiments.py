@@ -93,7 +93,8 @@ def fake_train(spec, run_dir: Path, progress: bool, grow: bool = True) -> dict:
     (run_dir / "config.resolved.toml").write_text(_toml(cfg))
     status = {"state": state, "step": last, "reason": "loss exploded" if state == "diverged" else None}
     (run_dir / "status.json").write_text(json.dumps(status))
-    return {"status": state, "run_dir": str(run_dir), "step": last, "final": {"val_loss": [r for r in lines if "loss" in r][-1]["loss"]}}
+    final = [r for r in lines if "loss" in r][-1]["loss"]
+    return {"status": state, "run_dir": str(run_dir), "step": last, "final": {"val_loss": final}}
 
 
 @pytest.fixture

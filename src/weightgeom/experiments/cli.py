@@ -62,8 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int | None = None,
             out: str | Path | None = None, only=None, sets=(), resume: bool = True, report: bool = True,
-            progress: bool = True, list_only: bool = False, train_fn=None) -> tuple[dict, Path | None]:
+            progress: bool = True, list_only: bool = False, train_fn=None,
+            quiet_trainer: bool = False) -> tuple[dict, Path | None]:
     """Plan, run and report a sweep (the body of ``weightgeom sweep``; also used by ``weightgeom demo``).
+
+    ``progress`` prints one line per run; the trainer's own progress bar is shown too unless ``quiet_trainer``.
 
     Returns:
         ``(manifest, report_path)``; ``report_path`` is None with ``report=False`` or ``list_only``.
@@ -89,7 +92,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
               f"{len(seeds)} seeds) from {sweep['_path']} → {out}", flush=True)
     meta = {"recipe": recipe.name, "config": str(sweep["_path"]), "label": label, "seeds": seeds, "steps": steps}
     manifest = run_sweep(runs, out, train_fn=train_fn, resume=resume, progress=progress,
-                         post_run=recipe.post_run, meta=meta)
+                         trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta)
     path = None
     if report:
         from weightgeom.experiments.report import make_report
@@ -103,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         manifest, path = execute(args.recipe, args.config, seeds=args.seeds, steps=args.steps, out=args.out,
                                  only=args.only, sets=args.sets, resume=not args.no_resume,
-                                 report=not args.no_report, progress=not args.quiet, list_only=args.list)
+                                 report=not args.no_report, progress=True, list_only=args.list,
+                                 quiet_trainer=args.quiet)
     except (ValueError, FileNotFoundError) as e:
         print(f"weightgeom sweep: {e}", file=sys.stderr)
         return 2

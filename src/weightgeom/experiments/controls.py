@@ -40,8 +40,11 @@ def pair_continuity(Ws: torch.Tensor) -> dict[str, torch.Tensor]:
         S = WᵀW) and ``align_out`` (same with S = WWᵀ), each of length L−1.
     """
     W = Ws.detach().double()
-    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
-    v1, u1 = Vh[:, 0, :], U[:, :, 0]
+    S_in, S_out = W.mT @ W, W @ W.mT
+    # v1 = top eigenvector of WᵀW; u1 = W v1 / ‖W v1‖ (see top_eigvec: ~10-50× cheaper than SVD/eigh on CPU)
+    v1 = top_eigvec(S_in)
+    u1 = (W @ v1.unsqueeze(-1)).squeeze(-1)
+    u1 = u1 / torch.linalg.vector_norm(u1, dim=-1, keepdim=True).clamp_min(1e-300)
     cv = (v1[:-1] * v1[1:]).sum(-1).abs()
     cu = (u1[:-1] * u1[1:]).sum(-1).abs()
 
@@ -50,7 +53,26 @@ def pair_continuity(Ws: torch.Tensor) -> dict[str, torch.Tensor]:
         num = (S[:-1] * S[1:]).sum((-2, -1))
         return num / (n[:-1] * n[1:]).clamp_min(1e-300)
 
-    return {"cv": cv, "cu": cu, "align_in": align(W.mT @ W), "align_out": align(W @ W.mT)}
+    return {"cv": cv, "cu": cu, "align_in": align(S_in), "align_out": align(S_out)}
+
+
+def top_eigvec(S: torch.Tensor, squarings: int = 6, iters: int = 4) -> torch.Tensor:
+    """Top eigenvector of a batch of symmetric PSD matrices (..., n, n) by repeated squaring + power iteration.
+
+    S^(2^squarings) (Frobenius-normalised after each squaring) separates even close top eigenvalues (a 1 % gap is
+    amplified to 0.99^(64·iters)); then ``iters`` power steps from a fixed start vector. Batched matmuls only.
+    """
+    A = S / torch.linalg.matrix_norm(S, keepdim=True).clamp_min(1e-300)
+    for _ in range(squarings):
+        A = A @ A
+        A = A / torch.linalg.matrix_norm(A, keepdim=True).clamp_min(1e-300)
+    n = S.shape[-1]
+    g = torch.Generator().manual_seed(1234)
+    x = (torch.randn(n, generator=g, dtype=torch.float64).to(S.dtype) + 0.1).expand(*S.shape[:-1]).unsqueeze(-1)
+    for _ in range(iters):
+        x = A @ x
+        x = x / torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(1e-300)
+    return x.squeeze(-1)
 
 
 def _group_names(opt: torch.optim.Optimizer) -> list[tuple[str | None, torch.Tensor]]:

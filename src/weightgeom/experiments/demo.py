@@ -1,32 +1,52 @@
-"""``weightgeom demo``: the main CPU job.
+"""``weightgeom demo``: the main CPU job — small versions of the seed-000 and seed-001 experiments, then a report.
 
-Currently: msign presets against the exact SVD polar factor (the foundation every optimizer builds on).
+1. ``weightgeom sweep manifolds tiny-shakespeare``: the five manifold assignments + ALL-DGRAM with a σ cap +
+   HETERO+MD on a character-level GPT (Shakespeare, bundled), two seeds, with σ/logit/saturation diagnostics.
+2. ``weightgeom sweep continuity cpu``: the residual-MLP MNIST ablations at the paper's size (16 × 256) with
+   continuity recorded over training, and the Llama activation ablation with per-projection continuity.
+3. One combined report (markdown + PNGs) of both sweeps; its path is printed at the end.
+
+About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in about a minute (1 seed, few steps: a smoke
+test, not a result). Finished runs are skipped, so an interrupted demo resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-import torch
+QUICK = {"manifolds": {"steps": 30, "seeds": [0]}, "continuity": {"steps": 30, "seeds": [0]}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0)
+    """Arguments of ``weightgeom demo``."""
+    p.add_argument("--quick", action="store_true", help="~1-minute smoke version (1 seed, 30 steps per run)")
+    p.add_argument("--out", default=None, help="demo directory (default: runs/demo or runs/demo-quick)")
+    p.add_argument("--only", choices=["manifolds", "continuity"], default=None, help="run one of the two sweeps")
+    p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightgeom.linalg import msign, msign_reference
+    """Run both sweeps and write the combined report."""
+    from weightgeom.experiments.cli import execute
+    from weightgeom.experiments.report import make_report
 
-    g = torch.Generator().manual_seed(args.seed)
-    print(f"{'shape':>12} {'method':>14} {'max|O-UVᵀ|':>12} {'ms':>8}")
-    for shape in [(768, 768), (2304, 768), (768, 3072)]:
-        G = torch.randn(*shape, generator=g)
-        ref = msign_reference(G)
-        for method in ("polar_express", "muon"):
-            t0 = time.perf_counter()
-            O = msign(G, method)
-            ms = (time.perf_counter() - t0) * 1e3
-            err = (O.double() - ref).abs().max().item()
-            print(f"{str(shape):>12} {method:>14} {err:12.2e} {ms:8.1f}")
-    return 0
+    out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
+    plan = [("manifolds", "tiny-shakespeare"), ("continuity", "cpu")]
+    if args.only:
+        plan = [p for p in plan if p[0] == args.only]
+    t0 = time.perf_counter()
+    dirs, failed = [], 0
+    for recipe, preset in plan:
+        kw = QUICK[recipe] if args.quick else {}
+        print(f"== weightgeom demo: {recipe} sweep on preset {preset!r}"
+              f"{' (quick)' if args.quick else ''} ==", flush=True)
+        manifest, _ = execute(recipe, preset, seeds=kw.get("seeds"), steps=kw.get("steps"), out=out / recipe,
+                              report=False, progress=True, quiet_trainer=not args.verbose)
+        failed += sum(r.get("status") == "failed" for r in manifest["runs"])
+        dirs.append(out / recipe)
+    path = make_report(dirs, out=out, title="weightgeom demo" + (" (quick)" if args.quick else ""))
+    print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min; {failed} failed runs")
+    print(f"report: {path}")
+    return 1 if failed else 0

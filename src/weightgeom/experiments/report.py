@@ -593,11 +593,14 @@ def crossing_step(s: pd.Series, level: float = 1.0) -> float:
 def continuity_section(runs: Sequence[RunData], out: Path) -> str:
     """Markdown for the continuity experiments (seed 001), writing plots into ``out``."""
     lines = ["## Geometric continuity (seed 001)", ""]
+    widths = sorted({int(r.config.get("model", {}).get("width", 256)) for r in runs
+                     if r.config.get("model", {}).get("kind") == "resmlp"}) or [256]
+    rnd = ", ".join(f"{math.sqrt(2 / (math.pi * w)):.3f} (d={w})" for w in widths)
     lines.append(f"Continuity of adjacent same-role layers: C_v = |⟨v1(W_l), v1(W_l+1)⟩| (input space), "
-                 f"C_u (output space), σ²-weighted Gram alignment (input / output); means over layer pairs at the "
-                 f"last analysed step. Random level for unit vectors in R^256: {RANDOM_LEVEL_256:.3f}. "
-                 f"Gradient = the same metrics on ∂L/∂W of one fixed batch; ΔW = W_t − W_0; dominance = ‖ΔW‖_F/‖W_0‖_F "
-                 f"(crossing = first step where it reaches 1).")
+                 f"C_u (output space), σ²-weighted Gram alignment tr(S_l S_l+1)/(‖S_l‖‖S_l+1‖) (input space, "
+                 f"S = WᵀW); means over layer pairs at the last recorded step. Random level of C_v, C_u: {rnd}. "
+                 f"Gradient = the same metrics on the minibatch gradient ∂L/∂W of that step (init = before the first "
+                 f"update); ΔW = W_t − W_0; dominance = ‖ΔW‖_F/‖W_0‖_F (crossing = first step where it reaches 1).")
     lines.append("")
     mlp = [r for r in runs if r.experiment.get("part", r.config.get("model", {}).get("kind")) != "llama"]
     llama = [r for r in runs if r.experiment.get("part", r.config.get("model", {}).get("kind")) == "llama"]
@@ -994,6 +997,16 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
     """
     dirs = discover(paths)
     runs = [load_run(d) for d in dirs]
+    order: dict[str, int] = {}
+    for p in list(paths) + sorted({str(d.parent) for d in dirs}):
+        m = Path(p) / MANIFEST
+        if m.exists():
+            try:
+                for r in json.loads(m.read_text()).get("runs", []):
+                    order.setdefault(str(Path(r.get("run_dir", "")).resolve()), len(order))
+            except (OSError, json.JSONDecodeError):
+                pass
+    runs.sort(key=lambda r: (order.get(str(r.path.resolve()), len(order)), str(r.path)))
     if out is None:
         out = Path(paths[0]) if len(paths) == 1 and not is_run_dir(Path(paths[0])) else Path("report")
     out = Path(out)

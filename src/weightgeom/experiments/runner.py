@@ -386,6 +386,7 @@ def run_sweep(
     train_fn: TrainFn | None = None,
     resume: bool = True,
     progress: bool = True,
+    trainer_progress: bool | None = None,
     post_run: Callable[[RunSpec, Path], None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -400,7 +401,8 @@ def run_sweep(
         out: sweep directory.
         train_fn: ``(spec, run_dir, progress) -> result dict``; defaults to the trainer.
         resume: skip finished runs.
-        progress: print one line per run (and let the trainer show its own progress).
+        progress: print one line per run.
+        trainer_progress: let the trainer show its progress bar (default: same as ``progress``).
         post_run: called after each finished run (e.g. continuity analysis of its checkpoints).
         meta: extra fields for the manifest (recipe, config label, command).
     """
@@ -454,7 +456,7 @@ def run_sweep(
             print(f"{tag}: {spec.description or spec.variant} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            result = train_fn(spec, run_dir, progress) or {}
+            result = train_fn(spec, run_dir, progress if trainer_progress is None else trainer_progress) or {}
             state = result.get("status") or read_status(run_dir).get("state") or "done"
             rec.update(status=state, step=result.get("step"), final=_finite(result.get("final", {})),
                        reason=read_status(run_dir).get("reason"))
