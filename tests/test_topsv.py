@@ -88,3 +88,16 @@ def test_deterministic():
     a = top_singular(W, 1, method="randomized", seed=3)
     b = top_singular(W, 1, method="randomized", seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("shape", [(3, 60, 40), (2, 40, 90)])
+@pytest.mark.parametrize("method", ["power", "randomized"])
+def test_precomputed_gram(shape, method):
+    W = _gapped(*shape)
+    G = W.mT @ W if shape[-1] <= shape[-2] else W @ W.mT
+    u0, s0, v0 = top_singular(W, 2, method="svd")
+    u, s, v = top_singular(W, 2, method=method, gram=G)
+    assert ((s - s0).abs() / s0).max() < SIG_TOL
+    assert (1 - (v * v0).sum(-2).abs()).max() < VEC_TOL and (1 - (u * u0).sum(-2).abs()).max() < VEC_TOL
+    with pytest.raises(ValueError, match="gram has shape"):
+        top_singular(W, 1, method=method, gram=G[..., :-1, :-1])

@@ -208,8 +208,9 @@ def stack_continuity(
     cols: dict[str, list[float]] = {}
     vecs: dict[str, torch.Tensor] = {}
     p = prefix
+    gs = _GramStack(W) if ("gram" in metrics or method != "svd") else None
     if "cv" in metrics or "cu" in metrics:
-        u, s, v = top_singular(W, 1, method=method)
+        u, s, v = top_singular(W, 1, method=method, gram=gs.G if gs is not None else None)
         vecs["v1"], vecs["u1"], vecs["sigma1"] = v[..., 0], u[..., 0], s[..., 0]
         if "cv" in metrics:
             cols[p + "cv"] = [float((v[a, :, 0] * v[a + 1, :, 0]).sum().abs()) for a in pairs]
@@ -218,7 +219,6 @@ def stack_continuity(
             cols[p + "cu"] = [float((u[a, :, 0] * u[a + 1, :, 0]).sum().abs()) for a in pairs]
             cols[p + "cu_rand"] = [random_level_cos(m)] * (L - 1)
     if "gram" in metrics:
-        gs = _GramStack(W)
         for space, tag in (("input", "in"), ("output", "out")):
             vals = [gs.alignment(a, a + 1, space) for a in pairs]
             cols[f"{p}gram_{tag}"] = [v[0] for v in vals]

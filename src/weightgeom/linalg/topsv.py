@@ -66,6 +66,7 @@ def top_singular(
     oversample: int = 16,
     tol: float = 1e-7,
     seed: int = 0,
+    gram: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k singular triplets of ``W`` (..., m, n).
 
@@ -77,6 +78,9 @@ def top_singular(
         oversample: extra random directions for ``"randomized"`` (and the block size bonus for ``"power"``).
         tol: relative change of the Ritz values that stops ``"power"``.
         seed: seed of the random start (deterministic results; the global RNG is not touched).
+        gram: optional precomputed Gram of the smaller side (WᵀW if n ≤ m else W Wᵀ, (..., k, k)). When given,
+            ``randomized`` iterates on it (each step = two passes over W, cache-friendly) and finishes with one
+            Rayleigh–Ritz pass over W; ``power`` uses it instead of forming its own.
 
     Returns:
         (u, s, v): u (..., m, k), s (..., k) descending, v (..., n, k); signs per :func:`fix_signs`.
@@ -99,6 +103,19 @@ def top_singular(
     p = min(r, k + oversample)
     batch = A.shape[:-2]
     omega = torch.randn(*batch, n, p, generator=gen, dtype=dtype).to(A.device)
+    use_in = n <= m
+    if gram is not None:
+        want = (*batch, min(m, n), min(m, n))
+        if tuple(gram.shape) != want:
+            raise ValueError(f"top_singular: gram has shape {tuple(gram.shape)}, expected {want}")
+        gram = gram.to(dtype)
+    if method == "randomized" and gram is not None:
+        q = 8 if iters is None else iters
+        X = omega if use_in else torch.randn(*batch, m, p, generator=gen, dtype=dtype).to(A.device)
+        X = _qr(gram @ X)
+        for _ in range(q):
+            X = _qr(gram @ X)
+        return _rayleigh_ritz(A, X, k, use_in)
     if method == "randomized":
         q = 8 if iters is None else iters
         Y = _qr(A @ omega)  # (..., m, p): range finder
@@ -111,8 +128,7 @@ def top_singular(
         return (*_signed(u, s[..., :k], vh.mT[..., :, :k]),)
     # power: subspace iteration on the smaller Gram (n×n or m×m), block size p
     q = 200 if iters is None else iters
-    use_in = n <= m
-    G = A.mT @ A if use_in else A @ A.mT
+    G = gram if gram is not None else (A.mT @ A if use_in else A @ A.mT)
     X = _qr(omega if use_in else torch.randn(*batch, m, p, generator=gen, dtype=dtype).to(A.device))
     prev = None
     for _ in range(q):
@@ -121,6 +137,11 @@ def top_singular(
         if prev is not None and bool(((ritz - prev).abs() <= tol * ritz.clamp_min(1e-30)).all()):
             break
         prev = ritz
+    return _rayleigh_ritz(A, X, k, use_in)
+
+
+def _rayleigh_ritz(A, X, k, use_in):
+    """Top-k triplets of A from an orthonormal basis X of (approximately) its top right (use_in) / left vectors."""
     if use_in:
         u, s, v = _finish(A, X, k)
     else:
