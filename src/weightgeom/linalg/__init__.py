@@ -1,5 +1,6 @@
 """Linear-algebra kernels: msign (polar factor) presets and top singular vectors."""
 
 from weightgeom.linalg.msign import MSIGN_PRESETS, NSPreset, default_dtype, msign, msign_reference
+from weightgeom.linalg.topsv import top_singular
 
-__all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype"]
+__all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype", "top_singular"]
