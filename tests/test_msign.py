@@ -158,3 +158,13 @@ def test_cuda_default_bf16(method):
     lo, hi = (1 - BF16_SV_TOL, 1 + BF16_SV_TOL) if method == "polar_express" else MUON_BAND
     assert float(s.min()) > lo and float(s.max()) < hi
     assert torch.equal(msign(torch.zeros_like(G), method=method), torch.zeros_like(G))
+
+
+def test_differentiable_when_grad_is_required():
+    """With requires_grad the steps avoid out= buffers; forward values equal the no-grad fast path."""
+    G = well_conditioned(5, 8, dtype=torch.float64).requires_grad_(True)
+    O = msign(G)
+    O.pow(2).sum().backward()
+    assert G.grad is not None and torch.isfinite(G.grad).all()
+    with torch.no_grad():
+        assert max_err(O.detach(), msign(G)) < PE_TOL[torch.float64]

@@ -132,20 +132,56 @@ def msign(
 
     tall = G.shape[-2] > G.shape[-1]
     X = G.mT if tall else G
-    X = X.to(dtype)
-    # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
-    norm_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    X = X / (norm * preset.safety + _NORM_EPS).to(dtype)
-    batched = X.ndim > 2
-    for a, b, c in preset.triples(steps):
-        A = X @ X.mT
-        if batched:
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if X.ndim == 3 else b * A + c * (A @ A)
-            X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
-        else:
-            B = torch.addmm(A, A, A, beta=b, alpha=c)
-            X = torch.addmm(X, B, X, beta=a)
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
+    if G.requires_grad and torch.is_grad_enabled():
+        X = _iterate_autograd(_normalise(X, preset.safety, dtype), preset.triples(steps))
+    else:
+        X = _iterate_inplace(_normalise(X, preset.safety, dtype, inplace=True), preset.triples(steps))
+    X = X.reshape(*lead, *X.shape[-2:])
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
+    """Contiguous copy of X in ``dtype`` divided by ‖X‖_F·safety per matrix; a zero matrix stays exactly zero.
+
+    ``inplace=True`` writes into a fresh buffer with ``out=`` (one pass; not differentiable).
+    """
+    # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
+    norm_dtype = torch.float64 if X.dtype == torch.float64 or dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    scale = torch.where(norm > 0, 1.0 / (norm * safety + _NORM_EPS), torch.zeros_like(norm)).to(dtype)
+    if not inplace:
+        return (X.to(dtype) * scale).contiguous()
+    out = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for the transposed (tall) view
+    return torch.mul(X, scale, out=out)
+
+
+def _iterate_inplace(X: torch.Tensor, triples: list[tuple[float, float, float]]) -> torch.Tensor:
+    """The polynomial steps with preallocated buffers (no allocation per step); X (2-D or 3-D) is overwritten.
+
+    Per step on wide X (m ≤ n): A = XXᵀ (2m²n flops), B = bA + cA² (2m³), X ← aX + BX (2m²n).
+    """
+    mm, addmm = (torch.mm, torch.addmm) if X.ndim == 2 else (torch.bmm, torch.baddbmm)
+    m = X.shape[-2]
+    A = X.new_empty(*X.shape[:-2], m, m)
+    B = torch.empty_like(A)
+    Y = torch.empty_like(X)
+    for a, b, c in triples:
+        mm(X, X.mT, out=A)
+        addmm(A, A, A, beta=b, alpha=c, out=B)
+        addmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, X
+    return X
+
+
+def _iterate_autograd(X: torch.Tensor, triples: list[tuple[float, float, float]]) -> torch.Tensor:
+    """The same steps without ``out=`` buffers, so that autograd can differentiate through them."""
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    for a, b, c in triples:
+        A = X @ X.mT
+        B = addmm(A, A, A, beta=b, alpha=c)
+        X = addmm(X, B, X, beta=a)
+    return X
