@@ -293,7 +293,7 @@ def test_every_option_combination_trains():
                                 sphere=sphere, gain_lr=3e-2, model=model)
         with torch.no_grad():
             l0 = _loss(model, x, y).item()
-        for _ in range(30):
+        for _ in range(20):
             md.zero_grad()
             loss = _loss(model, x, y)
             loss.backward()
@@ -327,7 +327,7 @@ def test_embeddings_modes(embeddings):
     assert md.unit_row_names == (["wte.weight"] if embeddings == "unit_rows" else [])
     idx = torch.randint(0, 16, (64,))
     losses = []
-    for _ in range(40):
+    for _ in range(25):
         md.zero_grad()
         loss = F.cross_entropy(model(idx), idx)
         loss.backward()
