@@ -7,7 +7,8 @@ For a tall W ∈ R^{m×n} on a Gram-space manifold {W : P(WᵀW) = P(I)} and a g
 With a symmetric multiplier Λ the Lagrangian's minimiser over the spectral ball is A(Λ) = −msign(G + 2W·P(Λ)); we
 return the sign-flipped A = msign(G + 2W·P(Λ)) (the optimizer steps W − η·A, as in the seed code). The dual is
 concave with (super)gradient −H, H = P(WᵀA + AᵀW), so dual ascent is Λ ← Λ − α_k·H. The map Λ → A is invariant
-under scaling G and Λ together, so G is first normalised by its Frobenius norm (the step α then has fixed units).
+under scaling G and Λ together, so G is first normalised to unit RMS singular value (‖G‖_F/sqrt(n)): α then has fixed
+units and Λ can be warm-started across steps whatever the gradient scale.
 
 ``manifold_direction`` is a pure function (no state); the optimizer keeps Λ between steps as a warm start.
 ``manifold_direction_reference`` is the slow float64 SVD version for tests. Derivation: ``docs/muon.md``.
@@ -54,26 +55,41 @@ def manifold_direction(
     msign_fn: Callable[[torch.Tensor], torch.Tensor] = msign,
     schedule: str = "linear",
     normalize: bool = True,
+    project: bool = False,
+    final_msign_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    stats: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ.
 
+    Iteration k: A_k = msign(Ĝ + 2X·P(Λ_k)), H_k = P(XᵀA_k + A_kᵀX), stop if ‖H_k‖_F/n ≤ tol, else
+    Λ_{k+1} = Λ_k − α_k·H_k. Safeguard: whenever the residual grows, the step is halved for the rest of the call;
+    the iterate with the smallest residual is returned (so more steps never give a worse answer).
+
     Args:
-        W: point on the manifold, (m, n) in either orientation (wide matrices are transposed internally).
+        W: point on the manifold, (..., m, n) in either orientation (wide matrices are transposed internally).
         G: gradient-like matrix of W's shape (typically the Nesterov momentum).
-        manifold: the constraint (only ``P`` is used here).
-        Lambda0: warm-start multiplier (n, n), n = min(m, n), in units of the *normalised* G; None → cold start
-            ``initial_multiplier``.
+        manifold: the constraint (``P``; ``proj_tangent`` when ``project``).
+        Lambda0: warm-start multiplier (..., n, n), n = min(m, n), in units of the *normalised* G; None → cold
+            start ``initial_multiplier`` (exact for square Stiefel W).
         steps: maximum number of dual iterations K (each costs one ``msign_fn`` call).
-        lr: dual step α (units of normalised G per unit residual); iteration k uses α·(1 − k/K) with the
+        lr: dual step α in units of the normalised G per unit residual; iteration k uses α·(1 − k/K) with the
             ``"linear"`` schedule (seed 000's code) or α with ``"constant"``.
         tol: stop as soon as the tangent residual ‖H‖_F/n ≤ tol (same measure as ``Manifold.tangent_residual``).
-        msign_fn: orthogonaliser, called on (m, n) tall matrices.
+        msign_fn: orthogonaliser used inside the loop, called on tall (..., m, n) matrices.
         schedule: ``"linear"`` or ``"constant"``.
-        normalize: divide G by ‖G‖_F first (recommended; Λ is then scale-free).
+        normalize: divide G by its RMS singular value ‖G‖_F/sqrt(n) first, so Λ and α are scale-free
+            (recommended; then α = 0.1, seed 000's value, is in the stable range for typical spectra).
+        project: finally replace A by ``manifold.proj_tangent(W, A)``: exactly tangent (residual at rounding
+            level) at the cost of ‖A‖₂ = 1 + O(dual residual). The returned residual is then the projected one;
+            ``stats["dual_residual"]`` keeps the dual ascent's.
+        final_msign_fn: if given, A is recomputed once at the best Λ with this (more accurate) orthogonaliser —
+            for cheap ``msign_fn`` inside the loop.
+        stats: optional dict that receives ``dual_residual`` (before projection) and ``dual_lr_final``.
 
     Returns:
-        (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1; the final multiplier Λ (n, n) to
-        warm-start the next call; the tangent residual of the returned A; the number of msign calls made.
+        (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1; the best multiplier Λ to
+        warm-start the next call; the tangent residual of the returned A; the number of dual iterations (msign
+        calls in the loop, not counting ``final_msign_fn``).
     """
     if schedule not in DUAL_SCHEDULES:
         raise ValueError(f"dual_schedule: unknown value {schedule!r}; choose one of {DUAL_SCHEDULES}")
@@ -82,25 +98,50 @@ def manifold_direction(
     steps = max(1, int(steps))
     X, t = tall(W)
     Y = G.mT if t else G
-    if normalize:
-        Y = Y / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) + _NORM_EPS)
     n = X.shape[-1]
+    if normalize:
+        Y = Y * (n**0.5 / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) + _NORM_EPS))
     Lam = initial_multiplier(X, Y, manifold) if Lambda0 is None else Lambda0.to(X.dtype)
-    residual = float("inf")
-    A = X
+    best = (float("inf"), X, Lam)  # (residual, A, Λ)
+    prev = float("inf")
+    shrink = 1.0
     iters = 0
     for k in range(steps):
-        M = torch.addmm(Y, X, manifold.P(Lam), alpha=2.0) if X.ndim == 2 else Y + 2.0 * X @ manifold.P(Lam)
-        A = msign_fn(M).to(X.dtype)
+        A = msign_fn(_shifted(X, Y, manifold.P(Lam))).to(X.dtype)
         iters = k + 1
-        S = X.mT @ A
-        H = manifold.P(S + S.mT)
+        H = _residual_matrix(X, A, manifold)
         residual = float(torch.linalg.matrix_norm(H).max()) / n
+        if residual < best[0]:
+            best = (residual, A, Lam)
         if residual <= tol or k == steps - 1:
             break
-        alpha = lr * (1.0 - k / steps) if schedule == "linear" else lr
+        if residual > prev:
+            shrink *= 0.5
+        prev = residual
+        alpha = lr * shrink * ((1.0 - k / steps) if schedule == "linear" else 1.0)
         Lam = Lam - alpha * H
+    residual, A, Lam = best
+    if final_msign_fn is not None:
+        A = final_msign_fn(_shifted(X, Y, manifold.P(Lam))).to(X.dtype)
+        residual = float(torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)).max()) / n
+    if stats is not None:
+        stats["dual_residual"] = residual
+        stats["dual_lr_final"] = lr * shrink
+    if project:
+        A = manifold.proj_tangent(X, A)
+        residual = float(torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)).max()) / n
     return untall(A, t), Lam, residual, iters
+
+
+def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
+    """Y + 2·X·P(Λ) (one fused addmm for plain matrices)."""
+    return torch.addmm(Y, X, PL, alpha=2.0) if X.ndim == 2 else Y + 2.0 * (X @ PL)
+
+
+def _residual_matrix(X: torch.Tensor, A: torch.Tensor, manifold: Manifold) -> torch.Tensor:
+    """H = P(XᵀA + AᵀX) on tall views."""
+    S = X.mT @ A
+    return manifold.P(S + S.mT)
 
 
 def manifold_direction_reference(

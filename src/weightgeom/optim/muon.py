@@ -63,9 +63,14 @@ class Muon(torch.optim.Optimizer):
         manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
             Constrained matrices are retracted onto the manifold at their first step, then after every step.
         dual_steps: maximum dual-ascent iterations per step (each costs one msign).
-        dual_lr: dual step α (units of the Frobenius-normalised momentum).
+        dual_lr: dual step α (units of the momentum normalised to unit RMS singular value); halved automatically
+            whenever the residual grows.
         dual_tol: stop the dual ascent once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol.
         dual_schedule: ``"linear"`` (α_k = α(1 − k/K), seed 000) or ``"constant"``.
+        dual_ns_steps: msign steps inside the dual loop (None: ``ns_steps``); when set, one accurate msign
+            (``ns_steps``) recomputes the direction at the best Λ.
+        dual_project: project the final direction onto the tangent space (exactly tangent; ‖A‖₂ = 1 + O(dual
+            residual)); ``last_stats`` then also reports the dual residual before projection.
         retraction: passed to the manifold's constructor when not None (e.g. DGram ``"paper"``).
         betas: AdamW (β1, β2).
         eps: AdamW denominator epsilon.
@@ -76,8 +81,9 @@ class Muon(torch.optim.Optimizer):
             each block gets its own msign / manifold direction, multiplier, retraction and shape scale.
 
     Attributes:
-        last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int}} for every
-            manifold-constrained parameter that had a gradient.
+        last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int,
+            "dual_residual": float}} for every manifold-constrained parameter that had a gradient (tangent_residual
+            is that of the direction actually used; dual_residual the dual ascent's before any projection).
 
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group (naming it), and, in ``step``,
@@ -102,6 +108,8 @@ class Muon(torch.optim.Optimizer):
         dual_lr: float = 0.1,
         dual_tol: float = 1e-4,
         dual_schedule: str = "linear",
+        dual_ns_steps: int | None = None,
+        dual_project: bool = False,
         retraction: str | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -113,7 +121,8 @@ class Muon(torch.optim.Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
             momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
-            dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, retraction=retraction,
+            dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, dual_ns_steps=dual_ns_steps,
+            dual_project=dual_project, retraction=retraction,
             betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
@@ -252,13 +261,20 @@ class Muon(torch.optim.Optimizer):
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
             G32 = U.to(W32.dtype)
+            inner, final = ms, None
+            if group["dual_ns_steps"] is not None:
+                inner = partial(msign, method=group["msign_method"], steps=group["dual_ns_steps"], dtype=dtype)
+                final = ms
             lam0 = state.get("dual_multiplier")
+            info: dict[str, float] = {}
             direction, lam, residual, iters = manifold_direction(
                 W32, G32, manifold, lam0, steps=group["dual_steps"], lr=group["dual_lr"], tol=group["dual_tol"],
-                msign_fn=ms, schedule=group["dual_schedule"],
+                msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
+                final_msign_fn=final, stats=info,
             )
             state["dual_multiplier"] = lam
-            self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters}
+            self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters,
+                                     "dual_residual": info["dual_residual"]}
         apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"])
         if manifold is not None:
             W.copy_(_retract(manifold, W))
@@ -312,6 +328,8 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         raise bad("eps", "must be > 0")
     if "ns_steps" in group and group["ns_steps"] is not None and int(group["ns_steps"]) < 1:
         raise bad("ns_steps", "must be ≥ 1 or None")
+    if "dual_ns_steps" in group and group["dual_ns_steps"] is not None and int(group["dual_ns_steps"]) < 1:
+        raise bad("dual_ns_steps", "must be ≥ 1 or None")
     if "dual_steps" in group and int(group["dual_steps"]) < 1:
         raise bad("dual_steps", "must be ≥ 1")
     if "dual_lr" in group and not float(group["dual_lr"]) > 0.0:
