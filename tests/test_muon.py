@@ -1,0 +1,310 @@
+"""Muon optimizer: equality with torch.optim.Muon, shared properties over a table of configurations, bad input.
+
+The table ``CONFIGS`` drives the property tests (state_dict round-trip, toy convergence, no-grad parameters,
+LR schedulers); adding an algorithm × manifold combination is one line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+from weightgeom.optim import Muon, shape_scale
+from weightgeom.optim.functional import momentum_direction
+
+# (id, Muon kwargs). Manifold rows use the seed's dual settings (linear schedule, α = 0.1) with few steps for speed.
+CONFIGS = [
+    ("muon-ema", dict(lr=0.1)),
+    ("muon-sum", dict(lr=0.1, momentum_form="sum")),
+    ("muon-preset-nonesterov", dict(lr=0.1, msign_method="muon", nesterov=False)),
+    ("muon-wd", dict(lr=0.1, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")),
+    ("adamw", dict(lr=0.05, algorithm="adamw")),
+    ("stiefel", dict(lr=0.1, manifold="stiefel", dual_steps=5)),
+    ("dgram", dict(lr=0.1, manifold="dgram", dual_steps=5)),
+    ("oblique", dict(lr=0.1, manifold="oblique", dual_steps=5)),
+    ("stiefel-projected", dict(lr=0.1, manifold="stiefel", dual_steps=3, dual_ns_steps=5, dual_project=True)),
+]
+IDS = [c[0] for c in CONFIGS]
+
+# Measured on this CPU: in float32 against a float32 copy of torch's Newton–Schulz the difference is rounding
+# (~1e-7 relative), so 1e-5 is loose.
+TORCH_MATCH_ATOL = 1e-5
+# bf16 comparison with unpatched torch.optim.Muon: measured max |Δ| 3e-4 after 4 steps at lr 0.02 (bf16 eps 7.8e-3).
+BF16_MATCH_ATOL = 1e-3
+# Toy problems: loss must fall at least this factor in 60 cosine-scheduled steps (measured: ≥ 38× for every row).
+TOY_REDUCTION = 10.0
+
+
+def _fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's _zeropower_via_newtonschulz with bf16 replaced by float32 (same arithmetic otherwise)."""
+    a, b, c = ns_coefficients
+    X = grad.float()
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    return X
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (40, 40)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_torch_muon_float32(monkeypatch, shape, nesterov):
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _fp32_newton_schulz)
+    W0 = torch.randn(*shape)
+    p, q = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    ours = Muon([p], lr=0.02, weight_decay=0.1, msign_method="muon", msign_dtype=torch.float32, nesterov=nesterov)
+    ref = torch.optim.Muon([q], lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    for _ in range(6):
+        g = torch.randn(*shape)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p.data, q.data, atol=TORCH_MATCH_ATOL, rtol=0)
+    torch.testing.assert_close(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_matches_torch_muon_bf16():
+    W0 = torch.randn(64, 24)
+    p, q = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    ours = Muon([p], lr=0.02, msign_method="muon", msign_dtype=torch.bfloat16, adjust_lr_fn="match_rms_adamw")
+    ref = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    for _ in range(4):
+        g = torch.randn(64, 24)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    # bf16 rounding of the norm division differs slightly: updates agree to bf16 precision × lr.
+    torch.testing.assert_close(p.data, q.data, atol=BF16_MATCH_ATOL, rtol=0)
+
+
+def test_adamw_group_matches_torch_adamw():
+    W0 = torch.randn(10, 7)
+    p, q = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
+    ours = Muon([p], algorithm="adamw", lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW([q], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn(10, 7)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p.data, q.data, atol=1e-6, rtol=1e-5)
+
+
+def test_momentum_forms_same_direction():
+    """EMA and sum buffers differ by the factor (1−β) from zero, so the orthogonalised directions coincide."""
+    b_ema, b_sum = torch.zeros(6, 4), torch.zeros(6, 4)
+    for _ in range(5):
+        g = torch.randn(6, 4)
+        u_ema = momentum_direction(b_ema, g, 0.9, True, "ema")
+        u_sum = momentum_direction(b_sum, g, 0.9, True, "sum")
+        torch.testing.assert_close(u_ema, 0.1 * u_sum)
+    with pytest.raises(ValueError, match="momentum_form"):
+        momentum_direction(b_ema, g, 0.9, True, "heavy-ball")
+
+
+def test_shape_scale_values():
+    assert shape_scale((3072, 768)) == pytest.approx(2.0)
+    assert shape_scale((768, 3072)) == pytest.approx(1.0)
+    assert shape_scale((768, 3072), "match_rms_adamw") == pytest.approx(0.2 * 3072**0.5)
+    assert shape_scale((10, 5), "none") == 1.0
+
+
+# ---- shared properties over CONFIGS ---------------------------------------------------------------------------
+def _toy(kind: str, seed: int = 0):
+    """(W0, loss_fn) for a 24×12 matrix: least squares to a target on the right manifold for manifold rows."""
+    g = torch.Generator().manual_seed(seed)
+    from weightgeom import manifolds
+
+    name = dict(CONFIGS)[kind].get("manifold")
+    man = manifolds.get(name)
+    target = manifolds.get("stiefel").retract(torch.randn(24, 12, generator=g, dtype=torch.float64)).float()
+    if name == "dgram":
+        target = target * torch.linspace(0.5, 2.0, 12)  # free column norms
+    W0 = man.retract(0.2 * torch.randn(24, 12, generator=g, dtype=torch.float64)).float()
+    X = torch.randn(64, 24, generator=g)
+
+    def loss_fn(W):
+        return ((X @ W - X @ target) ** 2).mean()
+
+    return W0, loss_fn
+
+
+def _run(opt_kwargs, W0, loss_fn, steps, sched=None):
+    W = torch.nn.Parameter(W0.clone())
+    opt = Muon([W], **opt_kwargs)
+    s = sched(opt) if sched else None
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(W)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        if s:
+            s.step()
+    return W, opt, losses
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=IDS)
+def test_toy_convergence(kind, kw):
+    W0, loss_fn = _toy(kind)
+    cosine = lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=60)  # noqa: E731
+    _, _, losses = _run(kw, W0, loss_fn, 60, cosine)
+    assert losses[-1] < losses[0] / TOY_REDUCTION, (kind, losses[0], losses[-1])
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=IDS)
+def test_state_dict_round_trip(kind, kw):
+    W0, loss_fn = _toy(kind)
+    W, opt, _ = _run(kw, W0, loss_fn, 3)
+    W2 = torch.nn.Parameter(W.detach().clone())
+    opt2 = Muon([W2], **kw)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for _ in range(3):
+        for p, o in ((W, opt), (W2, opt2)):
+            o.zero_grad()
+            loss_fn(p).backward()
+            o.step()
+    assert torch.equal(W.data, W2.data), kind
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=IDS)
+def test_params_without_grad_are_skipped(kind, kw):
+    a = torch.nn.Parameter(torch.randn(8, 6))
+    b = torch.nn.Parameter(torch.randn(8, 6))
+    b0 = b.detach().clone()
+    opt = Muon([{"params": [a, b], "names": ["a", "b"]}], **kw)
+    for _ in range(2):
+        a.grad = torch.randn(8, 6)
+        opt.step()
+    assert torch.equal(b.data, b0) and b not in opt.state
+    assert set(opt.last_stats) <= {"a"}
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=IDS)
+def test_scheduler_scales_step(kind, kw):
+    """With lr scheduled to 0 by LambdaLR the parameter stops moving (manifold rows: stays on the manifold)."""
+    W0, loss_fn = _toy(kind)
+    zero_after_2 = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 if s < 2 else 0.0)  # noqa: E731
+    W, opt, _ = _run(kw, W0, loss_fn, 2, zero_after_2)
+    assert opt.param_groups[0]["lr"] == 0.0 and "initial_lr" in opt.param_groups[0]
+    before = W.detach().clone()
+    opt.zero_grad()
+    loss_fn(W).backward()
+    opt.step()
+    torch.testing.assert_close(W.data, before, atol=2e-6, rtol=0)
+
+
+def test_last_stats_for_manifold_params():
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    V = torch.nn.Parameter(torch.randn(16, 8))
+    opt = Muon([{"params": [W], "names": ["w"], "manifold": "stiefel"}, {"params": [V], "names": ["v"]}],
+               dual_steps=4)
+    W.grad, V.grad = torch.randn(16, 8), torch.randn(16, 8)
+    opt.step()
+    assert set(opt.last_stats) == {"w"}
+    st = opt.last_stats["w"]
+    assert 1 <= st["dual_iters"] <= 4 and st["tangent_residual"] >= 0 and "dual_residual" in st
+
+
+def test_first_step_retracts_onto_manifold():
+    W = torch.nn.Parameter(3 * torch.randn(20, 10))
+    opt = Muon([W], manifold="stiefel", lr=0.0)
+    W.grad = torch.randn(20, 10)
+    opt.step()
+    torch.testing.assert_close(W.T @ W, torch.eye(10), atol=1e-5, rtol=0)
+
+
+def test_layout_in_out_equals_transposed_linear():
+    W0, G = torch.randn(12, 30), torch.randn(12, 30)  # stored (in, out) = Conv1D
+    p = torch.nn.Parameter(W0.clone())
+    q = torch.nn.Parameter(W0.T.clone())
+    o1, o2 = Muon([p], layout="in_out", lr=0.03), Muon([q], lr=0.03)
+    for _ in range(3):
+        p.grad, q.grad = G.clone(), G.T.clone()
+        o1.step()
+        o2.step()
+    torch.testing.assert_close(p.data, q.data.T)
+
+
+@pytest.mark.parametrize("manifold", [None, "stiefel"])
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_split_equals_separate_matrices(manifold, layout):
+    d, n_in = 8, 12
+    blocks = [torch.randn(d, n_in) for _ in range(3)]
+    grads = [[torch.randn(d, n_in) for _ in range(3)] for _ in range(3)]
+    fused = torch.cat(blocks, 0)
+    fp = torch.nn.Parameter(fused.clone() if layout == "out_in" else fused.T.clone())
+    sep = [torch.nn.Parameter(b.clone()) for b in blocks]
+    # dual_steps=1: the early stop and step-halving act on the worst block of a split matrix, so only the
+    # first dual iterate is comparable block by block.
+    kw = dict(lr=0.03, manifold=manifold, dual_steps=1)
+    o_f = Muon([fp], split=3, layout=layout, **kw)
+    o_s = Muon(sep, **kw)
+    for gs in grads:
+        gf = torch.cat(gs, 0)
+        fp.grad = gf.clone() if layout == "out_in" else gf.T.clone()
+        for p, g in zip(sep, gs):
+            p.grad = g.clone()
+        o_f.step()
+        o_s.step()
+    got = fp.data if layout == "out_in" else fp.data.T
+    torch.testing.assert_close(got, torch.cat([p.data for p in sep], 0), atol=2e-5, rtol=0)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+def test_non_matrix_param_in_muon_group_names_it():
+    b = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match="'ln.bias'.*2-D"):
+        Muon([{"params": [b], "names": ["ln.bias"]}])
+    Muon([{"params": [b], "algorithm": "adamw"}])  # fine in an AdamW group
+
+
+@pytest.mark.parametrize("group,pattern", [
+    ({"manifold": "sphere-ish"}, "manifold='sphere-ish'"),
+    ({"momentm": 0.9}, "momentm"),
+    ({"algorithm": "sgd"}, "algorithm='sgd'"),
+    ({"momentum_form": "polyak"}, "momentum_form"),
+    ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn"),
+    ({"msign_method": "qr"}, "msign_method"),
+    ({"momentum": 1.5}, "momentum=1.5"),
+    ({"lr": -1.0}, "lr=-1.0"),
+    ({"dual_steps": 0}, "dual_steps"),
+    ({"layout": "row_major"}, "layout"),
+    ({"split": 5}, "split=5 does not divide"),
+    ({"algorithm": "adamw", "manifold": "stiefel"}, "manifold"),
+])
+def test_bad_group_raises_naming_key(group, pattern):
+    W = torch.nn.Parameter(torch.randn(12, 6))
+    with pytest.raises(ValueError, match=pattern):
+        Muon([{"params": [W], **group}])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+def test_nonfinite_gradient_names_param(bad, algorithm):
+    W = torch.nn.Parameter(torch.randn(6, 4))
+    opt = Muon([{"params": [W], "names": ["blocks.3.fc.weight"], "algorithm": algorithm}])
+    g = torch.randn(6, 4)
+    g[2, 1] = bad
+    W.grad = g
+    before = W.detach().clone()
+    with pytest.raises(ValueError, match=r"'blocks\.3\.fc\.weight'.*NaN/Inf"):
+        opt.step()
+    assert torch.equal(W.data, before)
+
+
+def test_named_parameters_accepted():
+    lin = torch.nn.Linear(6, 5, bias=False)
+    opt = Muon(lin.named_parameters())
+    lin.weight.grad = torch.full((5, 6), float("nan"))
+    with pytest.raises(ValueError, match="'weight'"):
+        opt.step()
