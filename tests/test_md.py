@@ -543,3 +543,44 @@ def test_manifold_muon_groups_under_md(manifold, split):
         kappa = math.sqrt((split or 1) * min(blocks.shape[-2:]))
         assert M.check(blocks / (c / kappa), tol=MANIFOLD_TOL)
     assert torch.equal(compose(D, *md.gain_values(lin.weight)), lin.weight.detach())
+
+
+class RebindingSGD(torch.optim.Optimizer):
+    """A base optimizer that rebinds ``p.data`` instead of writing in place (the wrapper must still see the step)."""
+
+    def __init__(self, params, lr, fail=False):
+        super().__init__(params, {"lr": lr})
+        self.fail = fail
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.data = p.data - g["lr"] * p.grad
+        if self.fail:
+            raise RuntimeError("base failed")
+
+
+def test_base_that_rebinds_data_and_failing_base():
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    md = MagnitudeDirection(RebindingSGD(model.parameters(), lr=0.1), gain_lr=0.0, model=model)
+    ref_md = MagnitudeDirection(torch.optim.SGD(ref.parameters(), lr=0.1), gain_lr=0.0, model=ref)
+    x, y = _batch()
+    for _ in range(3):
+        for opt, mod in ((md, model), (ref_md, ref)):
+            opt.zero_grad()
+            _loss(mod, x, y).backward()
+            opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=TRAJ_TOL, rtol=0)
+    # a base step that raises leaves every decoupled W = γ_r Ŵ γ_c (its storage served as scratch)
+    model = _mlp()
+    md = MagnitudeDirection(RebindingSGD(model.parameters(), lr=0.1, fail=True), gain_lr=0.1, model=model)
+    _loss(model, x, y).backward()
+    with pytest.raises(RuntimeError, match="base failed"):
+        md.step()
+    for w in md._decoupled:
+        assert torch.equal(compose(md.direction(w), *md.gain_values(w)), w.detach())
+        assert w.grad is not None and w.data_ptr() != md.direction(w).data_ptr()
