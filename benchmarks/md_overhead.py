@@ -45,10 +45,11 @@ def make_params(layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> 
     return params, names
 
 
-def make_base(kind: str, params: list, names: list[str]) -> torch.optim.Optimizer:
-    """The bare base optimizer over ``params`` (named groups)."""
+def make_base(kind: str, params: list, names: list[str], adamw_impl: str = "default") -> torch.optim.Optimizer:
+    """The bare base optimizer over ``params`` (named groups); ``adamw_impl``: default | foreach | fused."""
     if kind == "adamw":
-        return torch.optim.AdamW([{"params": params, "names": names}], lr=1e-4, weight_decay=0.0)
+        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw_impl]
+        return torch.optim.AdamW([{"params": params, "names": names}], lr=1e-4, weight_decay=0.0, **impl)
     if kind == "muon":
         from weightgeom.optim.muon import Muon
 
@@ -62,12 +63,12 @@ def _sync(device: str) -> None:
 
 
 def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype: torch.dtype,
-            md_kw: dict | None = None) -> dict:
+            md_kw: dict | None = None, adamw_impl: str = "default") -> dict:
     """Median seconds per step of the bare base and of MD around an identical base; their ratio."""
     p_base, names = make_params(layers, device, dtype)
     p_md, _ = make_params(layers, device, dtype)
-    base = make_base(kind, p_base, names)
-    md = MagnitudeDirection(make_base(kind, p_md, names), **(md_kw or {}))
+    base = make_base(kind, p_base, names, adamw_impl)
+    md = MagnitudeDirection(make_base(kind, p_md, names, adamw_impl), **(md_kw or {}))
     t_base, t_md = [], []
     for it in range(warmup + iters):
         for opt, sink in ((base, t_base), (md, t_md)):
@@ -80,6 +81,7 @@ def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype:
     b, m = statistics.median(t_base), statistics.median(t_md)
     return {"base": kind, "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
             "device": device, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "md": md_kw or {},
+            "adamw_impl": adamw_impl if kind == "adamw" else None,
             "base_ms": 1e3 * b, "md_ms": 1e3 * m, "ratio": m / b, "target": TARGET_RATIO}
 
 
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--gains", default="row+col")
+    ap.add_argument("--adamw-impl", default="default", choices=["default", "foreach", "fused"],
+                    help="torch.optim.AdamW implementation of the base")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError:
                 print("muon: weightgeom.optim.muon not available, skipped", file=sys.stderr)
                 continue
-        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains})
+        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains}, args.adamw_impl)
         results.append(r)
         flag = "ok" if r["ratio"] <= TARGET_RATIO else f"above target {TARGET_RATIO}"
         print(f"{kind:6s} {r['matrices']:3d} matrices {r['params'] / 1e6:6.1f}M params  base {r['base_ms']:8.2f} ms  "
