@@ -584,3 +584,35 @@ def test_base_that_rebinds_data_and_failing_base():
     for w in md._decoupled:
         assert torch.equal(compose(md.direction(w), *md.gain_values(w)), w.detach())
         assert w.grad is not None and w.data_ptr() != md.direction(w).data_ptr()
+
+
+# CUDA vs CPU float32 AdamW-MD after 5 steps: different reduction orders only; 1e-5 is ~100× float32 rounding.
+CUDA_TOL = 1e-5
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu_and_muon_runs():
+    from weightgeom.optim import Muon
+
+    x, y = _batch(torch.float32)
+    outs = []
+    for device in ("cpu", "cuda"):
+        model = _mlp(torch.float32).to(device)
+        md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), gain_lr=1e-2, model=model)
+        for _ in range(5):
+            md.zero_grad()
+            _loss(model, x.to(device), y.to(device)).backward()
+            md.step()
+        outs.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=CUDA_TOL, rtol=0)
+    model = _mlp(torch.float32).cuda()
+    md = MagnitudeDirection(Muon(_muon_groups(model), lr=0.02), gain_lr=1e-2, model=model)
+    r0 = [md.state[p]["radius"].clone() for p in md._decoupled]
+    for _ in range(5):
+        md.zero_grad()
+        _loss(model, x.cuda(), y.cuda()).backward()
+        md.step()
+    for p, r in zip(md._decoupled, r0):
+        assert torch.isfinite(p).all()
+        assert torch.allclose(md.direction(p).norm(), r.reshape(()), rtol=SPHERE_TOL)
