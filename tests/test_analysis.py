@@ -354,6 +354,17 @@ def test_torch_checkpoint_and_cli(hf_llama, tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.pt"), "--quiet"]) == 2
 
 
+def test_weightgeom_checkpoint_and_run_dir(tmp_path):
+    ckpt = pytest.importorskip("weightgeom.train.checkpoint")
+    sd = _llama_sd()
+    (tmp_path / "checkpoints").mkdir()
+    ckpt.save_checkpoint(tmp_path / "checkpoints" / "ckpt_00000010.pt", {"step": 10, "model": sd, "config": {}})
+    a = analyze(tmp_path / "checkpoints" / "ckpt_00000010.pt")
+    b = analyze(tmp_path)  # a run directory: newest checkpoint
+    np.testing.assert_allclose(_num(a), _num(analyze(sd)), atol=SAME_TOL)
+    np.testing.assert_allclose(_num(a), _num(b), atol=SAME_TOL)
+
+
 def test_random_level_formula():
     # exact E|<a,b>| for uniform unit vectors vs the sqrt(2/(pi d)) form used in the tables
     for d in (64, 256, 1024):

@@ -126,7 +126,7 @@ def analyze_full(
             L, m, n = W.shape
             base = {"role": role}
             lay = [dict(base, layer=rw.layer, tensor=rw.name, out_dim=m, in_dim=n, note=rw.note) for rw in run]
-            fro = torch.linalg.matrix_norm(W.double())
+            fro = torch.linalg.matrix_norm(W)
             for d, f in zip(lay, fro.tolist()):
                 d["fro"] = f
             if L >= 2:
