@@ -307,7 +307,9 @@ def _forward_stats(model, attn, x, y, need_grad: bool, threshold: float) -> dict
                 out[f"attn.{index[id(mod)]}.{k}"] = v
             mod.last_logits = None  # free (B, H, T, T) before the next layer
 
-    devices = [x.device] if x.device.type == "cuda" else []
+    devices = []
+    if x.device.type == "cuda":  # fork_rng wants CUDA device indices
+        devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
     try:
         for _, m in attn:
             m.record_logits = True
