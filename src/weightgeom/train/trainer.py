@@ -417,7 +417,7 @@ class _Trainer:
         while self.step < tr["max_steps"]:
             t0 = time.perf_counter()
             factor = apply_lr(self.optimizer, self.lr_fn(self.step))
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
             for m in range(self.accum_local):
                 x, y = self.batches.get("train", self.step, info.rank * self.accum_local + m, self.device)
                 sync = self.wrapped.no_sync() if ddp and m < self.accum_local - 1 else contextlib.nullcontext()
@@ -425,8 +425,8 @@ class _Trainer:
                     with self.amp():
                         _, loss = self.wrapped(x, y)
                     (loss / self.accum_local).backward()
-                loss_sum += float(loss.detach())
-            loss_val = all_reduce_mean(loss_sum / self.accum_local, info)
+                loss_sum += loss.detach().float()
+            loss_val = all_reduce_mean(loss_sum.item() / self.accum_local, info)  # one device sync per step
             self._last_loss = loss_val
             s_next = self.step + 1
             # divergence: checked before the update, so the parameters stay those that produced a finite loss
