@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                 # CPU size (4 layers, width 256, T=128, B=8)
     python benchmarks/train_throughput.py --preset gpt2   # GPT-2 small, T=1024 (CUDA; bf16 autocast)
     python benchmarks/train_throughput.py --e2e           # also time a whole `weightgeom.train.train` run
+    weightgeom bench train_throughput --quick             # smoke run
 
 "Ours" is the trainer's step: ``weightgeom.models`` GPT, batches from ``weightgeom.train.batches``, the LR schedule
 applied to every group, global grad-norm clipping (``weightgeom.train.distributed.clip_grad_norm``), AdamW from
@@ -112,7 +113,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--e2e", action="store_true", help="also time a full weightgeom.train.train run (ours only)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 2 steps, 1 warmup step (smoke run)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 2, 1
 
     from weightgeom.train.batches import build_batches
     from weightgeom.train.config import load_config
