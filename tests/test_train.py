@@ -258,3 +258,20 @@ def test_diagnostics_logged_without_changing_the_trajectory(tmp_path):
     assert any(k.startswith("mat.") for k in rows[0])
     assert _losses(tmp_path / "d") == _losses(tmp_path / "p")
     assert diag["final"]["val_loss"] == plain["final"]["val_loss"]
+
+
+def test_nanogpt_bin_data(tmp_path):
+    import numpy as np
+
+    d = tmp_path / "owt"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, 50257, 5000, dtype=np.uint16).tofile(d / "train.bin")
+    rng.integers(0, 50257, 1000, dtype=np.uint16).tofile(d / "val.bin")
+    res = train("gpt2-small-owt", run_dir=tmp_path / "b", progress=False, overrides=[
+        f"data.path={d}", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=32",
+        "data.block_size=32", "data.batch_size=2", "train.grad_accum=1", "train.max_steps=2", "train.eval_iters=1",
+        "diagnostics.every=0", "run.dtype=float32"])
+    assert res["status"] == "done" and abs(res["final"]["val_loss"] - 10.83) < 0.5  # ≈ ln(50304) at init
+    with pytest.raises(ValueError, match=r"data.path=.*nope.*train.bin not found"):
+        train("gpt2-small-owt", run_dir=tmp_path / "c", overrides=["data.path=/nope"], progress=False)
