@@ -42,6 +42,23 @@ def test_matrix_stats_against_svd():
         assert st["colnorm_spread"] == pytest.approx(float((cn.max() - cn.min()) / cn.mean()), abs=1e-10)
 
 
+def test_matrix_stats_float32_and_wrapped_names():
+    W = torch.randn(40, 24)
+    st = matrix_stats(W)
+    s = torch.linalg.svdvals(W.double())
+    # fp32 Gram: σ error ≲ 3e-4·σ_max (see matrix_stats); measured ~1e-6 here
+    assert st["sigma_min"] == pytest.approx(float(s[-1]), abs=3e-4 * float(s[0]))
+    m = _gpt()
+
+    class Wrap(torch.nn.Module):  # DDP-style "module." prefix
+        def __init__(self):
+            super().__init__()
+            self.module = m
+
+    d = collect(Wrap())
+    assert "mat.transformer.h.0.attn.c_attn.weight.sigma_max" in d
+
+
 def test_matrix_stats_on_manifolds():
     Q = torch.linalg.qr(torch.randn(30, 12)).Q  # Stiefel: all zero / one
     st = matrix_stats(Q)

@@ -162,16 +162,24 @@ def _inner_optimizers(optimizer) -> list:
     return out
 
 
+def _clean(name: str) -> str:
+    """Drop torch.compile / DDP wrapper prefixes so metric names match the bare model's parameter names."""
+    name = name.replace("_orig_mod.", "")
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
 def _param_names(model: nn.Module | None, optimizer) -> dict[int, str]:
     """id(param) → name: from the model, else from the groups' "names"."""
     names: dict[int, str] = {}
     for o in _inner_optimizers(optimizer):
         for g in getattr(o, "param_groups", []):
             for p, n in zip(g.get("params", []), g.get("names", []) or []):
-                names.setdefault(id(p), n)
+                names.setdefault(id(p), _clean(n))
     if model is not None:
         for n, p in model.named_parameters():
-            names[id(p)] = n
+            names[id(p)] = _clean(n)
     return names
 
 
@@ -236,7 +244,7 @@ def monitored_matrices(model: nn.Module, optimizer=None) -> list[tuple[str, torc
     if chosen:
         return chosen
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [(n, p) for n, p in model.named_parameters()
+    return [(_clean(n), p) for n, p in model.named_parameters()
             if p.ndim == 2 and id(p) not in emb and not n.split(".")[-2:-1] == ["lm_head"]]
 
 
@@ -293,7 +301,7 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = 8, 
             out[f"attn.{i}.{k}"] = v
     have_grads = any(p.grad is not None for p in model.parameters())
     if grads and have_grads:
-        out.update(grad_norms((n, p.grad) for n, p in model.named_parameters()))
+        out.update(grad_norms((_clean(n), p.grad) for n, p in model.named_parameters()))
     if batch is not None:
         x, y = _split_batch(batch, max_seqs)
         need_grad = grads and not have_grads and y is not None
@@ -331,7 +339,7 @@ def _forward_stats(model, attn, x, y, need_grad: bool, threshold: float) -> dict
                 if loss is not None:
                     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
                     gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-                    out.update(grad_norms((n, g) for (n, _), g in zip(named, gs)))
+                    out.update(grad_norms((_clean(n), g) for (n, _), g in zip(named, gs)))
     finally:
         for h in hooks:
             h.remove()
