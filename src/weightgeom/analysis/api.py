@@ -59,16 +59,20 @@ def _groups(items: list[RoleWeight]) -> list[list[RoleWeight]]:
     return runs
 
 
-def _match(roles_a: dict[str, list[RoleWeight]], other: Mapping[str, torch.Tensor] | None, role: str,
-           items: list[RoleWeight], roles) -> list[torch.Tensor] | None:
-    """The tensors of ``other`` (grads or reference) matching ``items`` by (role, layer), or None if incomplete."""
-    if other is None:
+def _roles_or_none(tensors: Mapping[str, torch.Tensor] | None, roles) -> dict[str, list[RoleWeight]] | None:
+    if tensors is None:
         return None
     try:
-        ro = assign_roles(other, roles)
+        return assign_roles(tensors, roles)
     except ValueError:
         return None
-    by_layer = {rw.layer: rw.weight for rw in ro.get(role, [])}
+
+
+def _match(other: dict[str, list[RoleWeight]] | None, role: str, items: list[RoleWeight]) -> list[torch.Tensor] | None:
+    """The matrices of ``other`` (grads or reference, role-assigned) matching ``items`` by (role, layer, shape)."""
+    if other is None:
+        return None
+    by_layer = {rw.layer: rw.weight for rw in other.get(role, [])}
     out = []
     for rw in items:
         t = by_layer.get(rw.layer)
@@ -116,6 +120,9 @@ def analyze_full(
     grads = grads if grads is not None else (src.grads or None)
     ref = _as_loaded(reference).tensors if reference is not None else None
     by_role = assign_roles(src.tensors, roles)
+    grad_roles = _roles_or_none(grads, roles)
+    ref_roles = _roles_or_none(ref, roles)
+    notes: list[str] = []
     pair_rows, layer_rows = [], []
     v1_cos, u1_cos = {}, {}
     timing = {"fast": 0.0, "svd_check": 0.0}
@@ -156,11 +163,15 @@ def analyze_full(
                 if L >= 2:
                     cols["cv_svd"] = [float((vs[a] * vs[a + 1]).sum().abs()) for a in range(L - 1)]
                     cols["cu_svd"] = [float((us[a] * us[a + 1]).sum().abs()) for a in range(L - 1)]
-            g = _match(by_role, grads, role, run, roles) if L >= 2 else None
+            g = _match(grad_roles, role, run) if L >= 2 else None
+            if grads is not None and g is None and L >= 2:
+                notes.append(f"gradients: no complete set for role {role} (same names and shapes needed)")
             if g is not None:
                 gc, _ = stack_continuity(torch.stack(g).float(), metrics, method=method, idx_k=idx_k, prefix="grad_")
                 cols.update(gc)
-            r0 = _match(by_role, ref, role, run, roles)
+            r0 = _match(ref_roles, role, run)
+            if ref is not None and r0 is None:
+                notes.append(f"reference: no matching W0 for role {role} (same names and shapes needed)")
             if r0 is not None:
                 W0 = torch.stack(r0).to(W.dtype)
                 dom = (torch.linalg.matrix_norm((W - W0).double()) / torch.linalg.matrix_norm(W0.double())).tolist()
@@ -182,8 +193,7 @@ def analyze_full(
             "time_total_s": time.perf_counter() - t_start, "time_metrics_s": timing["fast"],
             "time_svd_check_s": timing["svd_check"], "source_meta": {k: v for k, v in src.meta.items()
                                                                    if k != "config"}}
-    notes = sorted({rw.note for items in by_role.values() for rw in items if rw.note})
-    meta["notes"] += notes
+    meta["notes"] += sorted({rw.note for items in by_role.values() for rw in items if rw.note}) + notes
     return AnalysisResult(pd.DataFrame(pair_rows), pd.DataFrame(layer_rows), v1_cos, u1_cos, meta)
 
 
