@@ -203,6 +203,15 @@ def test_sweep_runs_resumes_and_reports_manifolds(tmp_path, base_cfg, capsys):
     capsys.readouterr()
 
 
+def test_parallel_jobs_match_sequential(tmp_path, base_cfg):
+    recipe = get_recipe("manifolds")
+    _, parts, sweep = load_parts(str(base_cfg))
+    runs = plan("manifolds", recipe.variants(parts, sweep, None), parts, [0], steps=10, only=["all-*", "unconstrained"])
+    man = run_sweep(runs, tmp_path / "par", train_fn=fake_train, progress=False, jobs=2, threads=1)
+    assert [r["status"] for r in man["runs"]] == ["done", "done", "diverged", "done"]
+    assert all((tmp_path / "par" / r.name / "experiment.json").exists() for r in runs)
+
+
 def test_mechanism_absent_is_reported_honestly(tmp_path, base_cfg):
     def flat(spec, run_dir, progress):
         return fake_train(spec, run_dir, progress, grow=False)  # no σ growth anywhere
@@ -354,10 +363,7 @@ def _trainer_available() -> bool:
 needs_trainer = pytest.mark.skipif(not _trainer_available(), reason="weightgeom.train.train not available yet")
 
 
-@needs_trainer
-@pytest.mark.parametrize("recipe,only", [("manifolds", None), ("continuity", None),
-                                         ("md", "adamw-w32*,muon-md-w32*,muon-w64*")])
-def test_recipe_end_to_end_tiny(tmp_path, recipe, only):
+def _e2e(tmp_path, recipe, only):
     from weightgeom.experiments.runner import repo_root
 
     cfg = repo_root() / "configs" / "experiments" / f"{recipe}-ci.toml"
@@ -368,3 +374,33 @@ def test_recipe_end_to_end_tiny(tmp_path, recipe, only):
     assert not posts, posts
     text = path.read_text()
     assert text.startswith("# weightgeom sweep") and list(path.parent.glob("*.png"))
+    return manifest, text
+
+
+@needs_trainer
+@pytest.mark.parametrize("recipe,only", [
+    ("manifolds", "all-stiefel,all-dgram-capped,hetero-md"),  # a manifold, the σ-cap control, the MD wrapper
+    ("continuity", "res-relu,nores,llama-silu"),  # recorder during training + Llama checkpoint analysis
+    ("md", "adamw-w32-lr0.001,adamw-w64-lr0.001,muon-md-w64*"),  # two widths, MD, the warmup arm
+])
+def test_recipe_end_to_end_tiny(tmp_path, recipe, only):
+    manifest, text = _e2e(tmp_path, recipe, only)
+    if recipe == "manifolds":
+        assert "attn.0.qk_sigma_prod" in (tmp_path / recipe / "all-stiefel-s0" / "metrics.jsonl").read_text()
+        ctl = json.loads((tmp_path / recipe / "all-dgram-capped-s0" / "controls.json").read_text())
+        assert ctl["layers"] == 2 and ctl["max_product_seen"] > 0
+        assert "σQ·σK last" in text
+    if recipe == "continuity":
+        rows = (tmp_path / recipe / "res-relu-s0" / "continuity.jsonl").read_text()
+        assert '"kind": "delta"' in rows and '"kind": "grad"' in rows
+        assert '"role": "gate"' in (tmp_path / recipe / "llama-silu-s0" / "continuity.jsonl").read_text()
+        assert "| `nores` |" in text and "per-projection" in text
+    if recipe == "md":
+        assert "Does the optimal LR transfer" in text and "Warmup vs no warmup" in text
+
+
+@needs_trainer
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["manifolds", "continuity", "md"])
+def test_recipe_end_to_end_full_ci_preset(tmp_path, recipe):
+    _e2e(tmp_path, recipe, None)

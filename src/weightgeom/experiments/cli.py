@@ -58,12 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--list", action="store_true", help="print the planned runs and exit")
     p.add_argument("--quiet", action="store_true", help="one line per run, no trainer progress")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained in parallel, one process each (CPU: 2 jobs × 1 thread on 2 cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: PyTorch's)")
 
 
 def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int | None = None,
             out: str | Path | None = None, only=None, sets=(), resume: bool = True, report: bool = True,
             progress: bool = True, list_only: bool = False, train_fn=None,
-            quiet_trainer: bool = False) -> tuple[dict, Path | None]:
+            quiet_trainer: bool = False, jobs: int = 1, threads: int | None = None) -> tuple[dict, Path | None]:
     """Plan, run and report a sweep (the body of ``weightgeom sweep``; also used by ``weightgeom demo``).
 
     ``progress`` prints one line per run; the trainer's own progress bar is shown too unless ``quiet_trainer``.
@@ -92,7 +95,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
               f"{len(seeds)} seeds) from {sweep['_path']} → {out}", flush=True)
     meta = {"recipe": recipe.name, "config": str(sweep["_path"]), "label": label, "seeds": seeds, "steps": steps}
     manifest = run_sweep(runs, out, train_fn=train_fn, resume=resume, progress=progress,
-                         trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta)
+                         trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta,
+                         jobs=jobs, threads=threads)
     path = None
     if report:
         from weightgeom.experiments.report import make_report
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         manifest, path = execute(args.recipe, args.config, seeds=args.seeds, steps=args.steps, out=args.out,
                                  only=args.only, sets=args.sets, resume=not args.no_resume,
                                  report=not args.no_report, progress=True, list_only=args.list,
-                                 quiet_trainer=args.quiet)
+                                 quiet_trainer=args.quiet, jobs=args.jobs, threads=args.threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"weightgeom sweep: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
    continuity recorded over training, and the Llama activation ablation with per-projection continuity.
 3. One combined report (markdown + PNGs) of both sweeps; its path is printed at the end.
 
-About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in about a minute (1 seed, few steps: a smoke
+Runs train two at a time (one process and one thread each: these models are so small that a 2-thread run spends
+its time synchronising threads). About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in about a minute (1 seed, few steps: a smoke
 test, not a result). Finished runs are skipped, so an interrupted demo resumes where it stopped.
 """
 
@@ -24,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="~1-minute smoke version (1 seed, 30 steps per run)")
     p.add_argument("--out", default=None, help="demo directory (default: runs/demo or runs/demo-quick)")
     p.add_argument("--only", choices=["manifolds", "continuity"], default=None, help="run one of the two sweeps")
-    p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars")
+    p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars (with --jobs 1)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="runs in parallel, one process and one thread each (default 2: one per core of a 2-core CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"== weightgeom demo: {recipe} sweep on preset {preset!r}"
               f"{' (quick)' if args.quick else ''} ==", flush=True)
         manifest, _ = execute(recipe, preset, seeds=kw.get("seeds"), steps=kw.get("steps"), out=out / recipe,
-                              report=False, progress=True, quiet_trainer=not args.verbose)
+                              report=False, progress=True, quiet_trainer=not args.verbose, jobs=args.jobs,
+                              threads=1 if args.jobs > 1 else None)
         failed += sum(r.get("status") == "failed" for r in manifest["runs"])
         dirs.append(out / recipe)
     path = make_report(dirs, out=out, title="weightgeom demo" + (" (quick)" if args.quick else ""))

@@ -828,15 +828,37 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
             lines.append("")
     if wu_runs:
         rows = []
-        groups: dict[tuple[str, Any], list[RunData]] = {}
+        keyed: dict[tuple[str, Any, Any], dict[str, list[RunData]]] = {}
         for r in wu_runs:
-            groups.setdefault((str(_tag(r, "optimizer", "?")), _tag(r, "warmup")), []).append(r)
-        for (o, wu), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+            keyed.setdefault(k, {"warm": [], "cold": []})["warm"].append(r)
+        for r in lr_runs:
+            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+            if k in keyed:
+                keyed[k]["cold"].append(r)
+
+        def cell(rs: list[RunData]) -> str:
+            if not rs:
+                return "—"
             fin = [final_value(loss_series(r, "val")) for r in rs if not r.diverged]
-            rows.append([o, wu, fmt_stats(fin), f"{sum(r.diverged for r in rs)}/{len(rs)}"])
-        lines.append("### Warmup vs no warmup (each optimizer at its tuned LR)")
+            nd = sum(r.diverged for r in rs)
+            return fmt_stats(fin) + (f" ({nd}/{len(rs)} diverged)" if nd else "")
+
+        for (o, w, lr), d in sorted(keyed.items(), key=lambda kv: str(kv[0])):
+            wu = _tag(d["warm"][0], "warmup")
+            cold = [final_value(loss_series(r, "val")) for r in d["cold"] if not r.diverged]
+            warm = [final_value(loss_series(r, "val")) for r in d["warm"] if not r.diverged]
+            diff = (np.mean(warm) - np.mean(cold)) if cold and warm else float("nan")
+            verdict = "—" if not math.isfinite(diff) else ("warmup helps" if diff < -0.01 else (
+                "warmup hurts" if diff > 0.01 else "no difference (±0.01)"))
+            rows.append([o, w, f"{lr:g}", cell(d["cold"]), wu, cell(d["warm"]), fmt(diff, 4), verdict])
+        lines.append("### Warmup vs no warmup")
         lines.append("")
-        lines.append(md_table(["optimizer", "warmup steps", "final val loss", "diverged"], rows))
+        lines.append("Middle width, centre LR of each optimizer's grid; the no-warmup column is the LR-sweep run at "
+                     "that point. The paper: MD makes warmup unnecessary.")
+        lines.append("")
+        lines.append(md_table(["optimizer", "width", "lr", "final val loss, no warmup", "warmup steps",
+                               "final val loss, warmup", "Δ (warmup − none)", "verdict"], rows))
         lines.append("")
     p = plot_loss_vs_compute(runs, out / "md_loss_vs_compute.png")
     if p:

@@ -380,6 +380,24 @@ def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _worker_init(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _worker_call(train_fn: TrainFn, spec: RunSpec, run_dir: Path, progress: bool) -> tuple[str, Any, float]:
+    """Run one training in a worker process; exceptions come back as a one-line message (always picklable)."""
+    t0 = time.perf_counter()
+    try:
+        return "ok", train_fn(spec, run_dir, progress) or {}, time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("WG_DEBUG"):
+            traceback.print_exc()
+        return "error", f"{type(e).__name__}: {e}".splitlines()[0], time.perf_counter() - t0
+
+
 def run_sweep(
     runs: Sequence[RunSpec],
     out: str | Path,
@@ -389,8 +407,10 @@ def run_sweep(
     trainer_progress: bool | None = None,
     post_run: Callable[[RunSpec, Path], None] | None = None,
     meta: dict[str, Any] | None = None,
+    jobs: int = 1,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Run ``runs`` sequentially into ``out/<name>/`` and return the manifest (also written to ``out/sweep.json``).
+    """Run ``runs`` into ``out/<name>/`` and return the manifest (also written to ``out/sweep.json``).
 
     A run whose ``status.json`` state is ``done``/``diverged`` is skipped when ``resume`` (its ``post_run`` is
     still called if its outputs are missing — the callback decides). A run that raises is recorded as
@@ -399,12 +419,17 @@ def run_sweep(
     Args:
         runs: output of :func:`plan`.
         out: sweep directory.
-        train_fn: ``(spec, run_dir, progress) -> result dict``; defaults to the trainer.
+        train_fn: ``(spec, run_dir, progress) -> result dict``; defaults to the trainer. With ``jobs > 1`` it must
+            be picklable (a module-level function).
         resume: skip finished runs.
         progress: print one line per run.
-        trainer_progress: let the trainer show its progress bar (default: same as ``progress``).
+        trainer_progress: let the trainer show its progress bar (default: same as ``progress``; always off with
+            ``jobs > 1``).
         post_run: called after each finished run (e.g. continuity analysis of its checkpoints).
         meta: extra fields for the manifest (recipe, config label, command).
+        jobs: runs trained at the same time, each in its own process (small CPU models: ``jobs=2, threads=1`` on
+            2 cores beats one 2-thread run, whose tiny matmuls spend their time synchronising threads).
+        threads: ``torch.set_num_threads`` for the training (None: leave PyTorch's default).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -414,8 +439,11 @@ def run_sweep(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
         **(meta or {}),
+        "jobs": jobs,
+        "threads": threads,
         "runs": [],
     }
+    by_name: dict[str, dict[str, Any]] = {}
     if manifest_path.exists():
         try:
             old = json.loads(manifest_path.read_text())
@@ -423,8 +451,6 @@ def run_sweep(
             by_name = {r["name"]: r for r in old.get("runs", [])}
         except (OSError, json.JSONDecodeError):
             by_name = {}
-    else:
-        by_name = {}
     records = []
     for spec in runs:
         rec = {**by_name.get(spec.name, {}), **spec.record(), "run_dir": str(out / spec.name)}
@@ -438,37 +464,24 @@ def run_sweep(
 
     t_sweep = time.perf_counter()
     n = len(runs)
-    n_failed = 0
-    for i, spec in enumerate(runs):
-        rec = records[i]
-        run_dir = out / spec.name
-        status = read_status(run_dir)
-        tag = f"[{i + 1}/{n}] {spec.recipe} {spec.name}"
-        if resume and status.get("state") in FINISHED:
-            rec.update(status=status["state"], step=status.get("step"), reason=status.get("reason"))
-            if progress:
-                print(f"{tag}: already {status['state']} at step {status.get('step')} (skipped)", flush=True)
-            if post_run is not None:
-                post_run(spec, run_dir)
-            _write_json(manifest_path, manifest)
-            continue
-        if progress:
-            print(f"{tag}: {spec.description or spec.variant} ...", flush=True)
-        t0 = time.perf_counter()
-        try:
-            result = train_fn(spec, run_dir, progress if trainer_progress is None else trainer_progress) or {}
+    done_count = 0
+    tp = progress if trainer_progress is None else trainer_progress
+
+    def tag(i: int) -> str:
+        return f"[{i + 1}/{n}] {runs[i].recipe} {runs[i].name}"
+
+    def finish(i: int, kind: str, payload: Any, wall: float) -> None:
+        nonlocal done_count
+        spec, rec, run_dir = runs[i], records[i], out / runs[i].name
+        if kind == "ok":
+            result = payload
             state = result.get("status") or read_status(run_dir).get("state") or "done"
             rec.update(status=state, step=result.get("step"), final=_finite(result.get("final", {})),
                        reason=read_status(run_dir).get("reason"))
-        except Exception as e:  # noqa: BLE001 - a failing run is a result of the sweep, not its end
-            n_failed += 1
-            msg = f"{type(e).__name__}: {e}".splitlines()[0]
-            rec.update(status="failed", reason=msg)
+        else:
+            rec.update(status="failed", reason=payload)
             if progress:
-                print(f"{tag}: FAILED {msg}", file=sys.stderr, flush=True)
-                if os.environ.get("WG_DEBUG"):
-                    traceback.print_exc()
-        wall = time.perf_counter() - t0
+                print(f"{tag(i)}: FAILED {payload}", file=sys.stderr, flush=True)
         rec["wall_s"] = round(wall, 2)
         if run_dir.is_dir():
             _write_json(run_dir / EXPERIMENT_FILE, {**spec.record(), "wall_s": rec["wall_s"]})
@@ -478,18 +491,77 @@ def run_sweep(
             except Exception as e:  # noqa: BLE001
                 rec["post_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                 if progress:
-                    print(f"{tag}: post-run analysis failed: {rec['post_error']}", file=sys.stderr, flush=True)
+                    print(f"{tag(i)}: post-run analysis failed: {rec['post_error']}", file=sys.stderr, flush=True)
         _write_json(manifest_path, manifest)
+        done_count += 1
         if progress:
             elapsed = time.perf_counter() - t_sweep
-            left = n - i - 1
-            eta = elapsed / (i + 1) * left
+            left = sum(1 for r in records[:n] if r["status"] in ("pending", "running"))
+            eta = elapsed / max(1, done_count) * left / max(1, jobs)
             fin = rec.get("final") or {}
             val = fin.get("val_loss", fin.get("val/loss"))
             extra = f" val_loss {val:.4f}" if isinstance(val, float) else ""
-            print(f"{tag}: {rec['status']} at step {rec.get('step')}{extra} in {_fmt_s(wall)}"
+            print(f"{tag(i)}: {rec['status']} at step {rec.get('step')}{extra} in {_fmt_s(wall)}"
                   f" (sweep {_fmt_s(elapsed)}, ~{_fmt_s(eta)} left)", flush=True)
+
+    todo = []
+    for i, spec in enumerate(runs):
+        status = read_status(out / spec.name)
+        if resume and status.get("state") in FINISHED:
+            records[i].update(status=status["state"], step=status.get("step"), reason=status.get("reason"))
+            if progress:
+                print(f"{tag(i)}: already {status['state']} at step {status.get('step')} (skipped)", flush=True)
+            if post_run is not None:
+                try:
+                    post_run(spec, out / spec.name)
+                except Exception as e:  # noqa: BLE001
+                    records[i]["post_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            _write_json(manifest_path, manifest)
+        else:
+            todo.append(i)
+
+    if jobs <= 1 or len(todo) <= 1:
+        old_threads = None
+        if threads:
+            import torch
+
+            old_threads = torch.get_num_threads()
+            torch.set_num_threads(int(threads))
+        try:
+            for i in todo:
+                if progress:
+                    print(f"{tag(i)}: {runs[i].description or runs[i].variant} ...", flush=True)
+                records[i]["status"] = "running"
+                finish(i, *_worker_call(train_fn, runs[i], out / runs[i].name, tp))
+        finally:
+            if old_threads:
+                import torch
+
+                torch.set_num_threads(old_threads)
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
+                                 initargs=(threads,)) as ex:
+            pending = {}
+            queue = list(todo)
+            while queue or pending:
+                while queue and len(pending) < jobs:
+                    i = queue.pop(0)
+                    if progress:
+                        print(f"{tag(i)}: {runs[i].description or runs[i].variant} ... (started)", flush=True)
+                    records[i]["status"] = "running"
+                    pending[ex.submit(_worker_call, train_fn, runs[i], out / runs[i].name, False)] = i
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i = pending.pop(fut)
+                    try:
+                        finish(i, *fut.result())
+                    except Exception as e:  # noqa: BLE001 - a crashed worker process
+                        finish(i, "error", f"{type(e).__name__}: {e}".splitlines()[0], 0.0)
     manifest["wall_s"] = round(time.perf_counter() - t_sweep, 2)
-    manifest["failed"] = n_failed
+    manifest["failed"] = sum(r.get("status") == "failed" for r in records[:n])
     _write_json(manifest_path, manifest)
     return manifest
