@@ -291,6 +291,10 @@ def test_our_gpt_model_and_state_dict_agree():
     b = analyze(m.state_dict())
     assert set(a.role) == {"Q", "K", "V", "O", "Up", "Down"}
     np.testing.assert_allclose(_num(a), _num(b), atol=SAME_TOL)
+    r = analyze(models.build_model("resmlp", preset="resmlp-tiny"))  # blocks.{i}.fc → role MLP
+    assert set(r.role) == {"MLP"} and len(r) >= 2
+    q = analyze(models.build_model("llama", preset="llama-nano"))  # our Llama: HF naming
+    assert list(dict.fromkeys(q.role)) == ["Q", "K", "V", "O", "Gate", "Up", "Down"]
 
 
 def test_safetensors_and_gguf_agree(hf_llama):
