@@ -7,8 +7,9 @@
 3. One combined report (markdown + PNGs) of both sweeps; its path is printed at the end.
 
 Runs train two at a time (one process and one thread each: these models are so small that a 2-thread run spends
-its time synchronising threads). About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in about a minute (1 seed, few steps: a smoke
-test, not a result). Finished runs are skipped, so an interrupted demo resumes where it stopped.
+its time synchronising threads). About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in a minute or
+two (1 seed, 30 steps per run: a smoke test, not a result). Finished runs are skipped, so an interrupted demo
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ QUICK = {"manifolds": {"steps": 30, "seeds": [0]}, "continuity": {"steps": 30, "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``weightgeom demo``."""
-    p.add_argument("--quick", action="store_true", help="~1-minute smoke version (1 seed, 30 steps per run)")
+    p.add_argument("--quick", action="store_true", help="1-2 minute smoke version (1 seed, 30 steps per run)")
     p.add_argument("--out", default=None, help="demo directory (default: runs/demo or runs/demo-quick)")
     p.add_argument("--only", choices=["manifolds", "continuity"], default=None, help="run one of the two sweeps")
     p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars (with --jobs 1)")
