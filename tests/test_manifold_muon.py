@@ -187,3 +187,13 @@ def test_bf16_parameter_on_manifold():
         opt.step()
     assert W.dtype == torch.bfloat16
     assert _violation("stiefel", W.detach().float()) < 2e-2  # bf16 storage rounding (eps 7.8e-3)
+
+
+def test_predicted_warm_start_tracks_square_stiefel_exactly():
+    """Warm start Λ_prev + (cold_now − cold_prev) stays exact for square Stiefel: one dual iteration every step."""
+    W = torch.nn.Parameter(torch.randn(12, 12))
+    opt = Muon([{"params": [W], "names": ["w"]}], manifold="stiefel", lr=0.05, dual_tol=1e-5)
+    for _ in range(5):
+        W.grad = torch.randn(12, 12)
+        opt.step()
+        assert opt.last_stats["w"]["dual_iters"] == 1 and opt.last_stats["w"]["tangent_residual"] < 1e-5

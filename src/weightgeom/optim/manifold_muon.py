@@ -58,6 +58,7 @@ def manifold_direction(
     project: bool = False,
     final_msign_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     stats: dict | None = None,
+    cold0: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ.
 
@@ -84,7 +85,11 @@ def manifold_direction(
             ``stats["dual_residual"]`` keeps the dual ascent's.
         final_msign_fn: if given, A is recomputed once at the best Λ with this (more accurate) orthogonaliser —
             for cheap ``msign_fn`` inside the loop.
-        stats: optional dict that receives ``dual_residual`` (before projection) and ``dual_lr_final``.
+        stats: optional dict that receives ``dual_residual`` (before projection), ``dual_lr_final`` and
+            ``cold_multiplier`` (this call's cold start, to pass as ``cold0`` next time).
+        cold0: the cold start of the call that produced ``Lambda0``. When given with ``Lambda0`` the warm start is
+            predicted as Lambda0 + (cold start now − cold0): first-order tracking of the moving optimum, exact for
+            square Stiefel W (where the cold start is the solution). Costs one XᵀG product.
 
     Returns:
         (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1; the best multiplier Λ to
@@ -101,7 +106,13 @@ def manifold_direction(
     n = X.shape[-1]
     if normalize:
         Y = Y * (n**0.5 / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) + _NORM_EPS))
-    Lam = initial_multiplier(X, Y, manifold) if Lambda0 is None else Lambda0.to(X.dtype)
+    cold = initial_multiplier(X, Y, manifold) if (Lambda0 is None or cold0 is not None) else None
+    if Lambda0 is None:
+        Lam = cold
+    elif cold0 is not None:
+        Lam = Lambda0.to(X.dtype) + (cold - cold0.to(X.dtype))
+    else:
+        Lam = Lambda0.to(X.dtype)
     best = (float("inf"), X, Lam)  # (residual, A, Λ)
     prev = float("inf")
     shrink = 1.0
@@ -127,6 +138,7 @@ def manifold_direction(
     if stats is not None:
         stats["dual_residual"] = residual
         stats["dual_lr_final"] = lr * shrink
+        stats["cold_multiplier"] = cold
     if project:
         A = manifold.proj_tangent(X, A)
         residual = float(torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)).max()) / n

@@ -266,13 +266,14 @@ class Muon(torch.optim.Optimizer):
                 inner = partial(msign, method=group["msign_method"], steps=group["dual_ns_steps"], dtype=dtype)
                 final = ms
             lam0 = state.get("dual_multiplier")
-            info: dict[str, float] = {}
+            info: dict[str, Any] = {}
             direction, lam, residual, iters = manifold_direction(
                 W32, G32, manifold, lam0, steps=group["dual_steps"], lr=group["dual_lr"], tol=group["dual_tol"],
                 msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
-                final_msign_fn=final, stats=info,
+                final_msign_fn=final, stats=info, cold0=state.get("dual_cold"),
             )
             state["dual_multiplier"] = lam
+            state["dual_cold"] = info["cold_multiplier"]
             self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters,
                                      "dual_residual": info["dual_residual"]}
         apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"])
