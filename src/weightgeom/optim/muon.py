@@ -54,7 +54,7 @@ class Muon(torch.optim.Optimizer):
         msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
             torch.optim.Muon uses) or ``"svd"`` (exact, slow).
         msign_dtype: msign compute dtype (None: msign's default, fp32 on CPU / bf16 on CUDA; manifold groups use
-            fp32 when None because the dual ascent needs it to reach ``dual_tol``).
+            fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach ``dual_tol``).
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
             (seed 000 steps W − lr·A with ‖A‖₂ = 1).
@@ -257,7 +257,7 @@ class Muon(torch.optim.Optimizer):
         else:
             if state["step"] == 0:  # start on the manifold (documented: constrained matrices are retracted first)
                 W.copy_(_retract(manifold, W))
-            dtype = group["msign_dtype"] or torch.float32
+            dtype = group["msign_dtype"] or (torch.float64 if p.dtype == torch.float64 else torch.float32)
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
             G32 = U.to(W32.dtype)
