@@ -106,7 +106,7 @@ def manifold_direction(
     n = X.shape[-1]
     if normalize:
         Y = Y * (n**0.5 / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) + _NORM_EPS))
-    cold = initial_multiplier(X, Y, manifold) if (Lambda0 is None or cold0 is not None) else None
+    cold = initial_multiplier(X, Y, manifold)
     if Lambda0 is None:
         Lam = cold
     elif cold0 is not None:

@@ -219,7 +219,7 @@ class Muon(torch.optim.Optimizer):
             bad = next(i for i, p in items if p.grad.is_sparse)
             raise ValueError(f"Muon: parameter {self._name(group, bad, gi)!r} has a sparse gradient (unsupported)")
         norms = torch._foreach_norm(grads)
-        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
+        if bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all()):
             return
         for i, p in items:  # slow path: find the culprit (the norm itself may overflow on huge finite grads)
             if not bool(torch.isfinite(p.grad).all()):
