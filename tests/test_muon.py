@@ -308,3 +308,13 @@ def test_named_parameters_accepted():
     lin.weight.grad = torch.full((5, 6), float("nan"))
     with pytest.raises(ValueError, match="'weight'"):
         opt.step()
+
+
+# ---- `weightgeom bench` (runs benchmarks/optimizer_step.py and friends by name) --------------------------------
+def test_bench_cli_lists_and_rejects_unknown(capsys):
+    from weightgeom.cli import main
+
+    assert main(["bench"]) == 0
+    assert "optimizer_step" in capsys.readouterr().out
+    assert main(["bench", "no_such_benchmark"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
