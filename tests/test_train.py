@@ -275,3 +275,17 @@ def test_nanogpt_bin_data(tmp_path):
     assert res["status"] == "done" and abs(res["final"]["val_loss"] - 10.83) < 0.5  # ≈ ln(50304) at init
     with pytest.raises(ValueError, match=r"data.path=.*nope.*train.bin not found"):
         train("gpt2-small-owt", run_dir=tmp_path / "c", overrides=["data.path=/nope"], progress=False)
+
+
+def test_explosion_rule_ignores_small_loss_noise_but_catches_blowups():
+    from weightgeom.train.trainer import explosion
+
+    sm, ema, n, best = 0.9, 0.0, 0, float("inf")
+    for loss in [0.04, 0.03, 0.035, 0.03, 0.032, 0.028, 0.03, 0.031, 0.029, 0.03, 0.03, 0.03]:
+        assert explosion(loss, ema, n, best, 5.0, 10, sm) is None
+        ema, n = sm * ema + (1 - sm) * loss, n + 1
+        best = min(best, ema / (1 - sm**n))
+    assert explosion(0.15, ema, n, best, 5.0, 10, sm) is None  # one noisy batch at 5x: not an explosion
+    assert "smoothed loss" in explosion(1e3, ema, n, best, 5.0, 10, sm)  # a real blow-up trips at once
+    assert explosion(1e3, ema, n, best, 0.0, 10, sm) is None  # disabled
+    assert explosion(1e3, ema, 3, best, 5.0, 10, sm) is None  # still in the warmup
