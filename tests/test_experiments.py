@@ -147,7 +147,7 @@ kind = "llama"
     _, parts, sweep = load_parts(str(sweep_file))
     vs = get_recipe("continuity").variants(parts, sweep, None)
     assert [v.name for v in vs] == ["res-relu", "nores", "res-none", "res-radial", "init-small", "init-large",
-                                    "adam-b2-0", "llama-silu", "llama-none"]
+                                    "adam-b2-0", "adam-b1-0-b2-0", "llama-silu", "llama-none"]
     runs = plan("continuity", vs, parts, [0], steps=16)
     assert next(r for r in runs if r.variant == "nores").config["model"]["residual"] is False
     assert next(r for r in runs if r.variant == "adam-b2-0").config["optim"]["betas"] == [0.9, 0.0]

@@ -13,7 +13,8 @@ variant            change                                                     se
 ``res-radial``     σ(x) = x·tanh(‖x‖) (rotation-equivariant)                  weight v1 ≈ 0.22
 ``init-small``     init scale × ``init_small`` (default 0.1)                  ΔW dominates W₀ earlier
 ``init-large``     init scale × ``init_large`` (default 3.0)                  ΔW dominates W₀ later
-``adam-b2-0``      Adam with β2 = 0 (sign-like updates)                       not an optimizer artifact
+``adam-b2-0``      Adam with β2 = 0 (m_t/|g_t|: blows up where g_t ≈ 0)         not an optimizer artifact
+``adam-b1-0-b2-0``  Adam with β1 = β2 = 0 (sign descent, the stable variant)   not an optimizer artifact
 =================  =========================================================  ==================================
 
 Part ``llama`` — Llama-style transformer (paper: 8 layers, 34M, WikiText-103) with the MLP activation ablated
@@ -60,6 +61,8 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
              f"Res+ReLU, init scale {large:g}"),
             ("adam-b2-0", {"model.residual": True, "model.activation": "relu", "optim.name": "adamw",
                            "optim.betas": [0.9, 0.0]}, "Res+ReLU, Adam β2=0"),
+            ("adam-b1-0-b2-0", {"model.residual": True, "model.activation": "relu", "optim.name": "adamw",
+                                "optim.betas": [0.0, 0.0]}, "Res+ReLU, Adam β1=β2=0 (sign descent)"),
         ]
         for name, ov, desc in arms:
             out.append(Variant(name, ov, desc, part="resmlp", controls=dict(ctl), group="resmlp"))

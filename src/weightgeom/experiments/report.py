@@ -66,6 +66,7 @@ SEED_CONTINUITY = {
     "init-small": "(seed: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
     "init-large": "(seed: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
     "adam-b2-0": "(seed: optimizer setting ablation; continuity is not an optimizer artifact)",
+    "adam-b1-0-b2-0": "(seed: optimizer setting ablation; continuity is not an optimizer artifact)",
 }
 
 # Seed 001: expected continuity space per Llama projection
@@ -251,7 +252,9 @@ def fmt_stats(values: Sequence[float], digits: int = 4) -> str:
         return "—"
     if len(v) == 1:
         return f"{v[0]:.{digits}f}"
-    return f"{np.mean(v):.{digits}f} ± {np.std(v, ddof=1):.{digits}f} (n={len(v)})"
+    sd = float(np.std(v, ddof=1))
+    sd_s = f"{sd:.{digits}f}" if sd >= 10 ** -digits or sd == 0 else f"{sd:.1e}"
+    return f"{np.mean(v):.{digits}f} ± {sd_s} (n={len(v)})"
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -528,6 +531,14 @@ def mechanism_verdict(mech_rows, groups: dict[str, list[RunData]]) -> str:
     for text, ok, ev in steps:
         mark = "yes" if ok else ("not measured" if ok is None else "**no**")
         out.append(f"- {text}: {mark} ({ev})")
+    un = [m for m in mech_rows if m[1] == "none"]
+    if un:
+        d_last = max((m[2][1] for m in dg if math.isfinite(m[2][1])), default=float("nan"))
+        u_last = max((m[2][1] for m in un if math.isfinite(m[2][1])), default=float("nan"))
+        s_last = max((m[2][1] for m in st if math.isfinite(m[2][1])), default=float("nan"))
+        out.append(f"- for reference, final σ_max(W_Q)·σ_max(W_K): DGram attention {fmt(d_last)}, unconstrained "
+                   f"{fmt(u_last)}, Stiefel attention {fmt(s_last)} (Stiefel pins each σ at ≤ 1; DGram leaves the "
+                   "column norms, hence the scale, free like no constraint at all)")
     oks = [ok for _, ok, _ in steps[:3]]
     if all(ok is True for ok in oks):
         out.append("")

@@ -467,6 +467,12 @@ def run_sweep(
     done_count = 0
     tp = progress if trainer_progress is None else trainer_progress
 
+    def mark_started(i: int) -> None:
+        records[i]["status"] = "running"
+        run_dir = out / runs[i].name
+        run_dir.mkdir(parents=True, exist_ok=True)  # experiment.json first, so a partial run is reportable
+        _write_json(run_dir / EXPERIMENT_FILE, runs[i].record())
+
     def tag(i: int) -> str:
         return f"[{i + 1}/{n}] {runs[i].recipe} {runs[i].name}"
 
@@ -531,7 +537,7 @@ def run_sweep(
             for i in todo:
                 if progress:
                     print(f"{tag(i)}: {runs[i].description or runs[i].variant} ...", flush=True)
-                records[i]["status"] = "running"
+                mark_started(i)
                 finish(i, *_worker_call(train_fn, runs[i], out / runs[i].name, tp))
         finally:
             if old_threads:
@@ -552,7 +558,7 @@ def run_sweep(
                     i = queue.pop(0)
                     if progress:
                         print(f"{tag(i)}: {runs[i].description or runs[i].variant} ... (started)", flush=True)
-                    records[i]["status"] = "running"
+                    mark_started(i)
                     pending[ex.submit(_worker_call, train_fn, runs[i], out / runs[i].name, False)] = i
                 finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for fut in finished:
