@@ -296,7 +296,7 @@ class ContinuityRecorder(_GlobalHooks):
 
 # --------------------------------------------------------------------------------------------- entry point
 def train_with_controls(config: dict[str, Any], run_dir: str | Path, controls: dict[str, Any],
-                        progress: bool = True) -> dict[str, Any]:
+                        progress: bool = True, fresh: bool = False) -> dict[str, Any]:
     """``weightgeom.train.train(config, run_dir)`` with the given controls attached.
 
     Args:
@@ -304,6 +304,7 @@ def train_with_controls(config: dict[str, Any], run_dir: str | Path, controls: d
         run_dir: where the trainer writes the run.
         controls: ``{"sigma_cap": float}`` and/or ``{"continuity_every": int}``.
         progress: trainer progress output.
+        fresh: start over instead of resuming from the run's newest checkpoint.
 
     Raises:
         ValueError: an unknown control name.
@@ -323,7 +324,7 @@ def train_with_controls(config: dict[str, Any], run_dir: str | Path, controls: d
     for h in hooks:
         h.__enter__()
     try:
-        result = train(config, run_dir=str(run_dir), progress=progress)
+        result = train(config, run_dir=str(run_dir), progress=progress, resume=False if fresh else "auto")
     finally:
         for h in hooks:
             h.__exit__(None, None, None)

@@ -77,11 +77,13 @@ class RunSpec:
     controls: dict[str, Any] = field(default_factory=dict)
     group: str = ""
     tags: dict[str, Any] = field(default_factory=dict)
+    fresh: bool = False  # start over instead of resuming from the run's checkpoint (--no-resume)
 
     def record(self) -> dict[str, Any]:
         """The JSON-able description written to ``experiment.json`` and the manifest."""
         d = asdict(self)
         d.pop("config")
+        d.pop("fresh")
         return d
 
 
@@ -156,7 +158,8 @@ def resolve_config(arg: str, recipe: str | None = None) -> tuple[str, Path]:
         return arg, Path(resolve_config_path(arg))
     except (ImportError, ValueError):
         pass
-    raise FileNotFoundError(f"unknown preset {arg!r}; available: {', '.join(available_presets()) or '(none)'}")
+    raise FileNotFoundError(f"unknown preset {arg!r}; available: {', '.join(available_presets()) or '(none)'} "
+                            "(a '<recipe>-' prefix may be left out)")
 
 
 def load_parts(arg: str, recipe: str | None = None) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
@@ -339,10 +342,10 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _default_train(config: dict[str, Any], run_dir: str, progress: bool) -> dict[str, Any]:
+def _default_train(config: dict[str, Any], run_dir: str, progress: bool, fresh: bool = False) -> dict[str, Any]:
     from weightgeom.train import train
 
-    return train(config, run_dir=run_dir, progress=progress)
+    return train(config, run_dir=run_dir, progress=progress, resume=False if fresh else "auto")
 
 
 TrainFn = Callable[[RunSpec, Path, bool], dict[str, Any]]
@@ -353,8 +356,8 @@ def default_train_fn(spec: RunSpec, run_dir: Path, progress: bool) -> dict[str, 
     if spec.controls:
         from weightgeom.experiments.controls import train_with_controls
 
-        return train_with_controls(spec.config, run_dir, spec.controls, progress=progress)
-    return _default_train(spec.config, str(run_dir), progress)
+        return train_with_controls(spec.config, run_dir, spec.controls, progress=progress, fresh=spec.fresh)
+    return _default_train(spec.config, str(run_dir), progress, spec.fresh)
 
 
 def _fmt_s(s: float) -> str:
@@ -469,6 +472,7 @@ def run_sweep(
 
     def mark_started(i: int) -> None:
         records[i]["status"] = "running"
+        runs[i].fresh = not resume
         run_dir = out / runs[i].name
         run_dir.mkdir(parents=True, exist_ok=True)  # experiment.json first, so a partial run is reportable
         _write_json(run_dir / EXPERIMENT_FILE, runs[i].record())
