@@ -1079,6 +1079,8 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
         out = Path(paths[0]) if len(paths) == 1 and not is_run_dir(Path(paths[0])) else Path("report")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    unfinished = [r for r in runs if r.state not in ("done", "diverged")]
+    runs = [r for r in runs if r.state in ("done", "diverged")]
     by_recipe: dict[str, list[RunData]] = {}
     for r in runs:
         by_recipe.setdefault(r.recipe or "", []).append(r)
@@ -1091,7 +1093,14 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
                 manifests.append((m, json.loads(m.read_text())))
             except json.JSONDecodeError:
                 pass
-    parts.append(f"{len(runs)} run directories: " + ", ".join(sorted({str(d.parent) for d in dirs})) + ".")
+    parts.append(f"{len(runs) + len(unfinished)} run directories: "
+                 + ", ".join(sorted({str(d.parent) for d in dirs})) + ".")
+    if unfinished:
+        def why(r: RunData) -> str:
+            return f"`{r.name}` ({r.state}" + (f": {r.status['reason']})" if r.status.get("reason") else ")")
+
+        parts.append(f"Left out of the tables and plots ({len(unfinished)} runs not finished): "
+                     + ", ".join(why(r) for r in unfinished) + ".")
     for m, man in manifests:
         cfg = man.get("config", "?")
         parts.append(f"Sweep `{man.get('recipe', '?')}` on config `{cfg}` ({len(man.get('runs', []))} runs, "
@@ -1102,6 +1111,8 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
             parts.append(SECTIONS[recipe](by_recipe.pop(recipe), out))
     for recipe, rs in by_recipe.items():
         parts.append(generic_section(rs, out, title=f"Runs ({recipe})" if recipe else "Runs"))
+    if not runs:
+        parts.append("No finished run yet.")
     parts.append(config_appendix(runs))
     path = out / "report.md"
     path.write_text("\n".join(parts).rstrip() + "\n")
