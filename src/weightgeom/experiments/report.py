@@ -942,7 +942,12 @@ def plot_lr_sweep(table, path: Path) -> Path | None:
     plt = _plt()
     opts = sorted({k[0] for k in table})
     widths = sorted({k[1] for k in table})
-    fig, axes = plt.subplots(1, len(opts), figsize=(5 * len(opts), 4.5), squeeze=False, sharey=True)
+    ncols = min(2, len(opts))
+    nrows = math.ceil(len(opts) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.5 * nrows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(opts):]:
+        ax.set_visible(False)
+    axes = np.array([list(axes.flat[:len(opts)])])
     finite_all = [x for xs in table.values() for x in xs if math.isfinite(x)]
     top = (max(finite_all) if finite_all else 1.0) * 1.02
     for ax, o in zip(axes[0], opts):
@@ -957,6 +962,9 @@ def plot_lr_sweep(table, path: Path) -> Path | None:
                 if not math.isfinite(y):
                     ax.plot([lr], [top], "x", color=c, ms=10, mew=2)
         ax.set_xscale("log")
+        grid = sorted({lr for (o2, _, lr) in table if o2 == o})
+        ax.set_xticks(grid, [f"{lr:g}" for lr in grid])
+        ax.minorticks_off()
         ax.set_title(o)
         ax.set_xlabel("learning rate")
     axes[0][0].set_ylabel("final val loss (✕: diverged)")
@@ -1019,13 +1027,15 @@ def plot_loss_vs_compute(runs: Sequence[RunData], path: Path) -> Path | None:
     xlabel = "compute 6·N·tokens (FLOPs)"
     for (o, r), c in zip(sorted(best.items()), _colors(len(best))):
         s = loss_series(r, "val")
+        s = s[s.index > 0]
         d = r.config.get("data", {})
         tok = float(d.get("batch_size", 1)) * float(d.get("block_size", 1))
         n = _num_params(r)
         if not math.isfinite(n):
             n = 1.0
             xlabel = "tokens seen (N unknown)"
-        ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, "-", color=c, lw=2, label=f"{o} (lr {_tag(r, 'lr'):g})")
+        ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, "o-", color=c, lw=2, ms=4,
+                label=f"{o} (lr {_tag(r, 'lr'):g})", ls=LINESTYLES[len(ax.get_lines()) % len(LINESTYLES)])
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("val loss")
