@@ -1034,7 +1034,7 @@ def plot_loss_vs_compute(runs: Sequence[RunData], path: Path) -> Path | None:
         if not math.isfinite(n):
             n = 1.0
             xlabel = "tokens seen (N unknown)"
-        ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, "o-", color=c, lw=2, ms=4,
+        ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, marker="o", color=c, lw=2, ms=4,
                 label=f"{o} (lr {_tag(r, 'lr'):g})", ls=LINESTYLES[len(ax.get_lines()) % len(LINESTYLES)])
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
