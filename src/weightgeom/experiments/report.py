@@ -325,11 +325,22 @@ def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[
         ax.plot([step], [y], marker="x", color=color, ms=11, mew=2.5, ls="none")
 
 
-def _savefig(fig, path: Path) -> Path:
-    fig.tight_layout()
+def _savefig(fig, path: Path, rect=None) -> Path:
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     _plt().close(fig)
     return path
+
+
+def _legend_below(fig, ax) -> tuple:
+    """One legend for the figure, below the panels (keeps curves visible); returns the tight_layout rect."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return (0, 0, 1, 1)
+    ncol = min(len(labels), 5)
+    rows = math.ceil(len(labels) / ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+    return (0, 0.035 * rows + 0.01, 1, 1)
 
 
 def _divergence_marks(runs: Sequence[RunData], split: str) -> list[tuple[int, float]]:
@@ -580,9 +591,8 @@ def plot_mechanism(groups: dict[str, list[RunData]], path: Path) -> Path | None:
         ax.set_xlabel("step")
         if logy and ax.get_lines():
             ax.set_yscale("log")
-    axes[0, 0].legend(loc="upper left")
     fig.suptitle("Mechanism curves (diag metrics; band: min–max over seeds; ✕: diverged)")
-    return _savefig(fig, path)
+    return _savefig(fig, path, rect=_legend_below(fig, axes[0, 0]))
 
 
 # -------------------------------------------------------------------------------------------------- continuity
@@ -743,9 +753,8 @@ def plot_continuity(groups: dict[str, list[RunData]], path: Path) -> Path | None
         else:
             ax.axhline(RANDOM_LEVEL_256, color="gray", ls=":", lw=1, label="random level (d=256)")
             ax.set_ylim(0, 1.02)
-    axes[0, 0].legend(loc="best")
     fig.suptitle("Continuity over training (mean over adjacent layer pairs; band: min–max over seeds)")
-    return _savefig(fig, path)
+    return _savefig(fig, path, rect=_legend_below(fig, axes[0, 0]))
 
 
 def llama_section(runs: Sequence[RunData], out: Path) -> str:
