@@ -258,6 +258,13 @@ def test_diagnostics_logged_without_changing_the_trajectory(tmp_path):
     assert any(k.startswith("mat.") for k in rows[0])
     assert _losses(tmp_path / "d") == _losses(tmp_path / "p")
     assert diag["final"]["val_loss"] == plain["final"]["val_loss"]
+    # gradient norms are those of the raw gradients, taken before clipping (the train line logs the same total)
+    clipped = train({**TINY, "diagnostics": {"every": 4}, "train": {**TINY["train"], "grad_clip": 1e-3}},
+                    run_dir=tmp_path / "c", progress=False)
+    assert clipped["status"] == "done"
+    train_gn = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / "c", "train")}
+    for r in read_metrics(tmp_path / "c", "diag"):
+        assert r["grad_norm.total"] > 1e-2 and r["grad_norm.total"] == pytest.approx(train_gn[r["step"]], rel=1e-4)
 
 
 def test_nanogpt_bin_data(tmp_path):

@@ -463,14 +463,16 @@ class _Trainer:
             if why:
                 self.step = s_next
                 return self._diverged(f"loss explosion at step {s_next}: {why}")
+            diag_due = bool(diag_every) and s_next % diag_every == 0 and not self.fsdp
+            pre_clip = self._grad_norms() if diag_due else None  # per-module norms of the raw (unclipped) gradients
             gnorm = clip_grad_norm(self.clip_params, tr["grad_clip"], info)
             if not math.isfinite(gnorm):
                 self.step = s_next
                 return self._diverged(f"non-finite gradient norm ({gnorm}) at step {s_next}")
             self.stepper.step()
             self.step = s_next
-            if diag_every and self.step % diag_every == 0 and not self.fsdp:
-                self._diagnostics(x, y)  # while this step's (clipped) gradients are still in .grad
+            if diag_due:
+                self._diagnostics(x, y, pre_clip)  # weights after this step's update; gradient norms before clipping
             self.stepper.zero_grad(set_to_none=True)
             for p in self.clip_params:  # also parameters an optimizer does not hold (sharded step, frozen groups)
                 p.grad = None
@@ -504,14 +506,22 @@ class _Trainer:
         self._status("done")
         return self._finish("done")
 
-    def _diagnostics(self, x, y) -> None:
+    def _grad_norms(self) -> dict[str, float] | None:
+        try:
+            from weightgeom.diagnostics.monitors import _clean, grad_norms
+        except ImportError:
+            return None
+        return grad_norms((_clean(n), p.grad) for n, p in self.model.named_parameters())
+
+    def _diagnostics(self, x, y, pre_clip: dict[str, float] | None = None) -> None:
         if getattr(self, "_diag_off", False):
             return
         try:
             from weightgeom.diagnostics import collect
 
             rng = torch.get_rng_state()
-            d = collect(self.model, self.optimizer, (x, y))
+            d = collect(self.model, self.optimizer, (x, y), grads=pre_clip is None)
+            d.update(pre_clip or {})
             torch.set_rng_state(rng)  # diagnostics never change the training trajectory
             self.model.train()
             self.logger.log(self.step, "diag", d)
