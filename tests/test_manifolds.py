@@ -11,6 +11,7 @@ import torch
 
 from weightgeom import manifolds
 from weightgeom.manifolds import DGram, Euclidean, Manifold, Oblique, Stiefel
+from weightgeom.manifolds import stiefel as stiefel_mod
 
 # ---- the table ----------------------------------------------------------------------------------------------------
 MANIFOLDS = [
@@ -363,3 +364,35 @@ def test_register_new_manifold(monkeypatch):
 def test_every_registered_manifold_is_in_the_table():
     tested = {type(p.values[0]()) for p in MANIFOLDS}
     assert set(manifolds._REGISTRY.values()) <= tested
+
+
+# ---- Stiefel shortcut for points near the manifold ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (3, 40, 16)])
+@pytest.mark.parametrize("dist", [1e-6, 1e-3, 0.015, 0.05, 0.2, 0.45])
+def test_stiefel_near_retraction_matches_svd_polar(shape, dtype, dist, monkeypatch):
+    m = Stiefel()
+    W0 = m.random_point(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    D = rand(*shape, seed=4)
+    X, _ = manifolds.tall(W0 + D)
+    # scale the perturbation so that ‖WᵀW − I‖_F ≈ dist (first order: ‖W0ᵀD + DᵀW0‖_F)
+    X0, _ = manifolds.tall(W0)
+    Dt, _ = manifolds.tall(D)
+    lin = float(torch.linalg.matrix_norm(X0.mT @ Dt + Dt.mT @ X0).max())
+    W = (W0 + (dist / lin) * D).to(dtype)
+    E = stiefel_mod.gram_deviation(manifolds.tall(W)[0])
+    assert float(torch.linalg.matrix_norm(E).max()) <= stiefel_mod.NEAR_TOL
+    assert stiefel_mod.polar_near(manifolds.tall(W)[0]) is not None
+    ref = Stiefel(method="svd").retract(W.to(torch.float64))
+    monkeypatch.setattr(stiefel_mod, "polar", lambda *a, **k: pytest.fail("near point took the Polar Express path"))
+    R = m.retract(W)
+    assert R.dtype == dtype and rel(R, ref) < TOL[dtype]
+    assert m.check(R, tol=TOL[dtype]).ok
+
+
+def test_stiefel_far_point_uses_polar_express():
+    W = rand(64, 16, seed=6)  # ‖WᵀW − I‖_F ≫ NEAR_TOL
+    assert float(torch.linalg.matrix_norm(stiefel_mod.gram_deviation(W))) > stiefel_mod.NEAR_TOL
+    assert stiefel_mod.polar_near(W) is None
+    R = Stiefel().retract(W)
+    assert rel(R, Stiefel(method="svd").retract(W)) < TOL[torch.float64]
