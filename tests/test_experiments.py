@@ -223,7 +223,8 @@ def test_mechanism_absent_is_reported_honestly(tmp_path, base_cfg):
     assert "not** visible" in text and "**no**" in text
 
 
-def _continuity_dir(root: Path, variant: str, grad: float, weight: float, resmlp: bool = True) -> None:
+def _continuity_dir(root: Path, variant: str, grad: float, weight: float, resmlp: bool = True,
+                    state: str = "done") -> None:
     d = root / f"{variant}-s0"
     d.mkdir(parents=True)
     rows = []
@@ -246,7 +247,8 @@ def _continuity_dir(root: Path, variant: str, grad: float, weight: float, resmlp
         exp = {"recipe": "continuity", "variant": variant, "seed": 0, "part": "llama"}
     (d / "continuity.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (d / "experiment.json").write_text(json.dumps(exp))
-    (d / "status.json").write_text(json.dumps({"state": "done", "step": 30}))
+    reason = "non-finite gradient norm (inf) at step 30" if state == "diverged" else None
+    (d / "status.json").write_text(json.dumps({"state": state, "step": 30, "reason": reason}))
     (d / "metrics.jsonl").write_text(json.dumps({"step": 30, "split": "val", "loss": 0.3, "acc": 0.9}) + "\n")
 
 
@@ -255,9 +257,12 @@ def test_report_continuity_tables_and_plots(tmp_path):
     _continuity_dir(root, "res-relu", 0.9, 0.8)
     _continuity_dir(root, "nores", 0.05, 0.05)
     _continuity_dir(root, "res-none", 0.93, 0.2)
+    _continuity_dir(root, "adam-b2-0", 0.9, 0.1, state="diverged")
     _continuity_dir(root, "llama-silu", 0, 0, resmlp=False)
     path = rep.make_report([root])
     text = path.read_text()
+    assert "| `adam-b2-0` | 1/1 |" in text and "| `nores` | 0/1 |" in text
+    assert "- `adam-b2-0-s0` diverged at step 30 — non-finite gradient norm (inf) at step 30" in text
     assert "| `nores` |" in text and "gradient continuity ≈ 0.05" in text
     assert "NoRes gradient C_v 0.05 vs Res+ReLU 0.90" in text and "reproduced" in text
     assert "crossing step" in text and "| 15 |" in text.replace(" (n=1)", "")  # dominance reaches 1 at step 15

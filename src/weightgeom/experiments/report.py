@@ -409,6 +409,12 @@ def _attn_manifold(run: RunData) -> str:
     return geo
 
 
+def divergence_line(run: RunData) -> str:
+    """``- `name` diverged at step N — reason`` for a diverged run (markdown list item)."""
+    st = run.status
+    return f"- `{run.name}` diverged at step {st.get('step', '?')} — {st.get('reason', 'no reason recorded')}"
+
+
 def manifolds_section(runs: Sequence[RunData], out: Path) -> str:
     """Markdown for the manifold-assignment experiment (seed 000), writing its plots into ``out``."""
     groups = group_runs(runs)
@@ -424,8 +430,7 @@ def manifolds_section(runs: Sequence[RunData], out: Path) -> str:
                 v = loss_series(r, "train")
             if r.diverged:
                 ndiv += 1
-                div_lines.append(f"- `{r.name}` diverged at step {r.status.get('step', '?')}"
-                                 f" — {r.status.get('reason', 'no reason recorded')}")
+                div_lines.append(divergence_line(r))
             else:
                 finals.append(final_value(v))
             bests.append(best_value(v))
@@ -656,6 +661,7 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
     if mlp:
         groups = group_runs(mlp)
         rows = []
+        div_lines = [divergence_line(r) for r in mlp if r.diverged]
         for name, rs in groups.items():
             w = [_cont_summary(r, "weight") for r in rs]
             g = [_cont_summary(r, "grad") for r in rs]
@@ -669,17 +675,22 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
             def m(ds, k):
                 return fmt_stats([x.get(k, float("nan")) for x in ds], 2)
 
-            rows.append([f"`{name}`", m(w, "cv"), m(w, "cu"), m(w, "align_in"), m(g0, "cv"), m(g, "cv"),
+            ndiv = f"{sum(r.diverged for r in rs)}/{len(rs)}"
+            rows.append([f"`{name}`", ndiv, m(w, "cv"), m(w, "cu"), m(w, "align_in"), m(g0, "cv"), m(g, "cv"),
                          m(g, "align_in"), m(d, "cv"), m(d, "dominance"),
                          fmt_stats([c for c in cross if math.isfinite(c)], 0) if any(map(math.isfinite, cross))
                          else "never", fmt_stats(loss, 3), fmt_stats(acc, 3) if any(map(math.isfinite, acc)) else "—",
                          SEED_CONTINUITY.get(name, "—")])
         lines.append("### Residual MLP on MNIST (16 blocks in the paper)")
         lines.append("")
-        lines.append(md_table(["variant", "weight C_v", "weight C_u", "weight σ²-align", "grad C_v (init)",
+        lines.append(md_table(["variant", "diverged", "weight C_v", "weight C_u", "weight σ²-align", "grad C_v (init)",
                                "grad C_v", "grad σ²-align", "ΔW C_v", "dominance ‖ΔW‖/‖W₀‖", "crossing step",
                                "val loss", "val acc", "seed paper figure"], rows))
         lines.append("")
+        if div_lines:
+            lines.append("Diverged runs (their metrics are those of the last finite step before the stop):")
+            lines += div_lines
+            lines.append("")
         lines.append(continuity_verdict(groups))
         lines.append("")
         p = plot_continuity(groups, out / "continuity_training.png")
