@@ -200,3 +200,16 @@ def test_predicted_warm_start_tracks_square_stiefel_exactly():
         W.grad = torch.randn(12, 12, dtype=torch.float64)
         opt.step()
         assert opt.last_stats["w"]["dual_iters"] == 1 and opt.last_stats["w"]["tangent_residual"] < 1e-10
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+def test_final_msign_continuing_the_inner_one_changes_nothing(name):
+    """Muon's dual_ns_steps path: a 10-step final msign continued from the 5-step inner iterate (5 steps instead of
+    10) returns exactly the direction of a fresh 10-step final msign."""
+    W, G = _point(name, 48, 16, dtype=torch.float32), _grad(48, 16, dtype=torch.float32)
+    m = manifolds.get(name)
+    kw = dict(steps=4, lr=0.3, tol=1e-9, schedule="constant", msign_fn=lambda X: msign(X, steps=5))
+    fresh = manifold_direction(W, G, m, final_msign_fn=lambda X: msign(X, steps=10), **kw)
+    cont = manifold_direction(W, G, m, final_msign_fn=lambda X: msign(X, steps=10, start_step=5),
+                              final_continues=True, **kw)
+    assert torch.equal(fresh[0], cont[0]) and torch.equal(fresh[1], cont[1]) and fresh[2:] == cont[2:]

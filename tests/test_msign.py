@@ -168,3 +168,19 @@ def test_differentiable_when_grad_is_required():
     assert G.grad is not None and torch.isfinite(G.grad).all()
     with torch.no_grad():
         assert max_err(O.detach(), msign(G)) < PE_TOL[torch.float64]
+
+
+@pytest.mark.parametrize("method", sorted(MSIGN_PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64), (3, 40, 16), (48, 48)])
+def test_start_step_continues_the_iteration(method, dtype, shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    full = msign(G, method, steps=10)
+    for k in (1, 5, 9):
+        part = msign(G, method, steps=k)
+        before = part.clone()
+        assert torch.equal(msign(part, method, steps=10, start_step=k), full)  # bitwise: same operations
+        assert torch.equal(part, before)  # the caller's iterate is not overwritten
+    assert torch.equal(msign(full, method, steps=10, start_step=10), full)
+    with pytest.raises(ValueError, match="start_step must be in"):
+        msign(G, method, steps=5, start_step=6)

@@ -99,6 +99,7 @@ def msign(
     method: str = "polar_express",
     steps: int | None = None,
     dtype: torch.dtype | None = None,
+    start_step: int = 0,
 ) -> torch.Tensor:
     """Orthogonalise ``G``: return ≈ U Vᵀ where G = U S Vᵀ (the matrix sign / polar factor).
 
@@ -108,6 +109,10 @@ def msign(
             ``"svd"`` (exact, float64 SVD; the slow reference).
         steps: number of polynomial steps; the preset's default when None.
         dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU (float64 input stays float64).
+        start_step: continue an iteration: G is the output of ``msign(G0, method, steps=start_step, dtype)`` and
+            only steps ``start_step … steps − 1`` are applied (no new normalisation), so
+            ``msign(msign(G0, steps=k), steps=n, start_step=k)`` equals ``msign(G0, steps=n)``. Used to refine a
+            cheap inner iterate into the accurate one without starting over.
 
     Returns:
         Tensor of G's shape and dtype. A zero matrix maps to zero (never NaN).
@@ -127,6 +132,9 @@ def msign(
     steps = preset.steps if steps is None else int(steps)
     if steps < 1:
         raise ValueError(f"msign: steps must be ≥ 1, got {steps}")
+    if not 0 <= int(start_step) <= steps:
+        raise ValueError(f"msign: start_step must be in [0, steps={steps}], got {start_step}")
+    start_step = int(start_step)
     if dtype is None:
         dtype = torch.float64 if (G.dtype == torch.float64 and G.device.type != "cuda") else default_dtype(G.device)
 
@@ -134,10 +142,16 @@ def msign(
     X = G.mT if tall else G
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
+    triples = preset.triples(steps)[start_step:]
     if G.requires_grad and torch.is_grad_enabled():
-        X = _iterate_autograd(_normalise(X, preset.safety, dtype), preset.triples(steps))
+        X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
+        X = _iterate_autograd(X0, triples)
     else:
-        X = _iterate_inplace(_normalise(X, preset.safety, dtype, inplace=True), preset.triples(steps))
+        if start_step == 0:
+            X0 = _normalise(X, preset.safety, dtype, inplace=True)
+        else:  # a fresh contiguous buffer: the in-place iteration must not write into the caller's tensor
+            X0 = torch.empty(X.shape, dtype=dtype, device=X.device).copy_(X)
+        X = _iterate_inplace(X0, triples)
     X = X.reshape(*lead, *X.shape[-2:])
     if tall:
         X = X.mT

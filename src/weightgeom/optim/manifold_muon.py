@@ -59,6 +59,7 @@ def manifold_direction(
     final_msign_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     stats: dict | None = None,
     cold0: torch.Tensor | None = None,
+    final_continues: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ.
 
@@ -90,6 +91,9 @@ def manifold_direction(
         cold0: the cold start of the call that produced ``Lambda0``. When given with ``Lambda0`` the warm start is
             predicted as Lambda0 + (cold start now − cold0): first-order tracking of the moving optimum, exact for
             square Stiefel W (where the cold start is the solution). Costs one XᵀG product.
+        final_continues: ``final_msign_fn`` continues the inner iteration: it is applied to the best iterate A
+            (``msign_fn``'s output at the best Λ) instead of to Ĝ + 2X·P(Λ) — e.g. ``msign(·, steps=10,
+            start_step=5)`` after a 5-step inner ``msign``, which gives the 10-step result for 5 more steps.
 
     Returns:
         (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1; the best multiplier Λ to
@@ -133,7 +137,7 @@ def manifold_direction(
         Lam = Lam - alpha * H
     residual, A, Lam = best
     if final_msign_fn is not None:
-        A = final_msign_fn(_shifted(X, Y, manifold.P(Lam))).to(X.dtype)
+        A = final_msign_fn(A if final_continues else _shifted(X, Y, manifold.P(Lam))).to(X.dtype)
         residual = float(torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)).max()) / n
     if stats is not None:
         stats["dual_residual"] = residual

@@ -261,16 +261,22 @@ class Muon(torch.optim.Optimizer):
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
             G32 = U.to(W32.dtype)
-            inner, final = ms, None
+            inner, final, continues = ms, None, False
             if group["dual_ns_steps"] is not None:
-                inner = partial(msign, method=group["msign_method"], steps=group["dual_ns_steps"], dtype=dtype)
+                k = int(group["dual_ns_steps"])
+                inner = partial(msign, method=group["msign_method"], steps=k, dtype=dtype)
                 final = ms
+                preset = MSIGN_PRESETS.get(group["msign_method"])
+                n_final = group["ns_steps"] if group["ns_steps"] is not None else (preset.steps if preset else 0)
+                if preset is not None and k < n_final:  # the accurate msign continues the inner one from step k
+                    final = partial(msign, method=group["msign_method"], steps=n_final, dtype=dtype, start_step=k)
+                    continues = True
             lam0 = state.get("dual_multiplier")
             info: dict[str, Any] = {}
             direction, lam, residual, iters = manifold_direction(
                 W32, G32, manifold, lam0, steps=group["dual_steps"], lr=group["dual_lr"], tol=group["dual_tol"],
                 msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
-                final_msign_fn=final, stats=info, cold0=state.get("dual_cold"),
+                final_msign_fn=final, stats=info, cold0=state.get("dual_cold"), final_continues=continues,
             )
             state["dual_multiplier"] = lam
             state["dual_cold"] = info["cold_multiplier"]
