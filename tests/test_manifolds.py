@@ -6,11 +6,14 @@ its id to NOT_IDEMPOTENT).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from weightgeom import manifolds
 from weightgeom.manifolds import DGram, Euclidean, Manifold, Oblique, Stiefel
+from weightgeom.manifolds import dgram as dgram_mod
 from weightgeom.manifolds import stiefel as stiefel_mod
 
 # ---- the table ----------------------------------------------------------------------------------------------------
@@ -396,3 +399,35 @@ def test_stiefel_far_point_uses_polar_express():
     assert stiefel_mod.polar_near(W) is None
     R = Stiefel().retract(W)
     assert rel(R, Stiefel(method="svd").retract(W)) < TOL[torch.float64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (2, 64, 16)])
+@pytest.mark.parametrize("dist", [1e-5, 1e-3, 2e-2])
+def test_dgram_near_retraction_matches_svd(shape, dtype, dist, monkeypatch):
+    """m ≥ 2n near the manifold: msign(W) = U₁·msign(U₁ᵀW) with an n×n Polar Express; same result as the SVD."""
+    m = DGram()
+    W0 = m.random_point(*shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    W = (W0 + dist * rand(*shape, seed=6) * torch.linalg.vector_norm(W0) / math.sqrt(W0.numel())).to(dtype)
+    ref = DGram(method="svd").retract(W.to(torch.float64))
+    small = min(shape[-2:])
+    real_polar = dgram_mod.polar
+
+    def only_small(X, *a, **k):  # the full-size Polar Express must not run: only the n×n one
+        assert X.shape[-2:] == (small, small), f"full-size polar on {tuple(X.shape)}"
+        return real_polar(X, *a, **k)
+
+    monkeypatch.setattr(dgram_mod, "polar", only_small)
+    R = m.retract(W)
+    assert R.dtype == dtype and rel(R, ref) < TOL[dtype]
+
+
+def test_dgram_near_retraction_falls_back():
+    m = DGram()
+    X = rand(40, 16, seed=8)  # far from the manifold
+    assert dgram_mod.polar_near_columns(X, torch.linalg.vector_norm(X, dim=-2, keepdim=True)) is None
+    X[:, 3] = 0  # zero column: the shortcut declines, the retraction keeps it at zero
+    assert dgram_mod.polar_near_columns(X, torch.linalg.vector_norm(X, dim=-2, keepdim=True)) is None
+    assert torch.equal(m.retract(X)[:, 3], torch.zeros(40, dtype=X.dtype))
+    Q = rand(24, 16, seed=9)  # m < 2n: declined
+    assert dgram_mod.polar_near_columns(Q, torch.linalg.vector_norm(Q, dim=-2, keepdim=True)) is None

@@ -9,6 +9,10 @@ Retractions:
 - ``"paper"``: seed 000's code, (U Vᵀ)·diag(σ) with W = U diag(σ) Vᵀ and σ sorted descending. On a manifold
   point the singular values are the column norms, but sorted: column j receives the j-th largest norm, so
   the map is NOT idempotent unless the column norms are already in descending order. For reproduction only.
+
+Shortcut for ``"polar"`` near the manifold (``polar_near_columns``): when the column-normalised W is within
+Stiefel's ``NEAR_TOL`` of orthonormal and W is at least twice as tall as wide, msign(W) = U₁·msign(U₁ᵀW) with
+U₁ = polar factor of the column-normalised W (cheap, ``stiefel.polar_near``) and an n×n Polar Express on U₁ᵀW.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from weightgeom.manifolds.base import (
     tall_pair,
     untall,
 )
-from weightgeom.manifolds.stiefel import haar_orthonormal
+from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near
 
-__all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_polar", "dgram_retract_paper"]
+__all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_polar", "dgram_retract_paper", "polar_near_columns"]
 
 _RETRACTIONS = ("polar", "paper")
 _METHODS = ("polar_express", "svd")
@@ -52,11 +56,32 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
     return Y - X @ lam
 
 
+def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:
+    """msign(Z) for a tall Z (m ≥ 2n) whose normalised columns are nearly orthonormal; None when that fails.
+
+    Z = Z̃·diag(norms) and Z̃ = U₁P₁ (polar), so Z = U₁·(U₁ᵀZ) and msign(Z) = U₁·msign(U₁ᵀZ): U₁ by
+    ``polar_near`` (a few m×n×n products), then a Polar Express iteration on the n×n matrix U₁ᵀZ, whose singular
+    values are Z's (the column-norm spread). Exact up to rounding, like Polar Express on Z itself, at about half the
+    cost for m = 3n (measured on 3072×768: 213 vs 428 ms). None (caller falls back) for a zero column, a far point,
+    or m < 2n, where the n×n iteration costs as much as the full one.
+    """
+    m, n = Z.shape[-2:]
+    if m < 2 * n or not bool((norms > 0).all()):
+        return None
+    U1 = polar_near(Z / norms)
+    if U1 is None:
+        return None
+    return U1 @ polar(U1.mT @ Z, "polar_express", steps)
+
+
 def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: int | None = None) -> torch.Tensor:
     """msign(X)·diag(‖x_j‖) on the tall view. A zero column stays zero (it is orthogonal to everything)."""
     Z = X.to(compute_dtype(X))
     norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
-    return (polar(Z, method, steps) * norms).to(X.dtype)
+    Q = polar_near_columns(Z, norms, steps) if method == "polar_express" else None
+    if Q is None:
+        Q = polar(Z, method, steps)
+    return (Q * norms).to(X.dtype)
 
 
 def dgram_retract_paper(X: torch.Tensor) -> torch.Tensor:
