@@ -1,0 +1,363 @@
+"""Report building blocks: loading run directories, metric series, formatting, shared plot helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+import numpy as np
+import pandas as pd
+
+from weightgeom.experiments.runner import EXPERIMENT_FILE, read_status
+
+RANDOM_LEVEL_256 = math.sqrt(2 / (math.pi * 256))
+
+# strategy -> (attention manifold, MLP manifold); seed 000 naming
+STRATEGY_GEOMETRY = {
+    "unconstrained": ("none", "none"),
+    "all-stiefel": ("stiefel", "stiefel"),
+    "all-dgram": ("dgram", "dgram"),
+    "hetero": ("stiefel", "dgram"),
+    "hetero-inv": ("dgram", "stiefel"),
+}
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+@dataclass
+class RunData:
+    """Everything the report needs from one run directory."""
+
+    path: Path
+    name: str
+    variant: str
+    seed: int | None
+    recipe: str
+    config: dict[str, Any]
+    status: dict[str, Any]
+    experiment: dict[str, Any]
+    metrics: pd.DataFrame  # long: step, split, metric, value
+    continuity: pd.DataFrame | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def state(self) -> str:
+        return str(self.status.get("state", "unknown"))
+
+    @property
+    def diverged(self) -> bool:
+        return self.state == "diverged"
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a run killed mid-write leaves a partial last line
+    except OSError:
+        pass
+    return rows
+
+
+def read_metrics(path: Path) -> pd.DataFrame:
+    """``metrics.jsonl`` as a long DataFrame (step, split, metric, value); non-numbers dropped."""
+    recs = []
+    for row in _read_jsonl(path):
+        step = row.get("step")
+        split = row.get("split", "train")
+        if step is None:
+            continue
+        for k, v in row.items():
+            if k in ("step", "split") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            recs.append((int(step), str(split), str(k), float(v)))
+    df = pd.DataFrame(recs, columns=["step", "split", "metric", "value"])
+    return df
+
+
+def _strip_seed(name: str) -> tuple[str, int | None]:
+    m = re.match(r"^(.*?)[-_]s(?:eed)?(\d+)$", name)
+    if m:
+        return m.group(1), int(m.group(2))
+    return name, None
+
+
+def load_run(path: str | Path) -> RunData:
+    """Load one run directory."""
+    path = Path(path)
+    try:
+        with open(path / "config.resolved.toml", "rb") as f:
+            config = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        config = {}
+    try:
+        experiment = json.loads((path / EXPERIMENT_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        experiment = {}
+    status = read_status(path)
+    metrics = read_metrics(path / "metrics.jsonl")
+    cont = None
+    if (path / "continuity.jsonl").exists():
+        cont = pd.DataFrame(_read_jsonl(path / "continuity.jsonl"))
+        if cont.empty:
+            cont = None
+    variant, seed = _strip_seed(path.name)
+    variant = experiment.get("variant", variant)
+    seed = experiment.get("seed", seed if seed is not None else config.get("run", {}).get("seed"))
+    return RunData(path=path, name=path.name, variant=variant, seed=seed, recipe=experiment.get("recipe", ""),
+                   config=config, status=status, experiment=experiment, metrics=metrics, continuity=cont,
+                   tags=dict(experiment.get("tags", {})))
+
+
+def is_run_dir(p: Path) -> bool:
+    """A run directory has metrics.jsonl or status.json."""
+    return (p / "metrics.jsonl").exists() or (p / "status.json").exists()
+
+
+def discover(paths: Iterable[str | Path]) -> list[Path]:
+    """Run directories given directly or found below the given directories (sorted, unique).
+
+    Raises:
+        FileNotFoundError: a path does not exist, or no run directory was found.
+    """
+    found: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if not p.exists():
+            raise FileNotFoundError(f"no such run directory: {p}")
+        if is_run_dir(p):
+            found.append(p)
+            continue
+        for m in sorted(p.rglob("metrics.jsonl")) + sorted(p.rglob("status.json")):
+            d = m.parent
+            if "checkpoints" in d.parts:
+                continue
+            found.append(d)
+    out = sorted(set(found))
+    if not out:
+        raise FileNotFoundError(f"no run directories (metrics.jsonl / status.json) under: {', '.join(map(str, paths))}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ series
+LOSS_KEYS = ("loss", "val_loss", "val/loss", "train_loss", "train/loss")
+
+
+def series(run: RunData, split: str, metric: str | Sequence[str]) -> pd.Series:
+    """Values of one metric (first of the candidate names present) in one split, indexed by step."""
+    df = run.metrics
+    if df.empty:
+        return pd.Series(dtype=float)
+    names = [metric] if isinstance(metric, str) else list(metric)
+    sub = df[df["split"] == split]
+    for m in names:
+        s = sub[sub["metric"] == m]
+        if not s.empty:
+            return s.groupby("step")["value"].last().sort_index()
+    return pd.Series(dtype=float)
+
+
+def loss_series(run: RunData, split: str = "val") -> pd.Series:
+    """The loss curve of a split (``loss`` or ``val_loss`` …)."""
+    return series(run, split, LOSS_KEYS)
+
+
+def diag_aggregate(run: RunData, suffix: str, how: str = "max") -> pd.Series:
+    """Aggregate a per-layer diag metric (``attn.<i>.<suffix>``) over layers at each step."""
+    df = run.metrics
+    if df.empty:
+        return pd.Series(dtype=float)
+    sub = df[(df["split"] == "diag") & df["metric"].str.endswith("." + suffix)]
+    if sub.empty:
+        sub = df[(df["split"] == "diag") & (df["metric"] == suffix)]
+    if sub.empty:
+        return pd.Series(dtype=float)
+    g = sub.groupby("step")["value"]
+    return (g.max() if how == "max" else g.mean()).sort_index()
+
+
+def final_value(s: pd.Series) -> float:
+    """Last finite value of a series (NaN if none)."""
+    s = s[np.isfinite(s.values)] if len(s) else s
+    return float(s.iloc[-1]) if len(s) else float("nan")
+
+
+def best_value(s: pd.Series) -> float:
+    """Minimum finite value of a series (NaN if none)."""
+    s = s[np.isfinite(s.values)] if len(s) else s
+    return float(s.min()) if len(s) else float("nan")
+
+
+def fmt_stats(values: Sequence[float], digits: int = 4) -> str:
+    """``mean ± std (n)``; ``—`` when empty; ``value`` when one."""
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return "—"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    sd = float(np.std(v, ddof=1))
+    sd_s = f"{sd:.{digits}f}" if sd >= 10 ** -digits or sd == 0 else f"{sd:.1e}"
+    return f"{np.mean(v):.{digits}f} ± {sd_s} (n={len(v)})"
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A number for a table cell."""
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if not math.isfinite(float(x)):
+        return "—"
+    x = float(x)
+    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}f}"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |")
+    return "\n".join(lines)
+
+
+def group_runs(runs: Sequence[RunData]) -> dict[str, list[RunData]]:
+    """Runs grouped by variant, in first-seen order."""
+    out: dict[str, list[RunData]] = {}
+    for r in runs:
+        out.setdefault(r.variant, []).append(r)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": 110,
+                         "legend.fontsize": 9})
+    return plt
+
+
+def _colors(n: int) -> list:
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+LINESTYLES = ("-", "--", "-.")
+
+
+def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[tuple[int, float]] = (),
+         ls: str = "-") -> None:
+    """Plot the mean over seeds with a min–max band; mark divergences with ✕."""
+    curves = [c for c in curves if len(c)]
+    if curves:
+        df = pd.concat(curves, axis=1).sort_index()
+        df = df.replace([np.inf, -np.inf], np.nan)
+        if len(curves) > 1:
+            df = df.interpolate(limit_area="inside")
+        mean = df.mean(axis=1)
+        ax.plot(mean.index, mean.values, color=color, label=label, lw=1.8, ls=ls)
+        if len(curves) > 1:
+            ax.fill_between(df.index, df.min(axis=1).values, df.max(axis=1).values, color=color, alpha=0.2, lw=0)
+    for step, y in marker_steps:
+        ax.plot([step], [y], marker="x", color=color, ms=11, mew=2.5, ls="none")
+
+
+def _savefig(fig, path: Path, rect=None) -> Path:
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def _legend_below(fig, ax) -> tuple:
+    """One legend for the figure, below the panels (keeps curves visible); returns the tight_layout rect."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return (0, 0, 1, 1)
+    ncol = min(len(labels), 5)
+    rows = math.ceil(len(labels) / ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+    return (0, 0.035 * rows + 0.01, 1, 1)
+
+
+def _divergence_marks(runs: Sequence[RunData], split: str) -> list[tuple[int, float]]:
+    marks = []
+    for r in runs:
+        if r.diverged:
+            s = loss_series(r, split)
+            s = s[np.isfinite(s.values)] if len(s) else s
+            step = r.status.get("step", s.index[-1] if len(s) else 0)
+            y = float(s.iloc[-1]) if len(s) else float("nan")
+            if math.isfinite(y):
+                marks.append((int(step), y))
+    return marks
+
+
+def divergence_line(run: RunData) -> str:
+    """``- `name` diverged at step N — reason`` for a diverged run (markdown list item)."""
+    st = run.status
+    return f"- `{run.name}` diverged at step {st.get('step', '?')} — {st.get('reason', 'no reason recorded')}"
+
+
+def plot_loss_curves(groups: dict[str, list[RunData]], path: Path, title: str) -> Path | None:
+    """Train and val loss per variant (mean over seeds with min–max band, ✕ = divergence)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    any_data = False
+    for k, ((name, runs), color) in enumerate(zip(groups.items(), _colors(len(groups)))):
+        for ax, split in zip(axes, ("train", "val")):
+            curves = [loss_series(r, split) for r in runs]
+            if any(len(c) for c in curves):
+                any_data = True
+            band(ax, curves, color, f"{name} (n={len(runs)})", _divergence_marks(runs, split),
+                 ls=LINESTYLES[k % len(LINESTYLES)])
+    if not any_data:
+        plt.close(fig)
+        return None
+    for ax, split in zip(axes, ("train", "val")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{split} loss")
+        ax.set_title(f"{split} loss (band: min–max over seeds, ✕: diverged)")
+        _clip_ylim(ax)
+    axes[1].legend(loc="upper right")
+    fig.suptitle(title)
+    return _savefig(fig, path)
+
+
+def _clip_ylim(ax) -> None:
+    """Keep exploding curves from flattening the rest: clip y to a robust range of the plotted data."""
+    ys = []
+    for line in ax.get_lines():
+        y = np.asarray(line.get_ydata(), dtype=float)
+        ys.append(y[np.isfinite(y)])
+    if not ys:
+        return
+    y = np.concatenate(ys)
+    if y.size == 0:
+        return
+    lo, hi = np.nanmin(y), np.nanpercentile(y, 98)
+    if hi > lo:
+        pad = 0.05 * (hi - lo)
+        ax.set_ylim(lo - pad, hi + 4 * pad)

@@ -1,0 +1,249 @@
+"""Report section for the magnitude–direction LR sweep (seed 002): LR transfer, warmup, loss vs compute."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from weightgeom.experiments.report.common import (
+    LINESTYLES,
+    RunData,
+    _clip_ylim,
+    _colors,
+    _plt,
+    _savefig,
+    final_value,
+    fmt,
+    fmt_stats,
+    loss_series,
+    md_table,
+)
+
+
+# -------------------------------------------------------------------------------------------------------- md
+def _tag(run: RunData, key: str, default: Any = None) -> Any:
+    return run.tags.get(key, default)
+
+
+def md_section(runs: Sequence[RunData], out: Path) -> str:
+    """Markdown for the magnitude–direction experiment (seed 002), writing plots into ``out``."""
+    lines = ["## Magnitude–direction decoupling (seed 002)", ""]
+    lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr"]
+    wu_runs = [r for r in runs if _tag(r, "kind") == "warmup"]
+    # (optimizer, width, lr) -> list of final val losses (diverged = inf)
+    table: dict[tuple[str, int, float], list[float]] = {}
+    for r in lr_runs:
+        opt, width, lr = _tag(r, "optimizer", r.experiment.get("group", "?")), _tag(r, "width"), _tag(r, "lr")
+        if width is None or lr is None:
+            continue
+        v = loss_series(r, "val")
+        x = float("inf") if r.diverged else final_value(v)
+        table.setdefault((str(opt), int(width), float(lr)), []).append(x)
+    if table:
+        opts = sorted({k[0] for k in table})
+        widths = sorted({k[1] for k in table})
+        best: dict[tuple[str, int], tuple[float, float]] = {}
+        for (o, w, lr), xs in table.items():
+            xs_f = [x for x in xs if math.isfinite(x)]
+            m = float(np.mean(xs_f)) if xs_f and len(xs_f) == len(xs) else float("inf")
+            if (o, w) not in best or m < best[(o, w)][1]:
+                best[(o, w)] = (lr, m)
+        rows = []
+        for o in opts:
+            for w in widths:
+                if (o, w) not in best:
+                    continue
+                lr, m = best[(o, w)]
+                grid = sorted(lr_ for (o2, w2, lr_) in table if o2 == o and w2 == w)
+                edge = " (grid edge)" if lr in (grid[0], grid[-1]) and len(grid) > 1 else ""
+                rows.append([o, w, f"{lr:g}{edge}", fmt(m, 4), len(grid)])
+        lines.append("### LR sweep: optimal LR per width")
+        lines.append("")
+        lines.append(md_table(["optimizer", "width", "optimal LR", "final val loss at optimum", "LRs tried"], rows))
+        lines.append("")
+        lines.append(transfer_verdict(best, table))
+        lines.append("")
+        p = plot_lr_sweep(table, out / "md_lr_sweep.png")
+        if p:
+            lines.append(f"![loss vs LR]({p.name})")
+            lines.append("")
+        p = plot_optimal_lr(best, out / "md_optimal_lr.png")
+        if p:
+            lines.append(f"![optimal LR vs width]({p.name})")
+            lines.append("")
+    if wu_runs:
+        rows = []
+        keyed: dict[tuple[str, Any, Any], dict[str, list[RunData]]] = {}
+        for r in wu_runs:
+            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+            keyed.setdefault(k, {"warm": [], "cold": []})["warm"].append(r)
+        for r in lr_runs:
+            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+            if k in keyed:
+                keyed[k]["cold"].append(r)
+
+        def cell(rs: list[RunData]) -> str:
+            if not rs:
+                return "—"
+            fin = [final_value(loss_series(r, "val")) for r in rs if not r.diverged]
+            nd = sum(r.diverged for r in rs)
+            return fmt_stats(fin) + (f" ({nd}/{len(rs)} diverged)" if nd else "")
+
+        for (o, w, lr), d in sorted(keyed.items(), key=lambda kv: str(kv[0])):
+            wu = _tag(d["warm"][0], "warmup")
+            cold = [final_value(loss_series(r, "val")) for r in d["cold"] if not r.diverged]
+            warm = [final_value(loss_series(r, "val")) for r in d["warm"] if not r.diverged]
+            diff = (np.mean(warm) - np.mean(cold)) if cold and warm else float("nan")
+            verdict = "—" if not math.isfinite(diff) else ("warmup helps" if diff < -0.01 else (
+                "warmup hurts" if diff > 0.01 else "no difference (±0.01)"))
+            rows.append([o, w, f"{lr:g}", cell(d["cold"]), wu, cell(d["warm"]), fmt(diff, 4), verdict])
+        lines.append("### Warmup vs no warmup")
+        lines.append("")
+        lines.append("Middle width, centre LR of each optimizer's grid; the no-warmup column is the LR-sweep run at "
+                     "that point. The paper: MD makes warmup unnecessary.")
+        lines.append("")
+        lines.append(md_table(["optimizer", "width", "lr", "final val loss, no warmup", "warmup steps",
+                               "final val loss, warmup", "Δ (warmup − none)", "verdict"], rows))
+        lines.append("")
+    p = plot_loss_vs_compute(runs, out / "md_loss_vs_compute.png")
+    if p:
+        lines.append("### Loss vs compute")
+        lines.append("")
+        lines.append("Compute = 6 · N · tokens (N = model parameters; tokens = steps × batch × block), largest width, "
+                     "each optimizer at its best LR.")
+        lines.append("")
+        lines.append(f"![loss vs compute]({p.name})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def transfer_verdict(best: dict[tuple[str, int], tuple[float, float]], table) -> str:
+    """Does the optimal LR stay put across widths? Measured in grid steps per optimizer."""
+    out = ["**Does the optimal LR transfer across width?** (spread of the optimal LR over widths, in grid steps)", ""]
+    for o in sorted({k[0] for k in best}):
+        ws = sorted(w for (o2, w) in best if o2 == o)
+        if len(ws) < 2:
+            continue
+        grid = sorted({lr for (o2, _, lr) in table if o2 == o})
+        idx = [grid.index(best[(o, w)][0]) for w in ws if math.isfinite(best[(o, w)][1])]
+        if not idx:
+            out.append(f"- {o}: every LR diverged")
+            continue
+        spread = max(idx) - min(idx)
+        lrs = ", ".join(f"{w}: {best[(o, w)][0]:g}" for w in ws)
+        verdict = "transfers" if spread <= 1 else "does **not** transfer"
+        out.append(f"- {o}: optimal LR by width {lrs} → spread {spread} grid step(s): {verdict}")
+    return "\n".join(out)
+
+
+def plot_lr_sweep(table, path: Path) -> Path | None:
+    """Final val loss vs LR, one panel per optimizer, one line per width (diverged: ✕ at the top)."""
+    plt = _plt()
+    opts = sorted({k[0] for k in table})
+    widths = sorted({k[1] for k in table})
+    ncols = min(2, len(opts))
+    nrows = math.ceil(len(opts) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.5 * nrows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(opts):]:
+        ax.set_visible(False)
+    axes = np.array([list(axes.flat[:len(opts)])])
+    finite_all = [x for xs in table.values() for x in xs if math.isfinite(x)]
+    top = (max(finite_all) if finite_all else 1.0) * 1.02
+    for ax, o in zip(axes[0], opts):
+        for w, c in zip(widths, _colors(len(widths))):
+            pts = sorted((lr, xs) for (o2, w2, lr), xs in table.items() if o2 == o and w2 == w)
+            if not pts:
+                continue
+            lrs = [p[0] for p in pts]
+            ys = [np.mean(p[1]) if all(map(math.isfinite, p[1])) else np.nan for p in pts]
+            ax.plot(lrs, ys, "o-", color=c, label=f"width {w}")
+            for lr, y in zip(lrs, ys):
+                if not math.isfinite(y):
+                    ax.plot([lr], [top], "x", color=c, ms=10, mew=2)
+        ax.set_xscale("log")
+        grid = sorted({lr for (o2, _, lr) in table if o2 == o})
+        ax.set_xticks(grid, [f"{lr:g}" for lr in grid])
+        ax.minorticks_off()
+        ax.set_title(o)
+        ax.set_xlabel("learning rate")
+    axes[0][0].set_ylabel("final val loss (✕: diverged)")
+    axes[0][0].legend()
+    fig.suptitle("LR sweep")
+    return _savefig(fig, path)
+
+
+def plot_optimal_lr(best, path: Path) -> Path | None:
+    """Optimal LR vs width per optimizer (log–log)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    opts = sorted({k[0] for k in best})
+    for o, c in zip(opts, _colors(len(opts))):
+        ws = sorted(w for (o2, w) in best if o2 == o and math.isfinite(best[(o2, w)][1]))
+        if ws:
+            ax.plot(ws, [best[(o, w)][0] for w in ws], "o-", color=c, label=o, lw=2, ms=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("width")
+    ax.set_ylabel("optimal LR")
+    ax.set_title("Optimal LR vs width (flat line = LR transfers)")
+    ax.legend()
+    return _savefig(fig, path)
+
+
+def _num_params(run: RunData) -> float:
+    for src in (run.experiment.get("final", {}), run.tags):
+        for k in ("num_params", "n_params", "params"):
+            if k in src:
+                return float(src[k])
+    try:
+        meta = json.loads((run.path / "meta.json").read_text())
+        for k in ("num_params", "n_params", "params"):
+            if k in meta:
+                return float(meta[k])
+    except (OSError, json.JSONDecodeError):
+        pass
+    return float("nan")
+
+
+def plot_loss_vs_compute(runs: Sequence[RunData], path: Path) -> Path | None:
+    """Val loss vs 6·N·tokens for the best-LR run of each optimizer at the largest width."""
+    lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr" and _tag(r, "width") is not None and not r.diverged]
+    if not lr_runs:
+        return None
+    wmax = max(int(_tag(r, "width")) for r in lr_runs)
+    best: dict[str, RunData] = {}
+    for r in lr_runs:
+        if int(_tag(r, "width")) != wmax:
+            continue
+        o = str(_tag(r, "optimizer", "?"))
+        v = final_value(loss_series(r, "val"))
+        if math.isfinite(v) and (o not in best or v < final_value(loss_series(best[o], "val"))):
+            best[o] = r
+    if not best:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xlabel = "compute 6·N·tokens (FLOPs)"
+    for (o, r), c in zip(sorted(best.items()), _colors(len(best))):
+        s = loss_series(r, "val")
+        s = s[s.index > 0]
+        d = r.config.get("data", {})
+        tok = float(d.get("batch_size", 1)) * float(d.get("block_size", 1))
+        n = _num_params(r)
+        if not math.isfinite(n):
+            n = 1.0
+            xlabel = "tokens seen (N unknown)"
+        ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, marker="o", color=c, lw=2, ms=4,
+                label=f"{o} (lr {_tag(r, 'lr'):g})", ls=LINESTYLES[len(ax.get_lines()) % len(LINESTYLES)])
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("val loss")
+    ax.set_title(f"Loss vs compute (width {wmax})")
+    ax.legend()
+    _clip_ylim(ax)
+    return _savefig(fig, path)
