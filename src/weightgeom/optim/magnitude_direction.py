@@ -15,21 +15,41 @@ The model keeps one fused tensor W and never sees Ŵ or the gains. Each ``Magnit
 5. updates θ by Adam at ``gain_lr`` (``adam_update_``);
 6. recomposes W = γ_r Ŵ γ_c into the model's tensor, in place (``compose``).
 
-The maths lives in the small pure functions below; the class only moves tensors. ``docs/md.md`` has the design notes
-(why the swap, manifold groups, weight decay, checkpoint format, measured overhead).
+The maths lives in small pure functions (``md_functional.py``, re-exported here); the class only moves tensors.
+``docs/md.md`` has the design notes (why the swap, manifold groups, weight decay, checkpoint format, measured
+overhead).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.optim import Optimizer
+
+from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
+    _ZERO_NORM,
+    EMBEDDINGS,
+    GAINS,
+    PARAMETERIZATIONS,
+    SPHERES,
+    _check_choice,
+    adam_update_,
+    compose,
+    gain_chain,
+    gain_chain_log,
+    gain_init,
+    gain_value,
+    is_embedding_name,
+    normalize_rows_,
+    project_to_sphere_,
+    sphere_norm,
+    split_gradient,
+    split_gradient_log,
+)
 
 __all__ = [
     "MagnitudeDirection",
@@ -50,247 +70,6 @@ __all__ = [
     "adam_update_",
     "is_embedding_name",
 ]
-
-GAINS = ("row+col", "row", "col", "scalar", "none")
-PARAMETERIZATIONS = ("softplus", "exp", "direct")
-SPHERES = ("frobenius", "row", "col")
-EMBEDDINGS = ("exclude", "unit_rows", "decouple")
-
-# Norms below this (absolute, in the weight's units) count as zero when a radius is measured or a sphere projection
-# divides: a zero-norm weight has no direction. Far below any trained weight's norm (≥ 1e-3 in practice).
-_ZERO_NORM = 1e-30
-
-_EMBED_RE = re.compile(
-    r"(^|[._])(wte|wpe|tok_emb\w*|pos_emb\w*|embed\w*|embedding\w*|word_embeddings|position_embeddings)([._]|$)"
-)
-
-
-def is_embedding_name(name: str) -> bool:
-    """Whether a name looks like an embedding table (``transformer.wte.weight``, ``model.embed_tokens.weight``)."""
-    return bool(_EMBED_RE.search(name))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Pure functions: the maths of MD, one operation each.
-# ---------------------------------------------------------------------------------------------------------------------
-def gain_init(shape: tuple[int, ...], parameterization: str = "softplus", dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> torch.Tensor:
-    """Raw gain parameters θ with φ(θ) = 1 exactly, so the forward pass is unchanged at initialisation.
-
-    Args:
-        shape: shape of the gain vector (e.g. (rows,), (cols,) or (1,) for a scalar gain).
-        parameterization: ``"softplus"`` (θ₀ = log(e − 1) ≈ 0.5413), ``"exp"`` (θ₀ = 0) or ``"direct"`` (θ₀ = 1).
-        dtype: dtype of θ.
-        device: device of θ.
-
-    Returns:
-        Tensor θ of the given shape (dimensionless).
-    """
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    value = {"softplus": math.log(math.expm1(1.0)), "exp": 0.0, "direct": 1.0}[parameterization]
-    return torch.full(shape, value, dtype=dtype, device=device)
-
-
-def gain_value(theta: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
-    """γ = φ(θ): softplus(θ), exp(θ) or θ itself (``"direct"``; may become ≤ 0, nothing stops it)."""
-    if parameterization == "softplus":
-        return F.softplus(theta)
-    if parameterization == "exp":
-        return torch.exp(theta)
-    if parameterization == "direct":
-        return theta.clone()
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
-
-
-def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
-    """∂L/∂θ = ∂L/∂γ · φ'(θ): φ' = sigmoid(θ) for softplus, exp(θ) for exp, 1 for direct."""
-    if parameterization == "softplus":
-        return grad_gamma * torch.sigmoid(theta)
-    if parameterization == "exp":
-        return grad_gamma * torch.exp(theta)
-    if parameterization == "direct":
-        return grad_gamma.clone()
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
-
-
-def split_gradient(
-    G: torch.Tensor,
-    D: torch.Tensor,
-    gamma_row: torch.Tensor | None,
-    gamma_col: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Chain rule through W = γ_r ⊙ D ⊙ γ_c (broadcast): gradients of the gains and of the direction.
-
-    Args:
-        G: ∂L/∂W, shape (m, n).
-        D: the direction Ŵ, shape (m, n).
-        gamma_row: γ_r as (m, 1), a scalar gain as (1, 1), or None (no row gain).
-        gamma_col: γ_c as (1, n) or None.
-        out: optional (m, n) buffer for Ĝ (must not alias G or D).
-
-    Returns:
-        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c).
-        Gain gradients are float32 at least (reductions of low-precision products are accumulated in float32).
-    """
-    need = gamma_row is not None or gamma_col is not None
-    g_row = g_col = None
-    if need:
-        H = G * D
-        if H.dtype in (torch.float16, torch.bfloat16):
-            H = H.float()
-        if gamma_row is not None:
-            if gamma_col is not None:
-                hr = H @ gamma_col.reshape(-1).to(H.dtype)
-            else:
-                hr = H.sum(dim=1)
-            # a (1, 1) gain on an m > 1 matrix is the scalar gain: its gradient sums over rows too
-            g_row = (hr if gamma_row.numel() == hr.numel() else hr.sum()).reshape(gamma_row.shape)
-        if gamma_col is not None:
-            if gamma_row is None:
-                hc = H.sum(dim=0)
-            elif gamma_row.numel() == 1:
-                hc = H.sum(dim=0) * gamma_row.reshape(()).to(H.dtype)
-            else:
-                hc = gamma_row.reshape(-1).to(H.dtype) @ H
-            g_col = hc.reshape(gamma_col.shape)
-    if gamma_row is None and gamma_col is None:
-        Gd = G.clone() if out is None else out.copy_(G)
-    else:
-        first = gamma_row if gamma_row is not None else gamma_col
-        Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
-        if gamma_row is not None and gamma_col is not None:
-            Gd.mul_(gamma_col.to(G.dtype))
-    return g_row, g_col, Gd
-
-
-def split_gradient_log(
-    G: torch.Tensor,
-    D: torch.Tensor,
-    gamma_row: torch.Tensor | None,
-    gamma_col: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """``split_gradient`` in log-gain form, with fewer and contiguous passes over the (m, n) tensors.
-
-    With Ĝ = γ_r ⊙ G ⊙ γ_c and P = Ŵ ⊙ Ĝ: s_r = Σ_j P_ij = γ_r ⊙ ∂L/∂γ_r and s_c = Σ_i P_ij = γ_c ⊙ ∂L/∂γ_c
-    (the gradients w.r.t. log γ). Turned into ∂L/∂θ by ``gain_chain_log`` without dividing by γ, so it is exact for
-    the positive parameterizations (softplus, exp) even where γ underflows.
-
-    Args:
-        G, D, gamma_row, gamma_col, out: as in ``split_gradient``.
-        scratch: optional (m, n) buffer for P, overwritten (the wrapper passes the model's W, which it rewrites
-            after the base step anyway; avoids allocating — on CPU a fresh large tensor costs a pass of page faults).
-
-    Returns:
-        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least.
-    """
-    if gamma_row is None and gamma_col is None:
-        return None, None, (G.clone() if out is None else out.copy_(G))
-    first = gamma_row if gamma_row is not None else gamma_col
-    Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
-    if gamma_row is not None and gamma_col is not None:
-        Gd.mul_(gamma_col.to(G.dtype))
-    P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
-    if P.dtype in (torch.float16, torch.bfloat16):
-        P = P.float()
-    s_row = s_col = None
-    if gamma_row is not None:
-        s_row = (P.sum(dim=1) if gamma_row.numel() == P.shape[0] else P.sum()).reshape(gamma_row.shape)
-    if gamma_col is not None:
-        s_col = P.sum(dim=0).reshape(gamma_col.shape)
-    return s_row, s_col, Gd
-
-
-def gain_chain_log(theta: torch.Tensor, s: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
-    """∂L/∂θ from the log-gain gradient s = γ·∂L/∂γ: s for exp; s·sigmoid(θ)/softplus(θ) for softplus (→ s where
-    softplus underflows to 0, its limit); s/θ for direct (undefined at θ = 0: use ``split_gradient`` there)."""
-    if parameterization == "exp":
-        return s.clone()
-    if parameterization == "softplus":
-        sp = F.softplus(theta)
-        ratio = torch.where(sp > 0, torch.sigmoid(theta) / sp.clamp_min(torch.finfo(sp.dtype).tiny),
-                            torch.ones_like(sp))
-        return s * ratio
-    if parameterization == "direct":
-        return s / theta
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
-
-
-def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
-    """Norm(s) that define the sphere: ‖D‖_F (shape (1, 1)), row norms (m, 1) or column norms (1, n)."""
-    if sphere == "frobenius":
-        return torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
-    if sphere == "row":
-        return torch.linalg.vector_norm(D, dim=-1, keepdim=True)
-    if sphere == "col":
-        return torch.linalg.vector_norm(D, dim=-2, keepdim=True)
-    raise ValueError(f"MagnitudeDirection: unknown sphere {sphere!r}; choose from {SPHERES}")
-
-
-def project_to_sphere_(D: torch.Tensor, radius: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
-    """In place: D ← radius · D / ‖D‖ on the chosen sphere (Frobenius, each row, or each column).
-
-    Args:
-        D: (m, n) direction, modified in place.
-        radius: radius broadcastable to ``sphere_norm(D, sphere)`` (same units as D).
-        sphere: ``"frobenius"``, ``"row"`` or ``"col"``.
-
-    Returns:
-        D. A zero-norm slice stays zero (the divisor is clamped at 1e-30, never NaN).
-    """
-    norm = sphere_norm(D, sphere)
-    return D.mul_((radius.to(norm.dtype) / norm.clamp_min(_ZERO_NORM)).to(D.dtype))
-
-
-def normalize_rows_(E: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
-    """In place: every row of E gets L2 norm ``radius`` (unit-norm embeddings). Zero rows stay zero."""
-    norm = torch.linalg.vector_norm(E, dim=-1, keepdim=True)
-    return E.mul_(radius / norm.clamp_min(_ZERO_NORM))
-
-
-def compose(D: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """W = γ_r ⊙ D ⊙ γ_c (gains as in ``split_gradient``), written into ``out`` when given (may be the model's W)."""
-    if gamma_row is None and gamma_col is None:
-        return D.clone() if out is None else out.copy_(D)
-    first = gamma_row if gamma_row is not None else gamma_col
-    W = torch.mul(D, first.to(D.dtype), out=out) if out is not None else D * first.to(D.dtype)
-    if gamma_row is not None and gamma_col is not None:
-        W.mul_(gamma_col.to(D.dtype))
-    return W
-
-
-def adam_update_(
-    theta: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """One bias-corrected Adam step on θ, in place (no weight decay). ``step`` counts from 1.
-
-    m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr · (m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + eps).
-    """
-    b1, b2 = betas
-    exp_avg.lerp_(grad, 1 - b1)
-    exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-    bc1 = 1 - b1**step
-    bc2 = 1 - b2**step
-    denom = (exp_avg_sq / bc2).sqrt_().add_(eps)
-    return theta.addcdiv_(exp_avg, denom, value=-lr / bc1)
-
-
-def _check_choice(what: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"MagnitudeDirection: unknown {what} {value!r}; choose from {list(choices)}")
 
 
 # How a base group's manifold interacts with the sphere: "free" (no manifold, or a constraint invariant under
