@@ -31,6 +31,7 @@ from weightgeom.experiments.report.common import (
     final_value,
     fmt,
     group_runs,
+    image_lines,
     is_run_dir,
     load_run,
     loss_series,
@@ -54,9 +55,8 @@ def generic_section(runs: Sequence[RunData], out: Path, title: str = "Runs") -> 
                      fmt(final_value(v), 4), fmt(best_value(v), 4), r.status.get("reason") or ""])
     lines = [f"## {title}", "", md_table(["run", "state", "step", "final train loss", "final val loss",
                                           "best val loss", "reason"], rows), ""]
-    p = plot_loss_curves(group_runs(runs), out / f"{re.sub(r'[^a-z0-9]+', '_', title.lower())}_loss.png", title)
-    if p:
-        lines += [f"![loss curves]({p.name})", ""]
+    png = out / f"{re.sub(r'[^a-z0-9]+', '_', title.lower())}_loss.png"
+    lines += image_lines(plot_loss_curves(group_runs(runs), png, title), "loss curves")
     return "\n".join(lines)
 
 

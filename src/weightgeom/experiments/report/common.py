@@ -321,6 +321,11 @@ def divergence_line(run: RunData) -> str:
     return f"- `{run.name}` diverged at step {st.get('step', '?')} — {st.get('reason', 'no reason recorded')}"
 
 
+def image_lines(path: Path | None, alt: str) -> list[str]:
+    """Markdown lines embedding a plot that was written (none when the plot function made no plot)."""
+    return [f"![{alt}]({path.name})", ""] if path else []
+
+
 def plot_loss_curves(groups: dict[str, list[RunData]], path: Path, title: str) -> Path | None:
     """Train and val loss per variant (mean over seeds with min–max band, ✕ = divergence)."""
     plt = _plt()

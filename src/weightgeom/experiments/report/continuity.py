@@ -23,6 +23,7 @@ from weightgeom.experiments.report.common import (
     fmt,
     fmt_stats,
     group_runs,
+    image_lines,
     loss_series,
     md_table,
     plot_loss_curves,
@@ -138,14 +139,9 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
             lines.append("")
         lines.append(continuity_verdict(groups))
         lines.append("")
-        p = plot_continuity(groups, out / "continuity_training.png")
-        if p:
-            lines.append(f"![continuity over training]({p.name})")
-            lines.append("")
+        lines += image_lines(plot_continuity(groups, out / "continuity_training.png"), "continuity over training")
         p = plot_loss_curves(groups, out / "continuity_loss.png", "Loss curves — residual MLP ablations")
-        if p:
-            lines.append(f"![loss curves]({p.name})")
-            lines.append("")
+        lines += image_lines(p, "loss curves")
     if llama:
         lines.append(llama_section(llama, out))
     return "\n".join(lines)
@@ -259,9 +255,7 @@ def llama_section(runs: Sequence[RunData], out: Path) -> str:
     lines.append(md_table(header, rows))
     lines.append("")
     p = plot_projection_bars(per_variant, out / "continuity_llama_projections.png")
-    if p:
-        lines.append(f"![per-projection continuity]({p.name})")
-        lines.append("")
+    lines += image_lines(p, "per-projection continuity")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from weightgeom.experiments.report.common import (
     fmt,
     fmt_stats,
     group_runs,
+    image_lines,
     loss_series,
     md_table,
     plot_loss_curves,
@@ -137,14 +138,8 @@ def manifolds_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append(mechanism_verdict(mech_rows, groups))
         lines.append("")
     title = "manifold assignment"
-    p = plot_loss_curves(groups, out / "manifolds_loss.png", f"Loss curves — {title}")
-    if p:
-        lines.append(f"![loss curves]({p.name})")
-        lines.append("")
-    p = plot_mechanism(groups, out / "manifolds_mechanism.png")
-    if p:
-        lines.append(f"![mechanism curves]({p.name})")
-        lines.append("")
+    lines += image_lines(plot_loss_curves(groups, out / "manifolds_loss.png", f"Loss curves — {title}"), "loss curves")
+    lines += image_lines(plot_mechanism(groups, out / "manifolds_mechanism.png"), "mechanism curves")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from weightgeom.experiments.report.common import (
     final_value,
     fmt,
     fmt_stats,
+    image_lines,
     loss_series,
     md_table,
 )
@@ -68,14 +69,8 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append("")
         lines.append(transfer_verdict(best, table))
         lines.append("")
-        p = plot_lr_sweep(table, out / "md_lr_sweep.png")
-        if p:
-            lines.append(f"![loss vs LR]({p.name})")
-            lines.append("")
-        p = plot_optimal_lr(best, out / "md_optimal_lr.png")
-        if p:
-            lines.append(f"![optimal LR vs width]({p.name})")
-            lines.append("")
+        lines += image_lines(plot_lr_sweep(table, out / "md_lr_sweep.png"), "loss vs LR")
+        lines += image_lines(plot_optimal_lr(best, out / "md_optimal_lr.png"), "optimal LR vs width")
     if wu_runs:
         rows = []
         keyed: dict[tuple[str, Any, Any], dict[str, list[RunData]]] = {}
