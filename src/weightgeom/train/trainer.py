@@ -506,11 +506,9 @@ class _Trainer:
         self._status("done")
         return self._finish("done")
 
-    def _grad_norms(self) -> dict[str, float] | None:
-        try:
-            from weightgeom.diagnostics.monitors import _clean, grad_norms
-        except ImportError:
-            return None
+    def _grad_norms(self) -> dict[str, float]:
+        from weightgeom.diagnostics.monitors import _clean, grad_norms
+
         return grad_norms((_clean(n), p.grad) for n, p in self.model.named_parameters())
 
     def _diagnostics(self, x, y, pre_clip: dict[str, float] | None = None) -> None:
