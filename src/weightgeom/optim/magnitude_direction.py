@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from weightgeom.optim import md_fused
 from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
     _ZERO_NORM,
     EMBEDDINGS,
@@ -161,6 +162,10 @@ class MagnitudeDirection(Optimizer):
             ``nn.Embedding`` weights. Without it, names come from group ``"names"``/``"param_names"`` keys, and
             embeddings are recognised by name only.
         embedding_radius: row norm of unit-row embeddings.
+        fused: the fused CPU path over ``torch.optim.Adam``/``AdamW`` (``md_fused``: the same maths in two C passes
+            per matrix instead of the base step plus nine eager passes). None (default): used for every matrix it
+            covers, eager elsewhere (``summary()`` says which and why). True: required — raises where it cannot run.
+            False: always eager.
 
     Raises:
         ValueError: unknown option value; a param marked for decoupling that is not 2-D, not in the base optimizer,
@@ -182,6 +187,7 @@ class MagnitudeDirection(Optimizer):
         embeddings: str = "exclude",
         model: torch.nn.Module | None = None,
         embedding_radius: float = 1.0,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(base_optimizer, MagnitudeDirection):
             raise TypeError("MagnitudeDirection: the base optimizer is already a MagnitudeDirection")
@@ -201,6 +207,15 @@ class MagnitudeDirection(Optimizer):
             raise ValueError(f"MagnitudeDirection: gain_eps must be > 0, got {gain_eps}")
         if not embedding_radius > 0:
             raise ValueError(f"MagnitudeDirection: embedding_radius must be > 0, got {embedding_radius}")
+        if fused not in (None, True, False):
+            raise ValueError(f"MagnitudeDirection: fused must be None, True or False, got {fused!r}")
+        if fused:
+            why = md_fused.base_fusable(base_optimizer) or (
+                None if md_fused.kernels.load("md_adam") is not None
+                else f"the C kernel is unavailable: {md_fused.kernels.unavailable_reason('md_adam')}")
+            if why:
+                raise ValueError(f"MagnitudeDirection: fused=True cannot run: {why}")
+        self.fused = fused
 
         self.base_optimizer = base_optimizer
         self.gains = gains
@@ -231,6 +246,8 @@ class MagnitudeDirection(Optimizer):
 
         self._versions: dict[torch.Tensor, int | None] = {}
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self._path: dict[torch.Tensor, str] = {}  # how each matrix was stepped last: "fused" or "eager (why)"
+        self._stepped: set[torch.Tensor] = set()
         group = self._gain_groups[0]
         for p in decoupled:
             st = self.state[p]
@@ -307,15 +324,16 @@ class MagnitudeDirection(Optimizer):
         return gr, gc
 
     def summary(self) -> str:
-        """A table: each decoupled matrix with its shape, radius and gain statistics (γ mean/min/max)."""
-        rows = [f"{'name':40s} {'shape':>12s} {'radius':>10s} {'γ_r mean':>9s} {'γ_c mean':>9s}"]
+        """A table: each decoupled matrix with its shape, radius, mean gains and how the last step ran it ("fused",
+        or "eager (why)"; "-" before the first step)."""
+        rows = [f"{'name':40s} {'shape':>12s} {'radius':>10s} {'γ_r mean':>9s} {'γ_c mean':>9s}  path"]
         for p in self._decoupled:
             gr, gc = self.gain_values(p)
             radius = self.state[p]["radius"]
             rad = f"{float(radius):.4g}" if radius.numel() == 1 else f"{float(radius.mean()):.3g}*"
             rows.append(f"{self._name[p]:40s} {str(tuple(p.shape)):>12s} {rad:>10s} "
                         f"{'-' if gr is None else f'{float(gr.mean()):.4g}':>9s} "
-                        f"{'-' if gc is None else f'{float(gc.mean()):.4g}':>9s}")
+                        f"{'-' if gc is None else f'{float(gc.mean()):.4g}':>9s}  {self._path.get(p, '-')}")
         for p in self._unit_rows:
             rows.append(f"{self._name[p]:40s} {str(tuple(p.shape)):>12s} {'unit rows':>10s}")
         return "\n".join(rows)
@@ -350,8 +368,12 @@ class MagnitudeDirection(Optimizer):
         return loss
 
     def _prepare(self, work: list[list]) -> None:
-        """Steps 1–2: resync if needed, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``."""
+        """Steps 1–2: resync if needed, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``.
+
+        Matrices on the fused path (``md_fused``) also take their base Adam step here, in the same pass.
+        """
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
+        self._stepped = set()  # gains already stepped on the fused path
         for p in self._decoupled:
             G = p.grad
             if G is None:
@@ -365,9 +387,27 @@ class MagnitudeDirection(Optimizer):
                 self._resync(p)
             st = self.state[p]
             D = st["direction"]
-            gr, gc = self.gain_values(p)
-            item = [p, p.data, G, D, None, None]  # p, W, G, Ŵ, what the base steps, its gradient
+            group = group_of[id(p)]
+            s = self._scale_for(p, group)
+            # p, W, G, Ŵ, what the base steps, its gradient, fused sums of squares (or None)
+            item = [p, p.data, G, D, None, None, None]
             work.append(item)
+            why = "fused=False" if self.fused is False else md_fused.fusable(
+                self.base_optimizer, group, p, G, self.gains, self.parameterization, s is not None)
+            if why is None:
+                md_fused.step(self.base_optimizer, group, p, G, st, self.state, self._gain_groups[0],
+                              self.parameterization, self.sphere)
+                item[6] = True
+                self._path[p] = "fused"
+                for key in ("gain_row", "gain_col"):
+                    if key in st:
+                        self._stepped.add(st[key])
+                continue
+            if self.fused:
+                raise ValueError(f"MagnitudeDirection(fused=True): {self._name[p]!r} cannot take the fused path: "
+                                 f"{why}")
+            self._path[p] = f"eager ({why})"
+            gr, gc = self.gain_values(p)
             if gr is None and gc is None:
                 Gd = G  # W = Ŵ: the base sees the model's gradient itself
             else:
@@ -376,32 +416,36 @@ class MagnitudeDirection(Optimizer):
                     buf = self._buffers[p] = torch.empty_like(G)
                 if self.parameterization != "direct":  # W's storage is scratch until it is recomposed
                     g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
-                    chain = gain_chain_log
+                    self._set_gain_grads(st, g_row, g_col, gain_chain_log)
                 else:
                     g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
-                    chain = gain_chain
-                for key, g in (("gain_row", g_row), ("gain_col", g_col)):
-                    if g is not None:
-                        theta = st[key]
-                        theta.grad = chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
-            s = self._scale_for(p, group_of[id(p)])
+                    self._set_gain_grads(st, g_row, g_col, gain_chain)
             target = D
             if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
                 target = D / s.to(D.dtype)
                 Gd = Gd * s.to(Gd.dtype)
             item[4], item[5] = target, Gd
 
+    def _set_gain_grads(self, st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None, chain) -> None:
+        for key, g in (("gain_row", g_row), ("gain_col", g_col)):
+            if g is not None:
+                theta = st[key]
+                theta.grad = chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
+
     def _base_step(self, work: list[list]) -> None:
-        """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step)."""
+        """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step); matrices already
+        stepped on the fused path have their ``.grad`` hidden from it."""
         try:
-            for p, _W, _G, _D, target, Gd in work:
-                p.data = target
+            for p, _W, _G, _D, target, Gd, fused in work:
+                if fused is None:
+                    p.data = target
                 p.grad = Gd
             self.base_optimizer.step()
         finally:
             for item in work:
                 p, W, G = item[0], item[1], item[2]
-                item[4] = p.data  # what the base left (it may have rebound .data instead of writing in place)
+                if item[6] is None:
+                    item[4] = p.data  # what the base left (it may have rebound .data instead of writing in place)
                 p.data = W
                 p.grad = G
 
@@ -409,7 +453,7 @@ class MagnitudeDirection(Optimizer):
         """Step 5: Adam on every θ that received a gradient."""
         group = self._gain_groups[0]
         for theta in group["params"]:
-            if theta.grad is None:
+            if theta.grad is None or theta in self._stepped:
                 continue
             gst = self.state[theta]
             if not gst:
@@ -423,8 +467,11 @@ class MagnitudeDirection(Optimizer):
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
-        for p, _W, _G, D, new, _Gd in work:
+        for p, _W, _G, D, new, _Gd, fused in work:
             st = self.state[p]
+            if fused is not None:  # already recomposed by the fused step
+                self._versions[p] = p._version
+                continue
             s = self._scale_for(p, group_of[id(p)])
             if s is not None:
                 torch.mul(new, s.to(new.dtype), out=D)

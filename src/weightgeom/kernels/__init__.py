@@ -1,0 +1,219 @@
+"""Small fused CPU kernels in C, compiled on first use with the system C compiler and loaded with ``ctypes``.
+
+Why: some optimizer steps are a handful of memory-bound passes over every weight matrix (magnitude–direction over
+Adam is nine of them in eager PyTorch). One C loop per pass reads each matrix once; PyTorch's eager ops cannot fuse
+them, and ``torch.compile`` takes minutes to build the same loops on a small CPU. A kernel here compiles in under a
+second and is cached on disk, keyed by its source, the compiler, the flags and the CPU, so it never runs on a machine
+it was not built for.
+
+Where no compiler works (or ``WEIGHTGEOM_NO_KERNELS=1``), ``load`` returns None and callers use their eager PyTorch
+path: same maths, slower. ``unavailable_reason`` says why. The cache lives in ``$WEIGHTGEOM_CACHE_DIR`` or
+``$XDG_CACHE_HOME/weightgeom`` (default ``~/.cache/weightgeom``), under ``kernels/``.
+
+The kernels release the GIL (``ctypes.CDLL``) and use OpenMP with ``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["load", "unavailable_reason", "md_adam_step", "cache_dir"]
+
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+_reasons: dict[str, str] = {}
+
+_P, _L, _D, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_double, ctypes.c_int
+_SIGNATURES = {
+    "md_adam": {
+        "md_adam_step_{t}": ([_L, _L, _P, _P, _P, _P, _P, _D, _D, _D, _D, _D, _D, _D, _I, _I, _I, _P, _P, _P, _P, _P,
+                              _P, _P, _P, _D, _D, _D, _D, _D, _D, _I, _P, _I], _I),
+    },
+}
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (``$WEIGHTGEOM_CACHE_DIR``, else ``$XDG_CACHE_HOME/weightgeom``)."""
+    root = os.environ.get("WEIGHTGEOM_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "weightgeom")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags (Linux), else the platform string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.platform() + platform.processor()
+
+
+def _build(name: str) -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("WEIGHTGEOM_NO_KERNELS", "") not in ("", "0"):
+        return None, "disabled by WEIGHTGEOM_NO_KERNELS"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install gcc)"
+    source = resources.files("weightgeom.kernels").joinpath(f"{name}.c").read_text()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"C compiler {cc!r} does not run: {e}"
+    key = hashlib.sha256("\0".join([source, version, " ".join(CFLAGS), _cpu_signature(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out_dir = target.parent
+        except OSError:
+            out_dir = Path(tempfile.gettempdir())
+            target = out_dir / target.name
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            built = Path(tmp) / f"{name}.so"
+            try:
+                proc = subprocess.run([cc, *CFLAGS, str(src), "-o", str(built)], capture_output=True, text=True,
+                                      timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                return None, f"compiling {name}.c with {cc!r} failed: {e}"
+            if proc.returncode != 0:
+                first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
+                return None, f"compiling {name}.c with {cc!r} failed: {first}"
+            os.replace(built, target)  # atomic: concurrent builders (torchrun ranks) each install a whole file
+    try:
+        lib = ctypes.CDLL(str(target))
+        for fn, (argtypes, restype) in _SIGNATURES[name].items():
+            for t in ("f32", "f64"):
+                f = getattr(lib, fn.format(t=t))
+                f.argtypes = argtypes
+                f.restype = restype
+    except (OSError, AttributeError) as e:
+        return None, f"loading {target} failed: {e}"
+    return lib, ""
+
+
+def load(name: str = "md_adam") -> ctypes.CDLL | None:
+    """The compiled kernel library ``name`` (built on first call, then cached), or None where it cannot be had."""
+    with _lock:
+        if name not in _libs:
+            lib, reason = _build(name)
+            _libs[name] = lib
+            _reasons[name] = reason
+        return _libs[name]
+
+
+def unavailable_reason(name: str = "md_adam") -> str:
+    """Why ``load(name)`` returned None ("" when it did not, or was not called yet)."""
+    return _reasons.get(name, "")
+
+
+def _reset() -> None:
+    """Forget loaded kernels (tests: rebuild under another environment)."""
+    with _lock:
+        _libs.clear()
+        _reasons.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Typed entry points: argument checks, then one C call.
+# ---------------------------------------------------------------------------------------------------------------------
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+GAIN_KIND = {None: 0, "vector": 1, "scalar": 2}
+PARAM_CODE = {"softplus": 0, "exp": 1}
+SPHERE_CODE = {"frobenius": 0, "row": 1, "col": 2}
+
+
+def _check(what: str, t: torch.Tensor | None, numel: int, dtype: torch.dtype) -> int:
+    if t is None:
+        return 0
+    if t.device.type != "cpu" or t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+        raise ValueError(f"md kernel: {what} must be a contiguous CPU {dtype} tensor of {numel} elements, got "
+                         f"{t.device.type} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' non-contiguous'}")
+    return t.data_ptr()
+
+
+def md_adam_step(G: torch.Tensor, D: torch.Tensor, W: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 *, beta1: float, beta2: float, step_size: float, bc2_sqrt: float, eps: float, decay: float = 1.0,
+                 l2: float = 0.0, gain_row: tuple | None = None, gain_col: tuple | None = None,
+                 parameterization: str = "softplus", gain_lr: float = 0.0,
+                 gain_betas: tuple[float, float] = (0.9, 0.95), gain_eps: float = 1e-8, sphere: str = "frobenius",
+                 radius: torch.Tensor | None = None) -> None:
+    """One whole MD step of one matrix over an Adam(W) base, in two passes (maths: ``md_adam.c``'s header).
+
+    Everything is updated in place: Ŵ (``D``) and its Adam moments, the gains θ and their Adam moments, and the
+    model's ``W`` = γ_r Ŵ γ_c. The float64 reference is ``md_functional.fused_step_reference``.
+
+    Args:
+        G: ∂L/∂W, (m, n), float32 or float64, contiguous, CPU; D, W, exp_avg, exp_avg_sq: same layout.
+        beta1, beta2, eps: the base Adam's hyperparameters; step_size: lr/(1 − β₁ᵗ); bc2_sqrt: sqrt(1 − β₂ᵗ).
+        decay: AdamW's decoupled factor 1 − lr·wd (1: none); l2: Adam's coupled weight decay (0: none).
+        gain_row: None or (θ_r, exp_avg, exp_avg_sq, step t after this step's increment, grad): θ_r of m elements
+            (1 for a scalar gain); ∂L/∂θ_r is written into ``grad``. gain_col: None or the same for θ_c (n).
+        parameterization: ``"softplus"`` or ``"exp"``.
+        gain_lr, gain_betas, gain_eps: the gains' Adam.
+        sphere: ``"frobenius"`` (radius of 1 element), ``"row"`` (m) or ``"col"`` (n); radius in D's dtype.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (``unavailable_reason``) or out of memory.
+        ValueError: a tensor of the wrong device, dtype, size or layout (named), or an unknown option.
+    """
+    lib = load("md_adam")
+    if lib is None:
+        raise RuntimeError(f"md kernel unavailable: {unavailable_reason('md_adam')}")
+    dt = D.dtype
+    if dt not in _SUFFIX or D.ndim != 2:
+        raise ValueError(f"md kernel: D must be a 2-D float32/float64 tensor, got {dt} {tuple(D.shape)}")
+    m, n = D.shape
+    ptrs = [_check(w, t, m * n, dt) for w, t in (("G", G), ("D", D), ("W", W), ("exp_avg", exp_avg),
+                                                  ("exp_avg_sq", exp_avg_sq))]
+    gains = []
+    for what, gain, k in (("gain_row", gain_row, m), ("gain_col", gain_col, n)):
+        if gain is None:
+            gains.append((0, [0, 0, 0, 0], 0.0))
+            continue
+        theta, ga, gv, t, grad = gain
+        kind = 2 if (what == "gain_row" and theta.numel() == 1 and m != 1) else 1
+        size = 1 if kind == 2 else k
+        parts = (("", theta), (".exp_avg", ga), (".exp_avg_sq", gv), (".grad", grad))
+        gains.append((kind, [_check(f"{what}{s}", x, size, dt) for s, x in parts], float(t)))
+    if sphere not in SPHERE_CODE:
+        raise ValueError(f"md kernel: sphere {sphere!r} is not supported ({list(SPHERE_CODE)})")
+    if (gain_row is not None or gain_col is not None) and parameterization not in PARAM_CODE:
+        raise ValueError(f"md kernel: parameterization {parameterization!r} is not supported ({list(PARAM_CODE)})")
+    rad = _check("radius", radius, {"frobenius": 1, "row": m, "col": n}[sphere], dt)
+    if not rad:
+        raise ValueError("md kernel: radius is required")
+    (kr, pr, tr), (kc, pc, tc) = gains
+    failed = getattr(lib, f"md_adam_step_{_SUFFIX[dt]}")(
+        m, n, *ptrs, float(beta1), float(beta2), float(step_size), float(bc2_sqrt), float(eps), float(decay),
+        float(l2), kr, kc, PARAM_CODE.get(parameterization, 0), *pr, *pc, float(gain_lr), float(gain_betas[0]),
+        float(gain_betas[1]), float(gain_eps), tr, tc, SPHERE_CODE[sphere], rad, torch.get_num_threads())
+    if failed:
+        raise RuntimeError(f"md kernel: out of memory for the buffers of a {m}×{n} matrix")

@@ -1,0 +1,164 @@
+/* Fused magnitude-direction + Adam step for one matrix on CPU (float32 and float64), used by
+ * weightgeom.optim.MagnitudeDirection when its base optimizer is torch.optim.Adam/AdamW (weightgeom/optim/md_fused.py).
+ *
+ * W = diag(g_r) D diag(g_c) with g = phi(theta) (phi = softplus or exp), D on a sphere (SPEC section D). Matrices are
+ * row-major (m, n) and contiguous. Two passes over memory, parallel over rows with OpenMP; sums in double.
+ *
+ * Pass 1, with Gh = g_r,i G_ij g_c,j (the direction gradient):
+ *     s_r,i = sum_j D_ij Gh_ij,  s_c,j = sum_i D_ij Gh_ij          log-gain gradients g * dL/dg, from the OLD D
+ *     e = Gh + l2 D                                                 Adam's coupled weight decay (0 for AdamW)
+ *     M = M + (1 - b1)(e - M);  V = b2 V + (1 - b2) e^2             torch's lerp_ / mul_.addcmul_
+ *     D = decay D - step_size M / (sqrt(V) (1/bc2_sqrt) + eps)     decay = 1 - lr wd for AdamW
+ *     q_r,i = sum_j D_ij^2,  q_c,j = sum_i D_ij^2                   norms of the NEW D
+ * Gains (vectors only): dL/dtheta = s phi'(theta)/phi(theta); theta <- Adam(theta) as md_functional.adam_update_.
+ * Sphere: a_i D_ij b_j has norm radius (Frobenius: a = radius/||D||_F; row: a_i = radius_i/||D_i.||; col: b_j).
+ * Pass 2: D = a_i D_ij b_j;  W = g'_r,i D_ij g'_c,j with the new gains.
+ *
+ * The float64 reference is weightgeom.optim.md_functional.fused_step_reference (torch ops, same order).
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <tgmath.h>
+
+#define ZERO_NORM 1e-30
+
+/* Gains: gamma = phi(theta) and the log-gain chain factor phi'(theta)/phi(theta) (softplus: sigmoid/softplus, with
+ * torch's threshold 20; exp: 1), one exp and one log1p per entry; loops long enough to pay are split over threads. */
+#define PAR_MIN 2048
+#define DEF_GAINS(NAME, T)                                                                                           \
+    static void NAME##_phi(long k, const T *th, int param, T *gamma, T *ratio, int nthreads) {                      \
+        _Pragma("omp parallel for schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                        \
+        for (long i = 0; i < k; i++) {                                                                               \
+            const T t = th[i], e = exp(t);                                                                           \
+            if (param == 1) {                                                                                        \
+                gamma[i] = e;                                                                                        \
+                if (ratio) ratio[i] = 1;                                                                             \
+            } else {                                                                                                 \
+                const T sp = t > 20 ? t : log1p(e);                                                                  \
+                gamma[i] = sp;                                                                                       \
+                if (ratio) ratio[i] = sp > 0 ? (t > 20 ? (T)1 : e / (1 + e)) / sp : (T)1;                             \
+            }                                                                                                        \
+        }                                                                                                            \
+    }                                                                                                                \
+    /* Adam on theta with gradient s * ratio (written to grad), as md_functional.adam_update_ (no weight decay) */     \
+    static void NAME##_adam(long k, T *th, T *mm, T *vv, T *grad, const double *s, const T *ratio, double lr,       \
+                            double b1, double b2, double eps, double t, int nthreads) {                              \
+        const T step = (T)(lr / (1 - pow(b1, t))), ibc2 = (T)(1 / (1 - pow(b2, t))), w1 = (T)(1 - b1);              \
+        const T cb2 = (T)b2, w2 = (T)(1 - b2), ce = (T)eps;                                                          \
+        _Pragma("omp parallel for simd schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                   \
+        for (long i = 0; i < k; i++) {                                                                               \
+            const T g = (T)s[i] * ratio[i];                                                                          \
+            grad[i] = g;                                                                                             \
+            const T a = mm[i] + w1 * (g - mm[i]);                                                                    \
+            const T b = vv[i] * cb2 + w2 * g * g;                                                                    \
+            mm[i] = a;                                                                                               \
+            vv[i] = b;                                                                                               \
+            th[i] -= step * (a / (sqrt(b * ibc2) + ce));                                                             \
+        }                                                                                                            \
+    }
+DEF_GAINS(gains_f32, float)
+DEF_GAINS(gains_f64, double)
+
+#define DEF_STEP(NAME, T, GAINS)                                                                                     \
+    int NAME(long m, long n, const T *G, T *D, T *W, T *M, T *V, double b1, double b2, double step_size,           \
+             double bc2_sqrt, double eps, double decay, double l2, int gain_r, int gain_c, int param, T *th_r,      \
+             T *m_r, T *v_r, T *d_r, T *th_c, T *m_c, T *v_c, T *d_c, double glr, double gb1, double gb2, double geps, double t_r,  \
+             double t_c, int sphere, const T *radius, int nthreads) {                                                \
+        int failed = 0;                                                                                              \
+        T *gr = malloc(sizeof(T) * (size_t)m), *gc = malloc(sizeof(T) * (size_t)n);                                  \
+        T *fa = malloc(sizeof(T) * (size_t)m), *fb = malloc(sizeof(T) * (size_t)n);                                  \
+        T *wa = malloc(sizeof(T) * (size_t)m), *wb = malloc(sizeof(T) * (size_t)n);                                  \
+        T *rr = malloc(sizeof(T) * (size_t)m), *rc = malloc(sizeof(T) * (size_t)n);                                  \
+        double *rs = malloc(sizeof(double) * (size_t)m), *rq = malloc(sizeof(double) * (size_t)m);                   \
+        double *cs = calloc((size_t)n, sizeof(double)), *cq = calloc((size_t)n, sizeof(double));                     \
+        if (!gr || !gc || !fa || !fb || !wa || !wb || !rr || !rc || !rs || !rq || !cs || !cq) {                      \
+            failed = 1;                                                                                              \
+            goto done;                                                                                               \
+        }                                                                                                            \
+        const long kr = gain_r == 1 ? m : (gain_r == 2 ? 1 : 0), kc = gain_c ? n : 0;                                \
+        for (long i = 0; i < m; i++) gr[i] = 1;                                                                      \
+        for (long j = 0; j < n; j++) gc[j] = 1;                                                                      \
+        GAINS##_phi(kr, th_r, param, gr, rr, nthreads);                                                              \
+        GAINS##_phi(kc, th_c, param, gc, rc, nthreads);                                                              \
+        for (long i = kr; i < m && kr == 1; i++) gr[i] = gr[0]; /* a scalar gain scales every row */                \
+        const T w1 = (T)(1 - b1), cb2 = (T)b2, w2 = (T)(1 - b2), ss = (T)step_size, ibc = (T)(1 / bc2_sqrt);               \
+        const T ce = (T)eps, dk = (T)decay, cl2 = (T)l2;                                                             \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                              \
+            double *ts = calloc(2 * (size_t)n, sizeof(double));                                                      \
+            if (ts == NULL) {                                                                                        \
+                _Pragma("omp atomic write") failed = 1;                                                              \
+            }                                                                                                        \
+            double *tq = ts + n;                                                                                     \
+            _Pragma("omp for schedule(static)") for (long i = 0; i < m; i++) {                                       \
+                if (ts == NULL) continue;                                                                            \
+                const T *g = G + i * n;                                                                              \
+                T *d = D + i * n, *mm = M + i * n, *vv = V + i * n;                                                  \
+                const T r = gr[i];                                                                                   \
+                double ra = 0, rqa = 0;                                                                              \
+                _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                           \
+                    const T gh = g[j] * r * gc[j];                                                                   \
+                    const T p = d[j] * gh;                                                                           \
+                    ra += p;                                                                                         \
+                    ts[j] += p;                                                                                      \
+                    const T e = gh + cl2 * d[j];                                                                     \
+                    const T a = mm[j] + w1 * (e - mm[j]);                                                            \
+                    const T b = cb2 * vv[j] + w2 * e * e;                                                            \
+                    mm[j] = a;                                                                                       \
+                    vv[j] = b;                                                                                       \
+                    const T x = d[j] * dk - ss * (a / (sqrt(b) * ibc + ce));                                          \
+                    d[j] = x;                                                                                        \
+                    rqa += (double)x * x;                                                                            \
+                    tq[j] += (double)x * x;                                                                          \
+                }                                                                                                    \
+                rs[i] = ra;                                                                                          \
+                rq[i] = rqa;                                                                                         \
+            }                                                                                                        \
+            if (ts != NULL) {                                                                                        \
+                _Pragma("omp critical") for (long j = 0; j < n; j++) {                                               \
+                    cs[j] += ts[j];                                                                                  \
+                    cq[j] += tq[j];                                                                                  \
+                }                                                                                                    \
+                free(ts);                                                                                            \
+            }                                                                                                        \
+        }                                                                                                            \
+        if (failed) goto done;                                                                                       \
+        if (gain_r == 1) GAINS##_adam(m, th_r, m_r, v_r, d_r, rs, rr, glr, gb1, gb2, geps, t_r, nthreads);                \
+        if (gain_r == 2) {                                                                                           \
+            double tot = 0;                                                                                          \
+            for (long i = 0; i < m; i++) tot += rs[i];                                                               \
+            GAINS##_adam(1, th_r, m_r, v_r, d_r, &tot, rr, glr, gb1, gb2, geps, t_r, nthreads);                           \
+        }                                                                                                            \
+        if (gain_c == 1) GAINS##_adam(n, th_c, m_c, v_c, d_c, cs, rc, glr, gb1, gb2, geps, t_c, nthreads);                \
+        for (long i = 0; i < m; i++) fa[i] = 1;                                                                      \
+        for (long j = 0; j < n; j++) fb[j] = 1;                                                                      \
+        if (sphere == 0) {                                                                                           \
+            double tot = 0;                                                                                          \
+            for (long i = 0; i < m; i++) tot += rq[i];                                                               \
+            const T a = (T)((double)radius[0] / fmax(sqrt(tot), ZERO_NORM));                                         \
+            for (long i = 0; i < m; i++) fa[i] = a;                                                                  \
+        } else if (sphere == 1) {                                                                                    \
+            for (long i = 0; i < m; i++) fa[i] = (T)((double)radius[i] / fmax(sqrt(rq[i]), ZERO_NORM));              \
+        } else {                                                                                                     \
+            for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
+        }                                                                                                            \
+        for (long i = 0; i < m; i++) wa[i] = 1;                                                                      \
+        for (long j = 0; j < n; j++) wb[j] = 1;                                                                      \
+        GAINS##_phi(kr, th_r, param, wa, NULL, nthreads);                                                            \
+        GAINS##_phi(kc, th_c, param, wb, NULL, nthreads);                                                            \
+        for (long i = kr; i < m && kr == 1; i++) wa[i] = wa[0];                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)") for (long i = 0; i < m; i++) {            \
+            T *d = D + i * n, *w = W + i * n;                                                                        \
+            const T ai = fa[i], wi = wa[i];                                                                          \
+            _Pragma("omp simd") for (long j = 0; j < n; j++) {                                                       \
+                const T x = d[j] * ai * fb[j];                                                                       \
+                d[j] = x;                                                                                            \
+                w[j] = wi * x * wb[j];                                                                               \
+            }                                                                                                        \
+        }                                                                                                            \
+    done:                                                                                                            \
+        free(gr); free(gc); free(fa); free(fb); free(wa); free(wb); free(rr); free(rc); free(rs); free(rq); free(cs); free(cq);          \
+        return failed;                                                                                               \
+    }
+
+DEF_STEP(md_adam_step_f32, float, gains_f32)
+DEF_STEP(md_adam_step_f64, double, gains_f64)

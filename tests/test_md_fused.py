@@ -1,0 +1,313 @@
+"""The fused CPU path of MagnitudeDirection over Adam/AdamW: the C kernel against its float64 torch reference, the
+wrapper's fused steps against its eager steps, checkpoints across paths, fallbacks and errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from weightgeom import kernels
+from weightgeom.optim import md_fused
+from weightgeom.optim.magnitude_direction import MagnitudeDirection, gain_init, sphere_norm
+from weightgeom.optim.md_functional import fused_step_reference
+
+# Kernel ÷ float64 reference, relative to the largest entry, over the cases below (2026-12-03): float64 ≤ 2.1e-15
+# (summation order, √v·(1/√bc2) for √v/√bc2); float32 ≤ 1.3e-6 (the reference computes in float64). The limits leave
+# ~500× and ~15× headroom; a 0.1 % error in one gain gradient fails them.
+KERNEL_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+# Fused wrapper ÷ eager wrapper after STEPS steps (other op order; the eager path takes norms in float32): measured
+# float64 ≤ 1.4e-14, float32 ≤ 1.3e-6.
+PATH_TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
+STEPS = 4
+
+needs_kernel = pytest.mark.skipif(kernels.load("md_adam") is None,
+                                  reason=f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
+
+GAIN_KINDS = ["row+col", "row", "col", "scalar", "none"]
+SPHERES = ["frobenius", "row", "col"]
+PARAMS = ["softplus", "exp"]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    scale = max(float(b.abs().max()), 1e-30)
+    err = float((a.double() - b.double()).abs().max()) / scale
+    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+def _case(m: int, n: int, gains: str, param: str, sphere: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype)
+    radius = sphere_norm(D, sphere).reshape(-1).clone()
+    shapes = {"row+col": ((m,), (n,)), "row": ((m,), None), "col": (None, (n,)), "scalar": ((1,), None),
+              "none": (None, None)}[gains]
+    gain = []
+    for shape in shapes:
+        if shape is None:
+            gain.append(None)
+            continue
+        theta = gain_init(shape, param, dtype=dtype) + 0.3 * torch.randn(shape, generator=g, dtype=dtype)
+        gain.append([theta, torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), 0.0,
+                     torch.zeros(shape, dtype=dtype)])
+    return {"G": None, "D": D, "W": torch.empty_like(D), "M": torch.zeros_like(D), "V": torch.zeros_like(D),
+            "gain": gain, "radius": radius, "gen": g}
+
+
+def _clone_case(c: dict) -> dict:
+    out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.items() if k not in ("gain", "gen")}
+    out["gain"] = [None if x is None else [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
+                   for x in c["gain"]]
+    return out
+
+
+def _run(fn, c: dict, G: torch.Tensor, t: int, param: str, sphere: str, decay: float, l2: float) -> None:
+    b1, b2, lr = 0.9, 0.99, 3e-2
+    for x in c["gain"]:
+        if x is not None:
+            x[3] = float(t)
+    fn(G, c["D"], c["W"], c["M"], c["V"], beta1=b1, beta2=b2, step_size=lr / (1 - b1**t),
+       bc2_sqrt=(1 - b2**t) ** 0.5, eps=1e-8, decay=decay, l2=l2,
+       gain_row=None if c["gain"][0] is None else tuple(c["gain"][0]),
+       gain_col=None if c["gain"][1] is None else tuple(c["gain"][1]), parameterization=param, gain_lr=5e-2,
+       gain_betas=(0.9, 0.95), gain_eps=1e-8, sphere=sphere, radius=c["radius"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gains,param,sphere", list(itertools.product(GAIN_KINDS, PARAMS, SPHERES)))
+def test_kernel_matches_float64_reference(gains, param, sphere, dtype):
+    tol = KERNEL_TOL[dtype]
+    for (m, n), (decay, l2) in zip([(1, 5), (7, 3), (33, 17), (130, 70)], [(1.0, 0.0), (0.99, 0.0), (1.0, 0.1),
+                                                                          (0.995, 0.0)]):
+        fast = _case(m, n, gains, param, sphere, dtype)
+        ref = _clone_case(fast)
+        for t in range(1, 4):
+            G = torch.randn(m, n, generator=fast["gen"], dtype=torch.float64).to(dtype)
+            _run(kernels.md_adam_step, fast, G, t, param, sphere, decay, l2)
+            _run(fused_step_reference, ref, G, t, param, sphere, decay, l2)
+        for key in ("D", "W", "M", "V"):
+            _close(fast[key], ref[key], tol)
+        for a, b in zip(fast["gain"], ref["gain"]):
+            if a is not None:
+                for x, y in zip(a[:3] + a[4:], b[:3] + b[4:]):
+                    _close(x, y, tol)
+        # the direction is on its sphere
+        _close(sphere_norm(fast["D"].double(), sphere).reshape(-1), fast["radius"].double(), tol)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_tensors_with_their_name():
+    c = _case(4, 3, "row+col", "softplus", "frobenius", torch.float32)
+    G = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        kernels.md_adam_step(G, c["D"], c["W"], c["M"], c["V"].double(), beta1=0.9, beta2=0.99, step_size=1e-3,
+                             bc2_sqrt=0.1, eps=1e-8, radius=c["radius"])
+    with pytest.raises(ValueError, match="G must be .*non-contiguous"):
+        kernels.md_adam_step(torch.randn(3, 4).T, c["D"], c["W"], c["M"], c["V"], beta1=0.9, beta2=0.99,
+                             step_size=1e-3, bc2_sqrt=0.1, eps=1e-8, radius=c["radius"])
+    with pytest.raises(ValueError, match="gain_row"):
+        kernels.md_adam_step(G, c["D"], c["W"], c["M"], c["V"], beta1=0.9, beta2=0.99, step_size=1e-3,
+                             bc2_sqrt=0.1, eps=1e-8, gain_row=(torch.zeros(5), torch.zeros(5), torch.zeros(5), 1.0,
+                                                               torch.zeros(5)), radius=c["radius"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The wrapper: fused steps equal eager steps.
+# ---------------------------------------------------------------------------------------------------------------------
+def _model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 9), torch.nn.Tanh(),
+                               torch.nn.Linear(9, 3)).to(dtype)
+
+
+def _train(md: MagnitudeDirection, model: torch.nn.Module, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(32, 12, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randn(32, 3, generator=g, dtype=torch.float64).to(dtype)
+        md.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        md.step()
+
+
+def _make(kind: str, model: torch.nn.Module, fused, **md_kw) -> MagnitudeDirection:
+    if kind == "adamw":
+        base = torch.optim.AdamW(model.parameters(), lr=2e-2, betas=(0.9, 0.98), weight_decay=0.1)
+    elif kind == "adam-l2":
+        base = torch.optim.Adam(model.parameters(), lr=2e-2, weight_decay=0.0)
+    else:
+        base = torch.optim.AdamW(model.parameters(), lr=2e-2, fused=True)
+    md = MagnitudeDirection(base, model=model, fused=fused, gain_lr=3e-2, **md_kw)
+    if kind == "adam-l2":  # coupled weight decay set after construction (MD zeroes it at construction)
+        for group in base.param_groups:
+            group["weight_decay"] = 0.05
+    return md
+
+
+def _assert_same(md_a, model_a, md_b, model_b, tol):
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        _close(pa.detach(), pb.detach(), tol)
+    for pa, pb in zip(md_a._decoupled, md_b._decoupled):
+        sa, sb = md_a.state[pa], md_b.state[pb]
+        _close(sa["direction"], sb["direction"], tol)
+        for key in ("gain_row", "gain_col"):
+            if key in sa:
+                _close(sa[key], sb[key], tol)
+                _close(sa[key].grad, sb[key].grad, max(tol, 1e-9))
+        ba, bb = md_a.base_optimizer.state[pa], md_b.base_optimizer.state[pb]
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(ba[key], bb[key], tol)
+        assert float(ba["step"]) == float(bb["step"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("base", ["adamw", "adam-l2", "adamw-fused"])
+@pytest.mark.parametrize("gains,param,sphere", [("row+col", "softplus", "frobenius"), ("row", "exp", "row"),
+                                                 ("col", "softplus", "col"), ("scalar", "exp", "frobenius"),
+                                                 ("none", "direct", "row")])
+def test_fused_wrapper_equals_eager_wrapper(base, gains, param, sphere, dtype):
+    runs = []
+    for fused in (None, False):
+        model = _model(dtype)
+        md = _make(base, model, fused, gains=gains, parameterization=param, sphere=sphere)
+        _train(md, model, STEPS)
+        runs.append((md, model))
+    (md_f, model_f), (md_e, model_e) = runs
+    assert all(path == "fused" for path in md_f._path.values())
+    assert all(path.startswith("eager") for path in md_e._path.values())
+    _assert_same(md_f, model_f, md_e, model_e, PATH_TOL[dtype])
+    # the gains group's Adam state advanced once per step on both paths
+    for theta in md_f.param_groups[-1]["params"]:
+        assert float(md_f.state[theta]["step"]) == STEPS
+
+
+@needs_kernel
+def test_checkpoint_moves_between_fused_and_eager():
+    model = _model(torch.float64)
+    md = _make("adamw", model, None)
+    _train(md, model, 3)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": md.state_dict()})
+    _train(md, model, 3, seed=7)  # fused continuation
+    model2 = _model(torch.float64, seed=5)
+    md2 = _make("adamw", model2, False)
+    model2.load_state_dict(ckpt["model"])
+    md2.load_state_dict(ckpt["opt"])
+    _train(md2, model2, 3, seed=7)  # eager continuation from the fused checkpoint
+    _assert_same(md, model, md2, model2, PATH_TOL[torch.float64])
+
+
+@needs_kernel
+def test_fused_step_bumps_the_weight_version_for_autograd():
+    model = _model(torch.float32)
+    md = _make("adamw", model, True)
+    x = torch.randn(4, 12, requires_grad=True)
+    torch.nn.functional.mse_loss(model(x), torch.zeros(4, 3)).backward()
+    w = model[0].weight
+    before = w._version
+    out = model(x).sum()  # saves W for the gradient of x
+    md.step()
+    assert w._version > before
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.backward()
+
+
+@needs_kernel
+def test_summary_says_which_path_and_why():
+    model = _model(torch.float32)
+    base = torch.optim.AdamW([{"params": [model[0].weight], "amsgrad": True},
+                              {"params": [p for p in model.parameters() if p is not model[0].weight]}], lr=1e-2)
+    md = MagnitudeDirection(base, model=model)
+    _train(md, model, 1)
+    table = md.summary()
+    assert "eager (the base group has amsgrad=True)" in table
+    assert table.count(" fused") == 2
+
+
+def test_fused_true_refuses_what_it_cannot_run():
+    from weightgeom.optim.muon import Muon
+
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match="fused=True cannot run: the base optimizer is Muon"):
+        MagnitudeDirection(Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02), model=model, fused=True)
+    with pytest.raises(ValueError, match="fused must be None, True or False"):
+        MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model, fused="yes")
+    if kernels.load("md_adam") is not None:
+        md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, fused=True,
+                                parameterization="direct")
+        with pytest.raises(ValueError, match=r"'0.weight' cannot take the fused path: parameterization 'direct'"):
+            _train(md, model, 1)
+        # nothing half-done: the model still holds γ_r Ŵ γ_c
+        W = model[0].weight.detach()
+        gr, gc = md.gain_values(model[0].weight)
+        torch.testing.assert_close(W, gr * md.direction(model[0].weight) * gc)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """A fresh kernel cache and a compiler that fails: the kernel is unavailable for the test."""
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    kernels._reset()
+    yield
+    monkeypatch.undo()
+    kernels._reset()
+
+
+def test_without_a_compiler_the_eager_path_runs(no_kernel):
+    assert kernels.load("md_adam") is None
+    assert "failed" in kernels.unavailable_reason("md_adam") or "does not run" in kernels.unavailable_reason("md_adam")
+    model = _model(torch.float64)
+    md = _make("adamw", model, None)
+    _train(md, model, 2)
+    assert all(path.startswith("eager (the C kernel is unavailable") for path in md._path.values())
+    with pytest.raises(ValueError, match="fused=True cannot run: the C kernel is unavailable"):
+        _make("adamw", _model(torch.float64), True)
+
+
+def test_kernels_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("WEIGHTGEOM_NO_KERNELS", "1")
+    kernels._reset()
+    try:
+        assert kernels.load("md_adam") is None
+        assert kernels.unavailable_reason("md_adam") == "disabled by WEIGHTGEOM_NO_KERNELS"
+    finally:
+        monkeypatch.delenv("WEIGHTGEOM_NO_KERNELS")
+        kernels._reset()
+
+
+@needs_kernel
+def test_kernel_is_cached_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    kernels._reset()
+    try:
+        assert kernels.load("md_adam") is not None
+        built = list((tmp_path / "kernels").glob("md_adam-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        kernels._reset()
+        assert kernels.load("md_adam") is not None
+        assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        monkeypatch.undo()
+        kernels._reset()
+
+
+def test_eligibility_reasons():
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    G = torch.randn(3, 4)
+    adamw = torch.optim.AdamW([p])
+    group = adamw.param_groups[0]
+    assert md_fused.fusable(torch.optim.SGD([p], lr=0.1), group, p, G, "row+col", "softplus", False).startswith(
+        "the base optimizer is SGD")
+    assert md_fused.fusable(adamw, {**group, "maximize": True}, p, G, "row+col", "softplus", False) == \
+        "the base group has maximize=True"
+    assert "direct" in md_fused.fusable(adamw, group, p, G, "row", "direct", False)
+    assert md_fused.fusable(adamw, group, p, G, "none", "direct", False) in (None, md_fused.fusable(
+        adamw, group, p, G, "none", "softplus", False))
+    assert "dtype" in md_fused.fusable(adamw, group, p.bfloat16(), G.bfloat16(), "row", "exp", False)
+    assert "contiguous" in md_fused.fusable(adamw, group, p, torch.randn(4, 3).T, "row", "exp", False)
+    assert "norm-fixing" in md_fused.fusable(adamw, group, p, G, "row", "exp", True)
