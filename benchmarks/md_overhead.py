@@ -8,9 +8,15 @@ number of layers (every cost is per matrix), so the CPU default is 1 layer; pass
 Both optimizers see the same fixed random gradients; steps of the two are interleaved (base, MD, base, ...) so that
 machine load drifts hit both equally, and the median per-step time is reported.
 
+Rows: each AdamW implementation of torch (``default`` — what ``torch.optim.AdamW(params)`` runs, the for-loop on CPU
+and foreach on CUDA —, ``foreach``, ``fused``) with MD on its fused CPU path (``md=fused``: one C kernel per matrix,
+``weightgeom.optim.md_fused``) and on its eager path (``md=eager``: the base step plus MD's torch ops); and Muon, which
+MD always wraps eagerly. On CUDA the fused path does not apply (MD runs eagerly there).
+
 Usage::
 
-    python benchmarks/md_overhead.py                       # AdamW and Muon (when available), 1 layer, CPU
+    python benchmarks/md_overhead.py                       # all rows, 1 layer, CPU
+    python benchmarks/md_overhead.py --base adamw --adamw-impl default --md-path fused
     python benchmarks/md_overhead.py --device cuda --layers 12 --iters 50 --json md_overhead.json
 """
 
@@ -63,12 +69,16 @@ def _sync(device: str) -> None:
 
 
 def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype: torch.dtype,
-            md_kw: dict | None = None, adamw_impl: str = "default") -> dict:
-    """Median seconds per step of the bare base and of MD around an identical base; their ratio."""
+            md_kw: dict | None = None, adamw_impl: str = "default", md_path: str = "fused") -> dict:
+    """Median seconds per step of the bare base and of MD around an identical base; their ratio.
+
+    ``md_path``: ``"fused"`` (MD's default: the fused kernel wherever it applies) or ``"eager"`` (``fused=False``).
+    """
     p_base, names = make_params(layers, device, dtype)
     p_md, _ = make_params(layers, device, dtype)
     base = make_base(kind, p_base, names, adamw_impl)
-    md = MagnitudeDirection(make_base(kind, p_md, names, adamw_impl), **(md_kw or {}))
+    md = MagnitudeDirection(make_base(kind, p_md, names, adamw_impl), fused=None if md_path == "fused" else False,
+                            **(md_kw or {}))
     t_base, t_md = [], []
     for it in range(warmup + iters):
         for opt, sink in ((base, t_base), (md, t_md)):
@@ -79,7 +89,9 @@ def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype:
             if it >= warmup:
                 sink.append(time.perf_counter() - t0)
     b, m = statistics.median(t_base), statistics.median(t_md)
-    return {"base": kind, "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
+    paths = sorted({path.split(" (")[0] for path in md._path.values()})
+    return {"base": kind, "md_path": "+".join(paths),
+            "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
             "device": device, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "md": md_kw or {},
             "adamw_impl": adamw_impl if kind == "adamw" else None,
             "base_ms": 1e3 * b, "md_ms": 1e3 * m, "ratio": m / b, "target": TARGET_RATIO}
@@ -94,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--gains", default="row+col")
-    ap.add_argument("--adamw-impl", default="default", choices=["default", "foreach", "fused"],
-                    help="torch.optim.AdamW implementation of the base")
+    ap.add_argument("--adamw-impl", default="default,foreach,fused",
+                    help="comma list of torch.optim.AdamW implementations of the base (default, foreach, fused)")
+    ap.add_argument("--md-path", default="fused,eager",
+                    help="comma list of MD paths for AdamW: fused (MD's default) and/or eager (fused=False)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -105,19 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or (12 if cuda else 1)
     iters = args.iters or (50 if cuda else 10)
     dtype = getattr(torch, args.dtype)
-    results = []
+    impls = [k.strip() for k in args.adamw_impl.split(",") if k.strip()]
+    md_paths = [k.strip() for k in args.md_path.split(",") if k.strip()]
+    for value, allowed, what in ((impls, ("default", "foreach", "fused"), "--adamw-impl"),
+                                 (md_paths, ("fused", "eager"), "--md-path")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            ap.error(f"{what}: unknown {bad}; choose from {list(allowed)}")
+    rows = []
     for kind in [k.strip() for k in args.base.split(",") if k.strip()]:
-        if kind == "muon":
-            try:
-                import weightgeom.optim.muon  # noqa: F401
-            except ImportError:
-                print("muon: weightgeom.optim.muon not available, skipped", file=sys.stderr)
-                continue
-        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains}, args.adamw_impl)
+        if kind == "adamw":
+            rows += [(kind, impl, path) for impl in impls for path in md_paths]
+        else:
+            rows.append((kind, "default", "eager"))
+    print(f"{'base':16s} {'MD path':8s} {'matrices':>8s} {'params':>8s} {'base ms':>9s} {'MD ms':>9s} {'ratio':>7s}")
+    results = []
+    for kind, impl, path in rows:
+        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains}, impl, path)
         results.append(r)
         flag = "ok" if r["ratio"] <= TARGET_RATIO else f"above target {TARGET_RATIO}"
-        print(f"{kind:6s} {r['matrices']:3d} matrices {r['params'] / 1e6:6.1f}M params  base {r['base_ms']:8.2f} ms  "
-              f"MD {r['md_ms']:8.2f} ms  ratio {r['ratio']:.3f} ({flag})")
+        label = f"{kind}({impl})" if kind == "adamw" else kind
+        print(f"{label:16s} {r['md_path']:8s} {r['matrices']:8d} {r['params'] / 1e6:7.1f}M {r['base_ms']:9.2f} "
+              f"{r['md_ms']:9.2f} {r['ratio']:7.3f}  {flag}", flush=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "gpu": torch.cuda.get_device_name() if cuda else None}

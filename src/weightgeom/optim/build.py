@@ -29,7 +29,7 @@ __all__ = ["build_optimizer", "OPTIMIZER_NAMES", "MD_OPTIONS", "adamw_groups", "
 
 OPTIMIZER_NAMES = ("adamw", "muon", "adamw-md", "muon-md")
 MD_OPTIONS = ("gains", "parameterization", "sphere", "gain_lr", "gain_betas", "gain_eps", "params", "exclude",
-              "embeddings", "embedding_radius")
+              "embeddings", "embedding_radius", "fused")
 # Muon / param_groups hyperparameters (ARCHITECTURE.md, optim): passed to them, ignored by the AdamW names.
 _MUON_KEYS = ("momentum", "nesterov", "ns_steps", "msign_method", "msign_dtype", "adjust_lr_fn", "momentum_form",
               "dual_steps", "dual_lr", "dual_tol", "retraction", "split_qkv", "rules", "adamw_hparams")
@@ -86,7 +86,8 @@ def build_optimizer(
         strategy: ``param_groups`` strategy for the Muon names (``"unconstrained"``, ``"all-stiefel"``,
             ``"all-dgram"``, ``"hetero"``, ``"hetero-inv"``, ...). The AdamW names accept only ``"unconstrained"``.
         md: ``MagnitudeDirection`` options (``gains``, ``parameterization``, ``sphere``, ``gain_lr``, ``gain_betas``,
-            ``gain_eps``, ``params``, ``exclude``, ``embeddings``, ``embedding_radius``) for the ``-md`` names.
+            ``gain_eps``, ``params``, ``exclude``, ``embeddings``, ``embedding_radius``, ``fused``) for the ``-md``
+            names.
         lr: Muon matrix LR (default 0.02); for ``"adamw"`` names only when ``adamw_lr`` is None.
         adamw_lr: AdamW LR (default 6e-4).
         weight_decay: Muon's decoupled weight decay (default 0); for AdamW names only when ``adamw_weight_decay``

@@ -57,6 +57,8 @@ def fusable(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.
         return "the base group has a norm-fixing manifold"
     if gains != "none" and parameterization not in ("softplus", "exp"):
         return f"parameterization {parameterization!r} (the kernel computes log-gain gradients)"
+    if type(p.data) is not torch.Tensor or type(G) is not torch.Tensor:
+        return f"the parameter or its gradient is a {type(p.data).__name__}/{type(G).__name__} (sharded or subclass)"
     if p.device.type != "cpu":
         return f"the parameter is on {p.device.type} (the kernel is CPU-only)"
     if p.dtype not in (torch.float32, torch.float64):
