@@ -268,6 +268,22 @@ def test_without_a_compiler_the_eager_path_runs(no_kernel):
         _make("adamw", _model(torch.float64), True)
 
 
+def test_an_unwritable_cache_means_no_kernel_not_a_crash(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(blocker / "sub"))
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(blocker))
+    kernels._reset()
+    try:
+        if kernels._compiler() is None:
+            pytest.skip("no C compiler")
+        assert kernels.load("md_adam") is None
+        assert "failed" in kernels.unavailable_reason("md_adam")
+    finally:
+        monkeypatch.undo()
+        kernels._reset()
+
+
 def test_kernels_can_be_disabled(monkeypatch):
     monkeypatch.setenv("WEIGHTGEOM_NO_KERNELS", "1")
     kernels._reset()

@@ -74,6 +74,13 @@ def _cpu_signature() -> str:
 
 
 def _build(name: str) -> tuple[ctypes.CDLL | None, str]:
+    try:
+        return _build_unchecked(name)
+    except OSError as e:  # an unwritable cache, a full disk, ...: no kernel, say why
+        return None, f"building {name}.c failed: {e}"
+
+
+def _build_unchecked(name: str) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("WEIGHTGEOM_NO_KERNELS", "") not in ("", "0"):
         return None, "disabled by WEIGHTGEOM_NO_KERNELS"
     cc = _compiler()
