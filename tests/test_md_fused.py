@@ -98,6 +98,27 @@ def test_kernel_matches_float64_reference(gains, param, sphere, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_is_deterministic(threads):
+    """Same inputs, same thread count → bitwise the same outputs (column sums are added in thread order, not in the
+    order threads finish), so a resumed run continues bit-identically."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = []
+        for _ in range(2):
+            c = _case(301, 257, "row+col", "softplus", "col", torch.float32, seed=3)
+            for t in range(1, 4):
+                G = torch.randn(301, 257, generator=c["gen"])
+                _run(kernels.md_adam_step, c, G, t, "softplus", "col", 1.0, 0.0)
+            outs.append([c["D"], c["W"], c["M"], c["V"], *c["gain"][0][:3], *c["gain"][1][:3]])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernel
 def test_kernel_rejects_bad_tensors_with_their_name():
     c = _case(4, 3, "row+col", "softplus", "frobenius", torch.float32)
     G = torch.randn(4, 3)

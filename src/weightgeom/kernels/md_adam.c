@@ -18,6 +18,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include <tgmath.h>
 
 #define ZERO_NORM 1e-30
@@ -83,14 +84,16 @@ DEF_GAINS(gains_f64, double)
         for (long i = kr; i < m && kr == 1; i++) gr[i] = gr[0]; /* a scalar gain scales every row */                \
         const T w1 = (T)(1 - b1), cb2 = (T)b2, w2 = (T)(1 - b2), ss = (T)step_size, ibc = (T)(1 / bc2_sqrt);               \
         const T ce = (T)eps, dk = (T)decay, cl2 = (T)l2;                                                             \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                              \
-            double *ts = calloc(2 * (size_t)n, sizeof(double));                                                      \
-            if (ts == NULL) {                                                                                        \
-                _Pragma("omp atomic write") failed = 1;                                                              \
-            }                                                                                                        \
-            double *tq = ts + n;                                                                                     \
+        /* per-thread column sums, added up in thread order afterwards: the result does not depend on timing */    \
+        const int nt = nthreads > 0 ? nthreads : 1;                                                                  \
+        double *part = calloc((size_t)nt * 2 * (size_t)n, sizeof(double));                                         \
+        if (part == NULL) {                                                                                          \
+            failed = 1;                                                                                              \
+            goto done;                                                                                               \
+        }                                                                                                            \
+        _Pragma("omp parallel num_threads(nt)") {                                                                    \
+            double *ts = part + (size_t)omp_get_thread_num() * 2 * (size_t)n, *tq = ts + n;                          \
             _Pragma("omp for schedule(static)") for (long i = 0; i < m; i++) {                                       \
-                if (ts == NULL) continue;                                                                            \
                 const T *g = G + i * n;                                                                              \
                 T *d = D + i * n, *mm = M + i * n, *vv = V + i * n;                                                  \
                 const T r = gr[i];                                                                                   \
@@ -113,15 +116,15 @@ DEF_GAINS(gains_f64, double)
                 rs[i] = ra;                                                                                          \
                 rq[i] = rqa;                                                                                         \
             }                                                                                                        \
-            if (ts != NULL) {                                                                                        \
-                _Pragma("omp critical") for (long j = 0; j < n; j++) {                                               \
-                    cs[j] += ts[j];                                                                                  \
-                    cq[j] += tq[j];                                                                                  \
-                }                                                                                                    \
-                free(ts);                                                                                            \
+        }                                                                                                            \
+        for (int t = 0; t < nt; t++) {                                                                               \
+            const double *ts = part + (size_t)t * 2 * (size_t)n, *tq = ts + n;                                       \
+            for (long j = 0; j < n; j++) {                                                                           \
+                cs[j] += ts[j];                                                                                      \
+                cq[j] += tq[j];                                                                                      \
             }                                                                                                        \
         }                                                                                                            \
-        if (failed) goto done;                                                                                       \
+        free(part);                                                                                                  \
         if (gain_r == 1) GAINS##_adam(m, th_r, m_r, v_r, d_r, rs, rr, glr, gb1, gb2, geps, t_r, nthreads);                \
         if (gain_r == 2) {                                                                                           \
             double tot = 0;                                                                                          \
