@@ -305,6 +305,25 @@ def test_an_unwritable_cache_means_no_kernel_not_a_crash(monkeypatch, tmp_path):
         kernels._reset()
 
 
+@needs_kernel
+def test_a_compiler_without_openmp_gets_the_single_threaded_kernel(monkeypatch, tmp_path):
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text('#!/bin/sh\ncase "$*" in *-fopenmp*) echo "unsupported option -fopenmp" >&2; exit 1;; esac\n'
+                  f'exec {kernels._compiler()} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    kernels._reset()
+    try:
+        assert kernels.load("md_adam") is not None
+        assert not kernels.uses_openmp("md_adam")
+        test_kernel_matches_float64_reference("row+col", "softplus", "col", torch.float32)
+    finally:
+        monkeypatch.undo()
+        kernels._reset()
+    assert kernels.uses_openmp("md_adam")
+
+
 def test_kernels_can_be_disabled(monkeypatch):
     monkeypatch.setenv("WEIGHTGEOM_NO_KERNELS", "1")
     kernels._reset()

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "unavailable_reason", "md_adam_step", "cache_dir"]
+__all__ = ["load", "unavailable_reason", "uses_openmp", "md_adam_step", "cache_dir"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 _reasons: dict[str, str] = {}
+_flags: dict[str, tuple[str, ...]] = {}
 
 _P, _L, _D, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_double, ctypes.c_int
 _SIGNATURES = {
@@ -91,39 +92,55 @@ def _build_unchecked(name: str) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"C compiler {cc!r} does not run: {e}"
-    key = hashlib.sha256("\0".join([source, version, " ".join(CFLAGS), _cpu_signature(),
+    errors = []
+    # with OpenMP first; a compiler without it (Apple clang) still gets the single-threaded kernel
+    for flags in (CFLAGS, tuple(f for f in CFLAGS if f != "-fopenmp")):
+        target, error = _compile(name, source, cc, version, flags)
+        if target is None:
+            errors.append(error)
+            continue
+        try:
+            lib = ctypes.CDLL(str(target))
+            for fn, (argtypes, restype) in _SIGNATURES[name].items():
+                for t in ("f32", "f64"):
+                    f = getattr(lib, fn.format(t=t))
+                    f.argtypes = argtypes
+                    f.restype = restype
+        except (OSError, AttributeError) as e:
+            errors.append(f"loading {target} failed: {e}")
+            continue
+        _flags[name] = flags
+        return lib, ""
+    return None, errors[0]
+
+
+def _compile(name: str, source: str, cc: str, version: str, flags: tuple[str, ...]) -> tuple[Path | None, str]:
+    """The cached shared object for these flags, compiled if missing; (None, why) if the compiler fails."""
+    key = hashlib.sha256("\0".join([source, version, " ".join(flags), _cpu_signature(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            out_dir = target.parent
-        except OSError:
-            out_dir = Path(tempfile.gettempdir())
-            target = out_dir / target.name
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = Path(tmp) / f"{name}.c"
-            src.write_text(source)
-            built = Path(tmp) / f"{name}.so"
-            try:
-                proc = subprocess.run([cc, *CFLAGS, str(src), "-o", str(built)], capture_output=True, text=True,
-                                      timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                return None, f"compiling {name}.c with {cc!r} failed: {e}"
-            if proc.returncode != 0:
-                first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
-                return None, f"compiling {name}.c with {cc!r} failed: {first}"
-            os.replace(built, target)  # atomic: concurrent builders (torchrun ranks) each install a whole file
+    if target.exists():
+        return target, ""
     try:
-        lib = ctypes.CDLL(str(target))
-        for fn, (argtypes, restype) in _SIGNATURES[name].items():
-            for t in ("f32", "f64"):
-                f = getattr(lib, fn.format(t=t))
-                f.argtypes = argtypes
-                f.restype = restype
-    except (OSError, AttributeError) as e:
-        return None, f"loading {target} failed: {e}"
-    return lib, ""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        out_dir = target.parent
+    except OSError:
+        out_dir = Path(tempfile.gettempdir())
+        target = out_dir / target.name
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / f"{name}.c"
+        src.write_text(source)
+        built = Path(tmp) / f"{name}.so"
+        try:
+            proc = subprocess.run([cc, *flags, str(src), "-o", str(built)], capture_output=True, text=True,
+                                  timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"compiling {name}.c with {cc!r} failed: {e}"
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
+            return None, f"compiling {name}.c with {cc!r} failed: {first}"
+        os.replace(built, target)  # atomic: concurrent builders (torchrun ranks) each install a whole file
+    return target, ""
 
 
 def load(name: str = "md_adam") -> ctypes.CDLL | None:
@@ -136,6 +153,11 @@ def load(name: str = "md_adam") -> ctypes.CDLL | None:
         return _libs[name]
 
 
+def uses_openmp(name: str = "md_adam") -> bool:
+    """Whether the loaded kernel was built with OpenMP (threads) rather than single-threaded."""
+    return load(name) is not None and "-fopenmp" in _flags.get(name, ())
+
+
 def unavailable_reason(name: str = "md_adam") -> str:
     """Why ``load(name)`` returned None ("" when it did not, or was not called yet)."""
     return _reasons.get(name, "")
@@ -146,6 +168,7 @@ def _reset() -> None:
     with _lock:
         _libs.clear()
         _reasons.clear()
+        _flags.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,11 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* built without OpenMP (e.g. Apple clang): one thread, the pragmas are ignored */
+#define omp_get_thread_num() 0
+#endif
 #include <tgmath.h>
 
 #define ZERO_NORM 1e-30
