@@ -367,3 +367,26 @@ def test_eligibility_reasons():
     assert "dtype" in md_fused.fusable(adamw, group, p.bfloat16(), G.bfloat16(), "row", "exp", False)
     assert "contiguous" in md_fused.fusable(adamw, group, p, torch.randn(4, 3).T, "row", "exp", False)
     assert "norm-fixing" in md_fused.fusable(adamw, group, p, G, "row", "exp", True)
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_the_models_weights_win_after_an_outside_edit(fused):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 40))
+    md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, gain_lr=0.05, fused=fused)
+    for _ in range(30):  # enough steps for torch's softplus and the kernel's to disagree in a last bit somewhere
+        md.zero_grad()
+        model(torch.randn(32, 64)).pow(2).mean().backward()
+        md.step()
+    p = model[0].weight
+    D0, r0 = md.direction(p).clone(), md.state[p]["radius"].clone()
+    with torch.no_grad():
+        p.copy_(p.detach().clone())  # same values, new version (as after loading the same checkpoint)
+    md._resync(p)
+    # kept bit for bit, although torch's γ may differ from the kernel's by 1 ulp
+    assert torch.equal(md.direction(p), D0)
+    with torch.no_grad():
+        p.mul_(1.5)  # a real change: Ŵ is re-derived from W and the radius re-measured
+    md._resync(p)
+    torch.testing.assert_close(md.direction(p), 1.5 * D0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(md.state[p]["radius"], 1.5 * r0, rtol=1e-5, atol=0)

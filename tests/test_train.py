@@ -58,7 +58,8 @@ def test_train_writes_run_directory(tmp_path):
 
 
 def _optim_variants():
-    out = [pytest.param({"name": "adamw"}, id="adamw")]
+    out = [pytest.param({"name": "adamw"}, id="adamw"),
+           pytest.param({"name": "adamw-md"}, id="adamw-md")]  # MD's fused CPU path where a C compiler exists
     muon = pytest.mark.skipif(not _have("weightgeom.optim.muon"), reason="weightgeom.optim.muon not built yet")
     out.append(pytest.param({"name": "muon", "strategy": "hetero", "momentum_form": "sum"}, id="muon-hetero",
                             marks=muon))
