@@ -390,3 +390,23 @@ def test_the_models_weights_win_after_an_outside_edit(fused):
     md._resync(p)
     torch.testing.assert_close(md.direction(p), 1.5 * D0, rtol=1e-5, atol=0)
     torch.testing.assert_close(md.state[p]["radius"], 1.5 * r0, rtol=1e-5, atol=0)
+
+
+def test_md_overhead_benchmark_runs_and_reports_the_path(tmp_path, capsys):
+    """`weightgeom bench md_overhead` on one AdamW implementation, 1 timed step: the rows, the path, the JSON."""
+    import json
+
+    from weightgeom.cli import main
+
+    out = tmp_path / "md.json"
+    code = main(["bench", "md_overhead", "--base", "adamw", "--adamw-impl", "fused", "--md-path", "fused,eager",
+                 "--iters", "1", "--warmup", "0", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "adamw(fused)" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [r["adamw_impl"] for r in rows] == ["fused", "fused"]
+    expected = "fused" if kernels.load("md_adam") is not None else "eager"
+    assert [r["md_path"] for r in rows] == [expected, "eager"]
+    assert all(r["base_ms"] > 0 and r["md_ms"] > 0 for r in rows)
+    assert main(["bench", "md_overhead", "--adamw-impl", "nope"]) == 2
