@@ -175,7 +175,6 @@ def _reset() -> None:
 # Typed entry points: argument checks, then one C call.
 # ---------------------------------------------------------------------------------------------------------------------
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-GAIN_KIND = {None: 0, "vector": 1, "scalar": 2}
 PARAM_CODE = {"softplus": 0, "exp": 1}
 SPHERE_CODE = {"frobenius": 0, "row": 1, "col": 2}
 

@@ -31,7 +31,7 @@
  * torch's threshold 20; exp: 1), one exp and one log1p per entry; loops long enough to pay are split over threads. */
 #define PAR_MIN 2048
 #define DEF_GAINS(NAME, T)                                                                                           \
-    static void NAME##_phi(long k, const T *th, int param, T *gamma, T *ratio, int nthreads) {                      \
+    static void NAME##_phi(long k, const T *th, int param, T *gamma, T *ratio, int nthreads) {                       \
         _Pragma("omp parallel for schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                        \
         for (long i = 0; i < k; i++) {                                                                               \
             const T t = th[i], e = exp(t);                                                                           \
@@ -41,14 +41,14 @@
             } else {                                                                                                 \
                 const T sp = t > 20 ? t : log1p(e);                                                                  \
                 gamma[i] = sp;                                                                                       \
-                if (ratio) ratio[i] = sp > 0 ? (t > 20 ? (T)1 : e / (1 + e)) / sp : (T)1;                             \
+                if (ratio) ratio[i] = sp > 0 ? (t > 20 ? (T)1 : e / (1 + e)) / sp : (T)1;                            \
             }                                                                                                        \
         }                                                                                                            \
     }                                                                                                                \
-    /* Adam on theta with gradient s * ratio (written to grad), as md_functional.adam_update_ (no weight decay) */     \
-    static void NAME##_adam(long k, T *th, T *mm, T *vv, T *grad, const double *s, const T *ratio, double lr,       \
+    /* Adam on theta with gradient s * ratio (written to grad), as md_functional.adam_update_ (no weight decay) */   \
+    static void NAME##_adam(long k, T *th, T *mm, T *vv, T *grad, const double *s, const T *ratio, double lr,        \
                             double b1, double b2, double eps, double t, int nthreads) {                              \
-        const T step = (T)(lr / (1 - pow(b1, t))), ibc2 = (T)(1 / (1 - pow(b2, t))), w1 = (T)(1 - b1);              \
+        const T step = (T)(lr / (1 - pow(b1, t))), ibc2 = (T)(1 / (1 - pow(b2, t))), w1 = (T)(1 - b1);               \
         const T cb2 = (T)b2, w2 = (T)(1 - b2), ce = (T)eps;                                                          \
         _Pragma("omp parallel for simd schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                   \
         for (long i = 0; i < k; i++) {                                                                               \
@@ -60,15 +60,26 @@
             vv[i] = b;                                                                                               \
             th[i] -= step * (a / (sqrt(b * ibc2) + ce));                                                             \
         }                                                                                                            \
+    }                                                                                                                \
+    /* gamma of the row and column gains (and, where rr/rc are given, their chain factors): 1 where a gain is        \
+       absent, a scalar row gain (gain_r == 2) repeated over the m rows */                                           \
+    static void NAME##_both(long m, long n, int gain_r, int gain_c, const T *th_r, const T *th_c, int param, T *gr,  \
+                            T *gc, T *rr, T *rc, int nthreads) {                                                     \
+        for (long i = 0; i < m; i++) gr[i] = 1;                                                                      \
+        for (long j = 0; j < n; j++) gc[j] = 1;                                                                      \
+        NAME##_phi(gain_r == 1 ? m : (gain_r == 2 ? 1 : 0), th_r, param, gr, rr, nthreads);                          \
+        NAME##_phi(gain_c ? n : 0, th_c, param, gc, rc, nthreads);                                                   \
+        if (gain_r == 2)                                                                                             \
+            for (long i = 1; i < m; i++) gr[i] = gr[0];                                                              \
     }
 DEF_GAINS(gains_f32, float)
 DEF_GAINS(gains_f64, double)
 
 #define DEF_STEP(NAME, T, GAINS)                                                                                     \
-    int NAME(long m, long n, const T *G, T *D, T *W, T *M, T *V, double b1, double b2, double step_size,           \
-             double bc2_sqrt, double eps, double decay, double l2, int gain_r, int gain_c, int param, T *th_r,      \
-             T *m_r, T *v_r, T *d_r, T *th_c, T *m_c, T *v_c, T *d_c, double glr, double gb1, double gb2, double geps, double t_r,  \
-             double t_c, int sphere, const T *radius, int nthreads) {                                                \
+    int NAME(long m, long n, const T *G, T *D, T *W, T *M, T *V, double b1, double b2, double step_size,             \
+             double bc2_sqrt, double eps, double decay, double l2, int gain_r, int gain_c, int param, T *th_r,       \
+             T *m_r, T *v_r, T *d_r, T *th_c, T *m_c, T *v_c, T *d_c, double glr, double gb1, double gb2,            \
+             double geps, double t_r, double t_c, int sphere, const T *radius, int nthreads) {                       \
         int failed = 0;                                                                                              \
         T *gr = malloc(sizeof(T) * (size_t)m), *gc = malloc(sizeof(T) * (size_t)n);                                  \
         T *fa = malloc(sizeof(T) * (size_t)m), *fb = malloc(sizeof(T) * (size_t)n);                                  \
@@ -80,17 +91,12 @@ DEF_GAINS(gains_f64, double)
             failed = 1;                                                                                              \
             goto done;                                                                                               \
         }                                                                                                            \
-        const long kr = gain_r == 1 ? m : (gain_r == 2 ? 1 : 0), kc = gain_c ? n : 0;                                \
-        for (long i = 0; i < m; i++) gr[i] = 1;                                                                      \
-        for (long j = 0; j < n; j++) gc[j] = 1;                                                                      \
-        GAINS##_phi(kr, th_r, param, gr, rr, nthreads);                                                              \
-        GAINS##_phi(kc, th_c, param, gc, rc, nthreads);                                                              \
-        for (long i = kr; i < m && kr == 1; i++) gr[i] = gr[0]; /* a scalar gain scales every row */                \
-        const T w1 = (T)(1 - b1), cb2 = (T)b2, w2 = (T)(1 - b2), ss = (T)step_size, ibc = (T)(1 / bc2_sqrt);               \
+        GAINS##_both(m, n, gain_r, gain_c, th_r, th_c, param, gr, gc, rr, rc, nthreads);                             \
+        const T w1 = (T)(1 - b1), cb2 = (T)b2, w2 = (T)(1 - b2), ss = (T)step_size, ibc = (T)(1 / bc2_sqrt);         \
         const T ce = (T)eps, dk = (T)decay, cl2 = (T)l2;                                                             \
-        /* per-thread column sums, added up in thread order afterwards: the result does not depend on timing */    \
+        /* per-thread column sums, added up in thread order afterwards: the result does not depend on timing */      \
         const int nt = nthreads > 0 ? nthreads : 1;                                                                  \
-        double *part = calloc((size_t)nt * 2 * (size_t)n, sizeof(double));                                         \
+        double *part = calloc((size_t)nt * 2 * (size_t)n, sizeof(double));                                           \
         if (part == NULL) {                                                                                          \
             failed = 1;                                                                                              \
             goto done;                                                                                               \
@@ -102,7 +108,7 @@ DEF_GAINS(gains_f64, double)
                 T *d = D + i * n, *mm = M + i * n, *vv = V + i * n;                                                  \
                 const T r = gr[i];                                                                                   \
                 double ra = 0, rqa = 0;                                                                              \
-                _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                           \
+                _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                            \
                     const T gh = g[j] * r * gc[j];                                                                   \
                     const T p = d[j] * gh;                                                                           \
                     ra += p;                                                                                         \
@@ -112,7 +118,7 @@ DEF_GAINS(gains_f64, double)
                     const T b = cb2 * vv[j] + w2 * e * e;                                                            \
                     mm[j] = a;                                                                                       \
                     vv[j] = b;                                                                                       \
-                    const T x = d[j] * dk - ss * (a / (sqrt(b) * ibc + ce));                                          \
+                    const T x = d[j] * dk - ss * (a / (sqrt(b) * ibc + ce));                                         \
                     d[j] = x;                                                                                        \
                     rqa += (double)x * x;                                                                            \
                     tq[j] += (double)x * x;                                                                          \
@@ -129,13 +135,13 @@ DEF_GAINS(gains_f64, double)
             }                                                                                                        \
         }                                                                                                            \
         free(part);                                                                                                  \
-        if (gain_r == 1) GAINS##_adam(m, th_r, m_r, v_r, d_r, rs, rr, glr, gb1, gb2, geps, t_r, nthreads);                \
+        if (gain_r == 1) GAINS##_adam(m, th_r, m_r, v_r, d_r, rs, rr, glr, gb1, gb2, geps, t_r, nthreads);           \
         if (gain_r == 2) {                                                                                           \
             double tot = 0;                                                                                          \
             for (long i = 0; i < m; i++) tot += rs[i];                                                               \
-            GAINS##_adam(1, th_r, m_r, v_r, d_r, &tot, rr, glr, gb1, gb2, geps, t_r, nthreads);                           \
+            GAINS##_adam(1, th_r, m_r, v_r, d_r, &tot, rr, glr, gb1, gb2, geps, t_r, nthreads);                      \
         }                                                                                                            \
-        if (gain_c == 1) GAINS##_adam(n, th_c, m_c, v_c, d_c, cs, rc, glr, gb1, gb2, geps, t_c, nthreads);                \
+        if (gain_c == 1) GAINS##_adam(n, th_c, m_c, v_c, d_c, cs, rc, glr, gb1, gb2, geps, t_c, nthreads);           \
         for (long i = 0; i < m; i++) fa[i] = 1;                                                                      \
         for (long j = 0; j < n; j++) fb[j] = 1;                                                                      \
         if (sphere == 0) {                                                                                           \
@@ -148,12 +154,8 @@ DEF_GAINS(gains_f64, double)
         } else {                                                                                                     \
             for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
         }                                                                                                            \
-        for (long i = 0; i < m; i++) wa[i] = 1;                                                                      \
-        for (long j = 0; j < n; j++) wb[j] = 1;                                                                      \
-        GAINS##_phi(kr, th_r, param, wa, NULL, nthreads);                                                            \
-        GAINS##_phi(kc, th_c, param, wb, NULL, nthreads);                                                            \
-        for (long i = kr; i < m && kr == 1; i++) wa[i] = wa[0];                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads)") for (long i = 0; i < m; i++) {            \
+        GAINS##_both(m, n, gain_r, gain_c, th_r, th_c, param, wa, wb, NULL, NULL, nthreads); /* the new gains */     \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)") for (long i = 0; i < m; i++) {                  \
             T *d = D + i * n, *w = W + i * n;                                                                        \
             const T ai = fa[i], wi = wa[i];                                                                          \
             _Pragma("omp simd") for (long j = 0; j < n; j++) {                                                       \
@@ -163,7 +165,8 @@ DEF_GAINS(gains_f64, double)
             }                                                                                                        \
         }                                                                                                            \
     done:                                                                                                            \
-        free(gr); free(gc); free(fa); free(fb); free(wa); free(wb); free(rr); free(rc); free(rs); free(rq); free(cs); free(cq);          \
+        free(gr); free(gc); free(fa); free(fb); free(wa); free(wb);                                                  \
+        free(rr); free(rc); free(rs); free(rq); free(cs); free(cq);                                                  \
         return failed;                                                                                               \
     }
 

@@ -226,9 +226,7 @@ class MagnitudeDirection(Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"MagnitudeDirection: fused must be None, True or False, got {fused!r}")
         if fused:
-            why = md_fused.base_fusable(base_optimizer) or (
-                None if md_fused.kernels.load("md_adam") is not None
-                else f"the C kernel is unavailable: {md_fused.kernels.unavailable_reason('md_adam')}")
+            why = md_fused.base_fusable(base_optimizer) or md_fused.kernel_missing()
             if why:
                 raise ValueError(f"MagnitudeDirection: fused=True cannot run: {why}")
         self.fused = fused
@@ -405,7 +403,7 @@ class MagnitudeDirection(Optimizer):
             D = st["direction"]
             group = group_of[id(p)]
             s = self._scale_for(p, group)
-            # p, W, G, Ŵ, what the base steps, its gradient, fused sums of squares (or None)
+            # p, W, G, Ŵ, what the base steps, its gradient, True once stepped on the fused path (else None)
             item = [p, p.data, G, D, None, None, None]
             work.append(item)
             why = "fused=False" if self.fused is False else md_fused.fusable(
@@ -471,11 +469,7 @@ class MagnitudeDirection(Optimizer):
         for theta in group["params"]:
             if theta.grad is None or theta in self._stepped:
                 continue
-            gst = self.state[theta]
-            if not gst:
-                gst["step"] = torch.zeros((), dtype=torch.float32)
-                gst["exp_avg"] = torch.zeros_like(theta)
-                gst["exp_avg_sq"] = torch.zeros_like(theta)
+            gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1
             adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), group["lr"],
                          group["betas"], group["eps"])

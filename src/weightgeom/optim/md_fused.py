@@ -70,6 +70,11 @@ def fusable(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.
             st.get(k) is None or st[k].dtype != p.dtype or not st[k].is_contiguous()
             for k in ("exp_avg", "exp_avg_sq"))):
         return "the base optimizer's state for it is not plain contiguous Adam moments"
+    return kernel_missing()
+
+
+def kernel_missing() -> str | None:
+    """None if the C kernel is built and loaded; else why not (one line)."""
     if kernels.load("md_adam") is None:
         return f"the C kernel is unavailable: {kernels.unavailable_reason('md_adam')}"
     return None
@@ -92,7 +97,7 @@ def _f(x) -> float:
 
 
 def gain_adam_state(state: dict, theta: torch.Tensor) -> dict:
-    """The wrapper's Adam state of a gain θ (``state[θ]``), initialised as ``MagnitudeDirection._update_gains`` does."""
+    """The wrapper's Adam state of a gain θ (``state[θ]``), initialised on first use (both paths use this)."""
     gst = state[theta]
     if not gst:
         gst["step"] = torch.zeros((), dtype=torch.float32)
