@@ -1,0 +1,244 @@
+"""Ownership of a run or sweep directory: one writer at a time, and earlier runs moved aside, never mixed or deleted.
+
+A directory is owned through a lock file (:data:`LOCK_NAME`) holding the owner's pid, host, process start time and
+command as JSON. It is created with ``O_CREAT | O_EXCL``, so exactly one process wins. A lock whose owner is gone is
+*stale*: on the same host that is decided for certain (the pid no longer exists, or it was reused by a process that
+started later than the recorded start time); a lock written on another host cannot be checked from here and is refused
+with a line that says how to remove it. Breaking a stale lock and taking a new one happen under ``flock`` on a guard
+file, so two processes that both see the same stale lock cannot both take it over.
+
+A process killed with ``kill -9`` leaves its lock file behind; the next writer finds it stale and takes over. Release
+removes the lock only if it still names this process.
+
+:func:`archive_previous` moves the files of an earlier run (metrics, checkpoints, status, config, logs) into
+``previous/<UTC time>/`` inside the same directory, so a fresh run never shares a directory listing with an old one's
+checkpoints and nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
+           "safe_child"]
+
+LOCK_NAME = ".weightgeom.lock"
+"""File name of the lock inside the owned directory."""
+
+PREVIOUS_DIR = "previous"
+"""Sub-directory that earlier runs' files are moved into (one ``<UTC time>`` folder per earlier run)."""
+
+_GUARD_NAME = ".weightgeom.lock.guard"
+
+
+class LockError(ValueError):
+    """The directory is owned by another live process (or by one on another host that cannot be checked)."""
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may contain spaces: split after the last ')'
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 overall: starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def read_lock(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The owner record of ``directory``'s lock (pid, host, start, time, command), or None if there is no lock.
+
+    An unreadable or partly written lock file reads as ``{"pid": None, ...}`` (owner unknown).
+    """
+    p = Path(directory) / LOCK_NAME
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {"pid": None, "host": None}
+    try:
+        rec = json.loads(text)
+        return rec if isinstance(rec, dict) else {"pid": None, "host": None}
+    except json.JSONDecodeError:
+        return {"pid": None, "host": None}
+
+
+def lock_is_stale(rec: dict[str, Any]) -> bool | None:
+    """Whether the lock ``rec`` belongs to a process that no longer runs: True/False, or None if it cannot be told
+    from this host (written on another host)."""
+    pid = rec.get("pid")
+    if rec.get("host") not in (None, platform.node()):
+        return None
+    if not isinstance(pid, int):
+        # unknown owner: stale only if the file is old (a writer crashed between create and write)
+        return time.time() - float(rec.get("_mtime", time.time())) > 60
+    if not _pid_alive(pid):
+        return True
+    start = rec.get("start")
+    now_start = _proc_start_time(pid)
+    return start is not None and now_start is not None and now_start != start
+
+
+def _describe(rec: dict[str, Any]) -> str:
+    cmd = rec.get("command")
+    cmd = " ".join(cmd) if isinstance(cmd, list) else (cmd or "?")
+    if len(cmd) > 80:
+        cmd = cmd[:77] + "..."
+    return f"pid {rec.get('pid')} on host {rec.get('host')} since {rec.get('time', '?')} ({cmd})"
+
+
+class DirLock:
+    """Exclusive ownership of a directory by this process (a context manager).
+
+    Args:
+        directory: the run or sweep directory (created if missing).
+        what: how error messages name it (``"run directory"``, ``"sweep directory"``).
+
+    Raises:
+        LockError: from :meth:`acquire`, when a live process (or one on another host) owns the directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory") -> None:
+        self.directory = Path(directory)
+        self.what = what
+        self.path = self.directory / LOCK_NAME
+        self.held = False
+        self.took_over: dict[str, Any] | None = None  # the stale owner this lock replaced, if any
+
+    def _record(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": platform.node(), "start": _proc_start_time(os.getpid()),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv}
+
+    def acquire(self) -> DirLock:
+        """Take the lock, replacing a stale one. Re-entrant within this object."""
+        if self.held:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / _GUARD_NAME, "a+") as guard:
+            fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
+            try:
+                for _ in range(3):
+                    try:
+                        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    except FileExistsError:
+                        rec = read_lock(self.directory)
+                        if rec is None:
+                            continue  # released between our open and read: try again
+                        with contextlib.suppress(OSError):
+                            rec.setdefault("_mtime", self.path.stat().st_mtime)
+                        if rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
+                            raise LockError(f"{self.what} {self.directory} is already in use by this process") \
+                                from None
+                        stale = lock_is_stale(rec)
+                        if stale is None:
+                            raise LockError(
+                                f"{self.what} {self.directory} is in use by {_describe(rec)}; that host cannot be "
+                                f"checked from here: if that process is gone, delete {self.path}") from None
+                        if not stale:
+                            raise LockError(f"{self.what} {self.directory} is in use by {_describe(rec)}; wait for "
+                                            "it to finish or choose another directory") from None
+                        self.took_over = rec
+                        self.path.unlink(missing_ok=True)
+                        continue
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(self._record(), f)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    self.held = True
+                    return self
+            finally:
+                fcntl.flock(guard.fileno(), fcntl.LOCK_UN)
+        raise LockError(f"{self.what} {self.directory}: could not take the lock {self.path}")
+
+    def release(self) -> None:
+        """Remove the lock if it still names this process (never another owner's)."""
+        if not self.held:
+            return
+        self.held = False
+        rec = read_lock(self.directory)
+        if rec is not None and rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def __enter__(self) -> DirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def archive_previous(directory: str | os.PathLike, keep: tuple[str, ...] = ()) -> Path | None:
+    """Move every entry of ``directory`` except the lock, ``previous/`` and ``keep`` into ``previous/<UTC time>/``.
+
+    Used when a run starts fresh in a directory an earlier run used (``--fresh``, a sweep's ``--no-resume``), so the
+    new run's checkpoints are never mixed with, pruned against or mistaken for the old run's, and nothing is deleted.
+
+    Args:
+        directory: the run directory (the caller must hold its :class:`DirLock`).
+        keep: names to leave in place (e.g. ``experiment.json`` written by a sweep just before the run).
+
+    Returns:
+        The folder the old files went to, or None if there was nothing to move.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    skip = {LOCK_NAME, _GUARD_NAME, PREVIOUS_DIR, *keep}
+    entries = [p for p in d.iterdir() if p.name not in skip]
+    if not entries:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = d / PREVIOUS_DIR / stamp
+    k = 1
+    while dest.exists():
+        k += 1
+        dest = d / PREVIOUS_DIR / f"{stamp}-{k}"
+    dest.mkdir(parents=True)
+    for p in entries:
+        os.replace(p, dest / p.name)
+    return dest
+
+
+def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> Path:
+    """``parent / name``, refusing a ``name`` that is absolute, empty, or escapes ``parent`` (``..``, symlinks).
+
+    Raises:
+        ValueError: one line naming ``what`` and the bad value.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"config key {what}={name!r}: must be a non-empty relative name")
+    if os.path.isabs(name) or name.startswith("~"):
+        raise ValueError(f"config key {what}={name!r}: must be relative to the output directory, not absolute")
+    parts = Path(name).parts
+    if any(p == ".." for p in parts):
+        raise ValueError(f"config key {what}={name!r}: must not contain '..' (it would write outside the output "
+                         "directory)")
+    base = Path(parent).resolve()
+    child = (base / name).resolve()
+    if child != base and base not in child.parents:
+        raise ValueError(f"config key {what}={name!r}: resolves to {child}, outside {base}")
+    return Path(parent) / name
