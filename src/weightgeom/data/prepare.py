@@ -6,6 +6,11 @@ Layout of a prepared folder::
     val.bin     the last ``val_fraction`` of the token stream (nanoGPT's shakespeare split: a tail split)
     meta.json   {"tokenizer", "tokenizer_config", "vocab_size", "dtype", "train_tokens", "val_tokens", ...}
 
+Writing is all or nothing: every output is first written to a hidden temporary file in ``out`` and only renamed into
+place once train.bin, val.bin and meta.json are all complete, so a failure (bad input, full disk, Ctrl-C) leaves an
+existing dataset in ``out`` as it was and removes a folder it created. An output folder that cannot be created or
+written raises ``OSError`` (``weightgeom data prepare`` prints one line naming the path, exit code 2).
+
 Documents are joined by a separator: GPT-2's ``<|endoftext|>`` (id 50256) for ``gpt2``, a newline for ``char``; so
 decoding train + val gives back ``separator.join(documents)`` exactly.
 
@@ -156,12 +161,15 @@ def write_token_dataset(
         The meta.json contents.
 
     Raises:
-        ValueError: a bad val_fraction, no text at all, or too few tokens for two splits.
+        ValueError: a bad val_fraction, no text at all, too few tokens for two splits, or ``out`` is a file.
         FileExistsError: output files exist and ``force`` is False.
+        OSError: ``out`` cannot be created or written (nothing already in ``out`` is changed).
     """
     if not 0.0 < float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} is a file, not a folder")
     existing = [f for f in OUTPUT_FILES if (out / f).exists()]
     if existing and not force:
         raise FileExistsError(f"{out / existing[0]} already exists; use --force (force=True) to overwrite")
@@ -180,8 +188,12 @@ def write_token_dataset(
         sep_ids, sep = [tok.eot_token if tok.eot_token is not None else 0], "<|endoftext|>"
     dtype = token_dtype(tok.vocab_size)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".all.{uuid.uuid4().hex}.bin.tmp"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create the output folder: {e.strerror}", str(out)) from None
+    tag = uuid.uuid4().hex  # this call's temporary files (a concurrent prepare into the same folder keeps its own)
+    tmp, val_tmp, meta_tmp = (out / f".{name}.{tag}.tmp" for name in ("all.bin", "val.bin", "meta.json"))
     total = n_docs = 0
     bar = _Progress(progress, f"tokenising ({tok.name})")
     try:
@@ -203,22 +215,38 @@ def write_token_dataset(
             raise ValueError(f"only {total} tokens: too few for a train and a val split")
         itemsize = np.dtype(dtype).itemsize
         all_ids = np.memmap(tmp, dtype=dtype, mode="r")
-        val_tmp = out / f".val.{uuid.uuid4().hex}.bin.tmp"
         np.asarray(all_ids[n_train:]).tofile(val_tmp)
         del all_ids
         with open(tmp, "r+b") as f:
             f.truncate(n_train * itemsize)
+        meta = _meta(tok, dtype, n_train, n_val, val_fraction, n_docs, sep, extra_meta)
+        meta_tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
         os.replace(tmp, out / "train.bin")
         os.replace(val_tmp, out / "val.bin")
+        os.replace(meta_tmp, out / "meta.json")
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
         bar.close()
-        for p in out.glob(".*.bin.tmp"):
+        for p in (tmp, val_tmp, meta_tmp):
             p.unlink(missing_ok=True)
-    meta = {
+    return meta
+
+
+def _meta(
+    tok: Tokenizer,
+    dtype: str,
+    n_train: int,
+    n_val: int,
+    val_fraction: float,
+    n_docs: int,
+    sep: str,
+    extra_meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The meta.json contents of a prepared dataset."""
+    return {
         "format": FORMAT,
         "tokenizer": tok.name,
         "tokenizer_config": tok.to_meta(),
@@ -231,10 +259,6 @@ def write_token_dataset(
         "separator": sep,
         **(extra_meta or {}),
     }
-    meta_tmp = out / ".meta.json.tmp"
-    meta_tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
-    os.replace(meta_tmp, out / "meta.json")
-    return meta
 
 
 def _with_newline(docs: Iterable[str]) -> Iterator[str]:
@@ -250,6 +274,7 @@ def prepare(
     text_field: str = "text",
     force: bool = False,
     progress: bool = True,
+    encoding_errors: str = "strict",
 ) -> dict[str, Any]:
     """``weightgeom data prepare``: tokenise text / JSONL / parquet files or folders into ``out``.
 
@@ -261,19 +286,28 @@ def prepare(
         text_field: JSONL field / parquet column holding the text.
         force: overwrite existing outputs.
         progress: progress bar on stderr.
+        encoding_errors: ``strict`` (a text / JSONL file that is not UTF-8 is refused, naming it) or ``replace``
+            (undecodable bytes become U+FFFD).
 
     Returns:
         The meta.json contents.
+
+    Raises:
+        ValueError / FileNotFoundError / FileExistsError / OSError: one line naming the input or output at fault; see
+            :func:`write_token_dataset` and ``weightgeom.data.corpora``.
     """
     files = expand_inputs(inputs)  # fail fast on missing / unsupported inputs
+    extra: dict[str, Any] = {"sources": [str(p) for p in files], "text_field": text_field}
+    if encoding_errors != "strict":
+        extra["encoding_errors"] = encoding_errors
     return write_token_dataset(
-        lambda: iter_documents(files, text_field),
+        lambda: iter_documents(files, text_field, encoding_errors),
         out,
         tokenizer,
         val_fraction,
         force,
         progress,
-        extra_meta={"sources": [str(p) for p in files], "text_field": text_field},
+        extra_meta=extra,
     )
 
 

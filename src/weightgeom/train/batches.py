@@ -6,14 +6,26 @@ reproduces the same batches bit for bit; a 2-rank run where rank r takes micro-b
 sees exactly the global batch of a 1-rank run with ``grad_accum = 2k``; evaluation uses the same fixed val batches
 every time (comparable curves). Sampling is with replacement (random windows, as nanoGPT's ``get_batch``).
 
-Sources (``[data] kind``): ``shakespeare`` (weightgeom.data corpus, char or GPT-2 tokens), ``text`` (a file),
-``bin`` (nanoGPT ``train.bin``/``val.bin`` uint16 memmaps in ``data.path``), ``mnist`` (flattened 784-d images),
-``synthetic`` (a learnable random token process for tests and benchmarks; no files).
+Sources (``[data] kind``): ``shakespeare`` (weightgeom.data corpus, char or GPT-2 tokens), ``text`` (a UTF-8 file),
+``bin`` (``train.bin``/``val.bin`` memmaps in ``data.path``), ``mnist`` (flattened 784-d images), ``synthetic`` (a
+learnable random token process for tests and benchmarks; no files).
+
+``bin`` folders are read with :class:`weightgeom.data.TokenDataset`: the dtype and vocabulary size come from the
+``meta.json`` that ``weightgeom data prepare`` writes (else nanoGPT's ``meta.pkl`` ``vocab_size``, read as plain data
+and never executed; else uint16 and GPT-2's 50257), and every id is checked once at load (one chunked pass, about
+0.02–0.2 s per 100M tokens) to be below that size. The model's ``vocab_size`` defaults to it.
+
+Every unusable input is refused before training with a ``ValueError`` of one line naming the key or file:
+``data.val_fraction`` not a number in (0, 1); a missing, unreadable, empty or non-UTF-8 ``data.path`` text file; a
+``bin`` folder with a missing, empty or truncated ``.bin`` file, a bad ``meta.json``, a refused ``meta.pkl`` or an id
+not below the vocabulary; a split shorter than ``data.block_size + 2`` tokens; an explicit ``model.vocab_size``
+smaller than the data's vocabulary.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +91,19 @@ class Batches:
         return x.to(device), y.to(device)
 
 
+def check_val_fraction(value: Any) -> float:
+    """``data.val_fraction`` as a float strictly between 0 and 1.
+
+    Raises:
+        ValueError: one line naming the key and the value (not a number, NaN, ≤ 0 or ≥ 1).
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < 1
+    if not ok:
+        raise ValueError(f"config key data.val_fraction={value!r}: must be a number strictly between 0 and 1 "
+                         "(the held-out share, e.g. 0.1)")
+    return float(value)
+
+
 def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     n = int(len(tokens) * (1.0 - val_fraction))
     return tokens[:n], tokens[n:]
@@ -95,7 +120,11 @@ def _char_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
 def _gpt2_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
     from weightgeom.data import get_tokenizer
 
-    ids = get_tokenizer("gpt2").encode(text)
+    try:
+        tok = get_tokenizer("gpt2")
+    except (FileNotFoundError, ImportError) as e:
+        raise ValueError(f"config key data.tokenizer='gpt2': {e}") from None
+    ids = tok.encode(text)
     return np.array(ids, dtype=np.uint16), {"tokenizer": "gpt2", "vocab_size": 50257}
 
 
@@ -107,7 +136,76 @@ def _shakespeare_text() -> str:
     """The bundled Shakespeare corpus (``weightgeom.data.shakespeare_text``)."""
     from weightgeom.data import shakespeare_text
 
-    return shakespeare_text()
+    try:
+        return shakespeare_text()
+    except FileNotFoundError as e:
+        raise ValueError(f"config key data.kind='shakespeare': {e}") from None
+
+
+def _read_text_file(value: str) -> str:
+    """The UTF-8 text of the ``data.path`` file for ``data.kind='text'``.
+
+    Raises:
+        ValueError: one line naming ``data.path``: no such file, unreadable, not UTF-8, or empty.
+    """
+    from weightgeom.data.corpora import decode_utf8
+
+    where = f"config key data.path={value!r}"
+    p = Path(value).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{where}: no such file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read {p} ({e.strerror or e})") from None
+    text = decode_utf8(raw, f"{where}: {p}", hint="")
+    if not text:
+        raise ValueError(f"{where}: {p} is empty")
+    return text
+
+
+def _check_lengths(tr: Any, va: Any, block_size: int, names: tuple[str, str], hint: str) -> None:
+    """Refuse a split too short for one window: ``Batches.get`` needs ``block_size + 2`` tokens."""
+    for data, name in ((tr, names[0]), (va, names[1])):
+        if len(data) < block_size + 2:
+            raise ValueError(f"data: {name} has {len(data)} tokens, fewer than data.block_size+2={block_size + 2}; "
+                             f"use a smaller data.block_size or {hint}")
+
+
+def _check_model_vocab(cfg: dict[str, Any], vocab: int, source: str) -> None:
+    """Refuse an explicit ``model.vocab_size`` below the data's vocabulary (ids would index past the embedding)."""
+    mv = cfg["model"].get("vocab_size")
+    if isinstance(mv, int) and not isinstance(mv, bool) and mv < vocab:
+        raise ValueError(f"config key model.vocab_size={mv}: smaller than the data's vocabulary ({vocab}, {source}); "
+                         "raise it or leave it unset")
+
+
+def _bin_batches(cfg: dict[str, Any]) -> Batches:
+    """Batches over a ``train.bin``/``val.bin`` folder, with the dtype and vocabulary its metadata records."""
+    from weightgeom.data.tokenizers import GPT2_VOCAB_SIZE
+    from weightgeom.data.tokens import TokenDataset
+
+    d = cfg["data"]
+    where = f"config key data.path={d['path']!r}"
+    try:
+        ds = TokenDataset(d["path"])
+        if ds.vocab_size is not None:
+            vocab, source = ds.vocab_size, f"from {ds.vocab_source}"
+        else:
+            vocab = GPT2_VOCAB_SIZE
+            source = (f"GPT-2's, assumed: {ds.path} has no meta.json; write one with vocab_size and dtype, or use "
+                      "`weightgeom data prepare`")
+        ds.check_token_ids(vocab, source)
+        tr, va = ds.memmap("train"), ds.memmap("val")
+    except FileNotFoundError as e:
+        raise ValueError(f"{where}: {e}; see `weightgeom data prepare`") from None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read {e.filename or d['path']} ({e.strerror or e})") from None
+    _check_lengths(tr, va, d["block_size"], (str(ds.files["train"]), str(ds.files["val"])), "more data")
+    _check_model_vocab(cfg, vocab, source)
+    meta = {"tokenizer": ds.meta.get("tokenizer") or d["tokenizer"], "vocab_size": vocab, "dtype": ds.dtype_name,
+            "train_tokens": len(tr), "val_tokens": len(va)}
+    return Batches("lm", tr, va, d["batch_size"], d["block_size"], vocab, seed=cfg["run"]["seed"], meta=meta)
 
 
 def _synthetic(n: int, vocab: int, seed: int) -> np.ndarray:
@@ -129,37 +227,29 @@ def build_batches(cfg: dict[str, Any]) -> Batches:
     """
     d, seed = cfg["data"], cfg["run"]["seed"]
     kind, B, T = d["kind"], d["batch_size"], d["block_size"]
+    val_fraction = check_val_fraction(d.get("val_fraction", 0.1))
     if kind == "synthetic":
         vocab = int(cfg["model"].get("vocab_size") or 16)
         tr = _synthetic(20_000, vocab, 1234)
         va = _synthetic(4_000, vocab, 4321)
         return Batches("lm", tr, va, B, T, vocab, seed=seed, meta={"tokenizer": "synthetic", "vocab_size": vocab})
     if kind in ("shakespeare", "text"):
-        if kind == "text":
-            p = Path(d["path"]).expanduser()
-            if not p.is_file():
-                raise ValueError(f"config key data.path={d['path']!r}: no such file")
-            text = p.read_text(encoding="utf-8", errors="replace")
-        else:
-            text = _shakespeare_text()
+        text = _read_text_file(d["path"]) if kind == "text" else _shakespeare_text()
         tokens, meta = _encode(text, d["tokenizer"])
-        tr, va = _split(tokens, d["val_fraction"])
+        tr, va = _split(tokens, val_fraction)
+        _check_lengths(tr, va, T, ("the train split", "the val split"), "a data.val_fraction that leaves both splits "
+                       f"long enough (now {val_fraction:g} of {len(tokens)} tokens)")
+        _check_model_vocab(cfg, meta["vocab_size"], f"{meta['tokenizer']} tokens of data.kind={kind!r}")
         return Batches("lm", tr, va, B, T, meta["vocab_size"], seed=seed, meta={**meta, "tokens": len(tokens)})
     if kind == "bin":
-        p = Path(d["path"]).expanduser()
-        files = {s: p / f"{s}.bin" for s in ("train", "val")}
-        for f in files.values():
-            if not f.is_file():
-                raise ValueError(f"config key data.path={d['path']!r}: {f} not found (expected nanoGPT-style "
-                                 f"train.bin/val.bin of uint16 tokens; see `weightgeom data prepare`)")
-        tr = np.memmap(files["train"], dtype=np.uint16, mode="r")
-        va = np.memmap(files["val"], dtype=np.uint16, mode="r")
-        return Batches("lm", tr, va, B, T, 50257, seed=seed,
-                       meta={"tokenizer": d["tokenizer"], "train_tokens": len(tr), "val_tokens": len(va)})
+        return _bin_batches(cfg)
     if kind == "mnist":
         from weightgeom.data import load_mnist
 
-        xtr, ytr, xva, yva, _xte, _yte = load_mnist()  # evaluation on the validation split; the test split is untouched
+        try:  # evaluation on the validation split; the test split is untouched
+            xtr, ytr, xva, yva, _xte, _yte = load_mnist()
+        except (FileNotFoundError, ImportError) as e:
+            raise ValueError(f"config key data.kind='mnist': {e}") from None
         return Batches("cls", (xtr, ytr), (xva, yva), B, 0, 10, input_dim=xtr.shape[1], seed=seed,
                        meta={"dataset": "mnist", "train": len(ytr), "val": len(yva)})
     raise ValueError(f"config key data.kind={kind!r}: unknown")

@@ -1,0 +1,258 @@
+"""Hostile inputs: data (rows of tests/test_hostile.py).
+
+Token dataset folders (``train.bin`` / ``val.bin`` + ``meta.json`` or nanoGPT's ``meta.pkl``) and text inputs, through
+``weightgeom data info``, ``weightgeom data prepare`` and ``weightgeom train --set data.kind=bin|text``: a meta.pkl
+never runs code, the dtype and vocabulary that ``meta.json`` records are honoured and checked against the ids, and
+every broken folder, bad ``data.val_fraction``, non-UTF-8 text or unwritable output ends with one line and exit 2,
+before anything is written. Training rows use a one-layer GPT for 2 steps (about a second on a CPU); refusals happen
+before the model is built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hostile_cases import Hostile, assert_one_line_error, cli, evil_pickle_bytes, marker_path
+
+TINY_TRAIN = ("train.max_steps=2", "train.eval_iters=1", "train.eval_every=0", "model.n_layer=1", "model.n_head=2",
+              "model.n_embd=16", "data.block_size=16", "data.batch_size=4")
+
+
+def _train(run: Path, *overrides: str):
+    """``weightgeom train tiny-shakespeare`` shrunk to a 2-step one-layer run, with ``overrides`` applied last."""
+    sets = [a for o in (*TINY_TRAIN, *overrides) for a in ("--set", o)]
+    return cli("train", "tiny-shakespeare", "--out", str(run), "--no-progress", *sets)
+
+
+def _train_bin(tmp: Path, folder: Path, *overrides: str):
+    return _train(tmp / "run", "data.kind=bin", f"data.path={folder}", *overrides)
+
+
+def _bins(folder: Path, train: np.ndarray, val: np.ndarray, meta: dict | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    train.tofile(folder / "train.bin")
+    val.tofile(folder / "val.bin")
+    if meta is not None:
+        (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def _ids(n: int, vocab: int, dtype: str, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(dtype)
+
+
+def _assert_not_trained(tmp: Path) -> None:
+    """A refused run writes nothing: no run directory at all."""
+    assert not (tmp / "run").exists(), sorted(p.name for p in (tmp / "run").iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------- meta.pkl
+def _evil_meta_pkl(tmp: Path) -> None:
+    folder = _bins(tmp / "ds", _ids(2000, 65, "uint16"), _ids(400, 65, "uint16"))
+    (folder / "meta.pkl").write_bytes(evil_pickle_bytes(marker_path(tmp)))
+    assert_one_line_error(cli("data", "info", str(folder)), "meta.pkl", "refused", "builtins.exec")
+    assert not marker_path(tmp).exists()
+    assert_one_line_error(_train_bin(tmp, folder), "meta.pkl", "refused")
+    assert not marker_path(tmp).exists()
+    _assert_not_trained(tmp)
+
+
+def _nanogpt_meta_pkl_still_works(tmp: Path) -> None:
+    import pickle
+
+    chars = sorted(set("hello world, this is a tiny char corpus\n"))
+    folder = _bins(tmp / "ds", _ids(2000, len(chars), "uint16"), _ids(400, len(chars), "uint16"))
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
+    (folder / "meta.pkl").write_bytes(pickle.dumps(meta))
+    res = cli("data", "info", str(folder), "--sample", "20")
+    assert res.rc == 0, res.err
+    assert f"vocab_size: {len(chars)} (from meta.pkl" in res.out and "sample:" in res.out
+    res = _train_bin(tmp, folder)
+    assert res.rc == 0, res.err
+    assert f"vocab_size = {len(chars)}" in (tmp / "run" / "config.resolved.toml").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ vocabulary / dtype
+def _uint32_vocab_from_meta_json(tmp: Path) -> None:
+    vocab = 70000
+    train, val = _ids(3000, vocab, "uint32"), _ids(500, vocab, "uint32", seed=1)
+    train[7] = vocab - 1
+    folder = _bins(tmp / "ds", train, val, {"dtype": "uint32", "vocab_size": vocab})
+    res = _train_bin(tmp, folder)
+    assert res.rc == 0, res.err
+    assert json.loads(res.out.strip().splitlines()[-1])["step"] == 2
+    assert f"vocab_size = {vocab}" in (tmp / "run" / "config.resolved.toml").read_text()
+    assert json.loads((tmp / "run" / "meta.json").read_text())["data"]["dtype"] == "uint32"
+
+
+def _token_id_not_below_vocab(tmp: Path) -> None:
+    train = _ids(3000, 1000, "uint16")
+    train[1234] = 1500
+    folder = _bins(tmp / "ds", train, _ids(500, 1000, "uint16"), {"dtype": "uint16", "vocab_size": 1000})
+    line = assert_one_line_error(_train_bin(tmp, folder), "train.bin", "token id 1500", "position 1234",
+                                 "vocabulary size 1000", "meta.json")
+    assert "Traceback" not in line
+    _assert_not_trained(tmp)
+    assert_one_line_error(cli("data", "info", str(folder)), "train.bin", "token id 1500", "vocabulary size 1000")
+
+
+def _bare_nanogpt_ids_above_gpt2(tmp: Path) -> None:
+    val = _ids(500, 50257, "uint16")
+    val[10] = 60000
+    folder = _bins(tmp / "ds", _ids(3000, 50257, "uint16"), val)
+    assert_one_line_error(_train_bin(tmp, folder), "val.bin", "token id 60000", "vocabulary size 50257", "meta.json")
+    _assert_not_trained(tmp)
+
+
+def _model_vocab_too_small(tmp: Path) -> None:
+    folder = _bins(tmp / "ds", _ids(3000, 500, "uint16"), _ids(500, 500, "uint16"), {"vocab_size": 500})
+    assert_one_line_error(_train_bin(tmp, folder, "model.vocab_size=100"), "model.vocab_size=100", "500")
+    _assert_not_trained(tmp)
+
+
+# ---------------------------------------------------------------------------------------------------- broken folders
+def _broken_folders(tmp: Path) -> None:
+    good = _ids(3000, 100, "uint16")
+    cases = {
+        "empty": (lambda f: (f / "train.bin").write_bytes(b""), ("train.bin", "empty")),
+        "odd": (lambda f: (f / "train.bin").write_bytes(good.tobytes() + b"\x01"), ("train.bin", "not a multiple")),
+        "noval": (lambda f: (f / "val.bin").unlink(), ("val.bin", "not found")),
+        "badjson": (lambda f: (f / "meta.json").write_text("{vocab_size: 100"), ("meta.json", "not valid JSON")),
+        "baddtype": (lambda f: (f / "meta.json").write_text('{"dtype": "int8"}'), ("meta.json", "'int8'")),
+        "badvocab": (lambda f: (f / "meta.json").write_text('{"vocab_size": -3}'), ("meta.json", "vocab_size -3")),
+        "truncated": (lambda f: (f / "meta.json").write_text('{"vocab_size": 100, "train_tokens": 5000}'),
+                      ("train.bin", "3000 tokens", "train_tokens=5000")),
+    }
+    for name, (spoil, expect) in cases.items():
+        folder = _bins(tmp / name, good, good[:500], {"vocab_size": 100})
+        spoil(folder)
+        assert_one_line_error(_train_bin(tmp, folder), *expect)
+        _assert_not_trained(tmp)
+        assert_one_line_error(cli("data", "info", str(folder)), *expect)
+
+
+def _split_shorter_than_block(tmp: Path) -> None:
+    folder = _bins(tmp / "ds", _ids(3000, 100, "uint16"), _ids(10, 100, "uint16"), {"vocab_size": 100})
+    assert_one_line_error(_train_bin(tmp, folder), "val.bin", "10 tokens", "data.block_size+2=18")
+    _assert_not_trained(tmp)
+
+
+# ---------------------------------------------------------------------------------------------------- val_fraction
+def _bad_val_fraction(tmp: Path) -> None:
+    for value in ("1.5", "0", "-0.2", "1", "nan", "inf"):
+        res = _train(tmp / "run", f"data.val_fraction={value}")
+        line = assert_one_line_error(res, "data.val_fraction")
+        assert "between 0 and 1" in line, line
+        _assert_not_trained(tmp)
+    assert_one_line_error(_train(tmp / "run", "data.val_fraction=abc"), "data.val_fraction", "abc")
+
+
+# -------------------------------------------------------------------------------------------------- text / prepare
+def _not_utf8_text(tmp: Path) -> None:
+    src = tmp / "latin1.txt"
+    src.write_bytes("Le café crème est très bon.\n".encode("latin-1") * 50)
+    assert_one_line_error(cli("data", "prepare", str(src), "--out", str(tmp / "out"), "--quiet"),
+                          "latin1.txt", "not UTF-8", "0xe9")
+    assert not (tmp / "out").exists()
+    assert_one_line_error(_train(tmp / "run", "data.kind=text", f"data.path={src}"),
+                          "data.path", "latin1.txt", "not UTF-8", "0xe9")
+    _assert_not_trained(tmp)
+    res = cli("data", "prepare", str(src), "--out", str(tmp / "out"), "--quiet", "--tokenizer", "char",
+              "--encoding-errors", "replace")
+    assert res.rc == 0, res.err
+
+
+def _failed_force_keeps_dataset(tmp: Path) -> None:
+    good, bad = tmp / "a.txt", tmp / "b.txt"
+    good.write_text("a perfectly fine document\n" * 100, encoding="utf-8")
+    bad.write_bytes(b"\xff\xfe not utf-8 at all")
+    out = tmp / "out"
+    assert cli("data", "prepare", str(good), "--out", str(out), "--quiet", "--tokenizer", "char").rc == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = cli("data", "prepare", str(good), str(bad), "--out", str(out), "--quiet", "--force", "--tokenizer", "char")
+    assert_one_line_error(res, "b.txt", "not UTF-8")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _unwritable_output(tmp: Path) -> None:
+    import errno
+    import importlib
+    import types
+    from unittest import mock
+
+    src = tmp / "a.txt"
+    src.write_text("some text\n" * 100, encoding="utf-8")
+    blocker = tmp / "file"
+    blocker.write_text("a file, not a folder")
+    for out, msg in ((blocker / "sub", "cannot create the output folder"), (blocker, "is a file, not a folder")):
+        assert_one_line_error(cli("data", "prepare", str(src), "--out", str(out), "--quiet", "--tokenizer", "char"),
+                              str(out), msg)
+    assert blocker.read_text() == "a file, not a folder"
+    # a disk that fills up at the last file (meta.json) of a --force rewrite: the old dataset stays whole
+    out = tmp / "out"
+    assert cli("data", "prepare", str(src), "--out", str(out), "--quiet", "--tokenizer", "char").rc == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "meta.json"))
+
+    prep = importlib.import_module("weightgeom.data.prepare")
+    with mock.patch.object(prep, "json", types.SimpleNamespace(dumps=full)):
+        res = cli("data", "prepare", str(src), "--out", str(out), "--quiet", "--force", "--tokenizer", "gpt2")
+    assert_one_line_error(res, "meta.json", "No space left on device")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _broken_gzip_input(tmp: Path) -> None:
+    (tmp / "a.jsonl.gz").write_bytes(b"this is not gzip data")
+    assert_one_line_error(cli("data", "prepare", str(tmp / "a.jsonl.gz"), "--out", str(tmp / "out"), "--quiet"),
+                          "a.jsonl.gz", "gzip")
+    assert not (tmp / "out").exists()
+
+
+CASES: list[Hostile] = [
+    Hostile("evil-meta-pkl", "data",
+            "a dataset folder whose nanoGPT meta.pkl would run code is refused by `weightgeom data info` and by "
+            "training, naming the file; no code runs and no run directory is written", _evil_meta_pkl),
+    Hostile("plain-meta-pkl", "data",
+            "a real nanoGPT meta.pkl (vocab_size, itos, stoi) is still read, as plain data, for the vocabulary and a "
+            "char tokenizer", _nanogpt_meta_pkl_still_works),
+    Hostile("uint32-vocab-70000", "data",
+            "a uint32 dataset whose meta.json records vocab_size 70000 trains (the model gets 70000 embeddings)",
+            _uint32_vocab_from_meta_json),
+    Hostile("token-id-not-below-vocab", "data",
+            "a token id at or above the vocabulary size recorded in meta.json is refused before training, naming the "
+            "file, the id, its position and the size", _token_id_not_below_vocab),
+    Hostile("bare-nanogpt-ids-above-gpt2", "data",
+            "a folder without meta.json (uint16, GPT-2's 50257 assumed) holding an id ≥ 50257 is refused, naming the "
+            "file and asking for a meta.json", _bare_nanogpt_ids_above_gpt2),
+    Hostile("model-vocab-too-small", "data",
+            "an explicit model.vocab_size smaller than the data's vocabulary is refused, naming both",
+            _model_vocab_too_small),
+    Hostile("broken-bin-folder", "data",
+            "an empty train.bin, a .bin of odd byte length, a missing val.bin, a meta.json that is not JSON or has a "
+            "bad dtype or vocab_size, or token counts that disagree with the files: one line naming the file, exit 2",
+            _broken_folders),
+    Hostile("split-shorter-than-block", "data",
+            "a split with fewer than data.block_size+2 tokens is refused before training, naming the file",
+            _split_shorter_than_block),
+    Hostile("bad-val-fraction", "data",
+            "data.val_fraction of 1.5, 0, -0.2, 1, nan, inf or a non-number is refused with one line naming the key "
+            "and value", _bad_val_fraction),
+    Hostile("not-utf8-text", "data",
+            "a text file that is not UTF-8 is refused by `data prepare` and `data.kind=text`, naming the file and the "
+            "first bad byte (`--encoding-errors replace` opts in to replacement)", _not_utf8_text),
+    Hostile("failed-force-keeps-dataset", "data",
+            "a `data prepare --force` that fails midway leaves the existing dataset byte for byte as it was",
+            _failed_force_keeps_dataset),
+    Hostile("unwritable-output", "data",
+            "`data prepare` into an output that cannot be a folder, or onto a disk that fills up, is one line naming "
+            "the path, exit 2; an existing dataset in the output is left byte for byte as it was",
+            _unwritable_output),
+    Hostile("broken-gzip-input", "data",
+            "a .gz input that is not gzip is one line naming it, exit 2, no output folder left behind",
+            _broken_gzip_input),
+]
