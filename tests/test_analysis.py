@@ -194,6 +194,42 @@ def test_reference_and_grads():
     assert "dominance" in res.layers.columns
 
 
+def test_nonfinite_matrix_is_skipped_and_named():
+    sd = _llama_sd(L=5)
+    clean = analyze_full(sd, metrics=("cv", "gram"))
+    bad = "model.layers.2.mlp.up_proj.weight"
+    sd[bad] = sd[bad].clone()
+    sd[bad][0, 0] = float("nan")
+    res = analyze_full(sd, reference=_llama_sd(L=5), metrics=("cv", "gram"))
+    assert res.meta["skipped"] == [{"role": "Up", "layer": 2, "tensor": bad, "reason": "1 NaN, 0 Inf of 384 entries"}]
+    assert any(bad in n for n in res.meta["notes"])
+    up = res.pairs[res.pairs.role == "Up"]
+    assert list(zip(up.layer, up.layer_next)) == [(0, 1), (3, 4)]  # no pair spans the skipped layer
+    row = res.layers[(res.layers.role == "Up") & (res.layers.layer == 2)]
+    assert len(row) == 1 and row.note.iloc[0].startswith("skipped: non-finite")
+    assert list(res.layers[res.layers.role == "Up"].layer) == [0, 1, 2, 3, 4]
+    assert set(res.v1_cos) >= {"Up[24x16, layers 0-1]", "Up[24x16, layers 3-4]", "Q"}
+    # every other role is analysed exactly as without the bad matrix; the untouched Up pairs too
+    for role in ("Q", "Down"):
+        a, b = res.pairs[res.pairs.role == role], clean.pairs[clean.pairs.role == role]
+        assert np.allclose(a.cv.to_numpy(), b.cv.to_numpy(), atol=SAME_TOL)
+    ref_up = clean.pairs[(clean.pairs.role == "Up") & clean.pairs.layer.isin([0, 3])]
+    assert np.allclose(up.gram_in.to_numpy(), ref_up.gram_in.to_numpy(), atol=SAME_TOL)
+
+
+def test_nonfinite_reference_or_everything():
+    sd = _llama_sd()
+    ref = {k: v.clone() for k, v in _llama_sd(seed=1).items()}
+    ref["model.layers.1.self_attn.o_proj.weight"][1, 1] = float("inf")
+    res = analyze_full(sd, reference=ref, metrics=("gram",))
+    o = res.pairs[res.pairs.role == "O"]
+    assert o.delta_gram_in.isna().all() and res.pairs[res.pairs.role == "Q"].delta_gram_in.notna().all()
+    assert any(n.startswith("reference: O layer 1 is non-finite") for n in res.meta["notes"])
+    allbad = {k: torch.full_like(v, float("nan")) if v.ndim == 2 else v for k, v in sd.items()}
+    with pytest.raises(ValueError, match=r"every matrix holds NaN or Inf \(\d+ matrices, e\.g\. model\.layers\.0"):
+        analyze_full(allbad)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # tiny HF Llama: module vs state dict vs safetensors vs GGUF
 

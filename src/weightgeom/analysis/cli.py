@@ -35,10 +35,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the analysis, print the summary table, write the files. Returns 0, or 2 on a clear user error."""
-    from weightgeom.analysis.api import analyze_full
+def _fail(msg: str) -> int:
+    """Print one error line (``weightgeom analyze: ...``) on stderr and return exit code 2."""
+    print(f"weightgeom analyze: {msg}".replace("\n", " "), file=sys.stderr)
+    return 2
+
+
+def _load_inputs(args: argparse.Namespace, path: Path):
+    """Load PATH and the optional --reference; returns (src, ref, seconds)."""
     from weightgeom.analysis.loaders import load
+
+    t0 = time.perf_counter()
+    if not args.quiet:
+        print(f"loading {path} ...", file=sys.stderr)
+    src = load(path, undo_permute=False if args.gguf_keep_permutation else None)
+    ref = load(args.reference) if args.reference else None
+    return src, ref, time.perf_counter() - t0
+
+
+def _warn_skipped(res) -> None:
+    """One stderr line naming the matrices left out for NaN/Inf (the analysis of the others went on)."""
+    skipped = res.meta.get("skipped") or []
+    if skipped:
+        shown = ", ".join(f"{d['tensor']} ({d['reason']})" for d in skipped[:5])
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        what, pron = ("matrix", "it") if len(skipped) == 1 else ("matrices", "them")
+        print(f"weightgeom analyze: warning: skipped {len(skipped)} non-finite {what} (NaN/Inf): {shown}{more}; "
+              f"the layer pairs that would include {pron} are left out, the rest is analysed", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the analysis, print the summary table, write the files.
+
+    Returns:
+        0, or 2 on a user error (unreadable, truncated, corrupt or unsafe file; bad role map; no analysable matrix;
+        an output directory that cannot be written) with one line on stderr naming the file or input.
+    """
+    from weightgeom.analysis.api import analyze_full
     from weightgeom.analysis.report import format_summary, write_report
 
     if args.threads:
@@ -49,28 +82,35 @@ def run(args: argparse.Namespace) -> int:
     if roles and not roles.lstrip().startswith("{"):
         rp = Path(roles)
         if not rp.is_file():
-            print(f"weightgeom analyze: --roles is neither JSON text nor an existing file: {roles}", file=sys.stderr)
-            return 2
-        roles = rp.read_text()
+            return _fail(f"--roles is neither JSON text nor an existing file: {roles}")
+        try:
+            roles = rp.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"--roles {roles}: cannot read ({e})")
     path = Path(args.path)
     out = Path(args.out) if args.out else Path(f"analysis_{path.stem or path.name}")
     try:
-        t0 = time.perf_counter()
-        if not args.quiet:
-            print(f"loading {path} ...", file=sys.stderr)
-        src = load(path, undo_permute=False if args.gguf_keep_permutation else None)
-        ref = load(args.reference) if args.reference else None
-        t_load = time.perf_counter() - t0
-        if not args.quiet:
-            print(f"loaded {len(src.tensors)} tensors ({src.format}) in {t_load:.1f} s; analysing ...", file=sys.stderr)
+        src, ref, t_load = _load_inputs(args, path)
+    except (ValueError, FileNotFoundError) as e:  # the loaders' messages name the file
+        return _fail(str(e))
+    except OSError as e:  # permission denied, a directory where a file was expected, ...
+        return _fail(f"{e.filename or path}: cannot read ({e.strerror or e})")
+    if not args.quiet:
+        print(f"loaded {len(src.tensors)} tensors ({src.format}) in {t_load:.1f} s; analysing ...", file=sys.stderr)
+    try:
         res = analyze_full(src, roles, reference=ref, metrics=args.metrics, method=args.method,
                            check_svd=args.check_svd, progress=not args.quiet)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"weightgeom analyze: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        return _fail(f"{path}: {e}")
+    _warn_skipped(res)
     res.meta["time_load_s"] = t_load
     print(format_summary(res))
-    paths = write_report(res, out, plots=not args.no_plots, title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")
+    try:
+        paths = write_report(res, out, plots=not args.no_plots,
+                             title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")
+    except OSError as e:
+        return _fail(f"cannot write the report to {out}/: {e.strerror or e}"
+                     + (f" ({e.filename})" if getattr(e, "filename", None) else ""))
     print(f"analysis {res.meta['time_total_s']:.1f} s (+ load {t_load:.1f} s); wrote {len(paths)} files to {out}/: "
           + ", ".join(p.name for p in paths))
     return 0

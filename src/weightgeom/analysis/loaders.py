@@ -1,6 +1,11 @@
 """Load weights for analysis from an nn.Module, a state dict, an HF model directory (safetensors or pytorch_model.bin),
 a torch checkpoint (ours or any ``{"model": state_dict, ...}``), or a llama.cpp GGUF file.
 
+Files are read as tensors only: safetensors, ``torch.load(weights_only=True)`` (PyTorch's restricted unpickler,
+memory-mapped for zip-format files), our checkpoints (verified, also ``weights_only=True``) and GGUF. Nothing in a file
+is executed: a torch file that pickles Python objects (a class, a function — what a malicious pickle needs) is refused
+with one line naming the file and the object, as are truncated, corrupt and unrecognised files (``ValueError``).
+
 GGUF: tensors are read with ``gguf.GGUFReader`` and quantised types dequantised with ``gguf.quants.dequantize``.
 llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K per head (interleaving the two RoPE halves) for
 the Llama family; :func:`load_gguf` undoes it using the ``{arch}.attention.head_count(_kv)`` metadata so the tensors
@@ -73,34 +78,78 @@ def _unwrap(obj) -> dict[str, torch.Tensor]:
                      f"expected tensors or one of the keys {', '.join(_WRAPPER_KEYS)}")
 
 
-def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    notes = []
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head.startswith(b"WGCKPT1"):  # our trainer's verified checkpoint (weightgeom.train.checkpoint)
-        from weightgeom.train.checkpoint import load_checkpoint
+_RESAVE = "weightgeom loads tensors only — re-save it with torch.save(model.state_dict())"
 
+
+def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Tensors of a torch file: our verified checkpoint, or any ``torch.save`` file read with ``weights_only=True``.
+
+    Zip-format files (``torch.save``'s default since PyTorch 1.6) are memory-mapped; legacy files are read whole.
+
+    Raises:
+        ValueError: the file needs the full unpickler (pickled Python objects), is truncated, corrupt, not a torch
+            file, or holds no state dict — one line naming the file and the reason. Nothing in it is executed.
+    """
+    from weightgeom.train.checkpoint import is_checkpoint_file, load_checkpoint, safe_torch_load, weights_only_refusal
+
+    notes = []
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    if is_checkpoint_file(head):  # our trainer's verified checkpoint (weightgeom.train.checkpoint)
         payload = load_checkpoint(path)
         notes.append(f"weightgeom checkpoint, step {payload.get('step')}")
-        return _unwrap(payload), notes
+        return _unwrap_named(payload, path), notes
+    if not head:
+        raise ValueError(f"{path}: empty file")
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save zip archive, or a (legacy torch) pickle
+        raise ValueError(f"{path}: not a PyTorch file (neither a torch.save zip archive nor a pickle)")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickled non-tensor objects (e.g. a config dataclass) need the full unpickler
-        if "weights_only" not in str(e) and "Unpickl" not in type(e).__name__:
-            raise
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-        notes.append("checkpoint needed weights_only=False (it pickles Python objects); only load files you trust")
-    return _unwrap(obj), notes
+        obj = safe_torch_load(path, map_location="cpu", mmap=head.startswith(b"PK\x03\x04"))
+    except Exception as e:  # noqa: BLE001 - any failure of the restricted unpickler or the zip reader: one line
+        why = weights_only_refusal(e)
+        hint = f"; {_RESAVE}" if why.startswith("holds pickled") else ""
+        raise ValueError(f"{path}: {why}{hint}") from None
+    return _unwrap_named(obj, path), notes
+
+
+def _unwrap_named(obj, path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return _unwrap(obj)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of one ``.safetensors`` file.
+
+    Raises:
+        ValueError: truncated, corrupt or not a safetensors file (one line naming it).
+    """
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - SafetensorError (a Rust exception type), OSError, ...
+        msg = str(e).replace("Error while deserializing header: ", "").strip().splitlines()
+        raise ValueError(f"{path}: not a readable safetensors file ({msg[0] if msg else type(e).__name__}); "
+                         "truncated or corrupt?") from None
 
 
 def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
     out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(_load_safetensors_file(f))
     return out
+
+
+def _read_config_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
 
 
 def permute_qk(W: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
@@ -128,32 +177,65 @@ def _field_value(reader, key: str):
         return bytes(v).decode() if v.dtype == np.uint8 else v.tolist()[0]
 
 
+def _open_gguf(path: Path):
+    """A ``GGUFReader`` on ``path`` whose tensors all lie inside the file.
+
+    Raises:
+        ValueError: not a GGUF file, truncated or corrupt (one line naming the file).
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        for t in reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size or t.data.nbytes != int(t.n_bytes):
+                raise ValueError(f"truncated: tensor {t.name} needs bytes up to {end}, the file has {size}")
+    except Exception as e:  # noqa: BLE001 - the reader fails with ValueError, IndexError, struct/numpy errors, ...
+        text = str(e).strip().splitlines()
+        raise ValueError(f"{path}: not a readable GGUF file ({text[0] if text else type(e).__name__}); "
+                         "truncated or corrupt?") from None
+    return reader
+
+
+def _gguf_tensor(t, path: Path, quantised: set[str]) -> torch.Tensor:
+    """One GGUF tensor as float32 in (out, in) layout; adds the names of dequantised types to ``quantised``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF stores ne (innermost first)
+    try:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            arr = np.asarray(t.data, dtype=np.float32)
+        else:
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+            quantised.add(t.tensor_type.name)
+        return torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))  # owned copy
+    except Exception as e:  # noqa: BLE001 - unsupported type, wrong size: name the tensor
+        raise ValueError(f"{path}: cannot read GGUF tensor {t.name} ({type(e).__name__}: {e})") from None
+
+
 def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Loaded:
     """Read a GGUF file into float32 tensors in (out, in) layout with llama.cpp tensor names.
 
     Args:
         path: the .gguf file.
         undo_permute: undo the Q/K row permutation (default: when the architecture is in ``GGUF_PERMUTED_ARCHS``).
-    """
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    arch = _field_value(reader, "general.architecture") or "unknown"
-    n_head = _field_value(reader, f"{arch}.attention.head_count")
-    n_kv = _field_value(reader, f"{arch}.attention.head_count_kv") or n_head
+    Raises:
+        ValueError: not a GGUF file, truncated or corrupt, or a tensor that cannot be read (one line naming the file).
+    """
+    reader = _open_gguf(Path(path))
+    try:
+        arch = _field_value(reader, "general.architecture") or "unknown"
+        n_head = _field_value(reader, f"{arch}.attention.head_count")
+        n_kv = _field_value(reader, f"{arch}.attention.head_count_kv") or n_head
+    except Exception as e:  # noqa: BLE001 - malformed metadata fields
+        raise ValueError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
     notes = []
-    plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
-    quantised = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF stores ne (innermost first)
-        if t.tensor_type in plain:
-            arr = np.asarray(t.data, dtype=np.float32)
-        else:
-            arr = dequantize(t.data, t.tensor_type).astype(np.float32)
-            quantised.add(t.tensor_type.name)
-        tensors[t.name] = torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))  # owned copy
+    quantised: set[str] = set()
+    tensors = {t.name: _gguf_tensor(t, Path(path), quantised) for t in reader.tensors}
     if quantised:
         notes.append(f"dequantised {', '.join(sorted(quantised))} tensors with gguf.quants.dequantize")
     do = arch in GGUF_PERMUTED_ARCHS if undo_permute is None else undo_permute
@@ -181,7 +263,8 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: unsupported file type or no weights found.
+        ValueError: unsupported file type, no weights found, or a file that is truncated, corrupt or needs the full
+            unpickler (one line naming the file and the reason; nothing in the file is executed).
     """
     if isinstance(source, torch.nn.Module):
         tensors, grads = {}, {}
@@ -196,22 +279,22 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
     if not path.exists():
         raise FileNotFoundError(f"no such file or directory: {path}")
     if path.is_dir():
+        from weightgeom.train.checkpoint import latest_checkpoint
+
         meta = {"path": str(path)}
         cfg = path / "config.json"
         if cfg.exists():
-            meta["config"] = json.loads(cfg.read_text())
+            meta["config"] = _read_config_json(cfg)
         if list(path.glob("*.safetensors")):
             return Loaded(_load_safetensors_dir(path), "safetensors", meta=meta)
         for name in ("pytorch_model.bin", "model.pt", "checkpoint.pt"):
             if (path / name).exists():
                 sd, notes = _load_torch(path / name)
                 return Loaded(sd, "torch", meta=meta, notes=notes)
-        if (path / "checkpoints").is_dir():  # a weightgeom run directory: its newest checkpoint
-            cks = sorted((path / "checkpoints").glob("ckpt_*.pt"))
-            cks = [c for c in cks if ".rank" not in c.name]
-            if cks:
-                sd, notes = _load_torch(cks[-1])
-                return Loaded(sd, "torch", meta=meta, notes=notes + [f"run directory: loaded {cks[-1].name}"])
+        latest = latest_checkpoint(path / "checkpoints")  # a weightgeom run directory: its newest checkpoint
+        if latest is not None:
+            sd, notes = _load_torch(latest)
+            return Loaded(sd, "torch", meta=meta, notes=notes + [f"run directory: loaded {latest.name}"])
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return load_gguf(ggufs[0], undo_permute)
@@ -219,14 +302,14 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
         if pts:
             sd, notes = _load_torch(pts[-1])
             return Loaded(sd, "torch", meta=meta, notes=notes + [f"loaded {pts[-1].name}"])
+        if (path / "checkpoints").is_dir():
+            raise ValueError(f"{path}: run directory has no checkpoint in checkpoints/ yet (nothing to analyse)")
         raise ValueError(f"{path}: directory has no *.safetensors, pytorch_model.bin, *.pt or *.gguf file")
     suffix = path.suffix.lower()
     if suffix == ".gguf":
         return load_gguf(path, undo_permute)
     if suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return Loaded(load_file(str(path)), "safetensors", meta={"path": str(path)})
+        return Loaded(_load_safetensors_file(path), "safetensors", meta={"path": str(path)})
     if suffix in (".pt", ".pth", ".bin", ".ckpt"):
         sd, notes = _load_torch(path)
         return Loaded(sd, "torch", meta={"path": str(path)}, notes=notes)
