@@ -56,6 +56,11 @@ def test_overrides_coerce_by_default_type():
     ("train.max_steps", "expected section.key=value"),
     ("model.n_layrs=2", "model.n_layrs; did you mean 'n_layer'"),
     ("data.kind=bin", "data.path is required"),
+    ("run.name=../../x", "run.name='../../x': must not contain '..'"),
+    ("run.name=a/../../b", "must not contain '..'"),
+    ("run.name=/tmp/x", "run.name='/tmp/x': must be relative to run.out_dir, not an absolute path"),
+    ("run.name=~/x", "not an absolute path"),
+    ("run.name=", "run.name='': must be a non-empty name"),
 ])
 def test_override_errors_are_one_clear_line(override, fragment):
     with pytest.raises(ValueError) as e:
@@ -63,6 +68,11 @@ def test_override_errors_are_one_clear_line(override, fragment):
     msg = str(e.value)
     assert fragment in msg, msg
     assert "\n" not in msg
+
+
+def test_run_name_may_name_a_subdirectory_and_out_dir_may_be_absolute(tmp_path):
+    cfg = load_config(None, ["run.name=sweep/a-s0", f"run.out_dir={tmp_path}"])
+    assert cfg["run"]["name"] == "sweep/a-s0" and cfg["run"]["out_dir"] == str(tmp_path)
 
 
 def test_file_errors(tmp_path):

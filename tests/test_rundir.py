@@ -127,3 +127,17 @@ def test_safe_child_refuses_symlink_escape(tmp_path):
     with pytest.raises(ValueError, match="outside"):
         safe_child(tmp_path / "out", "link/x")
     assert safe_child(tmp_path / "out", "a/b") == tmp_path / "out" / "a" / "b"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_run_files_follow_the_umask_not_0600(tmp_path, mask):
+    # files of a run (config, status, checkpoints) are written through a temporary file; they must still get the
+    # mode an ordinary open() gives, so collaborators on a shared filesystem can read the run
+    from weightgeom.train.checkpoint import atomic_write_bytes
+
+    old = os.umask(mask)
+    try:
+        atomic_write_bytes(tmp_path / "status.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o666 & ~mask

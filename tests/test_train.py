@@ -221,6 +221,68 @@ def test_nan_loss_diverges_before_update(tmp_path, monkeypatch):
     assert (tmp_path / "n" / "metrics.jsonl").read_text().count("\n") >= 5  # logs kept
 
 
+def test_nonfinite_gradient_divergence_names_the_parameter(tmp_path, monkeypatch):
+    """A finite loss whose backward gives one parameter a NaN gradient: the reason in status.json names it."""
+    import weightgeom.train.trainer as tr
+
+    real_build = tr.build_model
+    bad_name = "transformer.h.0.mlp.c_proj.weight"
+
+    def poisoned(cfg):
+        m = real_build(cfg)
+        calls = {"n": 0}
+
+        def hook(g):
+            calls["n"] += 1
+            return g * float("nan") if calls["n"] == 3 else g
+
+        dict(m.named_parameters())[bad_name].register_hook(hook)
+        return m
+
+    monkeypatch.setattr(tr, "build_model", poisoned)
+    res = train(TINY, run_dir=tmp_path / "g", progress=False)
+    st = read_status(tmp_path / "g")
+    assert res["status"] == "diverged" and st["step"] == 3
+    assert st["reason"].endswith(f"non-finite gradient in {bad_name}"), st["reason"]
+
+
+def test_one_writer_per_run_directory(tmp_path, monkeypatch):
+    """A live process holding the lock refuses train() with its pid; once it is killed the lock is stale and taken
+    over; a run releases its lock on success and on failure."""
+    from weightgeom.train.rundir import LOCK_NAME, LockError
+
+    rd = tmp_path / "r"
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, time
+        from weightgeom.train.rundir import DirLock
+        DirLock({str(rd)!r}).acquire()
+        pathlib.Path({str(ready)!r}).touch()
+        time.sleep(120)
+    """)])
+    try:
+        t0 = time.time()
+        while not ready.exists() and time.time() - t0 < 60 and holder.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), "lock holder never started"
+        with pytest.raises(LockError, match=rf"run directory {rd} is in use by pid {holder.pid} on host"):
+            train(TINY, run_dir=rd, progress=False)
+        assert sorted(p.name for p in rd.iterdir() if p.name != ".weightgeom.lock.guard") == [LOCK_NAME]
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert train(TINY, run_dir=rd, progress=False, overrides=["train.max_steps=2"])["status"] == "done"
+    assert not (rd / LOCK_NAME).exists()
+
+    def boom(self, split, step, index, device="cpu"):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Batches, "get", boom)
+    with pytest.raises(KeyboardInterrupt):
+        train(TINY, run_dir=tmp_path / "k", progress=False)
+    assert not (tmp_path / "k" / LOCK_NAME).exists()
+
+
 def test_cli_errors_and_run(tmp_path, capsys):
     from weightgeom.cli import main
 
@@ -281,8 +343,9 @@ def test_nanogpt_bin_data(tmp_path):
         "data.block_size=32", "data.batch_size=2", "train.grad_accum=1", "train.max_steps=2", "train.eval_iters=1",
         "diagnostics.every=0", "run.dtype=float32"])
     assert res["status"] == "done" and abs(res["final"]["val_loss"] - 10.83) < 0.5  # ≈ ln(50304) at init
-    with pytest.raises(ValueError, match=r"data.path=.*nope.*train.bin not found"):
+    with pytest.raises(ValueError, match=r"data\.path=.*nope"):
         train("gpt2-small-owt", run_dir=tmp_path / "c", overrides=["data.path=/nope"], progress=False)
+    assert not (tmp_path / "c").exists()  # the refused run leaves no directory behind (not even its lock)
 
 
 def test_explosion_rule_ignores_small_loss_noise_but_catches_blowups():

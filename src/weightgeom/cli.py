@@ -1,12 +1,15 @@
 """``weightgeom`` command line: train | sweep | analyze | report | bench | data | demo.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only
-dispatches, importing the chosen module lazily so ``weightgeom --help`` stays fast.
+dispatches, importing the chosen module lazily so ``weightgeom --help`` stays fast. An ``OSError`` a subcommand lets
+through (a path that cannot be written or read: not a directory, no permission, disk full) ends the command with one
+line naming the path and the system's reason, and exit code 2, like any other bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -20,6 +23,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("weightgeom.benchmarks_cli", "run the benchmarks in benchmarks/"),
     "data": ("weightgeom.data.cli", "prepare token datasets (train.bin/val.bin) from text, JSONL, parquet"),
 }
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an ``OSError``: the path(s) it names and the system's reason, e.g.
+    ``cannot use runs/x/checkpoints/ckpt_00000008.pt: No space left on device (ENOSPC)``."""
+    reason = e.strerror or str(e) or type(e).__name__
+    code = errno.errorcode.get(e.errno) if isinstance(e.errno, int) else None
+    if code:
+        reason += f" ({code})"
+    if e.filename is None:
+        return reason
+    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    return f"cannot use {where}: {reason}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("weightgeom: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        print(f"weightgeom {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ CONFIG is a TOML/YAML file or a bundled config name (``tiny-shakespeare``, ``res
 ``--list`` prints them). ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest checkpoint using the run's
 ``config.resolved.toml`` (CONFIG may then be omitted; ``--set`` still applies, e.g. to raise ``train.max_steps``).
 Distributed: ``torchrun --nproc_per_node=N -m weightgeom train CONFIG`` (``--set run.parallel=fsdp`` for FSDP2).
-Exit codes: 0 done, 3 diverged, 2 bad config or unusable checkpoint.
+Exit codes: 0 done (also: already done before), 3 diverged, 2 bad input — bad config, unusable checkpoint, a run
+directory another process is writing, a ``run.name`` leaving ``run.out_dir``, or a run directory that cannot be
+written (one line on stderr naming the key, file or path).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config value (repeatable), e.g. --set train.max_steps=200")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--out", metavar="DIR", help="run directory (default: run.out_dir/run.name)")
-    p.add_argument("--fresh", action="store_true", help="start from step 0 even if the run directory has checkpoints")
+    p.add_argument("--fresh", action="store_true",
+                   help="start from step 0; an earlier run's files in the run directory are moved to previous/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the bundled configs and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (TOML) and exit")
@@ -62,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
 
         res = train(config, run_dir=run_dir, overrides=args.overrides, progress=not args.no_progress,
                     resume=resume)
-    except ValueError as e:  # bad config / unusable checkpoint: one clear line
+    except ValueError as e:  # bad config / unusable checkpoint / directory in use: one clear line
         print(f"weightgeom train: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # unwritable or full run directory: one line naming the path and the reason
+        from weightgeom.cli import os_error_line
+
+        print(f"weightgeom train: error: {os_error_line(e)}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(res, default=str))

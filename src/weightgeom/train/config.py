@@ -34,6 +34,7 @@ __all__ = [
     "dump_toml",
     "resolve_config_path",
     "bundled_configs",
+    "check_run_name",
 ]
 
 #: The full schema: every section and key with its default value (the default's type is the key's type).
@@ -399,7 +400,31 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config key train.smoothing={sm!r}: must be in [0, 1)")
     if cfg["data"]["kind"] in ("text", "bin") and not cfg["data"]["path"]:
         raise ValueError(f"config key data.path is required for data.kind={cfg['data']['kind']!r}")
+    check_run_name(cfg["run"]["name"])
     return cfg
+
+
+def check_run_name(name: str) -> str:
+    """Refuse a ``run.name`` that would put the run directory outside ``run.out_dir``; returns ``name``.
+
+    The name is a path relative to ``run.out_dir`` (``"x"`` or ``"sweep/x"``): it may not be empty, absolute, start
+    with ``~`` or contain a ``..`` component. (Symbolic links that lead out of ``out_dir`` are refused when the
+    trainer resolves the run directory, :func:`weightgeom.train.rundir.safe_child`.) ``run.out_dir`` itself may be
+    any path.
+
+    Raises:
+        ValueError: one line naming ``run.name`` and what is wrong with it.
+    """
+    if not name.strip():
+        raise ValueError(f"config key run.name={name!r}: must be a non-empty name (the run directory under "
+                         "run.out_dir)")
+    if os.path.isabs(name) or name.startswith("~"):
+        raise ValueError(f"config key run.name={name!r}: must be relative to run.out_dir, not an absolute path "
+                         "(set run.out_dir or use --out to choose where the run goes)")
+    if ".." in Path(name).parts:
+        raise ValueError(f"config key run.name={name!r}: must not contain '..' (the run directory would be outside "
+                         "run.out_dir)")
+    return name
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,

@@ -39,9 +39,14 @@ class MetricsLogger:
         run_dir: the run directory.
         enabled: False on non-zero ranks (all methods become no-ops).
         tensorboard: also write TensorBoard scalars (skipped with a warning if tensorboard is not importable).
+        resume_step: when resuming from the checkpoint at this step (optimizer updates done), the TensorBoard events
+            an earlier, interrupted session logged for later steps are purged (``SummaryWriter(purge_step=
+            resume_step + 1)``: TensorBoard hides them), so each step appears once. The JSONL side is handled by
+            :meth:`truncate_after`.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._f = None
@@ -54,7 +59,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                purge = None if resume_step is None else int(resume_step) + 1
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
             except Exception as e:  # tensorboard missing or broken: JSONL is the record of truth
                 print(f"weightgeom: TensorBoard disabled ({e})", file=sys.stderr)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
-           "safe_child"]
+           "safe_child", "remove_if_unused"]
 
 LOCK_NAME = ".weightgeom.lock"
 """File name of the lock inside the owned directory."""
@@ -221,6 +221,27 @@ def archive_previous(directory: str | os.PathLike, keep: tuple[str, ...] = ()) -
     for p in entries:
         os.replace(p, dest / p.name)
     return dest
+
+
+def remove_if_unused(directory: str | os.PathLike) -> bool:
+    """Remove ``directory`` if it holds nothing but the lock's guard file (a writer that took the lock on a directory
+    it created and then wrote nothing, e.g. because its input was refused). Call only after releasing the lock.
+
+    Returns:
+        True if the directory was removed.
+    """
+    d = Path(directory)
+    try:
+        names = {p.name for p in d.iterdir()}
+    except OSError:
+        return False
+    if not names <= {_GUARD_NAME}:
+        return False
+    with contextlib.suppress(OSError):
+        (d / _GUARD_NAME).unlink(missing_ok=True)
+        d.rmdir()
+        return True
+    return False
 
 
 def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> Path:

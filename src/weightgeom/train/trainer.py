@@ -9,11 +9,19 @@ s = number of updates done (evaluation at s = 0 is before training).
 
 Divergence is a result, not an error: ``status.json`` becomes ``{"state": "diverged", "step": s, "reason": ...}``,
 logs are flushed and kept, and :func:`train` returns normally with ``status="diverged"``.
+
+A run directory has one writer: rank 0 holds :class:`~weightgeom.train.rundir.DirLock` on it from before the first
+file is written until :func:`train` returns or raises (a second writer gets a ``LockError``; the lock of a process
+killed with ``kill -9`` is stale and taken over). A run that starts from step 0 in a directory an earlier run used
+(``resume=False``, or ``"auto"`` without a checkpoint) first moves the earlier run's files into
+``previous/<UTC time>/`` (:func:`~weightgeom.train.rundir.archive_previous`), so checkpoints of two runs never share
+``checkpoints/``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -42,7 +50,15 @@ from weightgeom.train.distributed import (
     init_distributed,
     wrap_model,
 )
-from weightgeom.train.logging import MetricsLogger, Progress, write_json_atomic
+from weightgeom.train.logging import MetricsLogger, Progress, read_metrics, write_json_atomic
+from weightgeom.train.restore import check_config_hash, load_model_state, load_optimizer_state
+from weightgeom.train.rundir import (
+    DirLock,
+    LockError,
+    archive_previous,
+    remove_if_unused,
+    safe_child,
+)
 from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
 
 __all__ = ["train", "build_model", "build_optimizer_from_config", "read_status", "explosion"]
@@ -122,6 +138,19 @@ def build_optimizer_from_config(model: nn.Module, cfg: dict[str, Any], verbose: 
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
+def _check_model_vocab(model: nn.Module, cfg: dict[str, Any], batches: Batches) -> None:
+    """Refuse a language model whose output vocabulary (e.g. from ``model.preset``) is smaller than the data's.
+
+    Token ids at or above the model's vocabulary would otherwise fail deep inside an embedding lookup mid-run.
+    """
+    mcfg = getattr(model, "config", None)
+    vocab = getattr(mcfg, "vocab_size", None)
+    if batches.kind == "lm" and isinstance(vocab, int) and vocab < batches.vocab_size:
+        raise ValueError(f"config key model.vocab_size: the model has {vocab} token ids (model.preset="
+                         f"{cfg['model'].get('preset') or 'none'!r}) but the data has {batches.vocab_size}; set "
+                         f"model.vocab_size={batches.vocab_size} or more")
+
+
 def explosion(loss: float, ema: float, ema_n: int, best: float, factor: float, warmup: int,
               smoothing: float) -> str | None:
     """Why ``loss`` counts as a loss explosion, or None.
@@ -173,6 +202,37 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+KEEP_ON_FRESH = ("experiment.json",)
+"""Files a fresh start leaves in the run directory: a sweep's description of the run, written just before training."""
+
+_RUN_FILES = ("status.json", "meta.json", "metrics.jsonl", "config.resolved.toml", "checkpoints", "tb")
+"""Entries whose presence shows that an earlier run used a directory (a fresh start then moves everything aside)."""
+
+@contextlib.contextmanager
+def _io_path(path: str | os.PathLike):
+    """Attach ``path`` to an ``OSError`` raised inside that names no file (e.g. a failed ``write``: disk full), so
+    the one-line error the CLI prints says where the write failed."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+def nonfinite_grads(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or Inf (this rank's shard under FSDP2), in model order."""
+    bad = []
+    for name, p in named:
+        g = p.grad
+        if g is None:
+            continue
+        loc = g.to_local() if hasattr(g, "to_local") else g
+        if not bool(torch.isfinite(loc).all()):
+            bad.append(name)
+    return bad
+
+
 def _is_md(opt) -> bool:
     return any(hasattr(opt, a) for a in ("base_optimizer", "gain_optimizer")) or not isinstance(
         opt, torch.optim.Optimizer)
@@ -189,13 +249,20 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
         overrides: ``section.key=value`` strings applied on top of ``config``.
         progress: show a tqdm bar (rank 0).
         resume: ``"auto"`` — continue from the newest checkpoint in ``run_dir`` if there is one; ``True`` — require
-            one; ``False`` — start fresh (earlier metrics are moved aside, never deleted).
+            one; ``False`` — start fresh. Starting from step 0 in a directory an earlier run used moves that run's
+            files into ``run_dir/previous/<UTC time>/`` (never deleted; ``experiment.json`` stays).
 
     Returns:
-        ``{"status": "done" | "diverged", "run_dir": str, "step": int, "final": {metric: value}}``.
+        ``{"status": "done" | "diverged", "run_dir": str, "step": int, "final": {metric: value}}``; a run that was
+        already finished (its newest checkpoint is at ``train.max_steps``) is not trained again: the result reports
+        its final numbers and has ``"already_done": True``.
 
     Raises:
-        ValueError: bad config (one line naming the key); CheckpointError (a ValueError) for an unusable checkpoint.
+        ValueError: bad config (one line naming the key, e.g. a ``run.name`` that leaves ``run.out_dir``);
+            CheckpointError (a ValueError) for an unusable checkpoint; LockError (a ValueError) when another live
+            process writes ``run_dir``.
+        OSError: the run directory cannot be written (not a directory, no permission, disk full); ``filename``
+            names the path. Files written before stay as they were (checkpoints are replaced atomically).
     """
     import torch.distributed as dist
 
@@ -214,9 +281,13 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
 class _Trainer:
     def __init__(self, cfg: dict[str, Any], info: DistInfo, run_dir, progress: bool, resume):
         self.cfg, self.info = cfg, info
-        self.run_dir = Path(run_dir if run_dir is not None else Path(cfg["run"]["out_dir"]) / cfg["run"]["name"])
+        if run_dir is None:
+            run_dir = safe_child(cfg["run"]["out_dir"], cfg["run"]["name"], "run.name")
+        self.run_dir = Path(run_dir)
         self.progress_on = progress and info.is_main
         self.resume = resume
+        self.lock: DirLock | None = None
+        self._created_dir = False  # this run created run_dir (removed again if it fails before writing a file)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -242,21 +313,24 @@ class _Trainer:
             if latest is None and self.resume is True:
                 raise ValueError(f"resume: no checkpoint in {ckdir}")
             if latest is not None:
-                self.payload = ckpt_mod.load_checkpoint(latest, expected_hash=self.hash)
+                self.payload = ckpt_mod.load_checkpoint(latest)
+                check_config_hash(self.payload, latest, self.hash, cfg)
                 if self.payload.get("world_size", 1) != info.world_size:
                     raise ckpt_mod.CheckpointError(
                         f"checkpoint {latest}: written by {self.payload.get('world_size')} processes, resuming with "
                         f"{info.world_size}; resume with the same number of processes")
                 if info.rank > 0 and self.payload.get("sharded"):
                     shard = ckdir / ckpt_mod.checkpoint_name(self.payload["step"], info.rank)
-                    self.shard_payload = ckpt_mod.load_checkpoint(shard, expected_hash=self.hash)
+                    self.shard_payload = ckpt_mod.load_checkpoint(shard)
+                    check_config_hash(self.shard_payload, shard, self.hash, cfg)
                 self.ckpt_path = latest
 
         # model (identical init on every rank: same seed), then the optimizer on the unwrapped parameters
         self.device = info.device
         self.model = build_model(cfg["model"]).to(self.device)
+        _check_model_vocab(self.model, cfg, self.batches)
         if self.payload is not None:
-            self.model.load_state_dict(self.payload["model"])
+            load_model_state(self.model, self.payload["model"], self.ckpt_path)
         if info.rank > 0:
             torch.manual_seed(seed + 1000003 * info.rank)  # different dropout masks per rank
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -293,7 +367,7 @@ class _Trainer:
         self.last_val: dict[str, float] = {}
         if self.payload is not None:
             own = getattr(self, "shard_payload", None) or self.payload
-            self.stepper.load_state_dict(own["optimizer"])
+            load_optimizer_state(self.stepper, own["optimizer"], self.model, self.ckpt_path)
             ckpt_mod.set_rng_state(own["rng"])
             st = self.payload["trainer"]
             self.step = self.payload["step"]
@@ -321,9 +395,7 @@ class _Trainer:
         if self.payload is not None and meta_path.exists():
             meta = json.loads(meta_path.read_text())
             meta.setdefault("resumes", []).append({**session, "checkpoint": str(self.ckpt_path)})
-        else:
-            if meta_path.exists():  # fresh start in a used directory: keep the old record
-                meta_path.replace(rd / f"meta.{int(time.time())}.json")
+        else:  # a fresh start: an earlier run's meta.json was moved to previous/ by _archive_previous_run
             meta = {"seed": self.cfg["run"]["seed"], "config_hash": self.hash, "versions": _versions(),
                     "git_commit": _git_commit(), "data": self.batches.meta,
                     "num_params": sum(p.numel() for p in self.model.parameters()), **session}
@@ -331,9 +403,59 @@ class _Trainer:
 
     def _status(self, state: str, reason: str | None = None) -> None:
         if self.info.is_main:
-            write_json_atomic(self.run_dir / "status.json", {"state": state, "step": self.step, "reason": reason,
-                                                             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                   time.gmtime())})
+            path = self.run_dir / "status.json"
+            with _io_path(path):
+                write_json_atomic(path, {"state": state, "step": self.step, "reason": reason,
+                                         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    # -- ownership of the run directory ----------------------------------------------------------------------------
+    def _take_lock(self) -> None:
+        """Rank 0 takes the run directory's lock; every rank learns whether it did (so none is left waiting).
+
+        Raises:
+            LockError: another live process owns the directory; OSError: the directory cannot be created.
+        """
+        err: BaseException | None = None
+        if self.info.is_main:
+            self._created_dir = not self.run_dir.exists()
+            lock = DirLock(self.run_dir, "run directory")
+            try:
+                if self.run_dir.exists() and not self.run_dir.is_dir():
+                    raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(self.run_dir))
+                lock.acquire()
+                self.lock = lock
+            except (LockError, OSError) as e:
+                err = e
+        if self.info.enabled and all_reduce_mean(0.0 if err else 1.0, self.info) < 1.0 and err is None:
+            raise LockError(f"run directory {self.run_dir}: rank 0 could not take its lock")
+        if err is not None:
+            raise err
+        prev = self.lock.took_over if self.lock is not None else None
+        if prev:
+            print(f"weightgeom: run directory {self.run_dir}: taking over from pid {prev.get('pid')} on host "
+                  f"{prev.get('host')}, which is no longer running", file=sys.stderr)
+
+    def _release_lock(self) -> None:
+        """Release the lock; a run directory this run created and never wrote to (bad data, unusable checkpoint) is
+        removed again, so a refused run leaves nothing behind."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+            if self._created_dir:
+                remove_if_unused(self.run_dir)
+
+    def _archive_previous_run(self) -> None:
+        """Before a start from step 0: move an earlier run's files to ``previous/<UTC time>/`` (rank 0).
+
+        Only when the directory shows an earlier run (status, meta, metrics, config, checkpoints or tb); a directory
+        holding only other files is left as it is.
+        """
+        if not self.info.is_main or not any((self.run_dir / n).exists() for n in _RUN_FILES):
+            return
+        dest = archive_previous(self.run_dir, keep=KEEP_ON_FRESH)
+        if dest is not None:
+            print(f"weightgeom: run directory {self.run_dir} held an earlier run; its files were moved to {dest}",
+                  file=sys.stderr)
 
     # -- pieces of a step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -369,7 +491,7 @@ class _Trainer:
         model_sd = full_state_dict(self.model) if self.fsdp else {k: v.detach().cpu().clone()
                                                                   for k, v in self.model.state_dict().items()}
         trainer_state = {"ema": self.ema, "ema_n": self.ema_n, "best": self.best, "tokens": self.tokens,
-                         "train_time": self.train_time, "last_val": self.last_val}
+                         "train_time": self.train_time, "last_val": self.last_val, "last_loss": self._last_loss}
         opt_sd = self.stepper.state_dict()
         if info.rank > 0:
             if self.sharded:
@@ -380,11 +502,14 @@ class _Trainer:
             barrier(info)
             return
         barrier(info)  # shard files are complete before the main file appears
-        ckpt_mod.save_checkpoint(ckdir / ckpt_mod.checkpoint_name(self.step), {
-            "format": "weightgeom-ckpt-1", "step": self.step, "config_hash": self.hash, "config": self.cfg,
-            "model": model_sd, "optimizer": opt_sd, "rng": ckpt_mod.rng_state(), "trainer": trainer_state,
-            "world_size": info.world_size, "sharded": self.sharded})
-        ckpt_mod.prune_checkpoints(ckdir, tr["keep_checkpoints"])
+        path = ckdir / ckpt_mod.checkpoint_name(self.step)
+        with _io_path(path):
+            ckpt_mod.save_checkpoint(path, {
+                "format": "weightgeom-ckpt-2", "step": self.step, "config_hash": self.hash, "config": self.cfg,
+                "model": model_sd, "optimizer": opt_sd, "rng": ckpt_mod.rng_state(), "trainer": trainer_state,
+                "world_size": info.world_size, "sharded": self.sharded})
+        with _io_path(ckdir):
+            ckpt_mod.prune_checkpoints(ckdir, tr["keep_checkpoints"])
         barrier(info)
 
     def _diverged(self, reason: str) -> dict[str, Any]:
@@ -397,11 +522,35 @@ class _Trainer:
     def _finish(self, status: str) -> dict[str, Any]:
         self.bar.close()
         self.logger.close()
-        final = {"train_loss": self._last_loss, "train_loss_smooth": self._smooth(),
-                 **{f"val_{k}": v for k, v in self.last_val.items()},
-                 "steps": self.step, "tokens": self.tokens, "train_time_s": self.train_time,
-                 "tokens_per_s": self.tokens / self.train_time if self.train_time > 0 else float("nan")}
-        return {"status": status, "run_dir": str(self.run_dir), "step": self.step, "final": final}
+        return {"status": status, "run_dir": str(self.run_dir), "step": self.step, "final": self._final()}
+
+    def _final(self) -> dict[str, float]:
+        """The result's numbers: last and smoothed train loss, last val metrics, steps, tokens, time."""
+        return {"train_loss": self._last_loss, "train_loss_smooth": self._smooth(),
+                **{f"val_{k}": v for k, v in self.last_val.items()},
+                "steps": self.step, "tokens": self.tokens, "train_time_s": self.train_time,
+                "tokens_per_s": self.tokens / self.train_time if self.train_time > 0 else float("nan")}
+
+    def _already_done(self) -> dict[str, Any]:
+        """The result of a run whose newest checkpoint is at (or past) ``train.max_steps``: nothing is trained.
+
+        The final numbers come from the checkpoint's trainer state, and the last train loss from it or (checkpoints
+        that predate it) from the last train line of ``metrics.jsonl`` at that step. ``status.json`` is set to done
+        if an interruption after the final checkpoint left it otherwise; nothing else is written.
+        """
+        last = self.payload["trainer"].get("last_loss")
+        if last is None:
+            rows = [r for r in read_metrics(self.run_dir, "train") if r.get("step") == self.step]
+            last = rows[-1].get("loss") if rows else None
+        self._last_loss = float(last) if isinstance(last, (int, float)) else float("nan")
+        if self.info.is_main:
+            if (read_status(self.run_dir) or {}).get("state") != "done":
+                self._status("done")
+            print(f"weightgeom: run in {self.run_dir} is already done at step {self.step} (train.max_steps="
+                  f"{self.cfg['train']['max_steps']}); nothing to do: raise train.max_steps to continue it or use "
+                  "--fresh to start over", file=sys.stderr)
+        return {"status": "done", "run_dir": str(self.run_dir), "step": self.step, "final": self._final(),
+                "already_done": True}
 
     def _smooth(self) -> float:
         sm = self.cfg["train"]["smoothing"]
@@ -409,25 +558,37 @@ class _Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        self._setup()
-        self._write_run_files()
-        info, tr = self.info, self.cfg["train"]
-        self.logger = MetricsLogger(self.run_dir, enabled=info.is_main)
-        if self.payload is not None:
-            self.logger.truncate_after(self.step)
-        elif info.is_main and (self.run_dir / "metrics.jsonl").stat().st_size > 0:
-            self.logger.close()  # fresh start in a used directory: keep the old metrics under another name
-            (self.run_dir / "metrics.jsonl").replace(self.run_dir / f"metrics.{int(time.time())}.jsonl")
-            self.logger = MetricsLogger(self.run_dir, enabled=True)
-        self.bar = Progress(tr["max_steps"], self.step, enabled=self.progress_on)
-        self._last_loss = float("nan")
-        self._status("running")
+        """Own the run directory for the whole run (lock taken first, released on any exit), then train."""
+        self._take_lock()
         try:
+            with _io_path(self.run_dir):
+                return self._run_owned()
+        finally:
+            self._release_lock()
+
+    def _run_owned(self) -> dict[str, Any]:
+        self._last_loss = float("nan")
+        self._setup()
+        info, tr = self.info, self.cfg["train"]
+        if self.payload is not None and self.step >= tr["max_steps"]:
+            return self._already_done()
+        if self.payload is None:
+            self._archive_previous_run()
+        self._write_run_files()
+        resumed = self.payload is not None
+        self.logger = MetricsLogger(self.run_dir, enabled=info.is_main, resume_step=self.step if resumed else None)
+        if resumed:
+            self.logger.truncate_after(self.step)
+        self.bar = Progress(tr["max_steps"], self.step, enabled=self.progress_on)
+        try:
+            self._status("running")
             return self._loop()
         except BaseException as e:
-            self._status("failed", f"{type(e).__name__}: {e}")
+            with contextlib.suppress(OSError):  # a full disk must not hide the original error
+                self._status("failed", f"{type(e).__name__}: {e}")
             self.bar.close()
-            self.logger.close()
+            with contextlib.suppress(OSError):
+                self.logger.close()
             raise
 
     def _loop(self) -> dict[str, Any]:
@@ -468,7 +629,7 @@ class _Trainer:
             gnorm = clip_grad_norm(self.clip_params, tr["grad_clip"], info)
             if not math.isfinite(gnorm):
                 self.step = s_next
-                return self._diverged(f"non-finite gradient norm ({gnorm}) at step {s_next}")
+                return self._diverged(self._grad_reason(gnorm, s_next))
             self.stepper.step()
             self.step = s_next
             if diag_due:
@@ -505,6 +666,14 @@ class _Trainer:
                 self._status("running")
         self._status("done")
         return self._finish("done")
+
+    def _grad_reason(self, gnorm: float, step: int) -> str:
+        """Divergence reason for a non-finite gradient norm, naming the parameters whose gradients are non-finite."""
+        bad = nonfinite_grads(list(self.model.named_parameters()))
+        if not bad:
+            return f"non-finite gradient norm ({gnorm}) at step {step}: every gradient is finite, their norm overflowed"
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        return f"non-finite gradient norm ({gnorm}) at step {step}: non-finite gradient in {', '.join(bad[:3])}{more}"
 
     def _grad_norms(self) -> dict[str, float]:
         from weightgeom.diagnostics.monitors import _clean, grad_norms

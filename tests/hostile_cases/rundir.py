@@ -1,0 +1,340 @@
+"""Hostile inputs: rundir (rows of tests/test_hostile.py).
+
+Run directories of ``weightgeom train``: one writer at a time (a lock that a ``kill -9`` leaves stale), ``--fresh``
+moves an earlier run aside instead of mixing checkpoints, ``run.name`` stays inside ``run.out_dir``, I/O failures and
+checkpoints that do not fit end with one line and exit 2, a resumed run's TensorBoard log has each step once, and a
+finished run re-run reports its numbers.
+
+Every row drives the ``weightgeom train`` CLI (in-process, or as a real subprocess where a second process is the
+point) with a one-layer GPT on synthetic data: a few steps, about a second each on a CPU.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hostile_cases import Hostile, assert_one_line_error, cli
+
+TINY = {
+    "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+    "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
+    "optim": {"name": "adamw", "adamw_lr": 1e-2},
+    "train": {"max_steps": 8, "eval_every": 4, "eval_iters": 2, "log_every": 1, "ckpt_every": 2},
+}
+
+
+def _config(tmp: Path) -> str:
+    p = tmp / "tiny.yaml"
+    p.write_text(yaml.safe_dump(TINY))
+    return str(p)
+
+
+def _train(tmp: Path, run: Path, *extra: str):
+    return cli("train", _config(tmp), "--out", str(run), "--no-progress", *extra)
+
+
+def _result(res) -> dict:
+    return json.loads(res.out.strip().splitlines()[-1])
+
+
+def _steps(run: Path) -> list[int]:
+    from weightgeom.train.checkpoint import list_checkpoints
+
+    return [s for s, _ in list_checkpoints(run / "checkpoints")]
+
+
+def _train_rows(run: Path) -> list[dict]:
+    from weightgeom.train.logging import read_metrics
+
+    return read_metrics(run, "train")
+
+
+# ------------------------------------------------------------------------------------------------ --fresh sequence
+def _fresh_sequence(tmp: Path) -> None:
+    run = tmp / "r"
+    assert _train(tmp, run).rc == 0  # 8 steps: checkpoints 6, 8
+    assert _steps(run) == [6, 8]
+    (run / "experiment.json").write_text('{"variant": "a"}')  # what a sweep writes just before the run
+    res = _train(tmp, run, "--fresh", "--set", "train.max_steps=4")
+    assert res.rc == 0, res.err
+    # the new run's checkpoints survive pruning; the old ones are in previous/, not mixed in
+    assert _steps(run) == [2, 4]
+    olds = list((run / "previous").iterdir())
+    assert len(olds) == 1 and _steps(olds[0]) == [6, 8]
+    assert [r["step"] for r in _train_rows(olds[0])][-1] == 8
+    assert (run / "experiment.json").read_text() == '{"variant": "a"}'
+    # --resume sees the new run only: done at 4, numbers from its metrics
+    res = cli("train", "--resume", str(run), "--no-progress")
+    assert res.rc == 0, res.err
+    out = _result(res)
+    rows = _train_rows(run)
+    assert out["step"] == 4 and rows[-1]["step"] == 4 and out["final"]["train_loss"] == rows[-1]["loss"]
+
+
+# ----------------------------------------------------------------------------------------------- real processes
+def _start_writer(tmp: Path, run: Path) -> subprocess.Popen:
+    """A real ``weightgeom train`` process training ``run`` for a long time (no checkpoint before its end)."""
+    cfg = _config(tmp)
+    cmd = [sys.executable, "-m", "weightgeom", "train", cfg, "--out", str(run), "--no-progress",
+           "--set", "train.max_steps=100000", "--set", "train.ckpt_every=0", "--set", "train.eval_every=0"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
+
+
+def _wait_training(proc: subprocess.Popen, run: Path, timeout: float = 120.0) -> None:
+    """Wait until ``proc`` holds the lock and has logged a train step."""
+    from weightgeom.train.rundir import LOCK_NAME
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"writer exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+        m = run / "metrics.jsonl"
+        if (run / LOCK_NAME).is_file() and m.is_file() and '"split": "train"' in m.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError("writer never started training under the lock")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def _two_writers(tmp: Path) -> None:
+    from weightgeom.train.rundir import read_lock
+
+    run = tmp / "r"
+    proc = _start_writer(tmp, run)
+    try:
+        _wait_training(proc, run)
+        res = _train(tmp, run, "--set", "train.max_steps=2")
+        line = assert_one_line_error(res, str(run), f"pid {proc.pid}", "host")
+        assert "in use" in line
+        assert not (run / "previous").exists()  # the second writer touched nothing
+        assert read_lock(run)["pid"] == proc.pid and proc.poll() is None
+    finally:
+        _kill(proc)
+
+
+def _stale_lock_after_sigkill(tmp: Path) -> None:
+    run = tmp / "r"
+    proc = _start_writer(tmp, run)
+    try:
+        _wait_training(proc, run)
+    finally:
+        _kill(proc)
+    assert proc.returncode == -signal.SIGKILL
+    res = _train(tmp, run, "--set", "train.max_steps=4")
+    assert res.rc == 0, res.err
+    assert f"taking over from pid {proc.pid}" in res.err
+    assert json.loads((run / "status.json").read_text())["state"] == "done"
+    assert [r["step"] for r in _train_rows(run)] == [1, 2, 3, 4]  # the killed run's lines are not mixed in
+    (old,) = (run / "previous").iterdir()
+    assert json.loads((old / "status.json").read_text())["state"] == "running"  # what the killed run left, kept
+
+
+# --------------------------------------------------------------------------------------------------- run.name
+def _name_escapes(value: str, fragment: str):
+    def check(tmp: Path) -> None:
+        target = (tmp / "runs" / value).resolve()  # out_dir is "runs" (the default) under the working directory
+        assert not target.exists()
+        res = cli("train", _config(tmp), "--no-progress", "--set", f"run.name={value}")
+        assert_one_line_error(res, "run.name", fragment)
+        assert not target.exists() and not (tmp / "runs").exists()
+    return check
+
+
+def _name_absolute(tmp: Path) -> None:
+    target = tmp / "elsewhere" / "x"
+    res = cli("train", _config(tmp), "--no-progress", "--set", f"run.name={target}")
+    assert_one_line_error(res, "run.name", "absolute")
+    assert not target.exists() and not (tmp / "elsewhere").exists()
+
+
+def _name_through_symlink(tmp: Path) -> None:
+    outside = tmp / "outside"
+    outside.mkdir()
+    (tmp / "runs").mkdir()
+    (tmp / "runs" / "link").symlink_to(outside)
+    res = cli("train", _config(tmp), "--no-progress", "--set", "run.name=link/x")
+    assert_one_line_error(res, "run.name", "outside")
+    assert list(outside.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------ I/O failures
+def _unwritable_out(tmp: Path) -> None:
+    # tests run as root, which ignores permission bits: a path under a regular file cannot be created by anyone
+    (tmp / "afile").write_text("keep me")
+    res = _train(tmp, tmp / "afile" / "run")
+    assert_one_line_error(res, str(tmp / "afile" / "run"), "Not a directory")
+    res = _train(tmp, tmp / "afile")  # the run directory itself is a file
+    assert_one_line_error(res, str(tmp / "afile"), "not a directory")
+    assert (tmp / "afile").read_text() == "keep me"
+
+
+def _full_disk(tmp: Path) -> None:
+    import weightgeom.train.checkpoint as ck
+
+    run = tmp / "r"
+    assert _train(tmp, run, "--set", "train.max_steps=4").rc == 0
+    real = ck.save_checkpoint
+
+    def full(path, payload):
+        if payload.get("step") == 6:  # the disk fills while the checkpoint at step 6 is written
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, payload)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "save_checkpoint", full)
+        res = _train(tmp, run, "--set", "train.max_steps=8")
+    assert_one_line_error(res, "ckpt_00000006.pt", "No space left on device")
+    assert _steps(run) == [2, 4]  # nothing already written was lost
+    assert ck.load_checkpoint(run / "checkpoints" / "ckpt_00000004.pt")["step"] == 4
+    assert json.loads((run / "status.json").read_text())["state"] == "failed"
+    res = _train(tmp, run, "--set", "train.max_steps=8")  # space again: the run resumes from step 4
+    assert res.rc == 0 and _result(res)["step"] == 8, res.err
+    assert [r["step"] for r in _train_rows(run)] == list(range(1, 9))
+
+
+# ------------------------------------------------------------------------------------------ checkpoints that do not fit
+def _shape_mismatch_model(tmp: Path) -> None:
+    import weightgeom.train.checkpoint as ck
+
+    run = tmp / "r"
+    assert _train(tmp, run, "--set", "train.max_steps=4").rc == 0
+    p = ck.latest_checkpoint(run / "checkpoints")
+    payload = ck.load_checkpoint(p)
+    key = "transformer.h.0.mlp.c_fc.weight"
+    assert key in payload["model"]
+    payload["model"][key] = torch.zeros(3, 3)  # config hash intact, tensor replaced
+    ck.save_checkpoint(p, payload)
+    res = _train(tmp, run, "--set", "train.max_steps=6")
+    assert_one_line_error(res, str(p), key, "(3, 3)")
+    assert _steps(run) == [2, 4]
+
+
+def _shape_mismatch_optimizer(tmp: Path) -> None:
+    import weightgeom.train.checkpoint as ck
+
+    run = tmp / "r"
+    assert _train(tmp, run, "--set", "train.max_steps=4").rc == 0
+    p = ck.latest_checkpoint(run / "checkpoints")
+    payload = ck.load_checkpoint(p)
+    state = payload["optimizer"]["state"]
+    idx = sorted(state)[0]
+    state[idx]["exp_avg"] = torch.zeros(5, 7)
+    ck.save_checkpoint(p, payload)
+    res = _train(tmp, run, "--set", "train.max_steps=6")
+    assert_one_line_error(res, str(p), "exp_avg", "(5, 7)")
+
+
+def _changed_config(tmp: Path) -> None:
+    run = tmp / "r"
+    assert _train(tmp, run, "--set", "train.max_steps=4").rc == 0
+    res = _train(tmp, run, "--set", "optim.adamw_lr=0.5")
+    assert_one_line_error(res, "different config", "optim.adamw_lr", "use --fresh to start over",
+                          "previous/", "--out to choose another directory")
+    assert _steps(run) == [2, 4] and not (run / "previous").exists()
+
+
+# --------------------------------------------------------------------------------------------- resume bookkeeping
+def _tb_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _tb_after_resume(tmp: Path) -> None:
+    from weightgeom.train.batches import Batches
+
+    run = tmp / "r"
+    orig = Batches.get
+
+    def dying(self, split, step, index, device="cpu"):
+        if split == "train" and step == 6:  # dies computing update 7: updates 5, 6 were logged after checkpoint 4
+            raise KeyboardInterrupt
+        return orig(self, split, step, index, device)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Batches, "get", dying)
+        assert _train(tmp, run, "--set", "train.ckpt_every=4").rc == 130
+    # TensorBoard reads event files in name order, whose first key is the creation time in whole seconds; a resume
+    # is a new process in practice, here it is the same one: let the second tick so the files sort in session order
+    time.sleep(1.05)
+    assert _train(tmp, run, "--set", "train.ckpt_every=4").rc == 0  # resumes from step 4
+    tb = _tb_scalars(run, "train/loss")
+    steps = [s for s, _ in tb]
+    assert steps == list(range(1, 9)), steps  # each step once: the killed session's 5 and 6 are purged
+    jsonl = {r["step"]: r["loss"] for r in _train_rows(run)}
+    assert all(v == pytest.approx(jsonl[s], rel=1e-6) for s, v in tb)
+
+
+def _finished_rerun(tmp: Path) -> None:
+    run = tmp / "r"
+    first = _train(tmp, run)
+    assert first.rc == 0
+    ck8 = run / "checkpoints" / "ckpt_00000008.pt"
+    mtime, meta = ck8.stat().st_mtime_ns, (run / "meta.json").read_text()
+    again = _train(tmp, run)  # the same command again
+    assert again.rc == 0 and "already done at step 8" in again.err
+    a, b = _result(first), _result(again)
+    assert b["already_done"] is True and b["step"] == 8
+    for k in ("train_loss", "train_loss_smooth", "val_loss", "tokens"):
+        assert b["final"][k] == a["final"][k], k  # not NaN: the finished run's own numbers
+    assert ck8.stat().st_mtime_ns == mtime and (run / "meta.json").read_text() == meta  # nothing rewritten
+
+
+CASES: list[Hostile] = [
+    Hostile("fresh-sequence", "rundir",
+            "`train --fresh` with fewer steps in a used run directory: the old run moves to previous/, the new run's "
+            "checkpoints are kept and `--resume` reports the new run", _fresh_sequence),
+    Hostile("two-writers", "rundir",
+            "a second `weightgeom train` in a directory another live process is training in exits 2 with one line "
+            "naming the directory and the owner's pid and host, touching nothing", _two_writers),
+    Hostile("stale-lock-sigkill", "rundir",
+            "after `kill -9` of a training process its lock is stale: the next run in that directory takes over, "
+            "moving the killed run's files to previous/", _stale_lock_after_sigkill),
+    Hostile("run-name-dotdot", "rundir",
+            "`--set run.name=../../x` is refused with one line, nothing written outside run.out_dir",
+            _name_escapes("../../x", "..")),
+    Hostile("run-name-absolute", "rundir",
+            "an absolute `run.name` is refused with one line, nothing written", _name_absolute),
+    Hostile("run-name-symlink", "rundir",
+            "a `run.name` that leads out of run.out_dir through a symbolic link is refused with one line",
+            _name_through_symlink),
+    Hostile("unwritable-out", "rundir",
+            "an output directory that cannot be created (a path under a regular file) exits 2 with one line naming "
+            "the path and the system's reason", _unwritable_out),
+    Hostile("full-disk", "rundir",
+            "a full disk while a checkpoint is written exits 2 with one line naming the checkpoint and ENOSPC; "
+            "earlier checkpoints stay loadable and the run resumes from them", _full_disk),
+    Hostile("shape-mismatch-model", "rundir",
+            "a checkpoint whose config hash matches but whose model tensor has another shape is refused with one "
+            "line naming the checkpoint and the tensor", _shape_mismatch_model),
+    Hostile("shape-mismatch-optimizer", "rundir",
+            "a checkpoint whose optimizer state has a tensor of the wrong shape is refused with one line naming the "
+            "checkpoint and the state entry (not a traceback at the next step)", _shape_mismatch_optimizer),
+    Hostile("changed-config", "rundir",
+            "a changed config in an existing run directory is refused with one line naming the changed key, "
+            "`--fresh` and `--out`", _changed_config),
+    Hostile("tb-purge", "rundir",
+            "after an interrupted run resumes, TensorBoard shows each step once (the interrupted session's later "
+            "steps are purged)", _tb_after_resume),
+    Hostile("finished-rerun", "rundir",
+            "re-running a finished run reports its final numbers (not NaN), says it was already done and rewrites "
+            "nothing", _finished_rerun),
+]
