@@ -18,7 +18,15 @@ from torch import nn
 from weightgeom.experiments import report as rep
 from weightgeom.experiments.cli import execute, get_recipe
 from weightgeom.experiments.controls import ContinuityRecorder, SigmaCap, pair_continuity
-from weightgeom.experiments.runner import Variant, load_parts, parse_set, plan, run_sweep
+from weightgeom.experiments.runner import (
+    SweepSettingsError,
+    Variant,
+    load_parts,
+    parse_set,
+    plan,
+    run_sweep,
+    settings_differences,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -409,3 +417,263 @@ def test_recipe_end_to_end_tiny(tmp_path, recipe, only):
 @pytest.mark.parametrize("recipe", ["manifolds", "continuity", "md"])
 def test_recipe_end_to_end_full_ci_preset(tmp_path, recipe):
     _e2e(tmp_path, recipe, None)
+
+
+# ------------------------------------------------------------------------------ one writer, honest resume, input
+def _md_runs(base_cfg, steps=10, sets=(), only=("adamw-w16-lr0.001", "adamw-w16-lr0.01")):
+    _, parts, sweep = load_parts(str(base_cfg))
+    vs = get_recipe("md").variants(parts, {"widths": [16], "optimizers": ["adamw"],
+                                           "lrs": {"adamw": [1e-3, 1e-2]}}, steps)
+    return plan("md", vs, parts, [0], steps=steps, only=list(only), sets=parse_set(sets))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_sweep_refuses_runs_recorded_with_other_settings(tmp_path, base_cfg):
+    out = tmp_path / "sw"
+    calls = []
+
+    def counting(spec, run_dir, progress):
+        calls.append(spec.name)
+        return fake_train(spec, run_dir, progress)
+
+    run_sweep(_md_runs(base_cfg), out, train_fn=counting, progress=False)
+    exp = json.loads((out / "adamw-w16-lr0.001-s0" / "experiment.json").read_text())
+    assert exp["settings"]["train.max_steps"] == 10 and exp["settings_hash"]
+    man = json.loads((out / "sweep.json").read_text())
+    assert all(r["settings_hash"] for r in man["runs"])
+    before = _files(out)
+    with pytest.raises(SweepSettingsError, match=r"run adamw-w16-lr0.001-s0 was trained with train.max_steps=10, "
+                                                 r"the command asks 20"):
+        run_sweep(_md_runs(base_cfg, steps=20), out, train_fn=counting, progress=False)
+    with pytest.raises(SweepSettingsError, match=r"optim.weight_decay=0.1, the command asks 0.3"):
+        run_sweep(_md_runs(base_cfg, sets=["optim.weight_decay=0.3"]), out, train_fn=counting, progress=False)
+    assert _files(out) == before and calls == ["adamw-w16-lr0.001-s0", "adamw-w16-lr0.01-s0"]
+    # a run recorded before settings were kept: the trainer's config.resolved.toml still tells
+    p = out / "adamw-w16-lr0.01-s0" / "experiment.json"
+    p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "settings"}))
+    with pytest.raises(SweepSettingsError, match=r"run adamw-w16-lr0.01-s0 was trained with train.max_steps=10"):
+        run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.01"]), out, train_fn=counting, progress=False)
+    # a run killed half-way is "started", not "trained"
+    (out / "adamw-w16-lr0.01-s0" / "status.json").write_text('{"state": "running", "step": 4}')
+    with pytest.raises(SweepSettingsError, match=r"adamw-w16-lr0.01-s0 was started with train.max_steps=10"):
+        run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.01"]), out, train_fn=counting, progress=False)
+    # the same settings resume; another --only subset with its own settings goes into the same directory
+    calls.clear()
+    run_sweep(_md_runs(base_cfg, only=["adamw-w16-lr0.001"]), out, train_fn=counting, progress=False)
+    assert calls == []
+    man = run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.01-warmup*"]), out, train_fn=counting,
+                    progress=False)
+    assert calls == ["adamw-w16-lr0.01-warmup2-s0"] and len(man["runs"]) == 3
+
+
+def test_sweep_no_resume_trains_fresh_and_hands_the_old_record_to_previous(tmp_path, base_cfg):
+    out = tmp_path / "sw"
+    run_sweep(_md_runs(base_cfg, only=["adamw-w16-lr0.001"]), out, train_fn=fake_train, progress=False)
+    old = (out / "adamw-w16-lr0.001-s0" / "experiment.json").read_text()
+    fresh = []
+
+    def recording(spec, run_dir, progress):
+        fresh.append(spec.fresh)
+        return fake_train(spec, run_dir, progress)
+
+    man = run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.001"]), out, train_fn=recording,
+                    resume=False, progress=False)
+    assert fresh == [True] and man["runs"][0]["status"] == "done"
+    # the trainer moves experiment.previous.json into previous/<time>/ with the rest of the earlier run
+    assert (out / "adamw-w16-lr0.001-s0" / "experiment.previous.json").read_text() == old
+    assert json.loads((out / "adamw-w16-lr0.001-s0" / "experiment.json").read_text())["settings"][
+        "train.max_steps"] == 20
+
+
+def test_settings_differences_ignore_version_only_schema_keys():
+    planned = {"train.max_steps": 10, "optim.lr": 0.02, "model.n_embd": 32, "controls.sigma_cap": 2.0}
+    # a schema key another version did not know is not a difference; a free key (model field, control) is
+    assert settings_differences({**planned, "train.some_old_key": 1}, {**planned, "optim.lr": 0.02}) == []
+    assert settings_differences({k: v for k, v in planned.items() if k != "train.max_steps"}, planned) == []
+    assert settings_differences({"model.n_embd": 32, "controls.sigma_cap": 2.0, "optim.lr": 0.02,
+                                 "train.max_steps": 10.0}, planned) == []
+    d = settings_differences({k: v for k, v in planned.items() if k != "controls.sigma_cap"}, planned)
+    assert [x[0] for x in d] == ["controls.sigma_cap"]
+    d = settings_differences({**planned, "model.dropout": 0.1}, planned)
+    assert [x[0] for x in d] == ["model.dropout"]
+
+
+def test_second_sweep_in_an_owned_directory_is_refused(tmp_path, base_cfg, capsys):
+    import platform
+    import subprocess
+
+    from weightgeom.cli import main
+    from weightgeom.train.rundir import LOCK_NAME, _proc_start_time
+
+    out = tmp_path / "sw"
+    out.mkdir()
+    owner = subprocess.Popen(["sleep", "60"])
+    try:
+        (out / LOCK_NAME).write_text(json.dumps({"pid": owner.pid, "host": platform.node(),
+                                                 "start": _proc_start_time(owner.pid), "command": ["sweep"]}))
+        rc = main(["sweep", "manifolds", str(base_cfg), "--only", "hetero", "--steps", "2", "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "Traceback" not in err[0]
+        assert f"sweep directory {out} is in use by pid {owner.pid} on host {platform.node()}" in err[0]
+        assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_NAME, ".weightgeom.lock.guard"])
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def _wait_until(cond, timeout: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_parent_watchdog_without_pdeathsig(tmp_path):
+    """The portable fallback alone (no prctl): an orphaned worker exits within a poll interval or two.
+
+    The whole path (``--jobs 2``, ``kill -9`` of the sweep, workers gone, a re-run finishes) is the ``sweep``
+    rows of tests/test_hostile.py."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = ("import os, time; from weightgeom.experiments.runner import die_with_parent; "
+             "die_with_parent(os.getppid(), poll_s=0.1, pdeathsig=False); print('ready', flush=True); time.sleep(60)")
+    parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "stdout=subprocess.PIPE, text=True); p.stdout.readline(); print(p.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    try:
+        assert _running(pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert _wait_until(lambda: not _running(pid), 3)
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("name,text,expect", [
+    ("bad.toml", "[model\nkind = 1", "not valid TOML"),
+    ("bad.yaml", "model: [1,\n", "not valid YAML"),
+    ("bad.toml", "parts = [1, 2]\n", "[parts] must hold tables"),
+    ("bad.toml", "sweep = 3\n[model]\nkind = 'gpt'\n", "[sweep] must be a table"),
+    ("bad.toml", "[sweep]\nwidths = 'wide'\n[model]\nkind = 'gpt'\n", "does not fit recipe md"),
+])
+def test_bad_sweep_file_is_one_line(tmp_path, capsys, name, text, expect):
+    from weightgeom.cli import main
+
+    cfg = _write(tmp_path / name, text)
+    rc = main(["sweep", "md", str(cfg), "--out", str(tmp_path / "sw")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and expect in err[0], err
+    assert not (tmp_path / "sw").exists()
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--set", "train.nope=1"], "unknown key train.nope"),
+    (["--set", "data.batch_size=0"], "data.batch_size"),
+    (["--steps", "0"], "--steps"),
+    (["--jobs", "-1"], "--jobs"),
+])
+def test_bad_sweep_arguments_are_one_line_and_write_nothing(tmp_path, base_cfg, capsys, args, expect):
+    from weightgeom.cli import main
+
+    try:
+        rc = main(["sweep", "manifolds", str(base_cfg), "--only", "hetero", "--steps", "2", "--out",
+                   str(tmp_path / "sw"), *args])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and expect in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_sweep_out_is_a_file(tmp_path, base_cfg, capsys):
+    from weightgeom.cli import main
+
+    f = _write(tmp_path / "afile", "keep")
+    assert main(["sweep", "manifolds", str(base_cfg), "--only", "hetero", "--out", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "afile: exists and is not a directory" in err[0]
+    assert f.read_text() == "keep"
+
+
+def test_unreadable_manifest_is_kept_aside(tmp_path, base_cfg, capsys):
+    out = tmp_path / "sw"
+    out.mkdir()
+    (out / "sweep.json").write_text('{"runs": [')
+    run_sweep(_md_runs(base_cfg, only=["adamw-w16-lr0.001"]), out, train_fn=fake_train, progress=False)
+    kept = list(out.glob("sweep.unreadable-*.json"))
+    assert len(kept) == 1 and kept[0].read_text() == '{"runs": ['
+    assert json.loads((out / "sweep.json").read_text())["runs"][0]["status"] == "done"
+    assert "unreadable" in capsys.readouterr().err
+
+
+def test_continuity_record_survives_a_kill_and_resume(tmp_path):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(3))
+    names = [f"blocks.{i}.fc.weight" for i in range(3)]
+    opt = torch.optim.SGD([{"params": [b.weight for b in blocks], "names": names}], lr=0.5)
+    x = torch.randn(16, 8)
+
+    def steps(n):
+        for _ in range(n):
+            h = x
+            for b in blocks:
+                h = h + torch.relu(b(h))
+            opt.zero_grad()
+            h.pow(2).mean().backward()
+            opt.step()
+
+    w0 = torch.stack([b.weight.detach().clone() for b in blocks])
+    with ContinuityRecorder(every=2, max_steps=8, run_dir=tmp_path):
+        steps(4)
+        ckpt = [b.weight.detach().clone() for b in blocks]  # the checkpoint at step 4
+        steps(1)  # killed during step 6: write() never runs, the rows up to step 4 are on disk already
+    with open(tmp_path / "continuity.jsonl", "a") as f:
+        f.write('{"step": 6, "ki')  # a partial line of the killed writer
+    assert {json.loads(line)["step"] for line in (tmp_path / "continuity.jsonl").read_text().splitlines()[:-1]} \
+        == {0, 2, 4}
+    saved = load_w0(tmp_path)
+    assert torch.equal(saved, w0)
+    with torch.no_grad():  # the trainer resumes from the step-4 checkpoint
+        for b, w in zip(blocks, ckpt):
+            b.weight.copy_(w)
+    rec = ContinuityRecorder(every=2, max_steps=8, start_step=4, w0=saved, run_dir=tmp_path)
+    with rec:
+        steps(4)
+    rec.write(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "continuity.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "weight" and r["layer"] == 0] == [0, 2, 4, 6, 8]
+    # ΔW at step 8 is measured from the first session's W_0
+    W8 = torch.stack([b.weight.detach() for b in blocks])
+    dom = torch.linalg.matrix_norm(W8 - w0) / torch.linalg.matrix_norm(w0)
+    got = [r["dominance"] for r in rows if r["step"] == 8 and r["kind"] == "delta"]
+    assert got == pytest.approx(dom[:-1].tolist(), rel=1e-5)
+
+
+def load_w0(run_dir: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    from weightgeom.experiments.controls import W0_FILE
+
+    return load_file(str(run_dir / W0_FILE))["w0"]

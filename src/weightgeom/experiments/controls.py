@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -223,19 +224,33 @@ class ContinuityRecorder(_GlobalHooks):
     ``every`` optimizer steps (and at ``max_steps``) it logs weights (after the update), the gradient used by that
     step, and ΔW = W_t − W_0 with the per-layer dominance ratio ‖ΔW_l‖_F/‖W_0,l‖_F.
 
+    With ``run_dir`` the record is kept on disk as it grows: W_0 goes to ``run_dir/`` :data:`W0_FILE` (tensors only)
+    at the first step and rows are appended to ``continuity.jsonl`` as they are logged, so a run killed half-way
+    keeps them. A run resumed from a checkpoint at ``start_step`` continues the same record: steps count from there,
+    ΔW is measured from the saved W_0 (``w0``), and the rows after ``start_step`` (from steps the resumed run redoes)
+    are dropped.
+
     Args:
         every: recording interval in optimizer steps.
         max_steps: the run's length (always recorded).
+        start_step: optimizer steps already done (the step of the checkpoint the trainer resumes from).
+        w0: the stacked initial block weights saved by the first session (None: taken at the first step).
+        run_dir: where to keep the record while training (None: only in memory until :meth:`write`).
     """
 
-    def __init__(self, every: int, max_steps: int) -> None:
+    def __init__(self, every: int, max_steps: int, start_step: int = 0, w0: torch.Tensor | None = None,
+                 run_dir: str | Path | None = None) -> None:
         super().__init__()
         self.every = max(1, int(every))
         self.max_steps = int(max_steps)
-        self.step = 0
+        self.start_step = int(start_step)
+        self.step = self.start_step
         self.rows: list[dict[str, Any]] = []
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self._params: list[torch.Tensor] | None = None
-        self._w0: torch.Tensor | None = None
+        self._w0: torch.Tensor | None = w0
+        self._flushed = 0
+        self._kept: list[dict[str, Any]] | None = None  # earlier sessions' rows, read when this one starts
 
     def _find(self, opt) -> list[torch.Tensor]:
         pairs = _group_names(opt)
@@ -258,13 +273,22 @@ class ContinuityRecorder(_GlobalHooks):
             self.rows.append(row)
 
     def pre(self, opt) -> None:
-        if self._params is None:
-            self._params = self._find(opt)
-            self._w0 = torch.stack([p.detach().float().clone() for p in self._params])
+        if self._params is not None:
+            return
+        self._params = self._find(opt)
+        W = torch.stack([p.detach().float().clone() for p in self._params])
+        resumed = self._w0 is not None and self._w0.shape == W.shape
+        if not resumed:
+            self._w0 = W
             self._log("weight", self._w0)
             g = self._grads()
             if g is not None:
                 self._log("grad", g)
+        if self.run_dir is not None:  # training has started: the trainer has moved an earlier run's files aside
+            self._kept = self._earlier_rows_of(self.run_dir)
+            _write_rows(self.run_dir / CONTINUITY_FILE, self._kept)
+            self._save_w0(self.run_dir)
+            self._flush()
 
     def _grads(self) -> torch.Tensor | None:
         if any(p.grad is None for p in self._params):
@@ -284,14 +308,93 @@ class ContinuityRecorder(_GlobalHooks):
         if float(dW.abs().sum()) > 0:
             dom = torch.linalg.matrix_norm(dW) / torch.linalg.matrix_norm(self._w0).clamp_min(1e-30)
             self._log("delta", dW, {"dominance": dom[:-1]})
+        self._flush()
+
+    def _earlier_rows_of(self, run_dir: Path) -> list[dict[str, Any]]:
+        """Rows of the earlier sessions this one continues (none for a run started from step 0)."""
+        if self.start_step <= 0:
+            return []
+        return _earlier_rows(run_dir / CONTINUITY_FILE, self.start_step)
+
+    def _flush(self) -> None:
+        """Append the rows logged since the last flush to ``run_dir/continuity.jsonl``."""
+        if self.run_dir is None or self._flushed == len(self.rows):
+            return
+        with open(self.run_dir / CONTINUITY_FILE, "a") as f:
+            for r in self.rows[self._flushed:]:
+                f.write(json.dumps(r) + "\n")
+        self._flushed = len(self.rows)
+
+    def _save_w0(self, run_dir: Path) -> None:
+        if self._w0 is None or (run_dir / W0_FILE).exists():
+            return
+        from safetensors.torch import save_file
+
+        tmp = run_dir / (W0_FILE + ".tmp")
+        save_file({"w0": self._w0.contiguous()}, str(tmp))
+        os.replace(tmp, run_dir / W0_FILE)
 
     def write(self, run_dir: str | Path) -> Path:
-        """Write the rows to ``run_dir/continuity.jsonl``."""
-        path = Path(run_dir) / "continuity.jsonl"
-        with open(path, "w") as f:
-            for r in self.rows:
-                f.write(json.dumps(r) + "\n")
+        """Write ``run_dir/continuity.jsonl`` in full (earlier sessions' rows up to ``start_step``, then this one's)
+        and W_0 (:data:`W0_FILE`) if it is not there yet."""
+        run_dir = Path(run_dir)
+        path = run_dir / CONTINUITY_FILE
+        streamed = self._kept is not None and self.run_dir is not None and self.run_dir.resolve() == run_dir.resolve()
+        earlier = self._kept if streamed else self._earlier_rows_of(run_dir)
+        _write_rows(path, list(earlier or []) + self.rows)
+        self._save_w0(run_dir)
         return path
+
+
+CONTINUITY_FILE = "continuity.jsonl"
+"""Rows of a continuity record, one JSON object per line."""
+
+W0_FILE = "continuity_w0.safetensors"
+"""A continuity run's initial block weights (tensors only), read back when the run is resumed."""
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace ``path`` with ``rows`` (one JSON line each), atomically."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def _earlier_rows(path: Path, upto: int) -> list[dict[str, Any]]:
+    """Rows of an existing ``continuity.jsonl`` with ``step <= upto`` (later ones are recomputed after a resume)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a partial last line of a killed writer
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= upto:
+            out.append(r)
+    return out
+
+
+def _resume_point(run_dir: Path, fresh: bool) -> tuple[int, torch.Tensor | None]:
+    """``(start step, saved W_0)`` of a run the trainer will resume (``(0, None)`` for a fresh start)."""
+    if fresh:
+        return 0, None
+    from weightgeom.train.checkpoint import list_checkpoints
+
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        return 0, None
+    w0 = None
+    if (run_dir / W0_FILE).exists():
+        from safetensors.torch import load_file
+
+        try:
+            w0 = load_file(str(run_dir / W0_FILE)).get("w0")
+        except Exception:  # noqa: BLE001 - an unreadable file: W_0 is taken at the resume point
+            w0 = None
+    return ckpts[-1][0], w0
 
 
 # --------------------------------------------------------------------------------------------- entry point
@@ -319,8 +422,9 @@ def train_with_controls(config: dict[str, Any], run_dir: str | Path, controls: d
     if "sigma_cap" in controls:
         hooks.append(SigmaCap(float(controls["sigma_cap"])))
     if "continuity_every" in controls:
-        hooks.append(ContinuityRecorder(int(controls["continuity_every"]),
-                                        int(get_path(config, "train.max_steps", 0))))
+        start, w0 = _resume_point(Path(run_dir), fresh)
+        hooks.append(ContinuityRecorder(int(controls["continuity_every"]), int(get_path(config, "train.max_steps", 0)),
+                                        start_step=start, w0=w0, run_dir=run_dir))
     for h in hooks:
         h.__enter__()
     try:

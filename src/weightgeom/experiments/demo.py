@@ -9,12 +9,14 @@
 Runs train two at a time (one process and one thread each: these models are so small that a 2-thread run spends
 its time synchronising threads). About 15 minutes on 2 CPU cores; ``--quick`` runs the same path in a minute or
 two (1 seed, 30 steps per run: a smoke test, not a result). Finished runs are skipped, so an interrupted demo
-resumes where it stopped.
+resumes where it stopped. One demo at a time owns its directory (a second one exits 2 naming the first one's pid
+and host), and its worker processes exit with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -23,20 +25,38 @@ QUICK = {"manifolds": {"steps": 30, "seeds": [0]}, "continuity": {"steps": 30, "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``weightgeom demo``."""
+    from weightgeom.experiments.cli import positive_int
+
     p.add_argument("--quick", action="store_true", help="1-2 minute smoke version (1 seed, 30 steps per run)")
     p.add_argument("--out", default=None, help="demo directory (default: runs/demo or runs/demo-quick)")
     p.add_argument("--only", choices=["manifolds", "continuity"], default=None, help="run one of the two sweeps")
     p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars (with --jobs 1)")
-    p.add_argument("--jobs", type=int, default=2,
+    p.add_argument("--jobs", type=positive_int, default=2,
                    help="runs in parallel, one process and one thread each (default 2: one per core of a 2-core CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both sweeps and write the combined report."""
+    """Run both sweeps and write the combined report; exit 2 with one line on bad input or an unusable directory."""
+    from weightgeom.experiments.cli import os_error_line
+    from weightgeom.train.rundir import DirLock
+
+    out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
+    try:
+        with DirLock(out, what="demo directory"):
+            return _run_locked(args, out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"weightgeom demo: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"weightgeom demo: {os_error_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _run_locked(args: argparse.Namespace, out: Path) -> int:
+    """The demo's sweeps and report, while this process owns ``out``."""
     from weightgeom.experiments.cli import execute
     from weightgeom.experiments.report import make_report
 
-    out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
     plan = [("manifolds", "tiny-shakespeare"), ("continuity", "cpu")]
     if args.only:
         plan = [p for p in plan if p[0] == args.only]

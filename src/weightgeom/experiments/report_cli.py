@@ -23,6 +23,11 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"weightgeom report: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. an unwritable or full output directory
+        from weightgeom.experiments.cli import os_error_line
+
+        print(f"weightgeom report: {os_error_line(e)}", file=sys.stderr)
+        return 2
     pngs = sorted(p.name for p in path.parent.glob("*.png"))
     print(f"report: {path}" + (f" ({len(pngs)} plots: {', '.join(pngs)})" if pngs else ""))
     return 0

@@ -8,6 +8,13 @@ returns fully resolved :class:`RunSpec` objects; :func:`run_sweep` trains each o
 every run. Each run directory also gets ``experiment.json`` (recipe, variant, seed, overrides) so that
 ``weightgeom report`` can group runs without the manifest.
 
+A sweep directory has one writer: :func:`run_sweep` holds ``DirLock(out, "sweep directory")`` for the whole sweep (a
+second sweep in the same directory gets a one-line ``LockError``). Each run records its *settings* (every config key
+after the trainer's validation, plus the variant's controls) and their hash in ``experiment.json`` and the manifest;
+re-running a sweep whose runs were trained (or started) with other settings is refused with
+:class:`SweepSettingsError` naming the first difference, so a report never shows old runs under new settings.
+Parallel runs (``jobs > 1``) train in worker processes that die with the sweep process (:func:`die_with_parent`).
+
 Base configs (the CONFIG argument) are either a preset name looked up in ``configs/experiments/<name>.toml`` or a
 path to a TOML/YAML file. A file is either a plain trainer config (it has a ``[model]`` table) or a *sweep file*
 with named parts, e.g. ``[parts.resmlp]`` and ``[parts.llama]`` (each a trainer config) plus an optional
@@ -16,11 +23,15 @@ with named parts, e.g. ``[parts.resmlp]`` and ``[parts.llama]`` (each a trainer 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +47,17 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 FINISHED = ("done", "diverged")
 MANIFEST = "sweep.json"
 EXPERIMENT_FILE = "experiment.json"
+PREVIOUS_EXPERIMENT_FILE = "experiment.previous.json"
+"""Name a re-trained run's old ``experiment.json`` is given, so the trainer moves it to ``previous/`` with its run."""
+RUN_OUTPUTS = ("status.json", "meta.json", "metrics.jsonl", "config.resolved.toml", "checkpoints", "tb",
+               "controls.json", "continuity.jsonl", "continuity_w0.safetensors")
+"""Entries of a run directory that show the run was trained (at least started) there."""
+IGNORED_SETTINGS = ("run.out_dir",)
+"""Config keys left out of a run's settings: the sweep chooses the run directory itself."""
+
+
+class SweepSettingsError(ValueError):
+    """A run in the sweep directory was trained (or started) with other settings than the command plans for it."""
 
 
 @dataclass(frozen=True)
@@ -78,13 +100,25 @@ class RunSpec:
     group: str = ""
     tags: dict[str, Any] = field(default_factory=dict)
     fresh: bool = False  # start over instead of resuming from the run's checkpoint (--no-resume)
+    settings: dict[str, Any] = field(default_factory=dict)  # see resolved_settings(); filled by plan()
+
+    def resolved(self) -> dict[str, Any]:
+        """The run's settings (computed and cached on first use; see :func:`resolved_settings`)."""
+        if not self.settings:
+            self.settings = resolved_settings(self)
+        return self.settings
 
     def record(self) -> dict[str, Any]:
-        """The JSON-able description written to ``experiment.json`` and the manifest."""
+        """The JSON-able description written to the manifest: what :func:`plan` decided plus the settings hash."""
         d = asdict(self)
-        d.pop("config")
-        d.pop("fresh")
+        for k in ("config", "fresh", "settings"):
+            d.pop(k)
+        d["settings_hash"] = settings_hash(self.resolved())
         return d
+
+    def experiment_record(self) -> dict[str, Any]:
+        """The content of the run's ``experiment.json``: :meth:`record` plus the full settings."""
+        return {**self.record(), "settings": self.resolved()}
 
 
 # ----------------------------------------------------------------------------------------------------------- configs
@@ -123,10 +157,16 @@ def load_file(path: str | Path) -> dict[str, Any]:
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     else:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: not valid TOML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a table at the top level")
     return data
@@ -169,13 +209,18 @@ def load_parts(arg: str, recipe: str | None = None) -> tuple[str, dict[str, dict
     """
     label, path = resolve_config(arg, recipe)
     data = load_file(path)
-    sweep = dict(data.pop("sweep", {}) or {})
+    sweep = data.pop("sweep", {}) or {}
+    if not isinstance(sweep, dict):
+        raise ValueError(f"{path}: [sweep] must be a table")
+    sweep = dict(sweep)
     if "parts" in data:
+        if not isinstance(data["parts"], dict) or not all(isinstance(v, dict) for v in data["parts"].values()):
+            raise ValueError(f"{path}: [parts] must hold tables ([parts.<name>] trainer configs)")
         parts = {k: dict(v) for k, v in data["parts"].items()}
         if not parts:
             raise ValueError(f"{path}: [parts] is empty")
     else:
-        if "model" not in data:
+        if not isinstance(data.get("model"), dict):
             raise ValueError(f"{path}: neither a trainer config ([model] table) nor a sweep file ([parts.*] tables)")
         kind = str(data["model"].get("kind", "gpt"))
         parts = {"main": data, kind: data}
@@ -272,6 +317,169 @@ def fit_steps(cfg: dict[str, Any], steps: int) -> None:
         set_path(cfg, "schedule.warmup", max(0, steps // 10))
 
 
+# -------------------------------------------------------------------------------------------------------- settings
+_MISSING = object()
+
+
+def flatten(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": {}}`` → ``{"a.b": 1}`` (an empty table sets nothing)."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples → lists, unknown objects → strings)."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def resolved_settings(spec: RunSpec) -> dict[str, Any]:
+    """Everything that decides what a run computes, as flat ``section.key -> value`` (JSON-able).
+
+    Every key of the run's config after the trainer's validation (defaults filled in, values coerced to the schema's
+    types), without :data:`IGNORED_SETTINGS`, plus the variant's controls as ``controls.<name>``. Data-derived model
+    fields the trainer fills in at start (vocabulary size, context length) are not included.
+
+    Raises:
+        ValueError: the config is invalid (one line naming the key and the run).
+    """
+    from weightgeom.train.config import load_config
+
+    try:
+        cfg = load_config(spec.config)
+    except ValueError as e:
+        raise ValueError(f"{e} (run {spec.name})") from None
+    flat = {k: v for k, v in flatten(cfg).items() if k not in IGNORED_SETTINGS}
+    flat.update({f"controls.{k}": v for k, v in sorted(spec.controls.items())})
+    return _jsonable(flat)
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """16 hex characters identifying ``settings`` (SHA-256 of its sorted JSON)."""
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as settings: numbers by value (``1 == 1.0``; NaN equals NaN), lists element by element."""
+    num = (int, float)
+    if isinstance(a, num) and isinstance(b, num) and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b) or (math.isnan(float(a)) and math.isnan(float(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+FREE_SETTINGS = ("model.", "optim.md.", "controls.")
+"""Settings that may be absent from a validated config (model fields left to their defaults, the free ``optim.md``
+table, controls): absent on one side only, they differ. Any other key is always present in a validated config, so one
+absent on one side only was written by another version of weightgeom and is not a difference."""
+
+
+def settings_differences(recorded: dict[str, Any], planned: dict[str, Any],
+                         only_common: bool = False) -> list[tuple[str, Any, Any]]:
+    """Settings that differ, as ``(key, recorded value, planned value)`` in the planned order.
+
+    A value missing on one side is :data:`_MISSING`; that counts only for :data:`FREE_SETTINGS`.
+
+    Args:
+        recorded: what the run directory says the run was trained with.
+        planned: what the command plans (:func:`resolved_settings`).
+        only_common: compare only keys present on both sides (for the trainer's ``config.resolved.toml``, which
+            also holds data-derived fields).
+    """
+    out = []
+    for key in list(planned) + [k for k in recorded if k not in planned]:
+        old, new = recorded.get(key, _MISSING), planned.get(key, _MISSING)
+        if old is _MISSING or new is _MISSING:
+            if only_common or not key.startswith(FREE_SETTINGS):
+                continue
+            out.append((key, old, new))
+        elif not _same(old, new):
+            out.append((key, old, new))
+    return out
+
+
+def _fmt_value(v: Any) -> str:
+    return json.dumps(v, default=str)
+
+
+def describe_difference(key: str, old: Any, new: Any) -> str:
+    """``"train.max_steps=60, the command asks 120"`` and the forms for a key set on one side only."""
+    if old is _MISSING:
+        return f"without {key}, the command sets {key}={_fmt_value(new)}"
+    if new is _MISSING:
+        return f"with {key}={_fmt_value(old)}, the command does not set it"
+    return f"with {key}={_fmt_value(old)}, the command asks {_fmt_value(new)}"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _resolved_toml(run_dir: Path) -> dict[str, Any] | None:
+    """The trainer's ``config.resolved.toml`` of a run, flattened, or None if missing/unreadable."""
+    try:
+        with open(run_dir / "config.resolved.toml", "rb") as f:
+            return _jsonable(flatten(tomllib.load(f)))
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def has_run_outputs(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds anything a training wrote (:data:`RUN_OUTPUTS`)."""
+    return any((run_dir / n).exists() for n in RUN_OUTPUTS)
+
+
+def recorded_difference(spec: RunSpec, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    """How the run trained (or started) in ``run_dir`` differs from ``spec``; empty if it does not (or never ran).
+
+    Two records are compared with the planned settings: the sweep's ``experiment.json`` (all settings and the
+    controls) and the trainer's ``config.resolved.toml`` (the keys both have; also covers runs recorded before
+    settings were written to ``experiment.json``).
+    """
+    if not run_dir.is_dir() or not has_run_outputs(run_dir):
+        return []
+    planned = spec.resolved()
+    exp = _read_json(run_dir / EXPERIMENT_FILE)
+    diffs: list[tuple[str, Any, Any]] = []
+    if isinstance(exp, dict) and isinstance(exp.get("settings"), dict):
+        diffs = settings_differences(exp["settings"], planned)
+    resolved = _resolved_toml(run_dir)
+    if resolved is not None:
+        seen = {d[0] for d in diffs}
+        diffs += [d for d in settings_differences(resolved, planned, only_common=True) if d[0] not in seen]
+    return diffs
+
+
+def check_recorded_settings(runs: Sequence[RunSpec], out: Path) -> None:
+    """Refuse to resume a sweep whose runs were trained or started with other settings.
+
+    Raises:
+        SweepSettingsError: one line naming the sweep, the first run that differs and its first differing setting.
+    """
+    for spec in runs:
+        run_dir = out / spec.name
+        diffs = recorded_difference(spec, run_dir)
+        if not diffs:
+            continue
+        verb = "trained" if read_status(run_dir).get("state") in FINISHED else "started"
+        more = f" ({len(diffs) - 1} more settings differ)" if len(diffs) > 1 else ""
+        raise SweepSettingsError(
+            f"sweep {out}: run {spec.name} was {verb} {describe_difference(*diffs[0])}{more}; use --out for a new "
+            f"sweep directory or --no-resume to train the runs again (old results move to "
+            f"{run_dir / 'previous'}/)")
+
+
 # ------------------------------------------------------------------------------------------------------------ plan
 def run_name(variant: str, seed: int) -> str:
     """Directory name of one run."""
@@ -299,7 +507,7 @@ def plan(
         sets: user ``--set`` overrides applied last to every run.
 
     Raises:
-        ValueError: unknown part, or ``only`` matching nothing.
+        ValueError: unknown part, ``only`` matching nothing, or a config the trainer would refuse (naming the key).
     """
     chosen = list(variants)
     if only:
@@ -326,9 +534,11 @@ def plan(
             controls = dict(v.controls)
             if steps is not None and "continuity_every" in controls:
                 controls["continuity_every"] = max(1, min(int(controls["continuity_every"]), steps // 8 or 1))
-            runs.append(RunSpec(name=name, recipe=recipe, variant=v.name, seed=int(seed), part=v.part, config=cfg,
-                                overrides=dict(v.overrides), description=v.description,
-                                controls=controls, group=v.group, tags=dict(v.tags)))
+            spec = RunSpec(name=name, recipe=recipe, variant=v.name, seed=int(seed), part=v.part, config=cfg,
+                           overrides=dict(v.overrides), description=v.description,
+                           controls=controls, group=v.group, tags=dict(v.tags))
+            spec.resolved()  # validates the config now: a bad --set is one line before anything runs
+            runs.append(spec)
     return runs
 
 
@@ -383,7 +593,57 @@ def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _worker_init(threads: int | None) -> None:
+# ------------------------------------------------------------------------------------------------ worker processes
+PR_SET_PDEATHSIG = 1
+"""Linux ``prctl`` option: the signal a process gets when the thread that created it exits."""
+
+
+def _set_pdeathsig() -> bool:
+    """Linux only: ask the kernel to SIGKILL this process when its parent dies. Returns whether it did."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, poll_s: float) -> None:
+    """Loop of the watchdog thread: exit the process once it is no longer a child of ``parent_pid``."""
+    while True:
+        time.sleep(poll_s)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 1.0, pdeathsig: bool = True) -> None:
+    """Make this (worker) process exit when its parent ``parent_pid`` dies, including by ``kill -9``.
+
+    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` has the kernel kill this process as soon as the parent exits. On
+    every POSIX system a daemon thread also checks ``os.getppid()`` every ``poll_s`` seconds and exits the process
+    once it has been re-parented (its parent died). If the parent is already gone when this is called (it died
+    while this process started), the process exits at once.
+
+    Args:
+        parent_pid: pid of the process that started this one (the sweep process).
+        poll_s: seconds between two checks of the watchdog thread.
+        pdeathsig: use ``prctl`` where available (False: the watchdog alone, e.g. to test the fallback).
+    """
+    if pdeathsig:
+        _set_pdeathsig()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid, poll_s), daemon=True,
+                     name="weightgeom-parent-watch").start()
+
+
+def _worker_init(threads: int | None, parent_pid: int | None = None) -> None:
+    """Initializer of a sweep worker process: die with the sweep process, set the torch thread count."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     if threads:
         import torch
 
@@ -401,6 +661,209 @@ def _worker_call(train_fn: TrainFn, spec: RunSpec, run_dir: Path, progress: bool
         return "error", f"{type(e).__name__}: {e}".splitlines()[0], time.perf_counter() - t0
 
 
+# ---------------------------------------------------------------------------------------------------------- sweep
+def _one_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
+
+
+class _Sweep:
+    """State of one :func:`run_sweep` call: the runs, their manifest records, and what to do after each run."""
+
+    def __init__(self, runs: Sequence[RunSpec], out: Path, train_fn: TrainFn, resume: bool, progress: bool,
+                 trainer_progress: bool, post_run: Callable[[RunSpec, Path], None] | None,
+                 meta: dict[str, Any] | None, jobs: int, threads: int | None) -> None:
+        self.runs, self.out, self.train_fn = list(runs), out, train_fn
+        self.resume, self.progress, self.tp, self.post_run = resume, progress, trainer_progress, post_run
+        self.jobs, self.threads = jobs, threads
+        self.manifest_path = out / MANIFEST
+        self.manifest: dict[str, Any] = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join(sys.argv),
+            **(meta or {}),
+            "jobs": jobs,
+            "threads": threads,
+            "runs": [],
+        }
+        self.records: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+        self.done_count = 0
+
+    # -- manifest ------------------------------------------------------------------------------------------------
+    def _earlier_records(self) -> dict[str, dict[str, Any]]:
+        """Run records of an earlier ``sweep.json``; an unreadable one is kept aside (renamed), never overwritten."""
+        if not self.manifest_path.exists():
+            return {}
+        old = _read_json(self.manifest_path)
+        if not isinstance(old, dict) or not isinstance(old.get("runs", []), list):
+            aside = self.manifest_path.with_name(f"sweep.unreadable-{time.strftime('%Y%m%dT%H%M%SZ')}.json")
+            os.replace(self.manifest_path, aside)
+            print(f"weightgeom sweep: {self.manifest_path} was unreadable; kept as {aside}", file=sys.stderr)
+            return {}
+        self.manifest["created"] = old.get("created", self.manifest["created"])
+        return {r["name"]: r for r in old.get("runs", []) if isinstance(r, dict) and "name" in r}
+
+    def write_manifest(self) -> None:
+        _write_json(self.manifest_path, self.manifest)
+
+    def start(self) -> None:
+        """Check recorded settings (when resuming), merge the earlier manifest, write the new one."""
+        if self.resume:
+            check_recorded_settings(self.runs, self.out)
+        by_name = self._earlier_records()
+        for spec in self.runs:
+            rec = {**by_name.get(spec.name, {}), **spec.record(), "run_dir": str(self.out / spec.name)}
+            if not self.resume or rec.get("settings_hash") != by_name.get(spec.name, {}).get("settings_hash"):
+                for k in ("status", "step", "final", "reason", "wall_s", "post_error"):
+                    rec.pop(k, None)  # a record of other settings (or a run to be re-trained) says nothing now
+            rec.setdefault("status", "pending")
+            self.records.append(rec)
+        # keep runs of earlier invocations (e.g. other --only subsets) in the manifest
+        planned = {r["name"] for r in self.records}
+        self.records += [r for n, r in by_name.items() if n not in planned]
+        self.manifest["runs"] = self.records
+        self.write_manifest()
+
+    # -- one run -------------------------------------------------------------------------------------------------
+    def tag(self, i: int) -> str:
+        return f"[{i + 1}/{len(self.runs)}] {self.runs[i].recipe} {self.runs[i].name}"
+
+    def _post(self, i: int) -> None:
+        spec, rec = self.runs[i], self.records[i]
+        if self.post_run is None or rec["status"] not in FINISHED:
+            return
+        try:
+            self.post_run(spec, self.out / spec.name)
+        except Exception as e:  # noqa: BLE001
+            rec["post_error"] = _one_line(e)
+            if self.progress:
+                print(f"{self.tag(i)}: post-run analysis failed: {rec['post_error']}", file=sys.stderr, flush=True)
+
+    def skip_finished(self) -> list[int]:
+        """Record runs already finished with these settings (``resume``); return the indices left to train."""
+        todo = []
+        for i, spec in enumerate(self.runs):
+            status = read_status(self.out / spec.name)
+            if not (self.resume and status.get("state") in FINISHED):
+                todo.append(i)
+                continue
+            self.records[i].update(status=status["state"], step=status.get("step"), reason=status.get("reason"))
+            if self.progress:
+                print(f"{self.tag(i)}: already {status['state']} at step {status.get('step')} (skipped)", flush=True)
+            self._post(i)
+            self.write_manifest()
+        return todo
+
+    def mark_started(self, i: int) -> None:
+        """Before training run ``i``: its record says ``running`` and its directory holds ``experiment.json``.
+
+        A run trained again (``resume=False``) in a directory with an earlier run's outputs first renames the old
+        ``experiment.json`` to :data:`PREVIOUS_EXPERIMENT_FILE`; the trainer then moves it, with the rest of the
+        earlier run, into ``previous/<UTC time>/``.
+        """
+        spec = self.runs[i]
+        self.records[i]["status"] = "running"
+        spec.fresh = not self.resume
+        run_dir = self.out / spec.name
+        run_dir.mkdir(parents=True, exist_ok=True)  # experiment.json first, so a partial run is reportable
+        exp = run_dir / EXPERIMENT_FILE
+        if spec.fresh and exp.exists() and has_run_outputs(run_dir):
+            os.replace(exp, run_dir / PREVIOUS_EXPERIMENT_FILE)
+        _write_json(exp, spec.experiment_record())
+
+    def finish(self, i: int, kind: str, payload: Any, wall: float) -> None:
+        """Record the outcome of run ``i`` (``kind`` ``"ok"`` with the trainer's result, or ``"error"``)."""
+        spec, rec, run_dir = self.runs[i], self.records[i], self.out / self.runs[i].name
+        if kind == "ok":
+            state = payload.get("status") or read_status(run_dir).get("state") or "done"
+            rec.update(status=state, step=payload.get("step"), final=_finite(payload.get("final", {})),
+                       reason=read_status(run_dir).get("reason"))
+        else:
+            rec.update(status="failed", reason=payload)
+            if self.progress:
+                print(f"{self.tag(i)}: FAILED {payload}", file=sys.stderr, flush=True)
+        rec["wall_s"] = round(wall, 2)
+        if run_dir.is_dir():
+            _write_json(run_dir / EXPERIMENT_FILE, {**spec.experiment_record(), "wall_s": rec["wall_s"]})
+        self._post(i)
+        self.write_manifest()
+        self.done_count += 1
+        if self.progress:
+            self._print_done(i, wall)
+
+    def _print_done(self, i: int, wall: float) -> None:
+        rec = self.records[i]
+        elapsed = time.perf_counter() - self.t0
+        left = sum(1 for r in self.records[:len(self.runs)] if r["status"] in ("pending", "running"))
+        eta = elapsed / max(1, self.done_count) * left / max(1, self.jobs)
+        fin = rec.get("final") or {}
+        val = fin.get("val_loss", fin.get("val/loss"))
+        extra = f" val_loss {val:.4f}" if isinstance(val, float) else ""
+        print(f"{self.tag(i)}: {rec['status']} at step {rec.get('step')}{extra} in {_fmt_s(wall)}"
+              f" (sweep {_fmt_s(elapsed)}, ~{_fmt_s(eta)} left)", flush=True)
+
+    # -- all runs ------------------------------------------------------------------------------------------------
+    def run_sequential(self, todo: list[int]) -> None:
+        """Train the runs ``todo`` one after another in this process."""
+        old_threads = None
+        if self.threads:
+            import torch
+
+            old_threads = torch.get_num_threads()
+            torch.set_num_threads(int(self.threads))
+        try:
+            for i in todo:
+                if self.progress:
+                    print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ...", flush=True)
+                self.mark_started(i)
+                self.finish(i, *_worker_call(self.train_fn, self.runs[i], self.out / self.runs[i].name, self.tp))
+        finally:
+            if old_threads:
+                import torch
+
+                torch.set_num_threads(old_threads)
+
+    def run_parallel(self, todo: list[int]) -> None:
+        """Train the runs ``todo``, ``jobs`` at a time, each in a worker process that dies with this one."""
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_worker_init,
+                                 initargs=(self.threads, os.getpid())) as ex:
+            pending = {}
+            queue = list(todo)
+            while queue or pending:
+                while queue and len(pending) < self.jobs:
+                    i = queue.pop(0)
+                    if self.progress:
+                        print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ... (started)",
+                              flush=True)
+                    self.mark_started(i)
+                    pending[ex.submit(_worker_call, self.train_fn, self.runs[i], self.out / self.runs[i].name,
+                                      False)] = i
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i = pending.pop(fut)
+                    try:
+                        result = fut.result()
+                    except Exception as e:  # noqa: BLE001 - a crashed worker process
+                        result = ("error", _one_line(e), 0.0)
+                    self.finish(i, *result)
+
+    def run(self) -> dict[str, Any]:
+        """Start, train what is left, and return the final manifest."""
+        self.start()
+        todo = self.skip_finished()
+        if self.jobs <= 1 or len(todo) <= 1:
+            self.run_sequential(todo)
+        else:
+            self.run_parallel(todo)
+        self.manifest["wall_s"] = round(time.perf_counter() - self.t0, 2)
+        self.manifest["failed"] = sum(r.get("status") == "failed" for r in self.records[:len(self.runs)])
+        self.write_manifest()
+        return self.manifest
+
+
 def run_sweep(
     runs: Sequence[RunSpec],
     out: str | Path,
@@ -412,19 +875,23 @@ def run_sweep(
     meta: dict[str, Any] | None = None,
     jobs: int = 1,
     threads: int | None = None,
+    lock: bool = True,
 ) -> dict[str, Any]:
     """Run ``runs`` into ``out/<name>/`` and return the manifest (also written to ``out/sweep.json``).
 
-    A run whose ``status.json`` state is ``done``/``diverged`` is skipped when ``resume`` (its ``post_run`` is
-    still called if its outputs are missing — the callback decides). A run that raises is recorded as
-    ``failed`` with the one-line error and the sweep continues.
+    With ``resume``, a run whose ``status.json`` state is ``done``/``diverged`` is skipped (its ``post_run`` is
+    still called if its outputs are missing — the callback decides), and a run directory whose recorded settings
+    differ from the planned ones refuses the whole sweep before anything is written. A run that raises is recorded
+    as ``failed`` with the one-line error and the sweep continues. Worker processes (``jobs > 1``) exit when this
+    process dies.
 
     Args:
         runs: output of :func:`plan`.
         out: sweep directory.
         train_fn: ``(spec, run_dir, progress) -> result dict``; defaults to the trainer. With ``jobs > 1`` it must
             be picklable (a module-level function).
-        resume: skip finished runs.
+        resume: skip finished runs; False trains every run again (the trainer moves an earlier run's files to
+            ``<run>/previous/<UTC time>/``).
         progress: print one line per run.
         trainer_progress: let the trainer show its progress bar (default: same as ``progress``; always off with
             ``jobs > 1``).
@@ -433,145 +900,18 @@ def run_sweep(
         jobs: runs trained at the same time, each in its own process (small CPU models: ``jobs=2, threads=1`` on
             2 cores beats one 2-thread run, whose tiny matmuls spend their time synchronising threads).
         threads: ``torch.set_num_threads`` for the training (None: leave PyTorch's default).
+        lock: hold ``out``'s :class:`~weightgeom.train.rundir.DirLock` while running (False: the caller holds it).
+
+    Raises:
+        LockError: another live process runs a sweep in ``out`` (one line naming its pid and host).
+        SweepSettingsError: ``resume`` and a run in ``out`` was trained or started with other settings.
+        ValueError: a run's config is invalid.
     """
+    from weightgeom.train.rundir import DirLock
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    train_fn = train_fn or default_train_fn
-    manifest_path = out / MANIFEST
-    manifest: dict[str, Any] = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": " ".join(sys.argv),
-        **(meta or {}),
-        "jobs": jobs,
-        "threads": threads,
-        "runs": [],
-    }
-    by_name: dict[str, dict[str, Any]] = {}
-    if manifest_path.exists():
-        try:
-            old = json.loads(manifest_path.read_text())
-            manifest["created"] = old.get("created", manifest["created"])
-            by_name = {r["name"]: r for r in old.get("runs", [])}
-        except (OSError, json.JSONDecodeError):
-            by_name = {}
-    records = []
-    for spec in runs:
-        rec = {**by_name.get(spec.name, {}), **spec.record(), "run_dir": str(out / spec.name)}
-        rec.setdefault("status", "pending")
-        records.append(rec)
-    # keep runs of earlier invocations (e.g. other --only subsets) in the manifest
-    planned = {r["name"] for r in records}
-    records += [r for n, r in by_name.items() if n not in planned]
-    manifest["runs"] = records
-    _write_json(manifest_path, manifest)
-
-    t_sweep = time.perf_counter()
-    n = len(runs)
-    done_count = 0
-    tp = progress if trainer_progress is None else trainer_progress
-
-    def mark_started(i: int) -> None:
-        records[i]["status"] = "running"
-        runs[i].fresh = not resume
-        run_dir = out / runs[i].name
-        run_dir.mkdir(parents=True, exist_ok=True)  # experiment.json first, so a partial run is reportable
-        _write_json(run_dir / EXPERIMENT_FILE, runs[i].record())
-
-    def tag(i: int) -> str:
-        return f"[{i + 1}/{n}] {runs[i].recipe} {runs[i].name}"
-
-    def finish(i: int, kind: str, payload: Any, wall: float) -> None:
-        nonlocal done_count
-        spec, rec, run_dir = runs[i], records[i], out / runs[i].name
-        if kind == "ok":
-            result = payload
-            state = result.get("status") or read_status(run_dir).get("state") or "done"
-            rec.update(status=state, step=result.get("step"), final=_finite(result.get("final", {})),
-                       reason=read_status(run_dir).get("reason"))
-        else:
-            rec.update(status="failed", reason=payload)
-            if progress:
-                print(f"{tag(i)}: FAILED {payload}", file=sys.stderr, flush=True)
-        rec["wall_s"] = round(wall, 2)
-        if run_dir.is_dir():
-            _write_json(run_dir / EXPERIMENT_FILE, {**spec.record(), "wall_s": rec["wall_s"]})
-        if rec["status"] in FINISHED and post_run is not None:
-            try:
-                post_run(spec, run_dir)
-            except Exception as e:  # noqa: BLE001
-                rec["post_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-                if progress:
-                    print(f"{tag(i)}: post-run analysis failed: {rec['post_error']}", file=sys.stderr, flush=True)
-        _write_json(manifest_path, manifest)
-        done_count += 1
-        if progress:
-            elapsed = time.perf_counter() - t_sweep
-            left = sum(1 for r in records[:n] if r["status"] in ("pending", "running"))
-            eta = elapsed / max(1, done_count) * left / max(1, jobs)
-            fin = rec.get("final") or {}
-            val = fin.get("val_loss", fin.get("val/loss"))
-            extra = f" val_loss {val:.4f}" if isinstance(val, float) else ""
-            print(f"{tag(i)}: {rec['status']} at step {rec.get('step')}{extra} in {_fmt_s(wall)}"
-                  f" (sweep {_fmt_s(elapsed)}, ~{_fmt_s(eta)} left)", flush=True)
-
-    todo = []
-    for i, spec in enumerate(runs):
-        status = read_status(out / spec.name)
-        if resume and status.get("state") in FINISHED:
-            records[i].update(status=status["state"], step=status.get("step"), reason=status.get("reason"))
-            if progress:
-                print(f"{tag(i)}: already {status['state']} at step {status.get('step')} (skipped)", flush=True)
-            if post_run is not None:
-                try:
-                    post_run(spec, out / spec.name)
-                except Exception as e:  # noqa: BLE001
-                    records[i]["post_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-            _write_json(manifest_path, manifest)
-        else:
-            todo.append(i)
-
-    if jobs <= 1 or len(todo) <= 1:
-        old_threads = None
-        if threads:
-            import torch
-
-            old_threads = torch.get_num_threads()
-            torch.set_num_threads(int(threads))
-        try:
-            for i in todo:
-                if progress:
-                    print(f"{tag(i)}: {runs[i].description or runs[i].variant} ...", flush=True)
-                mark_started(i)
-                finish(i, *_worker_call(train_fn, runs[i], out / runs[i].name, tp))
-        finally:
-            if old_threads:
-                import torch
-
-                torch.set_num_threads(old_threads)
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-        ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
-                                 initargs=(threads,)) as ex:
-            pending = {}
-            queue = list(todo)
-            while queue or pending:
-                while queue and len(pending) < jobs:
-                    i = queue.pop(0)
-                    if progress:
-                        print(f"{tag(i)}: {runs[i].description or runs[i].variant} ... (started)", flush=True)
-                    mark_started(i)
-                    pending[ex.submit(_worker_call, train_fn, runs[i], out / runs[i].name, False)] = i
-                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    i = pending.pop(fut)
-                    try:
-                        finish(i, *fut.result())
-                    except Exception as e:  # noqa: BLE001 - a crashed worker process
-                        finish(i, "error", f"{type(e).__name__}: {e}".splitlines()[0], 0.0)
-    manifest["wall_s"] = round(time.perf_counter() - t_sweep, 2)
-    manifest["failed"] = sum(r.get("status") == "failed" for r in records[:n])
-    _write_json(manifest_path, manifest)
-    return manifest
+    sweep = _Sweep(runs, out, train_fn or default_train_fn, resume, progress,
+                   progress if trainer_progress is None else trainer_progress, post_run, meta, jobs, threads)
+    guard = DirLock(out, what="sweep directory") if lock else contextlib.nullcontext()
+    with guard:
+        return sweep.run()

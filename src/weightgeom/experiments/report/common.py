@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from weightgeom.experiments.runner import EXPERIMENT_FILE, read_status
+from weightgeom.train.rundir import PREVIOUS_DIR
 
 RANDOM_LEVEL_256 = math.sqrt(2 / (math.pi * 256))
 
@@ -146,8 +147,8 @@ def discover(paths: Iterable[str | Path]) -> list[Path]:
             continue
         for m in sorted(p.rglob("metrics.jsonl")) + sorted(p.rglob("status.json")):
             d = m.parent
-            if "checkpoints" in d.parts:
-                continue
+            if "checkpoints" in d.parts or PREVIOUS_DIR in d.relative_to(p).parts:
+                continue  # earlier runs moved aside by --fresh / --no-resume are not part of the sweep
             found.append(d)
     out = sorted(set(found))
     if not out:
