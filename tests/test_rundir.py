@@ -141,3 +141,32 @@ def test_run_files_follow_the_umask_not_0600(tmp_path, mask):
     finally:
         os.umask(old)
     assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_killed_but_unreaped_owner_is_stale(tmp_path):
+    # a worker killed with kill -9 stays a zombie until its parent reaps it; it will never write again, so the next
+    # writer must not be refused because kill(pid, 0) still answers
+    d = tmp_path / "run"
+    p = _start_holder(d)
+    p.send_signal(signal.SIGKILL)
+    for _ in range(100):  # wait until it is a zombie (not reaped: no p.wait() yet)
+        with open(f"/proc/{p.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.02)
+    try:
+        lock = DirLock(d).acquire()
+        assert lock.took_over["pid"] == p.pid
+        lock.release()
+    finally:
+        p.wait()
+
+
+def test_report_ignores_runs_moved_to_previous(tmp_path):
+    from weightgeom.experiments.report.common import discover
+
+    for rel in ("sweep/a", "sweep/a/previous/20260101T000000Z", "sweep/b"):
+        (tmp_path / rel).mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel / "status.json").write_text('{"state": "done"}')
+    found = discover([tmp_path / "sweep"])
+    assert [p.name for p in found] == ["a", "b"]

@@ -58,14 +58,27 @@ def _proc_start_time(pid: int) -> int | None:
         return None
 
 
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from Linux ``/proc`` (``R``, ``S``, ``Z`` ...), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0].decode() if fields else None
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process. A killed process not yet reaped by its parent (a zombie, ``Z``) still
+    answers ``kill(pid, 0)`` but will never write again, so it counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by another user
-    return True
+        pass  # exists, owned by another user
+    return _proc_state(pid) not in ("Z", "X")
 
 
 def read_lock(directory: str | os.PathLike) -> dict[str, Any] | None:
