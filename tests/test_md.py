@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hostile_cases.optim import assert_unchanged, snapshot
+from weightgeom.optim.functional import NonFiniteGradientError
 from weightgeom.optim.magnitude_direction import (
     GAINS,
     PARAMETERIZATIONS,
@@ -27,6 +29,7 @@ from weightgeom.optim.magnitude_direction import (
     split_gradient,
     split_gradient_log,
 )
+from weightgeom.optim.md_functional import GAIN_MAX, GAIN_MIN
 
 # float64 chain rule vs autograd: the two compute the same sums in a different order; measured max |diff| ≈ 4e-16 on
 # these sizes, so 1e-12 leaves three orders of margin while still catching any missing factor.
@@ -481,6 +484,152 @@ def test_bad_input_names_the_parameter():
         MagnitudeDirection(MagnitudeDirection(torch.optim.AdamW(TinyLM().parameters())))
     with pytest.raises(TypeError):
         MagnitudeDirection(object())
+
+
+# --------------------------------------------------------------------------------------- a step is all or nothing
+def _fused_or_skip(fused):
+    from weightgeom import kernels
+
+    if fused and kernels.load("md_adam") is None:
+        pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
+
+
+def _md32(fused, seed=0, gain_lr=5e-2, **kw):
+    model = _mlp(torch.float32, seed)
+    md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), gain_lr=gain_lr, model=model,
+                            fused=fused, **kw)
+    return model, md
+
+
+def _steps(model, md, n, seed=1, poison=None):
+    x, y = _batch(torch.float32, seed=seed)
+    for _ in range(n):
+        md.zero_grad()
+        _loss(model, x, y).backward()
+        if poison is not None:
+            poison()
+        md.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("which", ["4.weight", "0.weight", "4.bias"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_refused_without_a_trace(fused, which, bad):
+    """NaN/Inf in any gradient (the last or first decoupled matrix, or a bias MD leaves to the base): refused naming
+    the parameter, W / Ŵ / gains / their Adam state / the base AdamW state bit-identical, and the next good step is
+    exactly the step of an optimizer that never saw the bad one."""
+    _fused_or_skip(fused)
+    (model, md), (ref, ref_md) = _md32(fused), _md32(fused)
+    for mod, opt in ((model, md), (ref, ref_md)):
+        _steps(mod, opt, 2)
+    assert set(md._path.values()) == {"fused" if fused else "eager (fused=False)"}
+    param = dict(model.named_parameters())[which]
+    before = snapshot(md, model)
+    with pytest.raises(NonFiniteGradientError, match=rf"'{which}' \(shape .*\) contains NaN/Inf; step refused"):
+        _steps(model, md, 1, seed=2, poison=lambda: param.grad.view(-1).__setitem__(-1, bad))
+    assert_unchanged(before, snapshot(md, model))
+    for mod, opt in ((model, md), (ref, ref_md)):
+        _steps(mod, opt, 1, seed=3)
+    assert_unchanged(snapshot(ref_md, ref), snapshot(md, model))
+
+
+def test_gain_value_is_clamped_away_from_zero_and_infinity():
+    theta = torch.tensor([-1000.0, -92.0, -69.0, 0.0, 1000.0])
+    for param in ("softplus", "exp"):
+        g = gain_value(theta, param)
+        assert float(g.min()) == pytest.approx(GAIN_MIN) and bool(torch.isfinite(g).all())
+        assert float(g.max()) == pytest.approx(GAIN_MAX if param == "exp" else 1000.0)
+    direct = gain_value(torch.tensor([0.0, 1e-30, -1e-40, -0.5, 3.0, -1e9]), "direct")
+    expected = torch.tensor([GAIN_MIN, GAIN_MIN, -GAIN_MIN, -0.5, 3.0, -GAIN_MAX])
+    assert torch.equal(direct, expected)
+
+
+def _theta_for(value, param):
+    if param == "direct":
+        return value
+    if value == 0.0:
+        return -1000.0  # φ(θ) underflows to exactly 0
+    return math.log(math.expm1(value)) if param == "softplus" else math.log(value)
+
+
+@pytest.mark.parametrize("fused,param", [(False, p) for p in PARAMETERIZATIONS] + [(True, "softplus"), (True, "exp")])
+@pytest.mark.parametrize("value", [1e-30, 0.0, 1e-40])  # 1e-40: subnormal in float32
+def test_tiny_gains_never_make_w_nonfinite(fused, param, value):
+    """Gains driven to 1e-30, 0 or a subnormal: W stays finite and equal to γ_r Ŵ γ_c with γ ≥ GAIN_MIN — after
+    steps, after an outside edit of W (Ŵ re-derived as W/γ), and after a checkpoint load whose W differs."""
+    _fused_or_skip(fused)
+    # direct gains: frozen, or one Adam step (≈ gain_lr) would carry θ = 1e-30 far from 0 at once
+    gain_lr = 0.0 if param == "direct" else 5e-2
+    model, md = _md32(fused, parameterization=param, gain_lr=gain_lr)
+    _steps(model, md, 1)
+
+    def consistent(opt, mod):
+        for w in opt._decoupled:
+            gr, gc = opt.gain_values(w)
+            assert bool(torch.isfinite(w).all()), f"{opt._name[w]}: {int((~torch.isfinite(w)).sum())} NaN/Inf"
+            assert min(float(gr.abs().min()), float(gc.abs().min())) >= GAIN_MIN * (1 - 1e-6)
+            torch.testing.assert_close(w.detach(), compose(opt.direction(w), gr, gc), rtol=1e-5, atol=0)
+
+    with torch.no_grad():
+        for w in md._decoupled:
+            md.state[w]["gain_row"].fill_(_theta_for(value, param))
+        md.state[md._decoupled[-1]]["gain_col"].fill_(_theta_for(value, param))
+    _steps(model, md, 2)
+    consistent(md, model)
+    with torch.no_grad():
+        model[2].weight.mul_(1.5)  # outside edit → Ŵ = W / γ_r / γ_c at the next step
+    _steps(model, md, 2)
+    consistent(md, model)
+    if fused:
+        assert set(md._path.values()) == {"fused"}
+    saved = copy.deepcopy(md.state_dict())
+    model2, md2 = _md32(fused, seed=5, parameterization=param, gain_lr=gain_lr)  # W differs from the checkpoint's
+    md2.load_state_dict(saved)
+    _steps(model2, md2, 2)
+    consistent(md2, model2)
+
+
+def test_load_state_dict_refuses_what_cannot_give_a_finite_w():
+    model, md = _md32(False)
+    _steps(model, md, 2)
+    good = copy.deepcopy(md.state_dict())
+    other_model, other = _md32(False, seed=4)
+    _steps(other_model, other, 1)
+    for key, value, msg in [("gain_col", float("nan"), "gain_col holds NaN/Inf"),
+                            ("gain_row", float("-inf"), "gain_row holds NaN/Inf"),
+                            ("direction", float("inf"), "direction holds NaN/Inf"),
+                            ("radius", 0.0, "radius must be > 0")]:
+        bad = copy.deepcopy(good)
+        bad["md"]["state"][1][key].view(-1)[0] = value
+        before = snapshot(other, other_model)
+        with pytest.raises(ValueError, match=rf"checkpoint entry '2\.weight': {msg}; nothing was loaded"):
+            other.load_state_dict(bad)
+        assert_unchanged(before, snapshot(other, other_model))
+
+
+@pytest.mark.parametrize("edit,msg", [
+    ("nan", "'2\\.weight' was changed outside the optimizer and now holds NaN/Inf"),
+    ("zero", "'2\\.weight' was changed outside the optimizer and now has zero norm"),
+    ("huge", "cannot re-derive the direction of '2\\.weight' from its changed weight: W / gains overflows "
+             "torch.float32 \\(smallest gain 1e-06\\)"),
+])
+def test_outside_edit_without_a_direction_is_refused_without_a_trace(edit, msg):
+    model, md = _md32(False)
+    _steps(model, md, 2)
+    with torch.no_grad():
+        if edit == "nan":
+            model[2].weight[1, 1] = float("nan")
+        elif edit == "zero":
+            model[2].weight.zero_()
+        else:  # finite, but W / γ_r / γ_c with gains at the floor (1e-6 each) exceeds float32
+            md.state[model[2].weight]["gain_row"].fill_(-1000.0)
+            model[2].weight.fill_(1e30)
+    for q in model.parameters():  # finite gradients (a backward through a NaN weight would poison them all)
+        q.grad = torch.full_like(q, 0.1)
+    before = snapshot(md, model)
+    with pytest.raises(ValueError, match=rf"{msg}.*; step refused, nothing was changed"):
+        md.step()
+    assert_unchanged(before, snapshot(md, model))
 
 
 # ------------------------------------------------------------------------------------------------ Muon / manifold Muon

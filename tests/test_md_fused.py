@@ -134,6 +134,83 @@ def test_kernel_rejects_bad_tensors_with_their_name():
                                                                torch.zeros(5)), radius=c["radius"])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_finiteness_scan(dtype):
+    """``kernels.any_nonfinite``: exact at every position (threaded sizes included), no overflow on huge finite
+    values, and what ``first_nonfinite`` finds with it is what it finds without it."""
+    from weightgeom.optim.functional import first_nonfinite
+
+    for n in (1, 7, 5000, 300_001):
+        for pos in sorted({0, n // 2, n - 1}):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                t = torch.randn(n, dtype=dtype)
+                assert not kernels.any_nonfinite(t)
+                t[pos] = bad
+                assert kernels.any_nonfinite(t), (n, pos, bad)
+    assert not kernels.any_nonfinite(torch.full((9,), torch.finfo(dtype).max, dtype=dtype))
+    assert not kernels.any_nonfinite(torch.empty(0, dtype=dtype))
+    with pytest.raises(ValueError, match="float32 and float64"):
+        kernels.any_nonfinite(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        kernels.any_nonfinite(torch.zeros(4, 3, dtype=dtype).T)
+    mixed = [torch.randn(4, 3, dtype=dtype), torch.randn(5).bfloat16(), torch.randn(6, 2, dtype=dtype).T,
+             torch.randn(8, dtype=dtype)]
+    for i in range(len(mixed)):
+        ts = [t.clone() for t in mixed]
+        ts[i][(1,) * ts[i].ndim] = float("nan") if i % 2 else float("inf")
+        assert first_nonfinite(ts, cpu_scan=kernels.any_nonfinite) == first_nonfinite(ts) == i
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused,scans", [(None, True), (True, True), (False, False)])
+def test_md_checks_gradients_with_the_c_scan_where_it_uses_the_kernel(monkeypatch, fused, scans):
+    model = _model(torch.float32)
+    md = _make("adamw", model, fused)
+    seen = []
+    real = kernels.any_nonfinite
+    monkeypatch.setattr(kernels, "any_nonfinite", lambda t: seen.append(tuple(t.shape)) or real(t))
+    _train(md, model, 1)
+    assert sorted(seen) == (sorted(tuple(p.shape) for p in model.parameters()) if scans else [])
+
+
+def test_kernel_clamps_gains_like_torch():
+    """The C kernel's gain bounds are md_functional's (one set of numbers, two languages)."""
+    import re
+    from importlib import resources
+
+    from weightgeom.optim.md_functional import GAIN_MAX, GAIN_MIN
+
+    source = resources.files("weightgeom.kernels").joinpath("md_adam.c").read_text()
+    defined = dict(re.findall(r"^#define (GAIN_MIN|GAIN_MAX) (\S+)$", source, re.MULTILINE))
+    assert {k: float(v) for k, v in defined.items()} == {"GAIN_MIN": GAIN_MIN, "GAIN_MAX": GAIN_MAX}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("param", PARAMS)
+def test_kernel_with_extreme_gains_writes_the_clamped_composition(param, dtype):
+    """θ where φ(θ) underflows to 0, is subnormal, is 1e-30 or overflows: the kernel's W is γ_r Ŵ γ_c with γ clamped
+    to [GAIN_MIN, GAIN_MAX], entry by entry (finite), and agrees with the float64 reference."""
+    from weightgeom.optim.md_functional import GAIN_MAX, GAIN_MIN, gain_value
+
+    fast = _case(6, 5, "row+col", param, "row", dtype)
+    extremes = torch.tensor([-1000.0, -92.0, -69.0, 0.5, 1000.0, 120.0], dtype=dtype)
+    fast["gain"][0][0].copy_(extremes)
+    fast["gain"][1][0].copy_(extremes[[1, 2, 3, 4, 0]])
+    ref = _clone_case(fast)
+    G = torch.randn(6, 5, generator=fast["gen"], dtype=torch.float64).to(dtype)
+    _run(kernels.md_adam_step, fast, G, 1, param, "row", 1.0, 0.0)
+    _run(fused_step_reference, ref, G, 1, param, "row", 1.0, 0.0)
+    assert bool(torch.isfinite(fast["W"]).all())
+    gr, gc = (gain_value(g[0].double(), param) for g in fast["gain"])
+    assert float(min(gr.min(), gc.min())) == pytest.approx(GAIN_MIN)
+    assert float(max(gr.max(), gc.max())) == pytest.approx(GAIN_MAX) if param == "exp" else 990 < float(gr.max())
+    expected = gr.reshape(-1, 1) * fast["D"].double() * gc.reshape(1, -1)
+    torch.testing.assert_close(fast["W"].double(), expected, rtol=KERNEL_TOL[dtype], atol=0)
+    torch.testing.assert_close(fast["W"].double(), ref["W"].double(), rtol=KERNEL_TOL[dtype], atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The wrapper: fused steps equal eager steps.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -265,6 +342,25 @@ def test_fused_true_refuses_what_it_cannot_run():
         W = model[0].weight.detach()
         gr, gc = md.gain_values(model[0].weight)
         torch.testing.assert_close(W, gr * md.direction(model[0].weight) * gc)
+
+
+@needs_kernel
+def test_fused_true_refuses_before_stepping_any_matrix():
+    """fused=True with one matrix the kernel cannot take (an amsgrad group) and one it can: refused naming the first,
+    and the other was not stepped either (the path of every matrix is decided before anything changes)."""
+    from hostile_cases.optim import assert_unchanged, snapshot
+
+    model = _model(torch.float32)
+    first, last = model[0].weight, model[2].weight
+    rest = [p for p in model.parameters() if p is not first and p is not last]
+    base = torch.optim.AdamW([{"params": [first, *rest]}, {"params": [last], "amsgrad": True}], lr=1e-2)
+    md = MagnitudeDirection(base, model=model, fused=True)
+    model(torch.randn(8, model[0].in_features)).pow(2).mean().backward()
+    before = snapshot(md, model)
+    with pytest.raises(ValueError, match=r"'2\.weight' cannot take the fused path: the base group has amsgrad=True; "
+                                         r"step refused, nothing was changed"):
+        md.step()
+    assert_unchanged(before, snapshot(md, model))
 
 
 @pytest.fixture

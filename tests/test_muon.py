@@ -7,13 +7,15 @@ LR schedulers); adding an algorithm × manifold combination is one line.
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 import torch.optim._muon as torch_muon
 
+from hostile_cases.optim import assert_unchanged
 from weightgeom.optim import Muon, shape_scale
-from weightgeom.optim.functional import momentum_direction
+from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite, momentum_direction
 
 # (id, Muon kwargs). Manifold rows use the seed's dual settings (linear schedule, α = 0.1) with few steps for speed.
 CONFIGS = [
@@ -308,6 +310,96 @@ def test_named_parameters_accepted():
     lin.weight.grad = torch.full((5, 6), float("nan"))
     with pytest.raises(ValueError, match="'weight'"):
         opt.step()
+
+
+# ---- a step is all or nothing -------------------------------------------------------------------------------
+def _three_group_muon(last: str, seed: int = 0):
+    """A plain-Muon, a Stiefel and an AdamW group over one small net, ordered so that ``last`` comes last."""
+    torch.manual_seed(seed)
+    params = {"a": torch.nn.Parameter(torch.randn(12, 8)), "b": torch.nn.Parameter(torch.randn(8, 8)),
+              "c": torch.nn.Parameter(torch.randn(10, 6)), "v": torch.nn.Parameter(torch.randn(7))}
+    groups = {"muon": {"params": [params["a"], params["b"]], "names": ["a", "b"]},
+              "manifold": {"params": [params["c"]], "names": ["c"], "manifold": "stiefel", "dual_steps": 3},
+              "adamw": {"params": [params["v"]], "names": ["v"], "algorithm": "adamw", "lr": 1e-2}}
+    order = [k for k in groups if k != last] + [last]
+    return Muon([groups[k] for k in order], lr=0.05), params, groups[last]["names"][-1]
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("last", ["muon", "manifold", "adamw"])
+def test_step_is_all_or_nothing(last, bad):
+    """A non-finite gradient in the last group: refused before any group is stepped, every tensor bit-identical, and
+    the next good step continues exactly as if the refused one never happened."""
+    opt, params, name = _three_group_muon(last)
+    ref, ref_params, _ = _three_group_muon(last)
+    for seed in (1, 2):  # state exists: momentum, dual multipliers, Adam moments, step counters, last_stats
+        for o, ps in ((opt, params), (ref, ref_params)):
+            _grads(ps, seed)
+            o.step()
+    _grads(params, 3)
+    params[name].grad.view(-1)[-1] = bad
+    before = (copy.deepcopy(opt.state_dict()), {k: p.detach().clone() for k, p in params.items()},
+              copy.deepcopy(opt.last_stats))
+    with pytest.raises(NonFiniteGradientError, match=rf"'{name}' \(shape .*\) contains NaN/Inf; step refused, no "
+                                                     "parameter or optimizer state was changed") as info:
+        opt.step()
+    assert info.value.param_name == name and isinstance(info.value, ValueError)
+    assert_unchanged(before, (opt.state_dict(), {k: p.detach() for k, p in params.items()}, opt.last_stats))
+    for o, ps in ((opt, params), (ref, ref_params)):
+        _grads(ps, 4)
+        o.step()
+    for k in params:
+        assert torch.equal(params[k], ref_params[k])
+
+
+def test_unnamed_parameter_is_named_by_group_and_index_with_shape():
+    W1, W2, v = (torch.nn.Parameter(torch.randn(*s)) for s in ((6, 4), (5, 3), (4,)))
+    opt = Muon([{"params": [W1]}, {"params": [v, W2], "algorithm": "adamw"}])
+    for p in (W1, W2, v):
+        p.grad = torch.randn(p.shape)
+    W2.grad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"'group1\.param1' \(shape \(5, 3\)\)"):
+        opt.step()
+    assert opt.state == {} or all(not st for st in opt.state.values())
+
+
+def test_finiteness_check_is_one_reduction_over_all_groups(monkeypatch):
+    """The check costs one fused norm over every group's gradients (not one per group, not one per parameter)."""
+    opt, params, _ = _three_group_muon("adamw")
+    _grads(params, 1)
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    opt.step()
+    assert calls == [len(params)]
+
+
+def test_first_nonfinite():
+    # finite, though the float16 tensor's norm (9.1e4) and the last one's (5.2e38) overflow their dtypes
+    finite = [torch.randn(3, 2), torch.full((8192,), 1000.0, dtype=torch.float16),
+              torch.randn(5, dtype=torch.float64), torch.empty(0, 3), torch.full((3,), 3e38)]
+    assert first_nonfinite(finite) is None
+    assert first_nonfinite([]) is None
+    for bad in (float("nan"), float("inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            t = torch.zeros(7, dtype=dtype)
+            t[3] = bad
+            assert first_nonfinite([*finite, t, torch.ones(2)]) == len(finite)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, float("inf")]), (4,),
+                                     check_invariants=True)
+    assert first_nonfinite([torch.ones(2), sparse]) == 1
+
+
+def test_nonfinite_gradient_error_pickles():
+    e = NonFiniteGradientError.refused("Muon", "h.0.mlp.c_fc.weight", (3072, 768))
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (str(e2), e2.param_name, e2.shape) == (str(e), "h.0.mlp.c_fc.weight", (3072, 768))
 
 
 # ---- `weightgeom bench` (runs benchmarks/optimizer_step.py and friends by name) --------------------------------

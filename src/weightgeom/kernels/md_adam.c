@@ -26,23 +26,30 @@
 #include <tgmath.h>
 
 #define ZERO_NORM 1e-30
+/* Effective gains are clamped to [GAIN_MIN, GAIN_MAX] (= md_functional.GAIN_MIN / GAIN_MAX, which explains the values;
+ * tests/test_md_fused.py checks they agree); the chain factor below uses the unclamped phi (straight through). */
+#define GAIN_MIN 1e-6
+#define GAIN_MAX 1e6
 
-/* Gains: gamma = phi(theta) and the log-gain chain factor phi'(theta)/phi(theta) (softplus: sigmoid/softplus, with
- * torch's threshold 20; exp: 1), one exp and one log1p per entry; loops long enough to pay are split over threads. */
+/* Gains: gamma = phi(theta) clamped to [GAIN_MIN, GAIN_MAX] (NaN passes through, as torch.clamp) and the log-gain
+ * chain factor phi'(theta)/phi(theta) of the unclamped phi (softplus: sigmoid/softplus, with torch's threshold 20;
+ * exp: 1), one exp and one log1p per entry; loops long enough to pay are split over threads. */
 #define PAR_MIN 2048
 #define DEF_GAINS(NAME, T)                                                                                           \
     static void NAME##_phi(long k, const T *th, int param, T *gamma, T *ratio, int nthreads) {                       \
         _Pragma("omp parallel for schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                        \
         for (long i = 0; i < k; i++) {                                                                               \
             const T t = th[i], e = exp(t);                                                                           \
+            T v;                                                                                                     \
             if (param == 1) {                                                                                        \
-                gamma[i] = e;                                                                                        \
+                v = e;                                                                                               \
                 if (ratio) ratio[i] = 1;                                                                             \
             } else {                                                                                                 \
                 const T sp = t > 20 ? t : log1p(e);                                                                  \
-                gamma[i] = sp;                                                                                       \
+                v = sp;                                                                                              \
                 if (ratio) ratio[i] = sp > 0 ? (t > 20 ? (T)1 : e / (1 + e)) / sp : (T)1;                            \
             }                                                                                                        \
+            gamma[i] = v < (T)GAIN_MIN ? (T)GAIN_MIN : (v > (T)GAIN_MAX ? (T)GAIN_MAX : v);                          \
         }                                                                                                            \
     }                                                                                                                \
     /* Adam on theta with gradient s * ratio (written to grad), as md_functional.adam_update_ (no weight decay) */   \
@@ -172,3 +179,15 @@ DEF_GAINS(gains_f64, double)
 
 DEF_STEP(md_adam_step_f32, float, gains_f32)
 DEF_STEP(md_adam_step_f64, double, gains_f64)
+
+/* 1 if any of the n values is NaN or Inf, else 0: MagnitudeDirection.step's all-or-nothing gradient check, one
+ * streaming read over threads (x - x is 0 exactly for finite x and NaN otherwise; no overflow, unlike a norm). */
+#define DEF_SCAN(NAME, T)                                                                                            \
+    int NAME(long n, const T *x, int nthreads) {                                                                     \
+        int bad = 0;                                                                                                 \
+        _Pragma("omp parallel for simd reduction(| : bad) schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)") \
+        for (long i = 0; i < n; i++) bad |= (x[i] - x[i]) != (T)0;                                                   \
+        return bad;                                                                                                  \
+    }
+DEF_SCAN(any_nonfinite_f32, float)
+DEF_SCAN(any_nonfinite_f64, double)

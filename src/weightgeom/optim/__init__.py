@@ -3,7 +3,13 @@
 See docs/ARCHITECTURE.md (optim) and docs/muon.md (derivations).
 """
 
-from weightgeom.optim.functional import adamw_update, apply_update, momentum_direction, shape_scale
+from weightgeom.optim.functional import (
+    NonFiniteGradientError,
+    adamw_update,
+    apply_update,
+    momentum_direction,
+    shape_scale,
+)
 from weightgeom.optim.manifold_muon import manifold_direction, manifold_direction_reference
 from weightgeom.optim.muon import Muon
 from weightgeom.optim.param_groups import STRATEGIES, param_groups
@@ -18,6 +24,7 @@ __all__ = [
     "shape_scale",
     "apply_update",
     "adamw_update",
+    "NonFiniteGradientError",
 ]
 
 # Magnitude–direction wrapper and one-line builders (optim/magnitude_direction.py, optim/build.py).

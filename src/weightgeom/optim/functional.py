@@ -9,12 +9,15 @@ Conventions: matrices in PyTorch (out, in) layout; "rows" and "cols" are ``W.sha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 __all__ = [
     "MOMENTUM_FORMS",
     "ADJUST_LR_FNS",
+    "NonFiniteGradientError",
+    "first_nonfinite",
     "momentum_direction",
     "shape_scale",
     "apply_update",
@@ -23,6 +26,81 @@ __all__ = [
 
 MOMENTUM_FORMS = ("ema", "sum")
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "none")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds NaN or Inf, so the optimizer refused the whole step before changing anything.
+
+    Raised by ``Muon.step`` and ``MagnitudeDirection.step``: every gradient of every group is checked first, so on
+    this error no parameter, momentum buffer, step counter or other optimizer state has changed.
+
+    Attributes:
+        param_name: the offending parameter's name (group ``"names"``, torch's ``"param_names"``, the model's name, or
+            ``group{i}.param{j}`` where none is known).
+        shape: its shape.
+    """
+
+    def __init__(self, message: str, param_name: str | None = None, shape: tuple[int, ...] | None = None) -> None:
+        super().__init__(message)
+        self.param_name = param_name
+        self.shape = shape
+
+    @classmethod
+    def refused(cls, optimizer: str, param_name: str, shape: tuple[int, ...]) -> NonFiniteGradientError:
+        """The standard one-line message: who refused, which parameter, and that nothing changed."""
+        return cls(f"{optimizer}: gradient of parameter {param_name!r} (shape {shape}) contains NaN/Inf; step "
+                   f"refused, no parameter or optimizer state was changed", param_name, shape)
+
+    def __reduce__(self):  # picklable with its attributes (it may cross a process boundary, e.g. a sweep worker)
+        return (type(self), (str(self), self.param_name, self.shape))
+
+
+def first_nonfinite(tensors: Sequence[torch.Tensor],
+                    cpu_scan: Callable[[torch.Tensor], bool] | None = None) -> int | None:
+    """Index of a tensor holding a NaN or Inf — the first one, except that a tensor ``cpu_scan`` finds bad is returned
+    at once, before earlier unscanned ones are looked at — or None when all are finite.
+
+    The common case (all finite) costs one fused norm reduction per (device, dtype) bucket — one
+    ``torch._foreach_norm`` call over all tensors when they share device and dtype — and one host sync per device.
+    Only when a norm is not finite are the tensors scanned one by one to find the culprit (a huge but finite tensor can
+    overflow its norm; the scan then finds nothing and None is returned). Sparse tensors are checked through their
+    stored values; float16/bfloat16 norms are accumulated and returned in float32 so they do not overflow early.
+
+    Args:
+        tensors: gradients (any floating dtype, any devices).
+        cpu_scan: optional exact test "holds a NaN/Inf" for contiguous CPU float32/float64 tensors, used for those
+            instead of the norm (``MagnitudeDirection`` passes the C kernel's ``kernels.any_nonfinite``, 2.5× faster
+            than a torch norm on CPU).
+
+    Returns:
+        The index into ``tensors`` of the first non-finite one, or None.
+    """
+    dense = [t._values() if t.is_sparse else t for t in tensors]
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for i, t in enumerate(dense):
+        if not t.numel():
+            continue
+        if cpu_scan is not None and _scannable(t):
+            if cpu_scan(t):
+                return i
+            continue
+        buckets.setdefault((t.device, t.dtype), []).append(t)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for (device, dtype), group in buckets.items():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
+        flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
+    if all(bool(torch.stack(f).all()) for f in flags.values()):  # one host sync per device
+        return None
+    for i, t in enumerate(dense):  # slow path, only on failure: locate the offending tensor
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            return i
+    return None
+
+
+def _scannable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous() and (
+        type(t) is torch.Tensor)
 
 
 def momentum_direction(

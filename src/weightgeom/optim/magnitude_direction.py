@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from weightgeom import kernels
 from weightgeom.optim import md_fused
+from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
     _ZERO_NORM,
     EMBEDDINGS,
@@ -186,6 +188,8 @@ class MagnitudeDirection(Optimizer):
     Raises:
         ValueError: unknown option value; a param marked for decoupling that is not 2-D, not in the base optimizer,
             has zero norm (or a zero row/column on a row/col sphere) or non-finite entries — the message names it.
+            ``step`` is all or nothing: what it refuses (a NaN/Inf gradient as ``NonFiniteGradientError``, see
+            ``step``) is refused before any parameter or state changes.
         TypeError: base_optimizer is not a torch optimizer, or is itself a MagnitudeDirection.
     """
 
@@ -357,16 +361,26 @@ class MagnitudeDirection(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One MD step (module docstring, 1–6). ``closure`` re-evaluates the loss with gradients, as in torch.optim.
 
+        All or nothing: every gradient the step would use (all base params, decoupled or not), every re-derivation
+        of a direction from a changed W, and every path decision are checked before any parameter or state changes.
+
         Returns:
             The closure's loss, or None.
+
+        Raises:
+            NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
+            ValueError: a sparse gradient on a decoupled matrix, a W changed outside the optimizer that has no
+                direction (NaN/Inf, zero norm, too large for its gains), or ``fused=True`` with a matrix the kernel
+                cannot take — naming the parameter; nothing changed.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self._plan()  # every refusal happens here, before anything changes
         work: list[list] = []
         try:
-            self._prepare(work)
+            self._prepare(plan, work)
             self._base_step(work)
             self._update_gains()
             self._finish(work)
@@ -381,33 +395,80 @@ class MagnitudeDirection(Optimizer):
             normalize_rows_(p, self.embedding_radius)
         return loss
 
-    def _prepare(self, work: list[list]) -> None:
-        """Steps 1–2: resync if needed, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``.
+    def _plan(self) -> list[tuple]:
+        """Everything that can refuse the step, with nothing changed yet: the gradients (``_check_gradients``), each
+        decoupled matrix's group and path, and the re-derivation of Ŵ where W changed outside the optimizer.
 
-        Matrices on the fused path (``md_fused``) also take their base Adam step here, in the same pass.
+        Returns:
+            Per decoupled matrix with a gradient: (p, G, its base group, why it is not fused (None: fused),
+            the re-derived (Ŵ, radius) or None when W still equals γ_r Ŵ γ_c or never changed).
         """
+        self._check_gradients()
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
-        self._stepped = set()  # gains already stepped on the fused path
+        plan = []
         for p in self._decoupled:
             G = p.grad
             if G is None:
                 continue
-            if G.is_sparse:
-                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} has a sparse gradient; "
-                                 "decoupled matrices need dense gradients")
             if id(p) not in group_of:
                 raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
-            if self._versions.get(p) != p._version:
-                self._resync(p)
+            group = group_of[id(p)]
+            scaled = self._scale_for(p, group) is not None
+            why = "fused=False" if self.fused is False else md_fused.fusable(
+                self.base_optimizer, group, p, G, self.gains, self.parameterization, scaled)
+            if why is not None and self.fused:
+                raise ValueError(f"MagnitudeDirection(fused=True): {self._name[p]!r} cannot take the fused path: "
+                                 f"{why}; step refused, nothing was changed")
+            resync = self._rederive(p) if self._versions.get(p) != p._version else None
+            plan.append((p, G, group, why, resync))
+        return plan
+
+    def _check_gradients(self) -> None:
+        """Refuse the step, naming the parameter, if a decoupled matrix has a sparse gradient or any gradient of the
+        base optimizer's params holds NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and
+        one host sync, ``first_nonfinite``)."""
+        params = [q for g in self.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
+        for p in self._decoupled:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} has a sparse gradient; "
+                                 "decoupled matrices need dense gradients; step refused, nothing was changed")
+        bad = first_nonfinite([q.grad for q in params], cpu_scan=self._cpu_scan())
+        if bad is not None:
+            q = params[bad]
+            raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
+
+    def _cpu_scan(self):
+        """The C finiteness scan where this optimizer uses its kernel anyway: ``fused`` not False, a base the fused
+        path covers (Adam/AdamW; so Muon-MD never builds the kernel for it), and the kernel loads."""
+        if self.fused is False or md_fused.base_fusable(self.base_optimizer) or md_fused.kernel_missing():
+            return None
+        return kernels.any_nonfinite
+
+    def _param_label(self, q: torch.Tensor) -> str:
+        """q's name; for a param added to the base after construction, its position in the base's groups."""
+        if q in self._name:
+            return self._name[q]
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for pi, r in enumerate(group["params"]):
+                if r is q:
+                    return f"param_groups[{gi}].params[{pi}]"
+        return f"a parameter of shape {tuple(q.shape)}"
+
+    def _prepare(self, plan: list[tuple], work: list[list]) -> None:
+        """Steps 1–2: adopt re-derived directions, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``.
+
+        Matrices on the fused path (``md_fused``) also take their base Adam step here, in the same pass.
+        """
+        self._stepped = set()  # gains already stepped on the fused path
+        for p, _G, _group, _why, resync in plan:
+            self._adopt(p, resync)
+        for p, G, group, why, _resync in plan:
             st = self.state[p]
             D = st["direction"]
-            group = group_of[id(p)]
             s = self._scale_for(p, group)
             # p, W, G, Ŵ, what the base steps, its gradient, True once stepped on the fused path (else None)
             item = [p, p.data, G, D, None, None, None]
             work.append(item)
-            why = "fused=False" if self.fused is False else md_fused.fusable(
-                self.base_optimizer, group, p, G, self.gains, self.parameterization, s is not None)
             if why is None:
                 md_fused.step(self.base_optimizer, group, p, G, st, self.state, self._gain_groups[0],
                               self.parameterization, self.sphere)
@@ -417,9 +478,6 @@ class MagnitudeDirection(Optimizer):
                     if key in st:
                         self._stepped.add(st[key])
                 continue
-            if self.fused:
-                raise ValueError(f"MagnitudeDirection(fused=True): {self._name[p]!r} cannot take the fused path: "
-                                 f"{why}")
             self._path[p] = f"eager ({why})"
             gr, gc = self.gain_values(p)
             if gr is None and gc is None:
@@ -527,7 +585,9 @@ class MagnitudeDirection(Optimizer):
         the direction is re-derived from W so that the model's weights win.
 
         Raises:
-            ValueError: not an MD state dict, different options, or different decoupled matrices (count or shape).
+            ValueError: not an MD state dict, different options, different decoupled matrices (count or shape), or
+                an entry that cannot give a finite W (non-finite direction or gains θ, radius not finite and > 0),
+                naming it; nothing is loaded then.
         """
         if not isinstance(state_dict, dict) or "md" not in state_dict or "base" not in state_dict:
             raise ValueError("MagnitudeDirection.load_state_dict: expected {'base': ..., 'md': ...} "
@@ -546,6 +606,7 @@ class MagnitudeDirection(Optimizer):
             if tuple(saved["direction"].shape) != tuple(p.shape):
                 raise ValueError(f"MagnitudeDirection.load_state_dict: {self._name[p]!r} has shape {tuple(p.shape)}, "
                                  f"checkpoint entry {md['names'][i]!r} has {tuple(saved['direction'].shape)}")
+            self._check_saved_entry(md["names"][i], saved)
         self.base_optimizer.load_state_dict(state_dict["base"])
         for i, p in enumerate(self._decoupled):
             saved = md["state"][i]
@@ -566,6 +627,20 @@ class MagnitudeDirection(Optimizer):
         for k, v in md["gain_group"].items():
             if k != "names":
                 group[k] = v
+
+    @staticmethod
+    def _check_saved_entry(name: str, saved: dict[str, Any]) -> None:
+        """Refuse a checkpoint entry from which W = γ_r Ŵ γ_c would not be finite (gains are clamped to
+        [GAIN_MIN, GAIN_MAX], so finite θ always give finite γ)."""
+        tensors = {"direction": saved["direction"], "radius": saved["radius"],
+                   **{k: saved[k] for k in ("gain_row", "gain_col") if k in saved}}
+        for key, t in tensors.items():
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}: {key} holds "
+                                 "NaN/Inf; nothing was loaded")
+        if not bool((saved["radius"] > _ZERO_NORM).all()):
+            raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}: radius must be > 0; "
+                             "nothing was loaded")
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _param_names(self, model: torch.nn.Module | None) -> dict[torch.Tensor, str]:
@@ -694,21 +769,46 @@ class MagnitudeDirection(Optimizer):
         return self.state[p]["radius"].reshape(()) / math.sqrt(k * block)
 
     def _resync(self, p: torch.Tensor) -> None:
-        """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius."""
+        """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius
+        (``_rederive``, then ``_adopt``; raises naming p, with nothing changed, where W has no direction)."""
+        self._adopt(p, self._rederive(p))
+
+    def _rederive(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The direction and radius W implies with the current gains, or None if W still equals γ_r Ŵ γ_c (e.g. the
+        same checkpoint loaded into the model: the stored Ŵ is then kept bit for bit). Changes nothing.
+
+        Gains are at least ``GAIN_MIN`` in magnitude, so the division is always defined; the result is refused
+        (ValueError naming p) when W holds NaN/Inf, W/γ overflows the dtype, or the norm is zero.
+        """
         st = self.state[p]
         gr, gc = self.gain_values(p)
         W = p.detach()
-        if _same_weight(compose(st["direction"], gr, gc), W):  # e.g. the same checkpoint loaded into the model
-            self._versions[p] = p._version
-            return
-        D = st["direction"]
-        D.copy_(W)
+        if _same_weight(compose(st["direction"], gr, gc), W):
+            return None
+        name = self._name[p]
+        if not bool(torch.isfinite(W).all()):
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now holds "
+                             "NaN/Inf entries; it has no direction; step refused, nothing was changed")
+        D = W.clone()
         for g in (gr, gc):
             if g is not None:
-                if bool((g == 0).any()):
-                    raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {self._name[p]!r}: "
-                                     "a gain is zero")
                 D.div_(g.to(D.dtype))
-        self._validate_matrix(D, self._name[p])
-        st["radius"].copy_(sphere_norm(D, self.sphere))
+        radius = sphere_norm(D, self.sphere).to(st["radius"].dtype)
+        if not (bool(torch.isfinite(D).all()) and bool(torch.isfinite(radius).all())):
+            gains = [float(g.abs().min()) for g in (gr, gc) if g is not None]
+            smallest = f" (smallest gain {min(gains):.3g})" if gains else ""
+            raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {name!r} from its changed "
+                             f"weight: W / gains overflows {D.dtype}{smallest}; step refused, nothing was changed")
+        if bool((radius <= _ZERO_NORM).any()):
+            what = {"frobenius": "zero norm", "row": "a zero row", "col": "a zero column"}[self.sphere]
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now has "
+                             f"{what}; its direction is undefined; step refused, nothing was changed")
+        return D, radius
+
+    def _adopt(self, p: torch.Tensor, rederived: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Commit a ``_rederive`` result (None: keep Ŵ) and record W's version as in sync."""
+        if rederived is not None:
+            st = self.state[p]
+            st["direction"].copy_(rederived[0])
+            st["radius"].copy_(rederived[1])
         self._versions[p] = p._version

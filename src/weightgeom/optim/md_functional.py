@@ -23,6 +23,18 @@ EMBEDDINGS = ("exclude", "unit_rows", "decouple")
 # divides: a zero-norm weight has no direction. Far below any trained weight's norm (≥ 1e-3 in practice).
 _ZERO_NORM = 1e-30
 
+# Effective gains are clamped to [GAIN_MIN, GAIN_MAX] (in magnitude; ``direct`` gains keep their sign), so W = γ_r Ŵ γ_c
+# is always finite and Ŵ = W / γ_r / γ_c can always be re-derived from a changed W (``MagnitudeDirection._resync``).
+# Why these values: a gain of 1e-6 already silences its row/column (with both gains at the floor, W is 1e-12 of its
+# direction's scale, below float32's relative precision of 6e-8 next to any unsilenced entry), so no useful model
+# needs less; and dividing by the floor multiplies W by at most 1e12, so ‖Ŵ‖² stays finite in float32 for any
+# ‖W‖_F < 1e7. The ceiling mirrors the floor: γ_r γ_c ≤ 1e12 keeps W finite in float32/bfloat16 for any sphere
+# radius < 1e26 (and exp(θ) cannot overflow to inf). Reaching the floor takes ~14 units of θ (softplus/exp) from its
+# start, i.e. thousands of consistent Adam steps at gain_lr = 1e-3. The gradient passes straight through the clamp
+# (∂L/∂θ = ∂L/∂log γ · dlog φ/dθ, unclamped φ), so a gain at the floor or ceiling can come back.
+GAIN_MIN = 1e-6
+GAIN_MAX = 1e6
+
 _EMBED_RE = re.compile(
     r"(^|[._])(wte|wpe|tok_emb\w*|pos_emb\w*|embed\w*|embedding\w*|word_embeddings|position_embeddings)([._]|$)"
 )
@@ -55,13 +67,18 @@ def gain_init(shape: tuple[int, ...], parameterization: str = "softplus", dtype:
 
 
 def gain_value(theta: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
-    """γ = φ(θ): softplus(θ), exp(θ) or θ itself (``"direct"``; may become ≤ 0, nothing stops it)."""
+    """The effective gain γ = φ(θ) clamped to [``GAIN_MIN``, ``GAIN_MAX``] in magnitude.
+
+    φ is softplus(θ), exp(θ) or θ itself (``"direct"``: may change sign, |γ| is clamped and the sign kept, θ = 0
+    giving +``GAIN_MIN``). The clamp keeps W = γ_r Ŵ γ_c finite and Ŵ = W/γ_r/γ_c recoverable; see ``GAIN_MIN``.
+    """
     if parameterization == "softplus":
-        return F.softplus(theta)
+        return F.softplus(theta).clamp(GAIN_MIN, GAIN_MAX)
     if parameterization == "exp":
-        return torch.exp(theta)
+        return torch.exp(theta).clamp(GAIN_MIN, GAIN_MAX)
     if parameterization == "direct":
-        return theta.clone()
+        magnitude = theta.abs().clamp(GAIN_MIN, GAIN_MAX)
+        return torch.where(theta < 0, -magnitude, magnitude)
     _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
     raise AssertionError("unreachable")
 

@@ -22,8 +22,10 @@ from weightgeom.linalg import MSIGN_PRESETS, msign
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
+    NonFiniteGradientError,
     adamw_update,
     apply_update,
+    first_nonfinite,
     momentum_direction,
     shape_scale,
 )
@@ -87,7 +89,8 @@ class Muon(torch.optim.Optimizer):
 
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group (naming it), and, in ``step``,
-            a NaN/Inf gradient (naming the parameter).
+            a sparse gradient or (``NonFiniteGradientError``) a NaN/Inf gradient, naming the parameter. ``step`` is
+            all or nothing: every group's gradients are checked before any parameter or state changes.
     """
 
     def __init__(
@@ -194,17 +197,22 @@ class Muon(torch.optim.Optimizer):
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimisation step over all groups; returns the closure's loss when one is given."""
+        """One optimisation step over all groups; returns the closure's loss when one is given.
+
+        All or nothing: every gradient of every group is checked before any parameter or state changes.
+
+        Raises:
+            NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
+            ValueError: a sparse gradient, naming the parameter; nothing changed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = self._with_grads()
+        self._check_finite(work)
         self.last_stats = {}
-        for gi, group in enumerate(self.param_groups):
-            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            if not items:
-                continue
-            self._check_finite(group, gi, items)
+        for gi, group, items in work:
             if group["algorithm"] == "adamw":
                 for _, p in items:
                     self._adamw_step(group, p)
@@ -213,20 +221,28 @@ class Muon(torch.optim.Optimizer):
                     self._muon_step(group, p, self._name(group, i, gi))
         return loss
 
-    def _check_finite(self, group: dict[str, Any], gi: int, items: list[tuple[int, torch.Tensor]]) -> None:
-        grads = [p.grad for _, p in items]
-        if any(g.is_sparse for g in grads):
-            bad = next(i for i, p in items if p.grad.is_sparse)
-            raise ValueError(f"Muon: parameter {self._name(group, bad, gi)!r} has a sparse gradient (unsupported)")
-        norms = torch._foreach_norm(grads)
-        if bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all()):
-            return
-        for i, p in items:  # slow path: find the culprit (the norm itself may overflow on huge finite grads)
-            if not bool(torch.isfinite(p.grad).all()):
-                raise ValueError(
-                    f"Muon: gradient of parameter {self._name(group, i, gi)!r} contains NaN/Inf "
-                    f"(shape {tuple(p.shape)}); skip the step or lower the learning rate"
-                )
+    def _with_grads(self) -> list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]:
+        """(group index, group, [(param index, param)]) for every group with at least one gradient; refuses sparse
+        gradients (naming the parameter) before anything changes."""
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            for i, p in items:
+                if p.grad.is_sparse:
+                    raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
+                                     "(unsupported); step refused, nothing was changed")
+            if items:
+                work.append((gi, group, items))
+        return work
+
+    def _check_finite(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
+        """Raise NonFiniteGradientError naming the first parameter whose gradient holds NaN/Inf, over all groups at
+        once (one fused reduction and one host sync when all are finite: ``first_nonfinite``)."""
+        where = [(gi, group, i, p) for gi, group, items in work for i, p in items]
+        bad = first_nonfinite([p.grad for *_, p in where])
+        if bad is not None:
+            gi, group, i, p = where[bad]
+            raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
         state = self.state[p]

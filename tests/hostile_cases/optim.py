@@ -1,0 +1,231 @@
+"""Hostile inputs: optim (rows of tests/test_hostile.py).
+
+Promises: an optimizer step is all or nothing — a NaN/Inf gradient anywhere (the last group, a manifold group, a
+parameter MD does not decouple, the fused C path) is refused with one message naming the parameter, and every
+parameter and every piece of optimizer state is bit-identical afterwards; gains of magnitude-direction never make W
+NaN/Inf, whatever their value (1e-30, 0, subnormal), on the eager and the fused path, after an outside edit of W and
+after loading a checkpoint. Driven through the Python API (these are library promises).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hostile_cases import Hostile
+
+__all__ = ["CASES", "snapshot", "assert_unchanged"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared helpers: a deep copy of everything a step could change, and a bitwise comparison.
+# ---------------------------------------------------------------------------------------------------------------------
+def snapshot(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, Any]:
+    """Deep copies of the model's parameters, the optimizer's ``state_dict()`` and (Muon) ``last_stats``."""
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": copy.deepcopy(opt.state_dict()),
+            "last_stats": copy.deepcopy(getattr(opt, "last_stats", None))}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (so NaN equals the same NaN, and -0.0 differs from 0.0)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_unchanged(before: Any, after: Any, where: str = "") -> None:
+    """Assert two snapshots are equal: tensors bitwise (same dtype, shape and bytes), everything else by ``==``."""
+    if isinstance(before, torch.Tensor):
+        assert isinstance(after, torch.Tensor) and before.dtype == after.dtype and before.shape == after.shape, where
+        assert torch.equal(_bits(before), _bits(after)), f"{where} changed"
+    elif isinstance(before, dict):
+        assert isinstance(after, dict) and set(before) == set(after), f"{where}: keys differ"
+        for k in before:
+            assert_unchanged(before[k], after[k], f"{where}.{k}")
+    elif isinstance(before, (list, tuple)):
+        assert type(before) is type(after) and len(before) == len(after), f"{where}: lengths differ"
+        for i, (a, b) in enumerate(zip(before, after)):
+            assert_unchanged(a, b, f"{where}[{i}]")
+    else:
+        assert before == after, f"{where}: {before!r} != {after!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Muon: NaN/Inf in the last group.
+# ---------------------------------------------------------------------------------------------------------------------
+class _Net(torch.nn.Module):
+    """Three kinds of parameters: plain-Muon matrices, a Stiefel-constrained matrix, AdamW vectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 16)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _muon(model: _Net, last: str):
+    """Muon over three groups (plain, manifold ``stiefel``, ``adamw``), ordered so that ``last`` comes last."""
+    from weightgeom.optim import Muon
+
+    groups = {
+        "muon": {"params": [model.fc1.weight, model.head.weight], "names": ["fc1.weight", "head.weight"]},
+        "manifold": {"params": [model.fc2.weight], "names": ["fc2.weight"], "manifold": "stiefel", "dual_steps": 3},
+        "adamw": {"params": [model.fc1.bias, model.fc2.bias], "names": ["fc1.bias", "fc2.bias"],
+                  "algorithm": "adamw", "lr": 1e-2},
+    }
+    order = [k for k in groups if k != last] + [last]
+    return Muon([groups[k] for k in order], lr=0.02), groups[last]
+
+
+def _train(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, _inputs(model), generator=g)).pow(2).mean().backward()
+        opt.step()
+
+
+def _refused_unchanged(opt: torch.optim.Optimizer, model: torch.nn.Module, param: torch.Tensor, name: str,
+                       bad: float) -> None:
+    """Gradients everywhere, one ``bad`` entry in ``param``'s: the step raises naming it and changes nothing."""
+    from weightgeom.optim.functional import NonFiniteGradientError
+
+    opt.zero_grad()
+    model(torch.randn(8, _inputs(model))).pow(2).mean().backward()
+    param.grad.view(-1)[param.grad.numel() // 2] = bad
+    before = snapshot(opt, model)
+    with pytest.raises(NonFiniteGradientError) as info:
+        opt.step()
+    msg = str(info.value)
+    assert f"'{name}'" in msg and "NaN/Inf" in msg and "no parameter or optimizer state was changed" in msg, msg
+    assert "\n" not in msg
+    assert info.value.param_name == name
+    assert_unchanged(before, snapshot(opt, model), "after the refused step")
+
+
+def _inputs(model: torch.nn.Module) -> int:
+    """Input width of the test models (their first Linear's)."""
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return first.in_features
+
+
+def _muon_last_group(last: str, bad: float):
+    def check(tmp_path: Path) -> None:
+        torch.manual_seed(0)
+        model = _Net()
+        opt, group = _muon(model, last)
+        _train(opt, model, 2)  # momentum buffers, dual multipliers, Adam moments and step counters exist
+        _refused_unchanged(opt, model, group["params"][-1], group["names"][-1], bad)
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MagnitudeDirection over AdamW: eager and fused paths.
+# ---------------------------------------------------------------------------------------------------------------------
+def _md(fused: bool | None, **kw):
+    from weightgeom import kernels
+    from weightgeom.optim import MagnitudeDirection
+
+    if fused and kernels.load("md_adam") is None:
+        pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    md = MagnitudeDirection(torch.optim.AdamW(model.named_parameters(), lr=1e-2), model=model, gain_lr=0.05,
+                            fused=fused, **kw)
+    return md, model
+
+
+def _md_nan(fused: bool, which: str, bad: float):
+    def check(tmp_path: Path) -> None:
+        md, model = _md(fused)
+        _train(md, model, 2)
+        assert set(md._path.values()) == {"fused" if fused else "eager (fused=False)"}
+        _refused_unchanged(md, model, dict(model.named_parameters())[which], which, bad)
+
+    return check
+
+
+def _tiny_gain(fused: bool, value: float):
+    """Gains of magnitude ``value`` (softplus θ where softplus(θ) = value; 0: θ = -1000), then an outside edit of W
+    (the direction is re-derived from W / gains), more steps, and a checkpoint round trip into a fresh optimizer whose
+    model holds a different W: W stays finite and equal to γ_r Ŵ γ_c throughout."""
+
+    def check(tmp_path: Path) -> None:
+        from weightgeom.optim.md_functional import GAIN_MIN, compose
+
+        md, model = _md(fused)
+        _train(md, model, 1)
+        w = model[2].weight
+        theta = -1000.0 if value == 0 else math.log(math.expm1(value))
+        with torch.no_grad():
+            md.state[w]["gain_row"].fill_(theta)
+            w.mul_(1.5)  # an outside edit: the next step re-derives Ŵ = W / γ_r / γ_c
+        _train(md, model, 2)
+
+        def consistent(opt, mod) -> None:
+            p = mod[2].weight
+            gr, gc = opt.gain_values(p)
+            assert bool(torch.isfinite(p).all()), f"W has {int((~torch.isfinite(p)).sum())} NaN/Inf entries"
+            assert float(gr.min()) >= GAIN_MIN * (1 - 1e-6)
+            torch.testing.assert_close(p.detach(), compose(opt.direction(p), gr, gc), rtol=1e-5, atol=0)
+
+        consistent(md, model)
+        saved = copy.deepcopy(md.state_dict())
+        md2, model2 = _md(fused)
+        with torch.no_grad():  # the model does not match the checkpoint: Ŵ is re-derived with the tiny gains
+            model2[2].weight.mul_(0.5)
+        md2.load_state_dict(saved)
+        _train(md2, model2, 2)
+        consistent(md2, model2)
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+CASES: list[Hostile] = [
+    Hostile("muon-nan-last-group-adamw", "optim",
+            "Muon with a NaN gradient in its last (AdamW) group refuses the step naming the parameter; no parameter, "
+            "momentum buffer, step counter or other state changed",
+            _muon_last_group("adamw", NAN)),
+    Hostile("muon-nan-last-group-manifold", "optim",
+            "Muon with a NaN gradient in its last group, a manifold-Muon (Stiefel) group, refuses the step naming "
+            "the parameter; nothing changed, dual multipliers included",
+            _muon_last_group("manifold", NAN)),
+    Hostile("muon-inf-last-group-muon", "optim",
+            "Muon with an Inf gradient in its last (plain Muon) group refuses the step naming the parameter; "
+            "nothing changed",
+            _muon_last_group("muon", INF)),
+    Hostile("md-eager-nan-last-matrix", "optim",
+            "MagnitudeDirection (eager path) over AdamW with a NaN gradient in the last decoupled matrix refuses the "
+            "step naming it; W, directions, gains, their Adam state and the base AdamW state unchanged",
+            _md_nan(False, "2.weight", NAN)),
+    Hostile("md-fused-nan-last-matrix", "optim",
+            "MagnitudeDirection (fused C path) over AdamW with a NaN gradient in the last decoupled matrix refuses "
+            "the step naming it; nothing changed",
+            _md_nan(True, "2.weight", NAN)),
+    Hostile("md-fused-inf-bias", "optim",
+            "MagnitudeDirection (fused path) with an Inf gradient in a parameter it does not decouple (a bias) "
+            "refuses the step naming it, before any matrix is stepped; nothing changed",
+            _md_nan(True, "2.bias", INF)),
+    Hostile("md-eager-tiny-gain", "optim",
+            "MagnitudeDirection (eager path) with gains of 1e-30, then an outside edit of W and a checkpoint reload: "
+            "W stays finite and equal to γ_r Ŵ γ_c (gains are clamped to at least 1e-6)",
+            _tiny_gain(False, 1e-30)),
+    Hostile("md-fused-zero-gain", "optim",
+            "MagnitudeDirection (fused path) with gains that underflow to 0, then an outside edit of W and a "
+            "checkpoint reload: W stays finite and equal to γ_r Ŵ γ_c",
+            _tiny_gain(True, 0.0)),
+    Hostile("md-fused-subnormal-gain", "optim",
+            "MagnitudeDirection (fused path) with subnormal gains (1e-40), then an outside edit of W and a checkpoint "
+            "reload: W stays finite and equal to γ_r Ŵ γ_c",
+            _tiny_gain(True, 1e-40)),
+]
