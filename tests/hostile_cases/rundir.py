@@ -298,6 +298,57 @@ def _finished_rerun(tmp: Path) -> None:
     assert ck8.stat().st_mtime_ns == mtime and (run / "meta.json").read_text() == meta  # nothing rewritten
 
 
+def _snapshot_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(root.rglob("*"))}
+
+
+def _user_folder_untouched(tmp: Path) -> None:
+    # a project folder that happens to hold a checkpoints/ folder is not a run directory: refused, nothing moved
+    proj = tmp / "project"
+    (proj / "checkpoints").mkdir(parents=True)
+    (proj / "src").mkdir()
+    (proj / "notes.txt").write_text("hi")
+    (proj / "checkpoints" / "my_model.pt").write_bytes(b"x")
+    (proj / "src" / "main.py").write_text("code")
+    before = _snapshot_tree(proj)
+    for extra in ((), ("--fresh",)):
+        res = _train(tmp, proj, *extra)
+        assert_one_line_error(res, str(proj), "holds no weightgeom run", "notes.txt")
+        assert _snapshot_tree(proj) == before
+
+
+def _parent_of_live_run(tmp: Path) -> None:
+    # training into the folder that holds other runs (run.name=".", or --out on it) never moves a run aside
+    first = _train(tmp, tmp / "runs" / "ra", "--set", "train.max_steps=2")
+    assert first.rc == 0, first.err
+    before = _snapshot_tree(tmp / "runs")
+    res = cli("train", _config(tmp), "--no-progress", "--set", "run.out_dir=runs", "--set", "run.name=.")
+    assert_one_line_error(res, "run.name", "itself")
+    for extra in ((), ("--fresh",)):
+        res = _train(tmp, tmp / "runs", *extra)
+        assert_one_line_error(res, "runs", "holds no weightgeom run", "ra")
+    assert _snapshot_tree(tmp / "runs") == before
+
+
+def _run_inside_a_run(tmp: Path) -> None:
+    # a run directory that contains another run (a sub-folder with its own run files) is refused on --fresh
+    outer = tmp / "outer"
+    assert _train(tmp, outer, "--set", "train.max_steps=2").rc == 0
+    assert _train(tmp, outer / "inner", "--set", "train.max_steps=2").rc == 0
+    before = _snapshot_tree(outer)
+    res = _train(tmp, outer, "--fresh")
+    assert_one_line_error(res, str(outer), "contains another run", "inner")
+    assert _snapshot_tree(outer) == before
+
+
+def _run_name_control_chars(tmp: Path) -> None:
+    res = cli("train", _config(tmp), "--no-progress", "--set", "run.name=a\nb")
+    assert res.rc == 2 and "Traceback" not in res.err
+    res = cli("train", _config(tmp), "--no-progress", "--set", 'run.name="a\nb"')
+    assert_one_line_error(res, "run.name", "control characters")
+    assert not (tmp / "runs").exists()
+
+
 CASES: list[Hostile] = [
     Hostile("fresh-sequence", "rundir",
             "`train --fresh` with fewer steps in a used run directory: the old run moves to previous/, the new run's "
@@ -337,4 +388,17 @@ CASES: list[Hostile] = [
     Hostile("finished-rerun", "rundir",
             "re-running a finished run reports its final numbers (not NaN), says it was already done and rewrites "
             "nothing", _finished_rerun),
+    Hostile("user-folder-untouched", "rundir",
+            "`--out` (with or without `--fresh`) on a folder of the user's own files that holds no weightgeom run "
+            "(even one with a `checkpoints/` folder) is refused with one line; nothing in it is moved or written",
+            _user_folder_untouched),
+    Hostile("parent-of-runs", "rundir",
+            "`run.name=.` or `--out` on the folder that holds other runs is refused with one line; no run is moved "
+            "aside", _parent_of_live_run),
+    Hostile("run-inside-a-run", "rundir",
+            "`--fresh` on a run directory that contains another run is refused with one line naming it; nothing "
+            "moves", _run_inside_a_run),
+    Hostile("run-name-control-chars", "rundir",
+            "a `run.name` with a newline or other control character is refused with one line",
+            _run_name_control_chars),
 ]

@@ -421,6 +421,11 @@ def check_run_name(name: str) -> str:
     if os.path.isabs(name) or name.startswith("~"):
         raise ValueError(f"config key run.name={name!r}: must be relative to run.out_dir, not an absolute path "
                          "(set run.out_dir or use --out to choose where the run goes)")
+    if any(ord(c) < 32 for c in name):
+        raise ValueError(f"config key run.name={name!r}: must not contain control characters (newline, tab, ...)")
+    if not [part for part in Path(name).parts if part != "."]:
+        raise ValueError(f"config key run.name={name!r}: names run.out_dir itself; give the run its own "
+                         "sub-directory name")
     if ".." in Path(name).parts:
         raise ValueError(f"config key run.name={name!r}: must not contain '..' (the run directory would be outside "
                          "run.out_dir)")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
-           "safe_child", "remove_if_unused"]
+           "safe_child", "remove_if_unused", "RUN_MARKERS", "check_run_dir_contents"]
 
 LOCK_NAME = ".weightgeom.lock"
 """File name of the lock inside the owned directory."""
@@ -37,6 +37,10 @@ PREVIOUS_DIR = "previous"
 """Sub-directory that earlier runs' files are moved into (one ``<UTC time>`` folder per earlier run)."""
 
 _GUARD_NAME = ".weightgeom.lock.guard"
+
+RUN_MARKERS = ("config.resolved.toml", "status.json", "meta.json", "experiment.json")
+"""Files whose presence shows a directory is a weightgeom run directory (the trainer writes the first three first
+thing; a sweep writes ``experiment.json`` just before a run starts)."""
 
 
 class LockError(ValueError):
@@ -257,6 +261,36 @@ def remove_if_unused(directory: str | os.PathLike) -> bool:
     return False
 
 
+def check_run_dir_contents(directory: str | os.PathLike, what: str = "run directory") -> None:
+    """Refuse to train into a directory that holds anything but weightgeom runs' files.
+
+    A run directory is either new, empty (but for a lock), or an earlier weightgeom run (it holds one of
+    :data:`RUN_MARKERS`; a fresh start then moves that run to ``previous/``). Anything else — a project folder, a
+    sweep directory, a folder of other runs — is refused, so a fresh start never moves a user's files or a live run's
+    directory aside. A run directory may not contain another run (a sub-folder with a lock or a run marker).
+
+    Raises:
+        ValueError: one line naming the directory and what is in it; nothing was written or moved.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return
+    entries = list(d.iterdir())
+    names = {p.name for p in entries}
+    if names & set(RUN_MARKERS):
+        nested = sorted(p.name for p in entries if p.name != PREVIOUS_DIR and p.is_dir()
+                        and any((p / m).exists() for m in (LOCK_NAME, *RUN_MARKERS)))
+        if nested:
+            raise ValueError(f"{what} {d} contains another run ({nested[0]}/); a run directory cannot hold other "
+                             "runs: choose another --out (nothing was written or moved)")
+        return
+    foreign = sorted(names - {LOCK_NAME, _GUARD_NAME, PREVIOUS_DIR})
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ValueError(f"{what} {d} is not empty and holds no weightgeom run ({', '.join(foreign[:3])}{more}); "
+                         "choose a new or empty directory with --out (nothing was written or moved)")
+
+
 def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> Path:
     """``parent / name``, refusing a ``name`` that is absolute, empty, or escapes ``parent`` (``..``, symlinks).
 
@@ -271,8 +305,13 @@ def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> 
     if any(p == ".." for p in parts):
         raise ValueError(f"config key {what}={name!r}: must not contain '..' (it would write outside the output "
                          "directory)")
+    if any(ord(c) < 32 for c in name):
+        raise ValueError(f"config key {what}={name!r}: must not contain control characters (newline, tab, ...)")
     base = Path(parent).resolve()
     child = (base / name).resolve()
-    if child != base and base not in child.parents:
+    if child == base:
+        raise ValueError(f"config key {what}={name!r}: names the output directory itself; give the run its own "
+                         "sub-directory name")
+    if base not in child.parents:
         raise ValueError(f"config key {what}={name!r}: resolves to {child}, outside {base}")
     return Path(parent) / name

@@ -56,6 +56,7 @@ from weightgeom.train.rundir import (
     DirLock,
     LockError,
     archive_previous,
+    check_run_dir_contents,
     remove_if_unused,
     safe_child,
 )
@@ -422,9 +423,10 @@ class _Trainer:
             try:
                 if self.run_dir.exists() and not self.run_dir.is_dir():
                     raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(self.run_dir))
+                check_run_dir_contents(self.run_dir)  # before the lock file: a refused folder is left untouched
                 lock.acquire()
                 self.lock = lock
-            except (LockError, OSError) as e:
+            except (ValueError, OSError) as e:  # LockError is a ValueError
                 err = e
         if self.info.enabled and all_reduce_mean(0.0 if err else 1.0, self.info) < 1.0 and err is None:
             raise LockError(f"run directory {self.run_dir}: rank 0 could not take its lock")
