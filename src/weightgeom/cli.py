@@ -9,9 +9,12 @@ line naming the path and the system's reason, and exit code 2, like any other ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import signal
 import sys
+import threading
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -55,18 +58,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """Raised in the main thread when the process gets SIGTERM (a scheduler's or ``kill``'s stop request), so a run
+    unwinds like on Ctrl-C: ``status.json`` says failed with the reason, locks are released, logs are closed."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated("terminated by SIGTERM")
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """Turn SIGTERM into :class:`Terminated` while a command runs (main thread only; restored afterwards)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``weightgeom`` script. Returns the process exit code."""
+    """Entry point of the ``weightgeom`` script. Returns the process exit code (130 after Ctrl-C, 143 after
+    SIGTERM)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        with _sigterm_unwinds():
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("weightgeom: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("weightgeom: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except OSError as e:
         print(f"weightgeom {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2

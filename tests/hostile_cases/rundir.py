@@ -349,6 +349,26 @@ def _run_name_control_chars(tmp: Path) -> None:
     assert not (tmp / "runs").exists()
 
 
+def _sigterm_unwinds(tmp: Path) -> None:
+    from weightgeom.train.rundir import read_lock
+
+    run = tmp / "r"
+    proc = _start_writer(tmp, run)
+    try:
+        _wait_training(proc, run)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 143
+    st = json.loads((run / "status.json").read_text())
+    assert st["state"] == "failed" and "SIGTERM" in st["reason"]  # not left "running"
+    assert read_lock(run) is None  # released, not left for the next writer to break
+    res = _train(tmp, run, "--set", "train.max_steps=4")  # and the run continues from its checkpoint or restarts
+    assert res.rc == 0, res.err
+    assert "taking over" not in res.err
+
+
 CASES: list[Hostile] = [
     Hostile("fresh-sequence", "rundir",
             "`train --fresh` with fewer steps in a used run directory: the old run moves to previous/, the new run's "
@@ -401,4 +421,7 @@ CASES: list[Hostile] = [
     Hostile("run-name-control-chars", "rundir",
             "a `run.name` with a newline or other control character is refused with one line",
             _run_name_control_chars),
+    Hostile("sigterm", "rundir",
+            "SIGTERM (a scheduler's stop) unwinds a run like Ctrl-C: exit 143, `status.json` says failed with the "
+            "reason, the lock is released", _sigterm_unwinds),
 ]
