@@ -262,6 +262,70 @@ def test_plain_pickle_reader_refuses_code_and_non_plain_data(tmp_path):
         load_plain_pickle(tmp_path / "ok.pkl", max_bytes=10)
 
 
+def _within(seconds, fn, *args):
+    """(value, exception) of ``fn(*args)`` run in a daemon thread that must finish within ``seconds`` (not hang)."""
+    import threading
+
+    box = {"value": None, "error": None}
+
+    def work():
+        try:
+            box["value"] = fn(*args)
+        except Exception as e:  # handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s (a hang)"
+    return box["value"], box["error"]
+
+
+def _nested(levels, width):
+    """``levels`` nested lists, each holding the one below ``width`` times (the same object: memo-shared)."""
+    value = []
+    for _ in range(levels):
+        value = [value] * width
+    return value
+
+
+def test_plain_pickle_reader_refuses_tangled_or_huge_values_quickly(tmp_path, monkeypatch):
+    from weightgeom.data import safe_pickle
+    from weightgeom.data.safe_pickle import PickleRefused, load_plain_pickle
+
+    loop = []
+    loop.append(loop)
+    shared = ["a"]
+    cases = {
+        "selfref.pkl": ({"vocab_size": 65, "x": loop}, "a list in it is reached twice"),
+        "laughs.pkl": ({"vocab_size": 65, "x": _nested(60, 2)}, "refused"),
+        "shared.pkl": ({"a": shared, "b": shared}, "a list in it is reached twice"),
+        "deep.pkl": (_nested(40, 1), "nested more than 32 levels deep"),
+    }
+    for name, (value, msg) in cases.items():
+        (tmp_path / name).write_bytes(pickle.dumps(value, protocol=4))
+        _, err = _within(10, load_plain_pickle, tmp_path / name)
+        assert isinstance(err, PickleRefused) and msg in str(err), (name, err)
+        assert name in str(err) and "\n" not in str(err)
+    # the exact bytes of a crafted meta.pkl: {"vocab_size": 65, "x": L} with L = [L]
+    (tmp_path / "crafted.pkl").write_bytes(b"\x80\x04}(\x8c\nvocab_sizeKA\x8c\x01x]\x94h\x00au.")
+    _, err = _within(10, load_plain_pickle, tmp_path / "crafted.pkl")
+    assert isinstance(err, PickleRefused) and "crafted.pkl: refused" in str(err)
+    # a GPT-2-sized vocabulary (vocab_size, itos, stoi: 50257 tokens) is within the object cap ...
+    itos = {i: f"tok{i}" for i in range(50257)}
+    big = {"vocab_size": 50257, "itos": itos, "stoi": {v: k for k, v in itos.items()}}
+    (tmp_path / "big.pkl").write_bytes(pickle.dumps(big))
+    value, err = _within(10, load_plain_pickle, tmp_path / "big.pkl")
+    assert err is None and value == big
+    # ... and the cap is enforced (lowered here so the test stays small)
+    monkeypatch.setattr(safe_pickle, "MAX_PLAIN_ITEMS", 1000)
+    with pytest.raises(PickleRefused, match=r"big.pkl: refused: holds more than 1000 objects"):
+        load_plain_pickle(tmp_path / "big.pkl")
+    # shared immutable leaves and empty containers are fine (pickle shares them)
+    (tmp_path / "leaves.pkl").write_bytes(pickle.dumps({"a": ("x", (), []), "b": ("x", (), [])}))
+    assert load_plain_pickle(tmp_path / "leaves.pkl") == {"a": ("x", (), []), "b": ("x", (), [])}
+
+
 def test_numpy_pickle_reader_allows_arrays_only(tmp_path):
     import io
 
@@ -335,6 +399,25 @@ def test_meta_json_dtype_and_vocab_are_honoured_and_ids_checked(tmp_path, capsys
         TokenDataset(tmp_path).check_token_ids()
     assert _run_cli(["info", str(tmp_path)]) == 2
     assert "token id 69999" in capsys.readouterr().err
+
+
+def test_vocab_larger_than_the_dtype_can_number_is_refused(tmp_path, capsys):
+    np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    for meta in ({"dtype": "uint16", "vocab_size": 70000}, {"vocab_size": 70000}):  # explicit or default uint16
+        (tmp_path / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=r"meta.json: vocab_size 70000 needs more ids than uint16 holds"):
+            TokenDataset(tmp_path)
+        assert _run_cli(["info", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "meta.json: vocab_size 70000" in err and err.count("\n") == 1
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 65536}))
+    assert TokenDataset(tmp_path).vocab_size == 65536  # every uint16 id is a token: consistent
+    # a nanoGPT meta.pkl (no meta.json: uint16) with a vocabulary past 65536, given as a huge integer
+    (tmp_path / "meta.json").unlink()
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 10**200}))
+    with pytest.raises(ValueError, match=r"meta.pkl: vocab_size <a 665-bit integer> needs more ids than uint16"):
+        TokenDataset(tmp_path)
 
 
 @pytest.mark.parametrize("meta,msg", [

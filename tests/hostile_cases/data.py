@@ -11,7 +11,11 @@ before the model is built.
 from __future__ import annotations
 
 import json
+import pickle
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +46,24 @@ def _bins(folder: Path, train: np.ndarray, val: np.ndarray, meta: dict | None = 
 
 def _ids(n: int, vocab: int, dtype: str, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(dtype)
+
+
+def _within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run in a daemon thread that must finish within ``seconds`` (a hang fails instead of blocking)."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        box["value"] = fn(*args)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)}{args} still running after {seconds} s (a hang)"
+    return box["value"]
+
+
+#: Seconds a refused meta.pkl may take (the refusal itself takes milliseconds; a hang never ends).
+HANG_LIMIT_S = 30
 
 
 def _assert_not_trained(tmp: Path) -> None:
@@ -75,7 +97,39 @@ def _nanogpt_meta_pkl_still_works(tmp: Path) -> None:
     assert f"vocab_size = {len(chars)}" in (tmp / "run" / "config.resolved.toml").read_text()
 
 
+def _refused_quickly(tmp: Path, value: object, *expect: str) -> None:
+    """A meta.pkl holding ``value`` is refused, naming it, by ``data info`` and training within HANG_LIMIT_S."""
+    folder = _bins(tmp / "ds", _ids(2000, 65, "uint16"), _ids(400, 65, "uint16"))
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "x": value}, protocol=4))
+    assert len((folder / "meta.pkl").read_bytes()) < 2000  # tiny on disk: the pickle memo shares the lists
+    assert_one_line_error(_within(HANG_LIMIT_S, cli, "data", "info", str(folder)), "meta.pkl", "refused", *expect)
+    assert_one_line_error(_within(HANG_LIMIT_S, _train_bin, tmp, folder), "meta.pkl", "refused", *expect)
+    _assert_not_trained(tmp)
+
+
+def _self_referencing_meta_pkl(tmp: Path) -> None:
+    loop: list = []
+    loop.append(loop)
+    _refused_quickly(tmp, loop, "reached twice")
+
+
+def _billion_laughs_meta_pkl(tmp: Path) -> None:
+    laughs: list = []
+    for _ in range(60):  # each level holds the previous one twice: 2**60 items if unfolded
+        laughs = [laughs, laughs]
+    _refused_quickly(tmp, laughs)
+
+
 # ------------------------------------------------------------------------------------------------ vocabulary / dtype
+def _uint16_vocab_70000(tmp: Path) -> None:
+    folder = _bins(tmp / "ds", _ids(3000, 65536, "uint16"), _ids(500, 65536, "uint16"),
+                   {"dtype": "uint16", "vocab_size": 70000})
+    for res in (cli("data", "info", str(folder)), _train_bin(tmp, folder)):
+        assert_one_line_error(res, "meta.json", "vocab_size 70000", "uint16")
+    _assert_not_trained(tmp)
+
+
+
 def _uint32_vocab_from_meta_json(tmp: Path) -> None:
     vocab = 70000
     train, val = _ids(3000, vocab, "uint32"), _ids(500, vocab, "uint32", seed=1)
@@ -220,6 +274,16 @@ CASES: list[Hostile] = [
     Hostile("plain-meta-pkl", "data",
             "a real nanoGPT meta.pkl (vocab_size, itos, stoi) is still read, as plain data, for the vocabulary and a "
             "char tokenizer", _nanogpt_meta_pkl_still_works),
+    Hostile("self-referencing-meta-pkl", "data",
+            "a meta.pkl holding a list that contains itself is refused at once by `data info` and by training, "
+            "naming the file; no run directory is written", _self_referencing_meta_pkl),
+    Hostile("billion-laughs-meta-pkl", "data",
+            "a tiny meta.pkl of 60 nested lists each holding the previous one twice (2^60 items unfolded) is refused "
+            "at once by `data info` and by training, naming the file; no run directory is written",
+            _billion_laughs_meta_pkl),
+    Hostile("uint16-vocab-70000", "data",
+            "a meta.json recording dtype uint16 with vocab_size 70000 (ids cannot reach the vocabulary) is refused "
+            "by `data info` and by training, naming meta.json; no run directory is written", _uint16_vocab_70000),
     Hostile("uint32-vocab-70000", "data",
             "a uint32 dataset whose meta.json records vocab_size 70000 trains (the model gets 70000 embeddings)",
             _uint32_vocab_from_meta_json),

