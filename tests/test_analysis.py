@@ -410,3 +410,79 @@ def test_random_level_formula():
     for d in (64, 256, 1024):
         exact = math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
         assert random_level_cos(d) == pytest.approx(exact, rel=0.01)
+
+
+class _CallsOsSystem:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+class _CallsExec:
+    def __reduce__(self):
+        return (exec, ("1",))
+
+
+def _refusal_of(obj=None, raw: bytes | None = None, **save_kw) -> str:
+    import io
+
+    from weightgeom.train.checkpoint import safe_torch_load, weights_only_refusal
+
+    buf = io.BytesIO(raw) if raw is not None else io.BytesIO()
+    if raw is None:
+        torch.save(obj, buf, **save_kw)
+        buf.seek(0)
+    with pytest.raises(Exception) as info:  # noqa: PT011 - whatever torch raises: the point is the description
+        safe_torch_load(buf)
+    return weights_only_refusal(info.value)
+
+
+def test_weights_only_refusal_names_the_object_in_every_form():
+    # a blocked module (os/posix, zip and legacy format), a global that is not allow-listed, and garbage: each gets a
+    # short reason naming the object; PyTorch's advice to load with weights_only=False is never repeated
+    for kw in ({}, {"_use_new_zipfile_serialization": False}):
+        why = _refusal_of({"x": _CallsOsSystem()}, **kw)
+        assert why == "holds pickled Python objects (GLOBAL posix.system, i.e. os.system)", why
+    assert _refusal_of({"x": _CallsExec()}) == "holds pickled Python objects (GLOBAL exec)"
+    why = _refusal_of(raw=b"\x80\x02}q\x00X\x01\x00\x00\x00a\xff")  # an opcode the restricted unpickler lacks
+    assert why.startswith("not a PyTorch tensor file") and "weights_only" not in why, why
+
+
+def test_head_count_must_be_a_positive_integer(tmp_path):
+    import gguf
+
+    for bad, key in ((-2, "head_count"), ("two", "head_count"), (0, "head_count_kv")):
+        p = tmp_path / f"m{key}{bad}.gguf"
+        w = gguf.GGUFWriter(str(p), "llama")
+        w.add_int32("llama.attention.head_count", 2)
+        (w.add_string if isinstance(bad, str) else w.add_int32)(f"llama.attention.{key}", bad)
+        w.add_tensor("blk.0.attn_k.weight", np.ones((8, 4), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(ValueError, match=rf"{p.name}: GGUF metadata llama\.attention\.{key} = .* positive"):
+            load(p)
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                                 "DefaultCPUAllocator: can't allocate memory: you tried to allocate 120000000000 "
+                                 "bytes. Error code 12 (Cannot allocate memory)")])
+def test_cli_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, exc):
+    from safetensors.torch import save_file
+
+    import weightgeom.analysis.api as api
+    from weightgeom.cli import main
+
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(8, 4) for i in range(3)},
+              str(tmp_path / "m.safetensors"))
+
+    def fail(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(api, "analyze_full", fail)
+    rc = main(["analyze", str(tmp_path / "m.safetensors"), "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "m.safetensors: not enough memory" in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import random
+import shlex
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import yaml
 
 from hostile_cases import EvilPayload, Hostile, assert_one_line_error, cli, marker_path
 
-__all__ = ["CASES", "TINY", "tiny_run", "write_evil_checkpoint", "write_old_format_checkpoint"]
+__all__ = ["CASES", "TINY", "OsSystemPayload", "tiny_run", "write_evil_checkpoint", "write_old_format_checkpoint"]
 
 TINY = {
     "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
@@ -50,11 +51,22 @@ def tiny_run(tmp: Path, run: Path, optim: dict | None = None) -> Path:
     return cfg
 
 
+class OsSystemPayload:
+    """Unpickling this object runs ``touch MARKER`` through ``os.system`` (pickled as ``posix.system`` on Linux), the
+    classic malicious-pickle payload; PyTorch's weights-only unpickler refuses its module as blocked."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
 def _with_header(magic: bytes, data: bytes) -> bytes:
     return magic + b" " + hashlib.sha256(data).hexdigest().encode() + b" " + str(len(data)).encode() + b"\n" + data
 
 
-def write_evil_checkpoint(path: Path, marker: Path, like: Path | None = None) -> Path:
+def write_evil_checkpoint(path: Path, marker: Path, like: Path | None = None, payload_cls: type = EvilPayload) -> Path:
     """A checkpoint with a valid current-format header and hash whose payload also pickles code creating ``marker``.
 
     Args:
@@ -62,11 +74,13 @@ def write_evil_checkpoint(path: Path, marker: Path, like: Path | None = None) ->
         marker: file the payload would create when unpickled.
         like: a real checkpoint whose payload (same step, config and config hash) the evil one copies, so every
             check that runs after unpickling would pass; None: a minimal payload.
+        payload_cls: the pickled object's class, built with ``marker`` (:class:`EvilPayload` calls ``exec``,
+            :class:`OsSystemPayload` calls ``os.system``).
     """
     from weightgeom.train.checkpoint import MAGIC, load_checkpoint
 
     payload = load_checkpoint(like) if like is not None else {"step": 1, "config_hash": "x", "model": {}}
-    payload["evil"] = EvilPayload(marker)
+    payload["evil"] = payload_cls(marker)
     buf = io.BytesIO()
     torch.save(payload, buf)
     path.write_bytes(_with_header(MAGIC, buf.getvalue()))
@@ -119,6 +133,18 @@ def _evil_on_auto_resume(tmp: Path) -> None:
     cfg, run, ck, metrics = _evil_run(tmp)
     res = cli("train", cfg, "--out", run, "--no-progress", "--set", "train.max_steps=6")
     _assert_refused_unrun(tmp, res, ck, run, metrics)
+
+
+def _os_system_on_resume(tmp: Path) -> None:
+    run = tmp / "run"
+    tiny_run(tmp, run)
+    ck = _newest(run)
+    write_evil_checkpoint(ck, marker_path(tmp), like=ck, payload_cls=OsSystemPayload)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    res = cli("train", "--resume", run, "--no-progress", "--set", "train.max_steps=6")
+    _assert_refused_unrun(tmp, res, ck, run, metrics)
+    line = assert_one_line_error(res, "posix.system", "os.system", "nothing in it was run")
+    assert "weights_only" not in line, f"PyTorch's advice to turn weights_only off was repeated: {line!r}"
 
 
 def _old_format_refused(tmp: Path) -> None:
@@ -199,6 +225,10 @@ CASES: list[Hostile] = [
     Hostile("evil-auto-resume", "checkpoint",
             "the same crafted checkpoint met by auto-resume (`train CONFIG --out RUN`, as in every sweep) is refused "
             "the same way, before the config check", _evil_on_auto_resume),
+    Hostile("evil-os-system", "checkpoint",
+            "a checkpoint with a valid header whose payload pickles `os.system` (a module PyTorch blocks) is refused "
+            "on `train --resume` with one line naming `posix.system`/`os.system` and saying nothing in it was run, "
+            "never PyTorch's advice to load with `weights_only=False`; no code runs", _os_system_on_resume),
     Hostile("old-format", "checkpoint",
             "a checkpoint written by an older weightgeom (fully pickled WGCKPT1 format) is refused with one line "
             "saying so, without being unpickled", _old_format_refused),

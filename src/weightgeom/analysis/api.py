@@ -6,8 +6,9 @@ random levels; ``dominance`` = ‖ΔW_l‖_F/‖W0_l‖_F for the first layer of
 
 A matrix holding NaN or Inf (e.g. one layer of a diverged checkpoint) is skipped, not fatal: it gets a row in
 ``layers`` whose note says so, a note in ``meta["notes"]`` naming the tensor, an entry in ``meta["skipped"]``, and the
-pairs it would form with its neighbours are left out (no pair spans it); the other matrices are analysed as usual. Only
-when every matrix is non-finite does the analysis refuse (``ValueError``). A non-finite gradient or reference matrix
+pairs it would form with its neighbours are left out (no pair spans it); the other matrices are analysed as usual. An
+empty matrix (a 0×n or m×0 tensor) is skipped the same way (its reason starts with ``"empty"``). Only when every matrix
+is skipped does the analysis refuse (``ValueError``). A non-finite gradient or reference matrix
 drops the ``grad_*`` / ``delta_*`` metrics of its run, with a note.
 """
 
@@ -61,6 +62,13 @@ def _nonfinite(t: torch.Tensor) -> str | None:
     return f"{int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} Inf of {t.numel()} entries"
 
 
+def _empty(t: torch.Tensor) -> str | None:
+    """``"empty: 0×8, no entries"`` when ``t`` has no entries (no singular vector to compare), else None."""
+    if t.numel():
+        return None
+    return f"empty: {'×'.join(str(d) for d in t.shape)}, no entries"
+
+
 def _groups(items: list[RoleWeight], skip: set[int] | None = None) -> list[list[RoleWeight]]:
     """Split a role's layers into runs of one shape (continuity needs equal shapes); the layers in ``skip`` (indices
     into ``items``, e.g. non-finite matrices) are left out and end a run, so no pair spans a skipped layer."""
@@ -89,31 +97,37 @@ def _run_key(role: str, run: list[RoleWeight], runs: list[list[RoleWeight]]) -> 
 
 def _skip_nonfinite(by_role: dict[str, list[RoleWeight]], lay_rows: list[dict], notes: list[str],
                     skipped: list[dict]) -> dict[str, set[int]]:
-    """Find the non-finite matrices (NaN/Inf); record them in ``lay_rows``, ``notes`` and ``skipped``.
+    """Find the matrices that cannot be analysed (empty, or holding NaN/Inf); record them in ``lay_rows``, ``notes``
+    and ``skipped`` (whose ``reason`` starts with ``"empty"`` for an empty matrix).
 
     Returns:
         role → indices of its skipped layers.
 
     Raises:
-        ValueError: every matrix is non-finite (nothing left to analyse); names the first tensors.
+        ValueError: every matrix is skipped (nothing left to analyse); names the first tensors.
     """
     skip: dict[str, set[int]] = {}
     total = 0
     for role, items in by_role.items():
         for i, rw in enumerate(items):
             total += 1
-            why = _nonfinite(rw.weight)
+            empty = _empty(rw.weight)
+            why = empty or _nonfinite(rw.weight)
             if why is None:
                 continue
+            kind = why if empty else f"non-finite ({why})"
             skip.setdefault(role, set()).add(i)
             skipped.append({"role": role, "layer": rw.layer, "tensor": rw.name, "reason": why})
             m, n = rw.weight.shape
             lay_rows.append({"role": role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n,
-                             "note": f"skipped: non-finite ({why})"})
-            notes.append(f"skipped {role} layer {rw.layer} ({rw.name}): non-finite ({why}); its pairs with the "
-                         "neighbouring layers are left out")
+                             "note": f"skipped: {kind}"})
+            notes.append(f"skipped {role} layer {rw.layer} ({rw.name}): {kind}; its pairs with the neighbouring "
+                         "layers are left out")
     if skipped and len(skipped) == total:
         names = ", ".join(dict.fromkeys(d["tensor"] for d in skipped[:3]))
+        if any(d["reason"].startswith("empty") for d in skipped):
+            raise ValueError(f"no matrix can be analysed: every one is empty or holds NaN/Inf ({total} matrices, "
+                             f"e.g. {names})")
         raise ValueError(f"every matrix holds NaN or Inf ({total} matrices, e.g. {names}): nothing to analyse "
                          "(a diverged checkpoint?)")
     return skip

@@ -54,14 +54,32 @@ def _load_inputs(args: argparse.Namespace, path: Path):
 
 
 def _warn_skipped(res) -> None:
-    """One stderr line naming the matrices left out for NaN/Inf (the analysis of the others went on)."""
+    """One stderr line naming the matrices left out (NaN/Inf, or empty); the analysis of the others went on."""
     skipped = res.meta.get("skipped") or []
     if skipped:
         shown = ", ".join(f"{d['tensor']} ({d['reason']})" for d in skipped[:5])
         more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         what, pron = ("matrix", "it") if len(skipped) == 1 else ("matrices", "them")
-        print(f"weightgeom analyze: warning: skipped {len(skipped)} non-finite {what} (NaN/Inf): {shown}{more}; "
+        kinds = {"empty" if d["reason"].startswith("empty") else "non-finite" for d in skipped}
+        kind = " or ".join(sorted(kinds))
+        why = " (NaN/Inf)" if "non-finite" in kinds else ""
+        print(f"weightgeom analyze: warning: skipped {len(skipped)} {kind} {what}{why}: {shown}{more}; "
               f"the layer pairs that would include {pron} are left out, the rest is analysed", file=sys.stderr)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's text (its type name when empty), at most 200 characters."""
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """True for ``MemoryError`` and PyTorch's allocator failures (``RuntimeError: ... can't allocate memory``)."""
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in ("can't allocate memory", "not enough memory",
+                                                                    "Cannot allocate memory", "out of memory"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except OSError as e:  # permission denied, a directory where a file was expected, ...
         return _fail(f"{e.filename or path}: cannot read ({e.strerror or e})")
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        return _fail(f"{path}: not enough memory to load it ({_first_line(e)})")
     if not args.quiet:
         print(f"loaded {len(src.tensors)} tensors ({src.format}) in {t_load:.1f} s; analysing ...", file=sys.stderr)
     try:
@@ -102,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
                            check_svd=args.check_svd, progress=not args.quiet)
     except ValueError as e:
         return _fail(f"{path}: {e}")
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        return _fail(f"{path}: not enough memory to analyse it ({_first_line(e)})")
     _warn_skipped(res)
     res.meta["time_load_s"] = t_load
     print(format_summary(res))

@@ -1,10 +1,12 @@
-"""Load weights for analysis from an nn.Module, a state dict, an HF model directory (safetensors or pytorch_model.bin),
-a torch checkpoint (ours or any ``{"model": state_dict, ...}``), or a llama.cpp GGUF file.
+"""Load weights for analysis from an nn.Module, a state dict, an HF model directory (safetensors, pytorch_model.bin or
+the shards listed in pytorch_model.bin.index.json), a torch checkpoint (ours or any ``{"model": state_dict, ...}``),
+or a llama.cpp GGUF file.
 
 Files are read as tensors only: safetensors, ``torch.load(weights_only=True)`` (PyTorch's restricted unpickler,
 memory-mapped for zip-format files), our checkpoints (verified, also ``weights_only=True``) and GGUF. Nothing in a file
 is executed: a torch file that pickles Python objects (a class, a function — what a malicious pickle needs) is refused
-with one line naming the file and the object, as are truncated, corrupt and unrecognised files (``ValueError``).
+with one line naming the file and the object, as are truncated, corrupt and unrecognised files and stride-0 or
+overlapping views whose shape needs more elements than their storage holds (``ValueError``).
 
 GGUF: tensors are read with ``gguf.GGUFReader`` and quantised types dequantised with ``gguf.quants.dequantize``.
 llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K per head (interleaving the two RoPE halves) for
@@ -101,7 +103,7 @@ def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     if is_checkpoint_file(head):  # our trainer's verified checkpoint (weightgeom.train.checkpoint)
         payload = load_checkpoint(path)
         notes.append(f"weightgeom checkpoint, step {payload.get('step')}")
-        return _unwrap_named(payload, path), notes
+        return _check_storage(_unwrap_named(payload, path), path), notes
     if not head:
         raise ValueError(f"{path}: empty file")
     if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save zip archive, or a (legacy torch) pickle
@@ -112,7 +114,25 @@ def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
         why = weights_only_refusal(e)
         hint = f"; {_RESAVE}" if why.startswith("holds pickled") else ""
         raise ValueError(f"{path}: {why}{hint}") from None
-    return _unwrap_named(obj, path), notes
+    return _check_storage(_unwrap_named(obj, path), path), notes
+
+
+def _check_storage(sd: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """Refuse views whose shape needs more elements than their storage holds (stride-0 or overlapping views).
+
+    A few bytes of ``torch.zeros(1).expand(300000, 300000)`` would otherwise become a 360 GB matrix once analysed.
+
+    Raises:
+        ValueError: one line naming the file and the tensor, with its shape and its storage's size.
+    """
+    for name, t in sd.items():
+        held = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+        if t.numel() > held:
+            shape = "×".join(str(d) for d in t.shape)
+            raise ValueError(f"{path}: tensor {name} is a stride-0 or overlapping view ({shape} = {t.numel()} "
+                             f"elements over a storage of {held}, strides {tuple(t.stride())}); weightgeom reads "
+                             "plain tensors only — re-save it with .contiguous()")
+    return sd
 
 
 def _unwrap_named(obj, path: Path) -> dict[str, torch.Tensor]:
@@ -143,6 +163,45 @@ def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     for f in sorted(path.glob("*.safetensors")):
         out.update(_load_safetensors_file(f))
     return out
+
+
+_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _shard_paths(index: Path) -> list[Path]:
+    """The shard files an HF ``pytorch_model.bin.index.json`` lists (``weight_map`` values), in order of first use.
+
+    Raises:
+        ValueError: unreadable index, no ``weight_map``, a shard name that is not a plain file name in the index's
+            directory (absolute, ``..``, a sub-directory, a symlink leading out) or a missing shard — one line naming
+            the index and the shard.
+    """
+    doc = _read_config_json(index)
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise ValueError(f"{index}: no \"weight_map\" (tensor name → shard file) in the index")
+    base = index.parent.resolve()
+    shards = []
+    for name in dict.fromkeys(wmap.values()):
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"{index}: shard {name!r} is not a file name in {index.parent}")
+        shard = index.parent / name
+        if shard.resolve().parent != base:
+            raise ValueError(f"{index}: shard {name!r} resolves to {shard.resolve()}, outside {index.parent}")
+        if not shard.is_file():
+            raise ValueError(f"{index}: shard {name} is missing from {index.parent}")
+        shards.append(shard)
+    return shards
+
+
+def _load_sharded_bin(index: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Tensors of every shard an HF ``pytorch_model.bin.index.json`` lists, each read like a single torch file."""
+    out: dict[str, torch.Tensor] = {}
+    shards = _shard_paths(index)
+    for shard in shards:
+        sd, _ = _load_torch(shard)
+        out.update(sd)
+    return out, [f"loaded {len(shards)} shard{'s' if len(shards) > 1 else ''} listed in {index.name}"]
 
 
 def _read_config_json(path: Path) -> dict:
@@ -216,6 +275,22 @@ def _gguf_tensor(t, path: Path, quantised: set[str]) -> torch.Tensor:
         raise ValueError(f"{path}: cannot read GGUF tensor {t.name} ({type(e).__name__}: {e})") from None
 
 
+def _head_count(reader, key: str, path: str | os.PathLike) -> int | None:
+    """The GGUF metadata value ``key`` as a positive head count, or None when absent.
+
+    Raises:
+        ValueError: the value is not a positive integer (one line naming the file and the key).
+    """
+    v = _field_value(reader, key)
+    if v is None:
+        return None
+    if isinstance(v, list) and len(v) == 1:  # some writers store a one-element array
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) <= 0:
+        raise ValueError(f"{path}: GGUF metadata {key} = {v!r} is not a positive integer (a head count)")
+    return int(v)
+
+
 def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Loaded:
     """Read a GGUF file into float32 tensors in (out, in) layout with llama.cpp tensor names.
 
@@ -229,8 +304,11 @@ def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
     reader = _open_gguf(Path(path))
     try:
         arch = _field_value(reader, "general.architecture") or "unknown"
-        n_head = _field_value(reader, f"{arch}.attention.head_count")
-        n_kv = _field_value(reader, f"{arch}.attention.head_count_kv") or n_head
+        n_head = _head_count(reader, f"{arch}.attention.head_count", path)
+        n_kv = _head_count(reader, f"{arch}.attention.head_count_kv", path)
+        kv_given, n_kv = n_kv is not None, n_kv or n_head
+    except ValueError:
+        raise
     except Exception as e:  # noqa: BLE001 - malformed metadata fields
         raise ValueError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
     notes = []
@@ -244,10 +322,16 @@ def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
             raise ValueError(f"{path}: {arch}.attention.head_count missing; cannot undo the Q/K permutation "
                              "(pass undo_permute=False — adjacent-layer metrics are invariant to it)")
         for name in list(tensors):
-            if name.endswith("attn_q.weight"):
-                tensors[name] = unpermute_qk(tensors[name], int(n_head))
-            elif name.endswith("attn_k.weight"):
-                tensors[name] = unpermute_qk(tensors[name], int(n_kv))
+            heads = n_head if name.endswith("attn_q.weight") else n_kv if name.endswith("attn_k.weight") else None
+            if heads is None:
+                continue
+            try:
+                tensors[name] = unpermute_qk(tensors[name], heads)
+            except ValueError as e:
+                kv = name.endswith("attn_k.weight") and kv_given
+                key = "head_count_kv" if kv else "head_count"
+                raise ValueError(f"{path}: tensor {name}: {e} ({arch}.attention.{key}); pass undo_permute=False "
+                                 "(--gguf-keep-permutation) to leave the rows as stored") from None
         notes.append(f"undid llama.cpp's Q/K row permutation (arch {arch}, {n_head} heads, {n_kv} KV heads)")
     meta = {"path": str(path), "arch": arch, "n_head": n_head, "n_head_kv": n_kv}
     return Loaded(tensors, "gguf", meta=meta, notes=notes)
@@ -291,6 +375,9 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
             if (path / name).exists():
                 sd, notes = _load_torch(path / name)
                 return Loaded(sd, "torch", meta=meta, notes=notes)
+        if (path / _BIN_INDEX).exists():  # sharded pytorch_model-0000i-of-0000n.bin
+            sd, notes = _load_sharded_bin(path / _BIN_INDEX)
+            return Loaded(sd, "torch", meta=meta, notes=notes)
         latest = latest_checkpoint(path / "checkpoints")  # a weightgeom run directory: its newest checkpoint
         if latest is not None:
             sd, notes = _load_torch(latest)
@@ -304,7 +391,8 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
             return Loaded(sd, "torch", meta=meta, notes=notes + [f"loaded {pts[-1].name}"])
         if (path / "checkpoints").is_dir():
             raise ValueError(f"{path}: run directory has no checkpoint in checkpoints/ yet (nothing to analyse)")
-        raise ValueError(f"{path}: directory has no *.safetensors, pytorch_model.bin, *.pt or *.gguf file")
+        raise ValueError(f"{path}: directory has no *.safetensors, pytorch_model.bin (or {_BIN_INDEX}), *.pt or "
+                         "*.gguf file")
     suffix = path.suffix.lower()
     if suffix == ".gguf":
         return load_gguf(path, undo_permute)

@@ -208,27 +208,71 @@ def _unsafe_item(obj: Any, where: str) -> str | None:
     return f"{where} (type {type(obj).__module__}.{type(obj).__qualname__})"
 
 
+# What PyTorch's restricted unpickler says when a pickle needs a Python object (torch/_weights_only_unpickler.py):
+# an import of a class/function (allowed-globals and blocked-module forms), a call, an instantiation or a BUILD of one.
+_PICKLED_OBJECT_PATTERNS = (  # (regex whose group 1 names the object, whether it names a GLOBAL)
+    (r"Unsupported global: GLOBAL (\S+) was not an allowed global", True),
+    (r"unsupported GLOBAL (\S+) whose module \S+ is blocked", True),
+    (r"call reduce for unrecognized function (.+?)(?: which belongs to .*)?$", False),
+    (r"Can only create new object for .* but got (.+)$", False),
+    (r"Can only build Tensor, .* but got (.+)$", False),
+)
+
+# Lines of torch's error text that are PyTorch's own advice (e.g. to turn ``weights_only`` off), never repeated.
+_TORCH_ADVICE = ("weights_only", "Weights only load failed", "Check the documentation", "Please file an issue",
+                 "arbitrary code execution", "trusted source")
+
+
+def _pickled_object(text: str) -> str | None:
+    """``"GLOBAL posix.system, i.e. os.system"`` when ``text`` says the pickle needs a Python object, else None."""
+    for pattern, is_global in _PICKLED_OBJECT_PATTERNS:
+        m = re.search(pattern, text, re.MULTILINE)
+        if not m:
+            continue
+        name = m.group(1).strip().rstrip(".")
+        if not is_global:
+            return name
+        module, _, attr = name.partition(".")
+        return f"GLOBAL {name}" + (f", i.e. os.{attr}" if module in ("posix", "nt") and attr else "")
+    return None
+
+
+def _unpickler_reason(text: str) -> str:
+    """The restricted unpickler's own words in torch's error text, without PyTorch's advice around them."""
+    m = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    if m:
+        return m.group(1).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not any(a in line for a in _TORCH_ADVICE):
+            return line
+    return ""
+
+
 def weights_only_refusal(exc: BaseException) -> str:
     """Why ``torch.load(weights_only=True)`` refused a file, in a few words (from its exception).
 
+    Covers every form of PyTorch's weights-only refusal (a global that is not allow-listed, one from a blocked module
+    such as ``os``/``posix``, a call, instantiation or build of an unknown object) and never repeats PyTorch's advice
+    to load with ``weights_only=False``.
+
     Returns:
-        ``"holds pickled Python objects (GLOBAL os.system)"`` for a pickled class/function, otherwise a short
-        description of the failure (``"truncated or corrupt (not a complete PyTorch zip archive)"``, ``"empty or
-        truncated"``, ``"not a PyTorch tensor file (...)"``).
+        ``"holds pickled Python objects (GLOBAL posix.system, i.e. os.system)"`` for a pickled class/function,
+        otherwise a short description of the failure (``"truncated or corrupt (not a complete PyTorch zip
+        archive)"``, ``"empty or truncated"``, ``"not a PyTorch tensor file (...)"``).
     """
     text = str(exc)
-    m = re.search(r"Unsupported global: (GLOBAL \S+)", text)
-    if m:
-        return f"holds pickled Python objects ({m.group(1)})"
+    obj = _pickled_object(text)
+    if obj:
+        return f"holds pickled Python objects ({obj})"
     if isinstance(exc, EOFError) or "Ran out of input" in text:
         return "empty or truncated"
     if "PytorchStreamReader" in text or "zip archive" in text:
         return "truncated or corrupt (not a complete PyTorch zip archive)"
-    m = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-    if m:
-        return f"not a PyTorch tensor file (the weights-only unpickler stops at: {m.group(1).strip()})"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return f"not a readable PyTorch file ({first[:200]})"
+    reason = _unpickler_reason(text)[:200]
+    if "Weights only load failed" in text or "WeightsUnpickler" in text:
+        return f"not a PyTorch tensor file (the weights-only unpickler stops at: {reason or type(exc).__name__})"
+    return f"not a readable PyTorch file ({reason or type(exc).__name__})"
 
 
 def safe_torch_load(source: str | os.PathLike | io.BytesIO, map_location: Any = "cpu", mmap: bool = False) -> Any:
