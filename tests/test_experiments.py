@@ -460,7 +460,8 @@ def test_sweep_refuses_runs_recorded_with_other_settings(tmp_path, base_cfg):
     (out / "adamw-w16-lr0.01-s0" / "status.json").write_text('{"state": "running", "step": 4}')
     with pytest.raises(SweepSettingsError, match=r"adamw-w16-lr0.01-s0 was started with train.max_steps=10"):
         run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.01"]), out, train_fn=counting, progress=False)
-    # the same settings resume; another --only subset with its own settings goes into the same directory
+    # the same settings resume; without sweep-level settings (run_sweep called directly, not the CLI) another
+    # --only subset with its own settings goes into the same directory
     calls.clear()
     run_sweep(_md_runs(base_cfg, only=["adamw-w16-lr0.001"]), out, train_fn=counting, progress=False)
     assert calls == []
@@ -486,6 +487,91 @@ def test_sweep_no_resume_trains_fresh_and_hands_the_old_record_to_previous(tmp_p
     assert (out / "adamw-w16-lr0.001-s0" / "experiment.previous.json").read_text() == old
     assert json.loads((out / "adamw-w16-lr0.001-s0" / "experiment.json").read_text())["settings"][
         "train.max_steps"] == 20
+
+
+MD_SWEEP = """
+[sweep]
+widths = [16]
+optimizers = ["adamw"]
+[sweep.lrs]
+adamw = [0.001, 0.01]
+"""
+
+
+def _md_sweep_file(tmp_path: Path, base_toml: str = BASE_TOML, name: str = "md-sweep.toml") -> Path:
+    return _write(tmp_path / name, base_toml + MD_SWEEP)
+
+
+def _md_execute(cfg: Path, out: Path, only: str, **kw):
+    return execute("md", str(cfg), out=out, only=only, train_fn=fake_train, report=False, progress=False, **kw)
+
+
+def test_sweep_directory_keeps_one_set_of_sweep_level_settings(tmp_path):
+    cfg, out = _md_sweep_file(tmp_path), tmp_path / "sw"
+    _md_execute(cfg, out, "adamw-w16-lr0.001", steps=10)
+    before = _files(out)
+    refusals = [
+        (dict(steps=20), r"sweep .*sw was run with --steps 10, the command gives --steps 20; use --out for a new "
+                         r"sweep directory \(--no-resume would leave 1 of its runs, e.g. adamw-w16-lr0.001-s0, "),
+        (dict(steps=20, resume=False), r"--steps 10, the command gives --steps 20.*--no-resume would leave"),
+        (dict(steps=10, sets=["optim.weight_decay=0.3"]),
+         r"run without --set optim.weight_decay, the command sets optim.weight_decay=0.3"),
+        (dict(), r"run with --steps 10, the command gives no --steps"),
+    ]
+    for kw, match in refusals:  # only other runs are planned: the per-run check alone would let them in
+        with pytest.raises(SweepSettingsError, match=match):
+            _md_execute(cfg, out, "adamw-w16-lr0.01", **kw)
+    wider = BASE_TOML.replace("n_embd = 32", "n_embd = 64")
+    other = _md_sweep_file(tmp_path / "elsewhere", wider)
+    with pytest.raises(SweepSettingsError, match=r"run from config .*md-sweep.toml, whose trainer configs differ "
+                                                 r"from those of the command's .*elsewhere.md-sweep.toml; use --out"):
+        _md_execute(other, out, "adamw-w16-lr0.01", steps=10)
+    cfg.write_text(wider + MD_SWEEP)
+    with pytest.raises(SweepSettingsError, match=r"from another content of config .*md-sweep.toml \(its trainer"):
+        _md_execute(cfg, out, "adamw-w16-lr0.01", steps=10)
+    assert _files(out) == before
+    cfg.write_text(BASE_TOML + MD_SWEEP)
+    # other --only subsets and --seeds are free, and the same trainer configs under another path are the same
+    # config; the manifest keeps every invocation and the union of the seeds
+    man, _ = _md_execute(_md_sweep_file(tmp_path / "copy"), out, "adamw-w16-lr0.01", steps=10, seeds=[1])
+    assert sorted(r["name"] for r in man["runs"]) == ["adamw-w16-lr0.001-s0", "adamw-w16-lr0.01-s1"]
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["seeds"] == [0, 1] and saved["steps"] == 10 and saved["sweep_settings"]["steps"] == 10
+    assert [(i["only"], i["seeds"]) for i in saved["invocations"]] == [(["adamw-w16-lr0.001"], [0]),
+                                                                       (["adamw-w16-lr0.01"], [1])]
+    # --no-resume may change the sweep-level settings when it trains every run of the directory again
+    man, _ = _md_execute(cfg, out, "adamw-w16-lr0.001,adamw-w16-lr0.01", steps=20, seeds=[0, 1], resume=False)
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["sweep_settings"]["steps"] == 20 and len(saved["invocations"]) == 3
+    assert {r["status"] for r in man["runs"]} == {"done"}
+
+
+def test_sweep_level_settings_of_an_older_manifest(tmp_path):
+    cfg, out = _md_sweep_file(tmp_path), tmp_path / "sw"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"recipe": "md", "steps": 10, "seeds": [0], "command": "old",
+                                                "created": "2026-01-01T00:00:00Z", "runs": []}))
+    with pytest.raises(SweepSettingsError, match=r"run with --steps 10, the command gives --steps 20"):
+        _md_execute(cfg, out, "adamw-w16-lr0.01", steps=20)
+    _md_execute(cfg, out, "adamw-w16-lr0.01", steps=10, seeds=[2])  # what it recorded agrees: accepted
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["seeds"] == [0, 2] and [i["command"] for i in saved["invocations"]][0] == "old"
+    (out / "sweep.json").write_text(json.dumps({"runs": saved["runs"]}))  # nothing comparable recorded
+    _md_execute(cfg, out, "adamw-w16-lr0.01", steps=10, seeds=[2], sets=["optim.weight_decay=0.1"])
+
+
+def test_report_warns_when_compared_runs_have_other_max_steps(tmp_path, base_cfg, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_sweep(_md_runs(base_cfg, only=["adamw-w16-lr0.001"]), a, train_fn=fake_train, progress=False)
+    run_sweep(_md_runs(base_cfg, steps=20, only=["adamw-w16-lr0.01"]), b, train_fn=fake_train, progress=False)
+    capsys.readouterr()
+    path = rep.make_report([a], out=tmp_path / "ra")
+    assert capsys.readouterr().err == "" and "Warning" not in path.read_text()
+    path = rep.make_report([a, b], out=tmp_path / "rab")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning" in err[0] and "train.max_steps: 10 (1 run: adamw-w16-lr0.001-s0), " \
+        "20 (1 run: adamw-w16-lr0.01-s0)" in err[0], err
+    assert "**Warning:** the md runs compared here were trained for different train.max_steps" in path.read_text()
 
 
 def test_settings_differences_ignore_version_only_schema_keys():

@@ -3,7 +3,9 @@
 ``weightgeom sweep``: one sweep at a time per sweep directory (the second exits 2 naming the owner's pid and host),
 worker processes die with a killed sweep process (and a re-run then finishes the sweep), a finished sweep re-run with
 other ``--set`` / ``--steps`` is refused with one line naming the difference instead of reporting the old runs under
-the new settings, ``--no-resume`` keeps the earlier run under ``<run>/previous/``, and bad sweep input is one line.
+the new settings (so is a command adding new runs with other sweep-level settings), a report of runs trained for
+different step counts warns, ``--no-resume`` keeps the earlier run under ``<run>/previous/``, and bad sweep input is
+one line.
 
 Runs use a one-layer GPT on synthetic data, three steps each (about a second on a CPU). Where a second process is the
 point, a real subprocess runs a sweep whose training (the real trainer) is held before each optimizer step while a
@@ -183,6 +185,10 @@ def _sweep(tmp: Path, out: Path, *extra: str):
     return cli("sweep", "md", _sweep_file(tmp), "--out", str(out), "--only", ONLY, "--no-report", "--quiet", *extra)
 
 
+def _sweep_only(tmp: Path, out: Path, only: str, *extra: str):
+    return cli("sweep", "md", _sweep_file(tmp), "--out", str(out), "--only", only, "--no-report", "--quiet", *extra)
+
+
 def _states(out: Path) -> dict[str, Any]:
     return {f"{r}-s0": json.loads((out / f"{r}-s0" / "status.json").read_text()).get("state") for r in RUNS}
 
@@ -270,6 +276,40 @@ def _no_resume_keeps_previous(tmp: Path) -> None:
     assert res.rc == 0 and res.out.count("(skipped)") == 2, res.err
 
 
+def _sweep_level_settings(tmp: Path) -> None:
+    out = tmp / "sw"
+    first, other = RUNS
+    assert _sweep_only(tmp, out, first).rc == 0
+    before = _snapshot(out)
+    refusals = [
+        (("--steps", "5"), ("was run with no --steps, the command gives --steps 5", "use --out")),
+        (("--set", "optim.weight_decay=0.5"), ("without --set optim.weight_decay", "use --out")),
+        (("--steps", "5", "--no-resume"), ("--no-resume would leave 1 of its runs", f"{first}-s0")),
+    ]
+    for extra, expect in refusals:  # the command plans only a run the directory does not hold yet
+        line = assert_one_line_error(_sweep_only(tmp, out, other, *extra), *expect)
+        assert str(out) in line
+        assert _snapshot(out) == before  # nothing written: no run of other settings joins the sweep
+    res = _sweep_only(tmp, out, other, "--seeds", "1")  # another subset and seed: the same sweep, added to
+    assert res.rc == 0, res.err
+    man = json.loads((out / "sweep.json").read_text())
+    assert sorted(r["name"] for r in man["runs"]) == [f"{first}-s0", f"{other}-s1"]
+    assert man["seeds"] == [0, 1]
+    assert [(i["only"], i["seeds"]) for i in man["invocations"]] == [([first], [0]), ([other], [1])]
+
+
+def _report_mixed_steps(tmp: Path) -> None:
+    a, b = tmp / "a", tmp / "b"
+    assert _sweep_only(tmp, a, RUNS[0]).rc == 0
+    assert _sweep_only(tmp, b, RUNS[1], "--steps", "2").rc == 0
+    res = cli("report", str(a), str(b), "--out", str(tmp / "rep"))
+    assert res.rc == 0, res.err
+    warn = [ln for ln in res.err.splitlines() if ln.strip()]
+    assert len(warn) == 1 and "warning" in warn[0] and "train.max_steps: 2 (1 run" in warn[0] \
+        and "3 (1 run" in warn[0], res.err
+    assert "**Warning:**" in (tmp / "rep" / "report.md").read_text()
+
+
 def _bad_input(tmp: Path) -> None:
     cfg = _sweep_file(tmp)
     out = tmp / "sw"
@@ -302,6 +342,14 @@ CASES: list[Hostile] = [
     Hostile("no-resume-keeps-previous", "sweep",
             "`--no-resume` trains the runs again and moves each earlier run (checkpoints, metrics, experiment record) "
             "to `<run>/previous/<time>/`; nothing is deleted", _no_resume_keeps_previous),
+    Hostile("sweep-level-settings", "sweep",
+            "a sweep directory keeps one recipe, config, `--steps` and `--set`: a command with other ones exits 2 "
+            "with one line naming the first difference, even when it adds only new runs (another `--only`), and "
+            "writes nothing; other `--only` / `--seeds` join the sweep, and `sweep.json` keeps every invocation",
+            _sweep_level_settings),
+    Hostile("report-mixed-steps", "sweep",
+            "`weightgeom report` on runs trained for different `train.max_steps` warns with one line on stderr and "
+            "a note in `report.md`", _report_mixed_steps),
     Hostile("bad-input", "sweep",
             "an unknown preset, an `--only` that matches nothing, a bad `--set` key or value, `--steps 0`, or an "
             "`--out` that is a file: one line, exit 2, nothing written", _bad_input),

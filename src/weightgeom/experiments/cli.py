@@ -6,8 +6,9 @@ and the paper-scale config go through the same recipe unchanged. Finished runs a
 command resumes a sweep; ``OUT/sweep.json`` lists every run with its status.
 
 One sweep at a time owns ``OUT`` (a lock from planning to the report); a sweep whose runs were trained with other
-settings is refused with one line naming the difference. Bad input (recipe, preset, ``--only``, ``--set``, an
-unusable ``OUT``) is one line on stderr and exit code 2; nothing is written.
+settings, or whose directory was run with other sweep-level settings (recipe, config, ``--steps``, ``--set``; not
+``--only`` or ``--seeds``), is refused with one line naming the difference. Bad input (recipe, preset, ``--only``,
+``--set``, an unusable ``OUT``) is one line on stderr and exit code 2; nothing is written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import importlib
 import sys
 from pathlib import Path
 
-from weightgeom.experiments.runner import Recipe, load_parts, parse_set, plan, run_sweep
+from weightgeom.experiments.runner import (
+    SWEEP_SETTINGS_KEY,
+    Recipe,
+    load_parts,
+    parse_set,
+    plan,
+    run_sweep,
+    sweep_settings,
+)
 from weightgeom.train.rundir import DirLock
 
 RECIPES = {
@@ -108,7 +117,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
 
     Raises:
         ValueError: bad recipe, preset content, ``--only``, ``--set``; the directory is owned by another sweep
-            (``LockError``); runs recorded with other settings (``SweepSettingsError``).
+            (``LockError``); runs, or the sweep directory, recorded with other settings (``SweepSettingsError``).
         FileNotFoundError: unknown preset or config file.
         OSError: the sweep directory cannot be written.
     """
@@ -123,7 +132,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         raise ValueError(f"{sweep['_path']}: the [sweep] table does not fit recipe {recipe.name}: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     only_list = [o.strip() for o in only.split(",")] if isinstance(only, str) else (list(only) if only else None)
-    runs = plan(recipe.name, variants, parts, seeds, steps=steps, only=only_list, sets=parse_set(sets))
+    set_values = parse_set(sets)
+    runs = plan(recipe.name, variants, parts, seeds, steps=steps, only=only_list, sets=set_values)
     out = Path(out or Path("runs") / "sweeps" / f"{recipe.name}-{label}")
     if list_only:
         for r in runs:
@@ -136,7 +146,9 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         if progress:
             print(f"sweep {recipe.name}: {len(runs)} runs ({len({r.variant for r in runs})} variants × "
                   f"{len(seeds)} seeds) from {sweep['_path']} → {out}", flush=True)
-        meta = {"recipe": recipe.name, "config": str(sweep["_path"]), "label": label, "seeds": seeds, "steps": steps}
+        meta = {"recipe": recipe.name, "config": str(sweep["_path"]), "label": label, "seeds": seeds, "steps": steps,
+                "only": only_list,
+                SWEEP_SETTINGS_KEY: sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values)}
         manifest = run_sweep(runs, out, train_fn=train_fn, resume=resume, progress=progress,
                              trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta,
                              jobs=jobs, threads=threads, lock=False)

@@ -12,7 +12,11 @@ A sweep directory has one writer: :func:`run_sweep` holds ``DirLock(out, "sweep 
 second sweep in the same directory gets a one-line ``LockError``). Each run records its *settings* (every config key
 after the trainer's validation, plus the variant's controls) and their hash in ``experiment.json`` and the manifest;
 re-running a sweep whose runs were trained (or started) with other settings is refused with
-:class:`SweepSettingsError` naming the first difference, so a report never shows old runs under new settings.
+:class:`SweepSettingsError` naming the first difference, so a report never shows old runs under new settings. The
+sweep directory itself has one set of *sweep-level settings* (:func:`sweep_settings`: recipe, config file and its
+content, ``--steps``, ``--set``), recorded in the manifest; a command with other sweep-level settings is refused
+the same way, even when it plans only runs the directory does not hold yet (another ``--only`` or ``--seeds``, which
+are free). The manifest keeps every invocation (command, time, ``--only``, ``--seeds``) and the union of the seeds.
 Parallel runs (``jobs > 1``) train in worker processes that die with the sweep process (:func:`die_with_parent`).
 
 Base configs (the CONFIG argument) are either a preset name looked up in ``configs/experiments/<name>.toml`` or a
@@ -480,6 +484,108 @@ def check_recorded_settings(runs: Sequence[RunSpec], out: Path) -> None:
             f"{run_dir / 'previous'}/)")
 
 
+SWEEP_SETTINGS_KEY = "sweep_settings"
+"""Manifest key of the sweep-level settings (:func:`sweep_settings`)."""
+LEGACY_SWEEP_KEYS = ("recipe", "steps")
+"""Sweep-level settings a manifest written before :data:`SWEEP_SETTINGS_KEY` existed records at its top level."""
+
+
+def sweep_settings(recipe: str, config_path: str | Path, parts: dict[str, dict[str, Any]], steps: int | None,
+                   sets: dict[str, Any] | None) -> dict[str, Any]:
+    """The settings every run of one sweep directory shares (JSON-able).
+
+    Args:
+        recipe: recipe name.
+        config_path: the config file the CONFIG argument resolved to (recorded as an absolute path, for messages).
+        parts: its trainer configs (:func:`load_parts`); recorded as a hash, which is what is compared, so an
+            edited file is noticed and a copy elsewhere is the same config.
+        steps: the effective ``--steps`` (the ``[sweep] steps`` of the file when not given), or None.
+        sets: the parsed ``--set`` overrides.
+    """
+    return {"recipe": recipe, "config": str(Path(config_path).resolve()),
+            "config_hash": settings_hash(_jsonable(parts)), "steps": steps, "sets": _jsonable(dict(sets or {}))}
+
+
+def _describe_sweep_difference(key: str, old: Any, new: Any) -> str:
+    """``"with --steps 2, the command asks --steps 3"`` and the like for one sweep-level setting."""
+    if key == "recipe":
+        return f"by recipe {old}, the command runs recipe {new}"
+    if key == "config":
+        if old == new:
+            return f"from another content of config {old} (its trainer configs differ)"
+        return f"from config {old}, whose trainer configs differ from those of the command's {new}"
+    if key == "steps":
+        def steps(v: Any) -> str:
+            return "no --steps" if v is None else f"--steps {v}"
+        return f"with {steps(old)}, the command gives {steps(new)}"
+    k = key.split(" ", 1)[1]
+    if old is _MISSING:
+        return f"without --set {k}, the command sets {k}={_fmt_value(new)}"
+    if new is _MISSING:
+        return f"with --set {k}={_fmt_value(old)}, the command does not set it"
+    return f"with --set {k}={_fmt_value(old)}, the command sets {k}={_fmt_value(new)}"
+
+
+def sweep_settings_difference(manifest: Any, planned: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first sweep-level setting in which ``planned`` differs from an earlier manifest, or None.
+
+    The config file is compared by content (``config_hash``: the same trainer configs under another path are the
+    same config); the difference then reads ``("config", recorded path, planned path)``. A manifest without
+    :data:`SWEEP_SETTINGS_KEY` (written by an older weightgeom) is compared on :data:`LEGACY_SWEEP_KEYS` where it
+    records them; an unreadable one is not compared. ``--set`` keys are compared one by one (``("set optim.lr",
+    old, new)``; a side without the key is :data:`_MISSING`).
+    """
+    if not isinstance(manifest, dict):
+        return None
+    recorded = manifest.get(SWEEP_SETTINGS_KEY)
+    if not isinstance(recorded, dict):
+        recorded = {k: manifest[k] for k in LEGACY_SWEEP_KEYS if k in manifest}
+    if "recipe" in recorded and not _same(recorded["recipe"], planned.get("recipe")):
+        return "recipe", recorded["recipe"], planned.get("recipe")
+    if "config_hash" in recorded and recorded["config_hash"] != planned.get("config_hash"):
+        return "config", recorded.get("config", "?"), planned.get("config")
+    if "steps" in recorded and not _same(recorded["steps"], planned.get("steps")):
+        return "steps", recorded["steps"], planned.get("steps")
+    old_sets, new_sets = recorded.get("sets"), planned.get("sets") or {}
+    if isinstance(old_sets, dict):
+        for k in list(new_sets) + [k for k in old_sets if k not in new_sets]:
+            a, b = old_sets.get(k, _MISSING), new_sets.get(k, _MISSING)
+            if a is _MISSING or b is _MISSING or not _same(a, b):
+                return f"set {k}", a, b
+    return None
+
+
+def trained_run_names(out: Path) -> list[str]:
+    """Names of the run directories directly under ``out`` that hold a training's outputs, sorted."""
+    if not out.is_dir():
+        return []
+    return sorted(d.name for d in out.iterdir() if d.is_dir() and has_run_outputs(d))
+
+
+def check_sweep_settings(manifest: Any, planned: dict[str, Any], runs: Sequence[RunSpec], out: Path,
+                         resume: bool) -> None:
+    """Refuse a command whose sweep-level settings differ from those the sweep directory was run with.
+
+    ``--no-resume`` may change them only when the command trains again every run the directory holds (else the
+    directory would mix runs of two settings); otherwise the way out is another ``--out``.
+
+    Raises:
+        SweepSettingsError: one line naming the sweep directory, the first difference and the ways out.
+    """
+    diff = sweep_settings_difference(manifest, planned)
+    if diff is None:
+        return
+    left = sorted(set(trained_run_names(out)) - {r.name for r in runs})
+    if not resume and not left:
+        return
+    line = f"sweep {out} was run {_describe_sweep_difference(*diff)}; use --out for a new sweep directory"
+    if left:
+        line += f" (--no-resume would leave {len(left)} of its runs, e.g. {left[0]}, with the old settings)"
+    else:
+        line += " or --no-resume to train its runs again (old results move to <run>/previous/)"
+    raise SweepSettingsError(line)
+
+
 # ------------------------------------------------------------------------------------------------------------ plan
 def run_name(variant: str, seed: int) -> str:
     """Directory name of one run."""
@@ -662,6 +768,14 @@ def _worker_call(train_fn: TrainFn, spec: RunSpec, run_dir: Path, progress: bool
 
 
 # ---------------------------------------------------------------------------------------------------------- sweep
+def _seed_union(old: Any, new: Any) -> Any:
+    """Sorted union of two recorded seed lists; ``new`` unchanged when ``old`` is not a list of integers."""
+    if not (isinstance(old, list) and isinstance(new, list)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in old + new)):
+        return new
+    return sorted(set(old) | set(new))
+
+
 def _one_line(e: BaseException) -> str:
     return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
 
@@ -676,12 +790,19 @@ class _Sweep:
         self.resume, self.progress, self.tp, self.post_run = resume, progress, trainer_progress, post_run
         self.jobs, self.threads = jobs, threads
         self.manifest_path = out / MANIFEST
+        meta = dict(meta or {})
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.invocation: dict[str, Any] = {
+            "time": now, "command": " ".join(sys.argv), "only": meta.pop("only", None), "seeds": meta.get("seeds"),
+            "resume": resume, "jobs": jobs, "threads": threads, "planned": len(self.runs),
+        }
         self.manifest: dict[str, Any] = {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": " ".join(sys.argv),
-            **(meta or {}),
+            "created": now,
+            "command": self.invocation["command"],
+            **meta,
             "jobs": jobs,
             "threads": threads,
+            "invocations": [self.invocation],
             "runs": [],
         }
         self.records: list[dict[str, Any]] = []
@@ -689,27 +810,49 @@ class _Sweep:
         self.done_count = 0
 
     # -- manifest ------------------------------------------------------------------------------------------------
-    def _earlier_records(self) -> dict[str, dict[str, Any]]:
-        """Run records of an earlier ``sweep.json``; an unreadable one is kept aside (renamed), never overwritten."""
+    def _earlier_manifest(self) -> Any:
+        """The earlier ``sweep.json`` as read (None if there is none; anything else if it is unreadable)."""
         if not self.manifest_path.exists():
-            return {}
+            return None
         old = _read_json(self.manifest_path)
+        return old if old is not None else "unreadable"
+
+    def _earlier_records(self, old: Any) -> dict[str, dict[str, Any]]:
+        """Run records of the earlier manifest ``old``, whose invocations and seeds this manifest takes over.
+
+        An unreadable one is kept aside (renamed), never overwritten.
+        """
+        if old is None:
+            return {}
         if not isinstance(old, dict) or not isinstance(old.get("runs", []), list):
             aside = self.manifest_path.with_name(f"sweep.unreadable-{time.strftime('%Y%m%dT%H%M%SZ')}.json")
             os.replace(self.manifest_path, aside)
             print(f"weightgeom sweep: {self.manifest_path} was unreadable; kept as {aside}", file=sys.stderr)
             return {}
         self.manifest["created"] = old.get("created", self.manifest["created"])
+        earlier = old.get("invocations")
+        if not isinstance(earlier, list):  # a manifest of an older weightgeom: its one invocation, as recorded
+            earlier = [{"time": old.get("created"), "command": old.get("command"), "seeds": old.get("seeds")}]
+        self.manifest["invocations"] = [*earlier, self.invocation]
+        self.manifest["seeds"] = _seed_union(old.get("seeds"), self.manifest.get("seeds"))
         return {r["name"]: r for r in old.get("runs", []) if isinstance(r, dict) and "name" in r}
 
     def write_manifest(self) -> None:
         _write_json(self.manifest_path, self.manifest)
 
     def start(self) -> None:
-        """Check recorded settings (when resuming), merge the earlier manifest, write the new one."""
+        """Check recorded settings, merge the earlier manifest, write the new one.
+
+        The runs' recorded settings are checked when resuming, the sweep-level settings always (when the caller
+        gave them in ``meta``), both before anything is written.
+        """
+        old = self._earlier_manifest()
         if self.resume:
             check_recorded_settings(self.runs, self.out)
-        by_name = self._earlier_records()
+        planned = self.manifest.get(SWEEP_SETTINGS_KEY)
+        if isinstance(planned, dict):
+            check_sweep_settings(old, planned, self.runs, self.out, self.resume)
+        by_name = self._earlier_records(old)
         for spec in self.runs:
             rec = {**by_name.get(spec.name, {}), **spec.record(), "run_dir": str(self.out / spec.name)}
             if not self.resume or rec.get("settings_hash") != by_name.get(spec.name, {}).get("settings_hash"):
@@ -860,6 +1003,7 @@ class _Sweep:
             self.run_parallel(todo)
         self.manifest["wall_s"] = round(time.perf_counter() - self.t0, 2)
         self.manifest["failed"] = sum(r.get("status") == "failed" for r in self.records[:len(self.runs)])
+        self.invocation.update(wall_s=self.manifest["wall_s"], failed=self.manifest["failed"])
         self.write_manifest()
         return self.manifest
 
@@ -896,7 +1040,10 @@ def run_sweep(
         trainer_progress: let the trainer show its progress bar (default: same as ``progress``; always off with
             ``jobs > 1``).
         post_run: called after each finished run (e.g. continuity analysis of its checkpoints).
-        meta: extra fields for the manifest (recipe, config label, command).
+        meta: extra fields for the manifest (recipe, config label, seeds, steps). ``meta["sweep_settings"]``
+            (:func:`sweep_settings`) is checked against the earlier manifest and recorded; ``meta["only"]`` goes
+            into this invocation's entry of ``"invocations"``. The manifest's ``"seeds"`` becomes the union with
+            the earlier manifest's.
         jobs: runs trained at the same time, each in its own process (small CPU models: ``jobs=2, threads=1`` on
             2 cores beats one 2-thread run, whose tiny matmuls spend their time synchronising threads).
         threads: ``torch.set_num_threads`` for the training (None: leave PyTorch's default).
@@ -904,7 +1051,8 @@ def run_sweep(
 
     Raises:
         LockError: another live process runs a sweep in ``out`` (one line naming its pid and host).
-        SweepSettingsError: ``resume`` and a run in ``out`` was trained or started with other settings.
+        SweepSettingsError: ``resume`` and a run in ``out`` was trained or started with other settings; or
+            ``meta["sweep_settings"]`` differs from the earlier manifest's (see :func:`check_sweep_settings`).
         ValueError: a run's config is invalid.
     """
     from weightgeom.train.rundir import DirLock

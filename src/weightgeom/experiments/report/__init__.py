@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,8 +64,49 @@ def generic_section(runs: Sequence[RunData], out: Path, title: str = "Runs") -> 
 SECTIONS = {"manifolds": manifolds_section, "continuity": continuity_section, "md": md_section}
 
 
+def max_steps_of(run: RunData) -> int | None:
+    """``train.max_steps`` a run was trained with (its ``config.resolved.toml``, else ``experiment.json``)."""
+    value = (run.config.get("train") or {}).get("max_steps")
+    if value is None:
+        value = (run.experiment.get("settings") or {}).get("train.max_steps")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def max_steps_warning(runs: Sequence[RunData]) -> str | None:
+    """One sentence when runs that are compared with each other were trained for different ``train.max_steps``.
+
+    Runs are compared within a recipe's section and config part (e.g. the ``resmlp`` and ``llama`` parts of the
+    continuity recipe may train for different step counts by design). None when every group agrees.
+    """
+    groups: dict[tuple[str, str], dict[int, list[str]]] = {}
+    for r in runs:
+        steps = max_steps_of(r)
+        if steps is not None:
+            key = (r.recipe or "", str(r.experiment.get("part") or "main"))
+            groups.setdefault(key, {}).setdefault(steps, []).append(r.name)
+    clauses = []
+    for (recipe, part), by_steps in groups.items():
+        if len(by_steps) < 2:
+            continue
+        what = f"{recipe or 'other'} runs" + (f" (part {part})" if part != "main" else "")
+        counts = ", ".join(f"{steps} ({len(ns)} run{'s' if len(ns) > 1 else ''}: {_names(sorted(ns))})"
+                           for steps, ns in sorted(by_steps.items()))
+        clauses.append(f"the {what} compared here were trained for different train.max_steps: {counts}")
+    if not clauses:
+        return None
+    return "; ".join(clauses) + "; their losses and optima are not comparable across step counts"
+
+
 def make_report(paths: Sequence[str | Path], out: str | Path | None = None, title: str | None = None) -> Path:
     """Write ``report.md`` and its PNGs for the run directories under ``paths``; return the markdown path.
+
+    Runs compared in one section that were trained for different ``train.max_steps`` get a warning: one line on
+    stderr and a note at the top of ``report.md`` (:func:`max_steps_warning`).
 
     Args:
         paths: run directories or directories containing them (sweep directories).
@@ -109,6 +151,10 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
 
         parts.append(f"Left out of the tables and plots ({len(unfinished)} runs not finished): "
                      + ", ".join(why(r) for r in unfinished) + ".")
+    warning = max_steps_warning(runs)
+    if warning:
+        print(f"weightgeom report: warning: {warning}", file=sys.stderr)
+        parts.append(f"**Warning:** {warning}.")
     for m, man in manifests:
         cfg = man.get("config", "?")
         parts.append(f"Sweep `{man.get('recipe', '?')}` on config `{cfg}` ({len(man.get('runs', []))} runs, "
