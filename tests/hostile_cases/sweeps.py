@@ -239,6 +239,30 @@ def _killed_parent(tmp: Path) -> None:
     assert {r["name"]: r["status"] for r in man["runs"]} == {f"{r}-s0": "done" for r in RUNS}
 
 
+def _interrupted_parent(tmp: Path) -> None:
+    # Ctrl-C / SIGTERM of the sweep process alone (not its process group): it must not wait for its workers' runs
+    # (held here forever), but stop them so they unwind: runs marked failed, run locks released
+    from weightgeom.train.rundir import read_lock
+
+    out = tmp / "sw"
+    proc, hold = _held_sweep(tmp, out, jobs=2)
+    markers = [tmp / f"held-{r}-s0.pid" for r in RUNS]
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: all(m.exists() for m in markers), 120, "both workers to train", tmp / "driver.log")
+        workers = sorted({int(m.read_text()) for m in markers})
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)  # the hold file still exists: waiting for the runs would never end
+        assert not [p for p in workers if _running(p)], "workers outlived the interrupted sweep"
+        for r in RUNS:
+            st = json.loads((out / f"{r}-s0" / "status.json").read_text())
+            assert st["state"] == "failed" and "KeyboardInterrupt" in st["reason"], st
+            assert read_lock(out / f"{r}-s0") is None
+        assert read_lock(out) is None
+    finally:
+        _stop(proc, workers, hold)
+
+
 def _changed_settings_refused(tmp: Path) -> None:
     out = tmp / "sw"
     assert _sweep(tmp, out).rc == 0
@@ -332,6 +356,9 @@ CASES: list[Hostile] = [
     Hostile("two-sweeps-one-dir", "sweep",
             "a second `weightgeom sweep` in a directory a running sweep owns exits 2 with one line naming the owner's "
             "pid and host, and writes nothing", _two_sweeps_one_dir),
+    Hostile("interrupted-parent", "sweep",
+            "Ctrl-C or SIGTERM of a sweep process with `--jobs 2` stops its workers instead of waiting for their runs: "
+            "each run is marked failed and its lock released", _interrupted_parent),
     Hostile("killed-parent", "sweep",
             "`kill -9` of a sweep process with `--jobs 2` takes its worker processes with it within seconds; a re-run "
             "then takes over the stale locks and finishes the sweep", _killed_parent),

@@ -780,6 +780,31 @@ def _one_line(e: BaseException) -> str:
     return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
 
 
+WORKER_GRACE_S = 20.0
+"""Seconds an interrupted sweep gives its workers to unwind (mark their runs failed, release their locks) before
+killing them; a worker is normally between two steps well within that on the CPU presets."""
+
+
+def stop_workers(ex, grace_s: float = WORKER_GRACE_S) -> None:
+    """Stop the worker processes of a sweep's process pool now, without waiting for their runs.
+
+    Each live worker gets SIGINT, so its trainer unwinds as on Ctrl-C (``status.json`` says failed, the run's lock is
+    released); the pool is shut down with its queued runs cancelled; whatever is still alive after ``grace_s`` seconds
+    is killed.
+    """
+    procs = [p for p in list((getattr(ex, "_processes", None) or {}).values()) if p.is_alive()]
+    for p in procs:
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, signal.SIGINT)
+    ex.shutdown(wait=False, cancel_futures=True)  # no further runs start; idle workers exit
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 class _Sweep:
     """State of one :func:`run_sweep` call: the runs, their manifest records, and what to do after each run."""
 
@@ -971,27 +996,36 @@ class _Sweep:
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_worker_init,
-                                 initargs=(self.threads, os.getpid())) as ex:
-            pending = {}
-            queue = list(todo)
-            while queue or pending:
-                while queue and len(pending) < self.jobs:
-                    i = queue.pop(0)
-                    if self.progress:
-                        print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ... (started)",
-                              flush=True)
-                    self.mark_started(i)
-                    pending[ex.submit(_worker_call, self.train_fn, self.runs[i], self.out / self.runs[i].name,
-                                      False)] = i
-                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    i = pending.pop(fut)
-                    try:
-                        result = fut.result()
-                    except Exception as e:  # noqa: BLE001 - a crashed worker process
-                        result = ("error", _one_line(e), 0.0)
-                    self.finish(i, *result)
+        ex = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_worker_init,
+                                 initargs=(self.threads, os.getpid()))
+        try:
+            self._drive_pool(ex, todo, wait, FIRST_COMPLETED)
+        except BaseException:  # Ctrl-C, SIGTERM, an error of ours: stop the workers instead of waiting for their runs
+            stop_workers(ex)
+            raise
+        ex.shutdown(wait=True)
+
+    def _drive_pool(self, ex, todo: list[int], wait, first_completed) -> None:
+        """Keep ``jobs`` runs in flight in ``ex`` until ``todo`` is done, recording each as it finishes."""
+        pending = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and len(pending) < self.jobs:
+                i = queue.pop(0)
+                if self.progress:
+                    print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ... (started)",
+                          flush=True)
+                self.mark_started(i)
+                pending[ex.submit(_worker_call, self.train_fn, self.runs[i], self.out / self.runs[i].name,
+                                  False)] = i
+            finished, _ = wait(list(pending), return_when=first_completed)
+            for fut in finished:
+                i = pending.pop(fut)
+                try:
+                    result = fut.result()
+                except Exception as e:  # noqa: BLE001 - a crashed worker process
+                    result = ("error", _one_line(e), 0.0)
+                self.finish(i, *result)
 
     def run(self) -> dict[str, Any]:
         """Start, train what is left, and return the final manifest."""
