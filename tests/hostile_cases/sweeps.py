@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hostile_cases import Hostile, assert_one_line_error, cli
+from weightgeom.train.rundir import proc_state
 
 HOLD_ENV = "WG_TEST_SWEEP_HOLD"
 """Environment variable naming the hold file of :func:`held_train`."""
@@ -133,19 +134,12 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, log: Path | N
         time.sleep(0.1)
 
 
-def _proc_state(pid: int) -> str | None:
-    """State letter of ``pid`` from /proc (``R``, ``S``, ``Z`` …), or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
+
 
 
 def _running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (a killed process not yet reaped no longer runs)."""
-    return _proc_state(pid) not in (None, "Z", "X")
+    return proc_state(pid) not in (None, "Z", "X")
 
 
 def _children(pid: int) -> list[int]:
@@ -194,6 +188,18 @@ def _states(out: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ rows
+def _held_workers(tmp: Path, out: Path) -> tuple[subprocess.Popen, Path, list[int]]:
+    """A held ``--jobs 2`` sweep of :data:`RUNS` whose two workers are both training; returns (sweep, hold, pids)."""
+    proc, hold = _held_sweep(tmp, out, jobs=2)
+    markers = [tmp / f"held-{r}-s0.pid" for r in RUNS]
+    try:
+        _wait_for(lambda: all(m.exists() for m in markers), 120, "both workers to train", tmp / "driver.log")
+    except BaseException:
+        _stop(proc, [], hold)
+        raise
+    return proc, hold, sorted({int(m.read_text()) for m in markers} | set(_children(proc.pid)))
+
+
 def _two_sweeps_one_dir(tmp: Path) -> None:
     out = tmp / "sw"
     proc, hold = _held_sweep(tmp, out, jobs=1)
@@ -214,12 +220,8 @@ def _two_sweeps_one_dir(tmp: Path) -> None:
 
 def _killed_parent(tmp: Path) -> None:
     out = tmp / "sw"
-    proc, hold = _held_sweep(tmp, out, jobs=2)
-    markers = [tmp / f"held-{r}-s0.pid" for r in RUNS]
-    workers: list[int] = []
+    proc, hold, workers = _held_workers(tmp, out)
     try:
-        _wait_for(lambda: all(m.exists() for m in markers), 120, "both workers to train", tmp / "driver.log")
-        workers = sorted({int(m.read_text()) for m in markers} | set(_children(proc.pid)))
         assert len(workers) >= 2 and all(_running(p) for p in workers)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -229,7 +231,7 @@ def _killed_parent(tmp: Path) -> None:
             time.sleep(0.1)
         assert not [p for p in workers if _running(p)], "sweep workers outlived the killed sweep process"
         # wait until init has reaped them (a zombie's pid still looks alive to the run locks)
-        _wait_for(lambda: all(_proc_state(p) is None for p in workers), 30, "the killed workers to be reaped")
+        _wait_for(lambda: all(proc_state(p) is None for p in workers), 30, "the killed workers to be reaped")
     finally:
         _stop(proc, workers, hold)
     res = _sweep(tmp, out)  # a re-run takes over the stale locks and finishes the sweep
@@ -245,12 +247,8 @@ def _interrupted_parent(tmp: Path) -> None:
     from weightgeom.train.rundir import read_lock
 
     out = tmp / "sw"
-    proc, hold = _held_sweep(tmp, out, jobs=2)
-    markers = [tmp / f"held-{r}-s0.pid" for r in RUNS]
-    workers: list[int] = []
+    proc, hold, workers = _held_workers(tmp, out)
     try:
-        _wait_for(lambda: all(m.exists() for m in markers), 120, "both workers to train", tmp / "driver.log")
-        workers = sorted({int(m.read_text()) for m in markers})
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)  # the hold file still exists: waiting for the runs would never end
         assert not [p for p in workers if _running(p)], "workers outlived the interrupted sweep"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
-           "safe_child", "remove_if_unused", "RUN_MARKERS", "check_run_dir_contents"]
+           "safe_child", "remove_if_unused", "RUN_MARKERS", "check_run_dir_contents", "proc_state"]
 
 LOCK_NAME = ".weightgeom.lock"
 """File name of the lock inside the owned directory."""
@@ -47,29 +47,31 @@ class LockError(ValueError):
     """The directory is owned by another live process (or by one on another host that cannot be checked)."""
 
 
-def _proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``), or None where unknown."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields 3… of Linux ``/proc/<pid>/stat`` (state first), or None where there is no such process or no ``/proc``.
+
+    The command name (field 2) is in parentheses and may contain spaces, so the split starts after the last ')'.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # the command name (field 2) is in parentheses and may contain spaces: split after the last ')'
-    fields = stat[stat.rfind(b")") + 2:].split()
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None where unknown."""
+    fields = _stat_fields(pid)
     try:
         return int(fields[19])  # field 22 overall: starttime
-    except (IndexError, ValueError):
+    except (TypeError, IndexError, ValueError):
         return None
 
 
-def _proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` from Linux ``/proc`` (``R``, ``S``, ``Z`` ...), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (``R``, ``S``, ``Z`` for a zombie ...), or None where unknown or gone."""
+    fields = _stat_fields(pid)
     return fields[0].decode() if fields else None
 
 
@@ -82,7 +84,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by another user
-    return _proc_state(pid) not in ("Z", "X")
+    return proc_state(pid) not in ("Z", "X")
 
 
 def read_lock(directory: str | os.PathLike) -> dict[str, Any] | None:
