@@ -48,13 +48,14 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from weightgeom.train.rundir import TRAINER_FILES
+
 FINISHED = ("done", "diverged")
 MANIFEST = "sweep.json"
 EXPERIMENT_FILE = "experiment.json"
 PREVIOUS_EXPERIMENT_FILE = "experiment.previous.json"
 """Name a re-trained run's old ``experiment.json`` is given, so the trainer moves it to ``previous/`` with its run."""
-RUN_OUTPUTS = ("status.json", "meta.json", "metrics.jsonl", "config.resolved.toml", "checkpoints", "tb",
-               "controls.json", "continuity.jsonl", "continuity_w0.safetensors")
+RUN_OUTPUTS = (*TRAINER_FILES, "controls.json", "continuity.jsonl", "continuity_w0.safetensors")
 """Entries of a run directory that show the run was trained (at least started) there."""
 IGNORED_SETTINGS = ("run.out_dir",)
 """Config keys left out of a run's settings: the sweep chooses the run directory itself."""

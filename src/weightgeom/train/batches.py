@@ -18,8 +18,8 @@ and never executed; else uint16 and GPT-2's 50257), and every id is checked once
 Every unusable input is refused before training with a ``ValueError`` of one line naming the key or file:
 ``data.val_fraction`` not a number in (0, 1); a missing, unreadable, empty or non-UTF-8 ``data.path`` text file; a
 ``bin`` folder with a missing, empty or truncated ``.bin`` file, a bad ``meta.json``, a refused ``meta.pkl`` or an id
-not below the vocabulary; a split shorter than ``data.block_size + 2`` tokens; an explicit ``model.vocab_size``
-smaller than the data's vocabulary.
+not below the vocabulary; a split shorter than ``data.block_size + 2`` tokens. (A model whose vocabulary is smaller
+than the data's is refused by the trainer once the model is built, naming ``vocab_source``.)
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class Batches:
         input_dim: feature size (cls).
         seed: run seed.
         meta: tokenizer and corpus details written to meta.json.
+        vocab_source: where ``vocab_size`` comes from, for messages (``"from meta.json"``, ``"char tokens of
+            data.kind='text'"``).
     """
 
     kind: str
@@ -68,6 +70,7 @@ class Batches:
     input_dim: int = 0
     seed: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    vocab_source: str = ""
 
     def get(self, split: str, step: int, index: int, device: torch.device | str = "cpu"):
         """Micro-batch ``index`` of optimizer step ``step`` of ``split`` (``train`` | ``val``)."""
@@ -172,14 +175,6 @@ def _check_lengths(tr: Any, va: Any, block_size: int, names: tuple[str, str], hi
                              f"use a smaller data.block_size or {hint}")
 
 
-def _check_model_vocab(cfg: dict[str, Any], vocab: int, source: str) -> None:
-    """Refuse an explicit ``model.vocab_size`` below the data's vocabulary (ids would index past the embedding)."""
-    mv = cfg["model"].get("vocab_size")
-    if isinstance(mv, int) and not isinstance(mv, bool) and mv < vocab:
-        raise ValueError(f"config key model.vocab_size={mv}: smaller than the data's vocabulary ({vocab}, {source}); "
-                         "raise it or leave it unset")
-
-
 def _bin_batches(cfg: dict[str, Any]) -> Batches:
     """Batches over a ``train.bin``/``val.bin`` folder, with the dtype and vocabulary its metadata records."""
     from weightgeom.data.tokenizers import GPT2_VOCAB_SIZE
@@ -202,10 +197,10 @@ def _bin_batches(cfg: dict[str, Any]) -> Batches:
     except OSError as e:
         raise ValueError(f"{where}: cannot read {e.filename or d['path']} ({e.strerror or e})") from None
     _check_lengths(tr, va, d["block_size"], (str(ds.files["train"]), str(ds.files["val"])), "more data")
-    _check_model_vocab(cfg, vocab, source)
     meta = {"tokenizer": ds.meta.get("tokenizer") or d["tokenizer"], "vocab_size": vocab, "dtype": ds.dtype_name,
             "train_tokens": len(tr), "val_tokens": len(va)}
-    return Batches("lm", tr, va, d["batch_size"], d["block_size"], vocab, seed=cfg["run"]["seed"], meta=meta)
+    return Batches("lm", tr, va, d["batch_size"], d["block_size"], vocab, seed=cfg["run"]["seed"], meta=meta,
+                   vocab_source=source)
 
 
 def _synthetic(n: int, vocab: int, seed: int) -> np.ndarray:
@@ -239,8 +234,8 @@ def build_batches(cfg: dict[str, Any]) -> Batches:
         tr, va = _split(tokens, val_fraction)
         _check_lengths(tr, va, T, ("the train split", "the val split"), "a data.val_fraction that leaves both splits "
                        f"long enough (now {val_fraction:g} of {len(tokens)} tokens)")
-        _check_model_vocab(cfg, meta["vocab_size"], f"{meta['tokenizer']} tokens of data.kind={kind!r}")
-        return Batches("lm", tr, va, B, T, meta["vocab_size"], seed=seed, meta={**meta, "tokens": len(tokens)})
+        return Batches("lm", tr, va, B, T, meta["vocab_size"], seed=seed, meta={**meta, "tokens": len(tokens)},
+                       vocab_source=f"{meta['tokenizer']} tokens of data.kind={kind!r}")
     if kind == "bin":
         return _bin_batches(cfg)
     if kind == "mnist":

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from weightgeom.train.rundir import check_relative_name
+
 __all__ = [
     "DEFAULTS",
     "CHOICES",
@@ -35,7 +37,12 @@ __all__ = [
     "resolve_config_path",
     "bundled_configs",
     "check_run_name",
+    "RESUMABLE_KEYS",
 ]
+
+RESUMABLE_KEYS = ("train.max_steps", "run.name", "run.out_dir")
+"""Keys a run may change when it resumes (``--set train.max_steps=...`` to continue, a moved or renamed run
+directory): :func:`config_hash` leaves them out, and a resume never refuses a checkpoint over them."""
 
 #: The full schema: every section and key with its default value (the default's type is the key's type).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -407,29 +414,15 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
 def check_run_name(name: str) -> str:
     """Refuse a ``run.name`` that would put the run directory outside ``run.out_dir``; returns ``name``.
 
-    The name is a path relative to ``run.out_dir`` (``"x"`` or ``"sweep/x"``): it may not be empty, absolute, start
-    with ``~`` or contain a ``..`` component. (Symbolic links that lead out of ``out_dir`` are refused when the
-    trainer resolves the run directory, :func:`weightgeom.train.rundir.safe_child`.) ``run.out_dir`` itself may be
-    any path.
+    The name is a path relative to ``run.out_dir`` (``"x"`` or ``"sweep/x"``); the rules are
+    :func:`weightgeom.train.rundir.check_relative_name`'s (symbolic links that lead out of ``out_dir`` are refused
+    when the trainer resolves the run directory, :func:`weightgeom.train.rundir.safe_child`). ``run.out_dir`` itself
+    may be any path.
 
     Raises:
         ValueError: one line naming ``run.name`` and what is wrong with it.
     """
-    if not name.strip():
-        raise ValueError(f"config key run.name={name!r}: must be a non-empty name (the run directory under "
-                         "run.out_dir)")
-    if os.path.isabs(name) or name.startswith("~"):
-        raise ValueError(f"config key run.name={name!r}: must be relative to run.out_dir, not an absolute path "
-                         "(set run.out_dir or use --out to choose where the run goes)")
-    if any(ord(c) < 32 for c in name):
-        raise ValueError(f"config key run.name={name!r}: must not contain control characters (newline, tab, ...)")
-    if not [part for part in Path(name).parts if part != "."]:
-        raise ValueError(f"config key run.name={name!r}: names run.out_dir itself; give the run its own "
-                         "sub-directory name")
-    if ".." in Path(name).parts:
-        raise ValueError(f"config key run.name={name!r}: must not contain '..' (the run directory would be outside "
-                         "run.out_dir)")
-    return name
+    return check_relative_name(name, "run.name", "run.out_dir")
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -457,7 +450,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
     return validate(cfg)
 
 
-def config_hash(cfg: Mapping[str, Any], ignore: Iterable[str] = ("train.max_steps", "run.name", "run.out_dir")) -> str:
+def config_hash(cfg: Mapping[str, Any], ignore: Iterable[str] = RESUMABLE_KEYS) -> str:
     """A short stable hash of the config, ignoring keys that may legitimately change on resume.
 
     Args:

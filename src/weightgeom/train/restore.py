@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from weightgeom.train.checkpoint import CheckpointError
+from weightgeom.train.config import RESUMABLE_KEYS
 from weightgeom.train.rundir import PREVIOUS_DIR
 
 __all__ = ["config_difference", "check_config_hash", "load_model_state", "load_optimizer_state"]
@@ -27,12 +28,13 @@ def config_difference(old: Any, new: Any, prefix: str = "") -> str | None:
     """The first ``section.key`` whose value differs between two resolved configs (``old``: the checkpoint's), as
     ``"key: OLD in the checkpoint, NEW now"``, or None.
 
-    Keys that may change on resume (those :func:`config_hash` ignores) are skipped.
+    Keys that may change on resume (:data:`~weightgeom.train.config.RESUMABLE_KEYS`, which ``config_hash`` also
+    ignores) are skipped.
     """
     if isinstance(old, dict) and isinstance(new, dict):
         for k in list(old) + [k for k in new if k not in old]:
             full = f"{prefix}.{k}" if prefix else str(k)
-            if full in ("train.max_steps", "run.name", "run.out_dir"):
+            if full in RESUMABLE_KEYS:
                 continue
             d = config_difference(old.get(k, "<unset>"), new.get(k, "<unset>"), full)
             if d:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
-           "safe_child", "remove_if_unused", "RUN_MARKERS", "check_run_dir_contents", "proc_state"]
+           "safe_child", "check_relative_name", "remove_if_unused", "RUN_MARKERS", "TRAINER_FILES",
+           "check_run_dir_contents", "proc_state"]
 
 LOCK_NAME = ".weightgeom.lock"
 """File name of the lock inside the owned directory."""
@@ -37,6 +38,9 @@ PREVIOUS_DIR = "previous"
 """Sub-directory that earlier runs' files are moved into (one ``<UTC time>`` folder per earlier run)."""
 
 _GUARD_NAME = ".weightgeom.lock.guard"
+
+TRAINER_FILES = ("status.json", "meta.json", "metrics.jsonl", "config.resolved.toml", "checkpoints", "tb")
+"""What the trainer writes into a run directory."""
 
 RUN_MARKERS = ("config.resolved.toml", "status.json", "meta.json", "experiment.json")
 """Files whose presence shows a directory is a weightgeom run directory (the trainer writes the first three first
@@ -293,27 +297,45 @@ def check_run_dir_contents(directory: str | os.PathLike, what: str = "run direct
                          "choose a new or empty directory with --out (nothing was written or moved)")
 
 
+def check_relative_name(name: str, what: str = "run.name", parent: str = "run.out_dir") -> str:
+    """Refuse a directory name that would not be a proper sub-directory of ``parent``; returns ``name``.
+
+    The name is a path relative to ``parent`` (``"x"`` or ``"sweep/x"``): it may not be empty, absolute, start with
+    ``~``, contain control characters or a ``..`` component, or name ``parent`` itself (``"."``). Symbolic links that
+    lead out are caught by :func:`safe_child`, which resolves the path.
+
+    Raises:
+        ValueError: one line naming ``what``, the value and what is wrong with it.
+    """
+    key = f"config key {what}={name!r}"
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{key}: must be a non-empty name (the run directory under {parent})")
+    if os.path.isabs(name) or name.startswith("~"):
+        raise ValueError(f"{key}: must be relative to {parent}, not an absolute path (set {parent} or use --out to "
+                         "choose where the run goes)")
+    if any(ord(c) < 32 for c in name):
+        raise ValueError(f"{key}: must not contain control characters (newline, tab, ...)")
+    parts = Path(name).parts
+    if not [part for part in parts if part != "."]:
+        raise ValueError(f"{key}: names {parent} itself; give the run its own sub-directory name")
+    if ".." in parts:
+        raise ValueError(f"{key}: must not contain '..' (the run directory would be outside {parent})")
+    return name
+
+
 def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> Path:
-    """``parent / name``, refusing a ``name`` that is absolute, empty, or escapes ``parent`` (``..``, symlinks).
+    """``parent / name``, refusing a ``name`` that :func:`check_relative_name` refuses or that resolves outside
+    ``parent`` (through a symbolic link).
 
     Raises:
         ValueError: one line naming ``what`` and the bad value.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"config key {what}={name!r}: must be a non-empty relative name")
-    if os.path.isabs(name) or name.startswith("~"):
-        raise ValueError(f"config key {what}={name!r}: must be relative to the output directory, not absolute")
-    parts = Path(name).parts
-    if any(p == ".." for p in parts):
-        raise ValueError(f"config key {what}={name!r}: must not contain '..' (it would write outside the output "
-                         "directory)")
-    if any(ord(c) < 32 for c in name):
-        raise ValueError(f"config key {what}={name!r}: must not contain control characters (newline, tab, ...)")
+    check_relative_name(name, what)
     base = Path(parent).resolve()
     child = (base / name).resolve()
     if child == base:
-        raise ValueError(f"config key {what}={name!r}: names the output directory itself; give the run its own "
-                         "sub-directory name")
+        raise ValueError(f"config key {what}={name!r}: resolves to the output directory {base} itself; give the run "
+                         "its own sub-directory name")
     if base not in child.parents:
         raise ValueError(f"config key {what}={name!r}: resolves to {child}, outside {base}")
     return Path(parent) / name

@@ -139,17 +139,19 @@ def build_optimizer_from_config(model: nn.Module, cfg: dict[str, Any], verbose: 
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
-def _check_model_vocab(model: nn.Module, cfg: dict[str, Any], batches: Batches) -> None:
-    """Refuse a language model whose output vocabulary (e.g. from ``model.preset``) is smaller than the data's.
+def _check_model_vocab(model: nn.Module, batches: Batches) -> None:
+    """Refuse a language model whose vocabulary (``model.vocab_size``; the data's own when left unset) is smaller
+    than the data's: token ids at or above it would fail deep inside an embedding lookup mid-run.
 
-    Token ids at or above the model's vocabulary would otherwise fail deep inside an embedding lookup mid-run.
+    Raises:
+        ValueError: one line naming ``model.vocab_size``, both sizes and where the data's comes from.
     """
-    mcfg = getattr(model, "config", None)
-    vocab = getattr(mcfg, "vocab_size", None)
-    if batches.kind == "lm" and isinstance(vocab, int) and vocab < batches.vocab_size:
-        raise ValueError(f"config key model.vocab_size: the model has {vocab} token ids (model.preset="
-                         f"{cfg['model'].get('preset') or 'none'!r}) but the data has {batches.vocab_size}; set "
-                         f"model.vocab_size={batches.vocab_size} or more")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if batches.kind != "lm" or not isinstance(vocab, int) or vocab >= batches.vocab_size:
+        return
+    source = f", {batches.vocab_source}" if batches.vocab_source else ""
+    raise ValueError(f"config key model.vocab_size={vocab}: smaller than the data's vocabulary "
+                     f"({batches.vocab_size}{source}); raise it or leave it unset")
 
 
 def explosion(loss: float, ema: float, ema_n: int, best: float, factor: float, warmup: int,
@@ -205,9 +207,6 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 KEEP_ON_FRESH = ("experiment.json",)
 """Files a fresh start leaves in the run directory: a sweep's description of the run, written just before training."""
-
-_RUN_FILES = ("status.json", "meta.json", "metrics.jsonl", "config.resolved.toml", "checkpoints", "tb")
-"""Entries whose presence shows that an earlier run used a directory (a fresh start then moves everything aside)."""
 
 @contextlib.contextmanager
 def _io_path(path: str | os.PathLike):
@@ -329,7 +328,7 @@ class _Trainer:
         # model (identical init on every rank: same seed), then the optimizer on the unwrapped parameters
         self.device = info.device
         self.model = build_model(cfg["model"]).to(self.device)
-        _check_model_vocab(self.model, cfg, self.batches)
+        _check_model_vocab(self.model, self.batches)
         if self.payload is not None:
             load_model_state(self.model, self.payload["model"], self.ckpt_path)
         if info.rank > 0:
@@ -449,10 +448,11 @@ class _Trainer:
     def _archive_previous_run(self) -> None:
         """Before a start from step 0: move an earlier run's files to ``previous/<UTC time>/`` (rank 0).
 
-        Only when the directory shows an earlier run (status, meta, metrics, config, checkpoints or tb); a directory
-        holding only other files is left as it is.
+        ``check_run_dir_contents`` has already refused a directory holding anything but a weightgeom run, so whatever
+        is here besides ``KEEP_ON_FRESH`` (and the lock, ``previous/``) is an earlier run's; an empty directory moves
+        nothing.
         """
-        if not self.info.is_main or not any((self.run_dir / n).exists() for n in _RUN_FILES):
+        if not self.info.is_main:
             return
         dest = archive_previous(self.run_dir, keep=KEEP_ON_FRESH)
         if dest is not None:
