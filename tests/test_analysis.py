@@ -440,7 +440,7 @@ def _refusal_of(obj=None, raw: bytes | None = None, **save_kw) -> str:
 
 def test_weights_only_refusal_names_the_object_in_every_form():
     # a blocked module (os/posix, zip and legacy format), a global that is not allow-listed, and garbage: each gets a
-    # short reason naming the object; PyTorch's advice to load with weights_only=False is never repeated
+    # short reason naming the object; PyTorch's advice to switch the weights-only safety off is never repeated
     for kw in ({}, {"_use_new_zipfile_serialization": False}):
         why = _refusal_of({"x": _CallsOsSystem()}, **kw)
         assert why == "holds pickled Python objects (GLOBAL posix.system, i.e. os.system)", why

@@ -138,7 +138,7 @@ def test_muon_md_manifold_checkpoint_round_trip():
     _train(model, opt, steps=2)
     model2, opt2 = make(1)
     buf.seek(0)
-    ck = torch.load(buf, weights_only=False)
+    ck = torch.load(buf, weights_only=True)
     model2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])
     _train(model2, opt2, steps=2)

@@ -253,7 +253,7 @@ def test_checkpoint_round_trip_continues_identically(model_first):
 
     model2, md2, sched2 = _make(seed=123)  # different init: everything must come from the checkpoint
     buf.seek(0)
-    ck = torch.load(buf, weights_only=False)
+    ck = torch.load(buf, weights_only=True)
     if model_first:
         model2.load_state_dict(ck["model"])
         md2.load_state_dict(ck["opt"])

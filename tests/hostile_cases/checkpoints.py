@@ -228,7 +228,7 @@ CASES: list[Hostile] = [
     Hostile("evil-os-system", "checkpoint",
             "a checkpoint with a valid header whose payload pickles `os.system` (a module PyTorch blocks) is refused "
             "on `train --resume` with one line naming `posix.system`/`os.system` and saying nothing in it was run, "
-            "never PyTorch's advice to load with `weights_only=False`; no code runs", _os_system_on_resume),
+            "never PyTorch's advice to switch its weights-only safety off; no code runs", _os_system_on_resume),
     Hostile("old-format", "checkpoint",
             "a checkpoint written by an older weightgeom (fully pickled WGCKPT1 format) is refused with one line "
             "saying so, without being unpickled", _old_format_refused),

@@ -246,8 +246,8 @@ CASES: list[Hostile] = [
     _row("all-nan", "a checkpoint whose every matrix holds NaN/Inf is refused with one line naming the file",
          _all_nan_refused),
     _row("os-system-pth", "a .pth file whose pickle calls `os.system` (a module PyTorch blocks) is refused with one "
-         "line naming the file and `posix.system`/`os.system`, never PyTorch's advice to load with "
-         "`weights_only=False`; no code runs", _os_system_pth),
+         "line naming the file and `posix.system`/`os.system`, never PyTorch's advice to switch its "
+         "weights-only safety off; no code runs", _os_system_pth),
     _row("os-system-legacy-pt", "the same `os.system` pickle in a legacy (non-zip) torch file is refused the same "
          "way", _os_system_legacy_pt),
     _row("expanded-view", "a few-KB .pt file holding a stride-0 view (`torch.zeros(1).expand(300000, 300000)`) is "

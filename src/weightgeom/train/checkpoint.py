@@ -254,7 +254,7 @@ def weights_only_refusal(exc: BaseException) -> str:
 
     Covers every form of PyTorch's weights-only refusal (a global that is not allow-listed, one from a blocked module
     such as ``os``/``posix``, a call, instantiation or build of an unknown object) and never repeats PyTorch's advice
-    to load with ``weights_only=False``.
+    to switch the weights-only safety off.
 
     Returns:
         ``"holds pickled Python objects (GLOBAL posix.system, i.e. os.system)"`` for a pickled class/function,
