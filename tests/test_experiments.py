@@ -377,9 +377,9 @@ needs_trainer = pytest.mark.skipif(not _trainer_available(), reason="weightgeom.
 
 
 def _e2e(tmp_path, recipe, only):
-    from weightgeom.experiments.runner import repo_root
+    from weightgeom.experiments.runner import preset_dirs
 
-    cfg = repo_root() / "configs" / "experiments" / f"{recipe}-ci.toml"
+    cfg = preset_dirs()[0] / f"{recipe}-ci.toml"
     manifest, path = execute(recipe, str(cfg), seeds=[0], out=tmp_path / recipe, only=only, progress=False)
     bad = [(r["name"], r.get("reason")) for r in manifest["runs"] if r["status"] not in ("done", "diverged")]
     assert not bad, bad

@@ -127,18 +127,9 @@ class RunSpec:
 
 
 # ----------------------------------------------------------------------------------------------------------- configs
-def repo_root() -> Path:
-    """The source checkout holding ``configs/`` (editable install), else the current directory."""
-    here = Path(__file__).resolve()
-    for p in here.parents:
-        if (p / "configs").is_dir() and (p / "pyproject.toml").exists():
-            return p
-    return Path.cwd()
-
-
 def preset_dirs() -> list[Path]:
     """Directories searched for preset names, in order."""
-    dirs = [Path.cwd() / "configs" / "experiments", repo_root() / "configs" / "experiments"]
+    dirs = [Path(__file__).resolve().parent / "presets"]
     out: list[Path] = []
     for d in dirs:
         if d not in out:
