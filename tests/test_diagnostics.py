@@ -1,15 +1,23 @@
 """Training-time monitors: pure functions against brute force, collect() on our GPT / Llama with and without an
-optimizer, side-effect freedom (flags, mode, RNG, .grad), and the §C mechanism direction (bigger σ(W_Q)σ(W_K) →
-bigger logits, lower entropy, more saturation)."""
+optimizer, side-effect freedom (flags, mode, RNG, .grad), the mechanism direction (bigger σ(W_Q)σ(W_K) → bigger
+logits, lower entropy, more saturation), and the attention monitors on tiny Hugging Face GPT-2, Llama and BERT
+models built from configs (no download) against a slow direct computation."""
 
 import math
 
 import pytest
 import torch
 
-from weightgeom.diagnostics import collect, grad_norms, logit_stats, matrix_stats, optimizer_stats, qk_sigma_prod
-
-models = pytest.importorskip("weightgeom.models")
+from weightgeom import models, optim
+from weightgeom.diagnostics import (
+    SATURATION_THRESHOLD,
+    collect,
+    grad_norms,
+    logit_stats,
+    matrix_stats,
+    optimizer_stats,
+    qk_sigma_prod,
+)
 
 # float64 Gram + eigvalsh vs float64 svdvals on 40×24 matrices: agreement ~1e-12 (measured); 1e-8 is loose but
 # still far below anything a diagnostic plot could show.
@@ -174,7 +182,6 @@ def test_mechanism_direction():
 
 
 def test_collect_with_manifold_muon():
-    optim = pytest.importorskip("weightgeom.optim")
     m = _gpt()
     groups = optim.param_groups(m, strategy="hetero", verbose=False)
     opt = optim.Muon(groups)
@@ -200,3 +207,296 @@ def test_optimizer_stats_index_keys():
 
     d = optimizer_stats(Fake())
     assert d["muon.blk.w.dual_iters"] == 3 and d["muon.tangent_residual_max"] == 1e-5
+
+
+# ------------------------------------------------------- Hugging Face GPT-2 / Llama / BERT (built from configs)
+
+ATTN_KEYS = ("qk_sigma_prod", "qk_sigma_prod_head_max", "logit_max", "entropy", "saturation")
+# collect() recomputes q, k in float32 with the module's own projections; the reference below does it by hand in
+# float64 from the hidden states the model returns. Logits of size ~100 agree to ~1e-5 relative (fp32 rounding).
+HF_LOGIT_REL = 1e-4
+# entropy: mean over rows of fp32 softmax entropies, collect's vs eager HF's probabilities: agree to ~1e-6 nats.
+HF_ENTROPY_TOL = 1e-4
+# saturation is a count of rows / rows, averaged in float32 by logit_stats (~3e-8 off the exact fraction); one row
+# of the ~100 compared here moves it by ~1e-2, so 1e-6 still demands the exact count.
+HF_SAT_TOL = 1e-6
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _hf_gpt2(**kw):
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=32, n_positions=16, initializer_range=1.0,
+                        attn_implementation="eager", **kw)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def _hf_llama():
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                         intermediate_size=64, vocab_size=32, max_position_embeddings=16, initializer_range=1.0,
+                         attn_implementation="eager")
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _hf_bert(mlm: bool = False):
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                        vocab_size=32, max_position_embeddings=16, initializer_range=1.0, attn_implementation="eager")
+    return tf.BertForMaskedLM(cfg) if mlm else tf.BertModel(cfg)
+
+
+def _vis(pad: torch.Tensor | None, B: int, T: int, causal: bool) -> torch.Tensor:
+    """(B, T, T) visible (query, key) pairs: causal and key padding; padding query rows see nothing."""
+    v = torch.ones(B, T, T, dtype=torch.bool)
+    if causal:
+        v = v.tril()
+    if pad is not None:
+        v = v & pad.bool()[:, None, :] & pad.bool()[:, :, None]
+    return v
+
+
+def _ref_prob_stats(p: torch.Tensor, vis: torch.Tensor) -> tuple[float, float]:
+    """Entropy (nats) and saturation from the model's own softmax probabilities (B, H, T, T), over the rows with
+    at least two visible keys, straight from the definition."""
+    p = p.detach().double()
+    rows = (vis.sum(-1) >= 2)[:, None, :].expand(p.shape[:-1])
+    ent = -(p * torch.log(p.clamp_min(1e-300))).where(p > 0, torch.zeros_like(p)).sum(-1)
+    sat = (p.amax(-1) > SATURATION_THRESHOLD).double()
+    return float(ent[rows].mean()), float(sat[rows].mean())
+
+
+def _ref_logit_max(q: torch.Tensor, k: torch.Tensor, vis: torch.Tensor) -> float:
+    """max |q kᵀ/√d| over visible pairs; q (B, H, T, d), k (B, H, T, d) float64."""
+    z = q.detach() @ k.detach().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return float(z.abs().masked_fill(~vis[:, None], 0).amax())
+
+
+def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+    B, T, C = t.shape
+    return t.view(B, T, n, C // n).transpose(1, 2)
+
+
+def _sigma_ref(Wq: torch.Tensor, Wk: torch.Tensor, H: int, Hkv: int) -> tuple[float, float]:
+    """σ_max(W_Q)σ_max(W_K) and the per-head max, from float64 SVDs of explicit (out, in) weights."""
+    Wq, Wk = Wq.detach().double(), Wk.detach().double()
+    s2 = torch.linalg.matrix_norm
+    dq, dk = Wq.shape[0] // H, Wk.shape[0] // Hkv
+    per = [float(s2(Wq[h * dq:(h + 1) * dq], 2) * s2(Wk[(h // (H // Hkv)) * dk:(h // (H // Hkv) + 1) * dk], 2))
+           for h in range(H)]
+    return float(s2(Wq, 2) * s2(Wk, 2)), max(per)
+
+
+def _check_attn(d: dict, i: int, logit_max: float, probs: torch.Tensor, vis: torch.Tensor,
+                sigma: tuple[float, float]) -> None:
+    ent, sat = _ref_prob_stats(probs, vis)
+    assert d[f"attn.{i}.logit_max"] == pytest.approx(logit_max, rel=HF_LOGIT_REL), i
+    assert d[f"attn.{i}.entropy"] == pytest.approx(ent, abs=HF_ENTROPY_TOL), i
+    assert d[f"attn.{i}.saturation"] == pytest.approx(sat, abs=HF_SAT_TOL), i
+    assert d[f"attn.{i}.qk_sigma_prod"] == pytest.approx(sigma[0], rel=1e-5), i
+    assert d[f"attn.{i}.qk_sigma_prod_head_max"] == pytest.approx(sigma[1], rel=1e-5), i
+
+
+@pytest.mark.parametrize("inv_layer", [False, True])
+def test_hf_gpt2_dict_batch_against_direct_computation(inv_layer):
+    """Left-padded dict batch (input_ids, attention_mask, labels) on GPT2LMHeadModel: every attention monitor equals
+    a direct computation (explicit Conv1D W_Q/W_K, eager softmax probabilities under causal + padding mask); with
+    ``scale_attn_by_inverse_layer_idx`` the logits of layer i are also divided by i + 1, as the model does."""
+    m = _hf_gpt2(scale_attn_by_inverse_layer_idx=inv_layer)
+    B, T, C, H = 10, 8, 16, 2
+    x = torch.randint(0, 32, (B, T))
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[1, :3] = 0
+    pad[4, :6] = 0
+    m.train()
+    d = collect(m, None, {"input_ids": x, "attention_mask": pad, "labels": x})  # 10 sequences, max_seqs=8 used
+    assert m.training and not any(a._forward_pre_hooks for a in m.modules())
+    assert all(p.grad is None for p in m.parameters())
+    x, pad = x[:8], pad[:8]
+    m.eval()
+    out = m(input_ids=x, attention_mask=pad, labels=x, output_attentions=True, output_hidden_states=True)
+    vis = _vis(pad, 8, T, causal=True)
+    for i, blk in enumerate(m.transformer.h):
+        W, b = blk.attn.c_attn.weight.double(), blk.attn.c_attn.bias.double()  # Conv1D: (in, 3C), y = x W + b
+        qkv = blk.ln_1(out.hidden_states[i]).double() @ W + b
+        q, k = _heads(qkv[..., :C], H), _heads(qkv[..., C:2 * C], H)
+        sig = _sigma_ref(W[:, :C].T, W[:, C:2 * C].T, H, H)
+        _check_attn(d, i, _ref_logit_max(q, k, vis) / (i + 1 if inv_layer else 1), out.attentions[i], vis, sig)
+    assert 0 < d["attn.0.saturation"] < 1  # the weights give a mix of saturated and open rows: the test has teeth
+    out.loss.backward()  # gradient norms: labels in the dict -> one extra backward, equal to a manual one
+    g = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None))
+    assert d["grad_norm.total"] == pytest.approx(g, rel=1e-4)
+
+
+def test_hf_gpt2_padding_matters():
+    """The padding mask changes the monitors (padded keys and query rows are left out), and the mask may come as a
+    keyword argument instead of inside the batch."""
+    m = _hf_gpt2()
+    x = torch.randint(0, 32, (3, 8))
+    pad = torch.ones(3, 8, dtype=torch.long)
+    pad[0, :4] = 0
+    a = collect(m, {"input_ids": x, "attention_mask": pad})
+    b = collect(m, x, attention_mask=pad)
+    c = collect(m, x)
+    for i in range(2):
+        for k in ("logit_max", "entropy", "saturation"):
+            assert a[f"attn.{i}.{k}"] == b[f"attn.{i}.{k}"]
+        assert a[f"attn.{i}.entropy"] != c[f"attn.{i}.entropy"]
+
+
+def test_hf_llama_gqa_rope_against_direct_computation():
+    """LlamaForCausalLM with GQA (4 query heads, 2 KV heads): logits after RoPE (rotate_half, positions 0..T-1,
+    θ from the config) equal a hand computation; without RoPE they would not."""
+    m = _hf_llama()
+    B, T, H, Hkv = 3, 8, 4, 2
+    x = torch.randint(0, 32, (B, T))
+    d = collect(m, x)
+    out = m(x, output_attentions=True, output_hidden_states=True)
+    vis = _vis(None, B, T, causal=True)
+    rp = getattr(m.config, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(m.config, "rope_theta", 10000.0))
+    hd = 32 // H
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+    def rope(t):
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-t2, t1), -1) * sin
+
+    for i, layer in enumerate(m.model.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(out.hidden_states[i]).double()
+        q = _heads(h @ a.q_proj.weight.double().T, H)
+        k = _heads(h @ a.k_proj.weight.double().T, Hkv).repeat_interleave(H // Hkv, dim=1)
+        sig = _sigma_ref(a.q_proj.weight, a.k_proj.weight, H, Hkv)
+        _check_attn(d, i, _ref_logit_max(rope(q), rope(k), vis), out.attentions[i], vis, sig)
+        assert abs(_ref_logit_max(q, k, vis) - d[f"attn.{i}.logit_max"]) > 1e-2 * d[f"attn.{i}.logit_max"]
+    assert 0 < d["attn.0.saturation"] < 1
+
+
+def test_hf_llama_tuple_batch_labels_and_padding():
+    """(x, y) on a Hugging Face model means input_ids=x, labels=y (positionally y would be the attention mask):
+    the gradient norms equal a manual backward with labels=y. A right-padded mask is respected."""
+    m = _hf_llama()
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    d = collect(m, None, (x, y))
+    assert all(p.grad is None for p in m.parameters())
+    m(input_ids=x, labels=y).loss.backward()
+    g = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None))
+    assert d["grad_norm.total"] == pytest.approx(g, rel=1e-4)
+    pad = torch.ones(2, 8, dtype=torch.long)
+    pad[1, 5:] = 0
+    m.zero_grad(set_to_none=True)
+    d = collect(m, {"input_ids": x, "attention_mask": pad}, grads=False)
+    out = m(x, attention_mask=pad, output_attentions=True)
+    vis = _vis(pad, 2, 8, causal=True)
+    for i in range(2):
+        ent, sat = _ref_prob_stats(out.attentions[i], vis)
+        assert d[f"attn.{i}.entropy"] == pytest.approx(ent, abs=HF_ENTROPY_TOL)
+        assert d[f"attn.{i}.saturation"] == pytest.approx(sat, abs=HF_SAT_TOL)
+
+
+@pytest.mark.parametrize("mlm", [False, True])
+def test_hf_bert_padding_mask_against_direct_computation(mlm):
+    """BertModel / BertForMaskedLM: bidirectional attention under the padding mask; q, k from self.query/self.key."""
+    m = _hf_bert(mlm)
+    B, T, H, C = 3, 8, 2, 16
+    x = torch.randint(0, 32, (B, T))
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[0, 5:] = 0
+    pad[2, 2:] = 0
+    m.train()
+    d = collect(m, {"input_ids": x, "attention_mask": pad})
+    assert m.training
+    m.eval()  # collect runs in eval mode (no dropout); so does the reference
+    out = m(x, attention_mask=pad, output_attentions=True, output_hidden_states=True)
+    vis = _vis(pad, B, T, causal=False)
+    enc = (m.bert if mlm else m).encoder
+    for i, layer in enumerate(enc.layer):
+        s = layer.attention.self
+        h = out.hidden_states[i].double()
+        q = _heads(h @ s.query.weight.double().T + s.query.bias.double(), H)
+        k = _heads(h @ s.key.weight.double().T + s.key.bias.double(), H)
+        sig = _sigma_ref(s.query.weight, s.key.weight, H, H)
+        _check_attn(d, i, _ref_logit_max(q, k, vis), out.attentions[i], vis, sig)
+    assert any(0 < d[f"attn.{i}.saturation"] < 1 for i in range(2))
+    assert C == s.query.weight.shape[1]
+
+
+def test_hf_and_own_models_report_the_same_keys():
+    own = collect(_gpt(), torch.randint(0, 32, (2, 8)), grads=False)
+    own_keys = {k.split(".", 2)[2] for k in own if k.startswith("attn.")}
+    assert own_keys == set(ATTN_KEYS)
+    for m in (_hf_gpt2(), _hf_llama(), _hf_bert()):
+        d = collect(m, torch.randint(0, 32, (2, 8)), grads=False)
+        assert {k for k in d if k.startswith("attn.")} == {f"attn.{i}.{k}" for i in range(2) for k in ATTN_KEYS}
+
+
+def test_batch_forms_on_own_model():
+    """Tensor, (x, y), collect(model, batch), a dict of forward keywords and an HF-style dict all work on our GPT."""
+    m = _gpt()
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    ref = collect(m, None, (x, y))
+    for batch in ({"idx": x, "targets": y}, {"input_ids": x, "labels": y}):
+        d = collect(m, batch)
+        for k in ("attn.1.logit_max", "attn.1.entropy", "grad_norm.total"):
+            assert d[k] == pytest.approx(ref[k], rel=1e-6), (batch.keys(), k)
+    d = collect(m, x, grads=False)
+    assert d["attn.0.logit_max"] == pytest.approx(ref["attn.0.logit_max"], rel=1e-6)
+
+
+def test_hooks_removed_after_an_exception():
+    """An error in the middle of the forward (after the first attention layer ran) propagates; the attention hooks,
+    record_logits flags and training mode are restored."""
+    for m, later in ((_hf_gpt2(), lambda m: m.transformer.h[1].mlp), (_hf_llama(), lambda m: m.model.layers[1].mlp),
+                     (_hf_bert(), lambda m: m.encoder.layer[1].output), (_gpt(), lambda m: m.transformer.h[1].mlp)):
+        m.train()
+        seen = []
+
+        def boom(_mod, _inp, seen=seen, m=m):
+            seen.append(sum(len(a._forward_pre_hooks) + len(a._forward_hooks) for a in m.modules()))
+            raise RuntimeError("boom")
+
+        h = later(m).register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            collect(m, torch.randint(0, 32, (2, 8)))
+        h.remove()
+        assert seen and seen[0] >= 3, type(m).__name__  # the diagnostic hooks were in place during the forward
+        assert not any(a._forward_pre_hooks or a._forward_hooks for a in m.modules()), type(m).__name__
+        assert m.training
+        assert all(not a.record_logits for _, a in models.iter_attention(m))
+
+
+def test_collect_refuses_unreadable_inputs():
+    m = _hf_gpt2()
+    x = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match="padding attention_mask"):
+        collect(m, x, attention_mask=torch.ones(2, 1, 8, 8))
+    with pytest.raises(ValueError, match="given twice"):
+        collect(m, {"input_ids": x, "attention_mask": torch.ones(2, 8)}, attention_mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="past_key_values"):
+        collect(m, x, past_key_values=object())
+    with pytest.raises(ValueError, match="batch of type str"):
+        collect(m, None, "tokens")
+    assert not any(a._forward_pre_hooks for a in m.modules())
+
+
+@pytest.mark.cuda
+def test_hf_monitors_on_cuda_match_cpu():
+    """Same monitors on a CUDA device (float32; masks and RNG fork on the input's device) as on the CPU."""
+    x = torch.randint(0, 32, (3, 8))
+    pad = torch.ones(3, 8, dtype=torch.long)
+    pad[0, :3] = 0
+    for m in (_hf_gpt2(), _hf_llama(), _hf_bert(mlm=True)):
+        cpu = collect(m, {"input_ids": x, "attention_mask": pad, "labels": x})
+        gpu = collect(m.cuda(), {"input_ids": x.cuda(), "attention_mask": pad.cuda(), "labels": x.cuda()})
+        for k, v in cpu.items():
+            if k.startswith("attn.") and not k.endswith("saturation"):
+                assert gpu[k] == pytest.approx(v, rel=1e-3, abs=1e-5), (type(m).__name__, k)
+        assert gpu["grad_norm.total"] == pytest.approx(cpu["grad_norm.total"], rel=1e-3)

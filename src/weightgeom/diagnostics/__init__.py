@@ -1,9 +1,11 @@
 """Training-time geometry monitors (σ of constrained matrices, Gram off-diagonal, Q/K spectral product, attention
-logit max / entropy / saturation, manifold-Muon residuals, gradient norms). See :mod:`weightgeom.diagnostics.monitors`.
+logit max / entropy / saturation, manifold-Muon residuals, gradient norms) for this package's models and Hugging Face
+GPT-2, Llama and BERT. See :mod:`weightgeom.diagnostics.monitors`.
 """
 
 from weightgeom.diagnostics.monitors import (
     SATURATION_THRESHOLD,
+    HFAttention,
     attention_modules,
     collect,
     grad_norms,
@@ -16,5 +18,5 @@ from weightgeom.diagnostics.monitors import (
 
 __all__ = [
     "collect", "matrix_stats", "qk_sigma_prod", "logit_stats", "grad_norms", "optimizer_stats",
-    "monitored_matrices", "attention_modules", "SATURATION_THRESHOLD",
+    "monitored_matrices", "attention_modules", "HFAttention", "SATURATION_THRESHOLD",
 ]

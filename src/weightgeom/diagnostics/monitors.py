@@ -1,4 +1,7 @@
-"""Training-time geometry monitors (SPEC §C mechanism): small pure functions plus :func:`collect`.
+"""Training-time geometry monitors: small pure functions plus :func:`collect`.
+
+They follow the mechanism the manifold-Muon experiments test: a large σ_max(W_Q)·σ_max(W_K) allows large attention
+logits, large logits give low-entropy, saturated softmax rows, and saturation precedes instability.
 
 Metric names (flat, one float each; ``collect`` returns them for the trainer's ``diag`` lines):
 
@@ -8,11 +11,16 @@ Metric names (flat, one float each; ``collect`` returns them for the trainer's `
   optimizers do, so "columns" are those of the tall orientation.
 * ``muon.<param>.tangent_residual`` / ``.dual_iters`` from ``optimizer.last_stats`` (manifold Muon), plus
   ``muon.tangent_residual_max`` and ``muon.dual_iters_mean``.
-* ``attn.<i>.qk_sigma_prod`` = σ_max(W_Q)·σ_max(W_K) (whole matrices; |Z_ij| ≤ ‖x_i‖‖x_j‖·this/√d for every head),
-  ``attn.<i>.qk_sigma_prod_head_max`` (max over heads of σ_max(W_Q^h)σ_max(W_K^h), the per-head bound);
-  with a batch: ``attn.<i>.logit_max`` (max |pre-softmax logit|), ``attn.<i>.entropy`` (mean softmax entropy, nats),
-  ``attn.<i>.saturation`` (fraction of rows whose max probability > 0.99). Rows with fewer than two visible keys
-  (the first causal position) are always "saturated" and are left out of entropy and saturation.
+* ``attn.<i>.*`` for the i-th attention layer of :func:`attention_modules` (this package's GPT/Llama attention, or
+  Hugging Face GPT-2, Llama and BERT self-attention — same names and definitions for both):
+  ``attn.<i>.qk_sigma_prod`` = σ_max(W_Q)·σ_max(W_K) (whole matrices, weights only; |Z_ij| ≤ ‖x_i‖‖x_j‖·this/√d
+  for every head), ``attn.<i>.qk_sigma_prod_head_max`` (max over heads of σ_max(W_Q^h)σ_max(W_K^h), the per-head
+  bound; GQA-aware); with a batch, from the scaled pre-softmax logits Z = q kᵀ/√d (after RoPE for Llama) under the
+  model's mask (causal for GPT/Llama, the padding ``attention_mask`` for all): ``attn.<i>.logit_max`` (max |Z| over
+  visible entries), ``attn.<i>.entropy`` (mean softmax entropy over heads and query positions, nats),
+  ``attn.<i>.saturation`` (fraction of rows whose max probability > :data:`SATURATION_THRESHOLD` = 0.99). Rows
+  with fewer than two visible keys (the first causal position) are always "saturated" and are left out of entropy
+  and saturation, as are the rows of padding query positions.
 * ``grad_norm.<module>`` — L2 norm of the gradients of each module's own parameters, and ``grad_norm.total``.
   Uses ``.grad`` when set; otherwise (the trainer calls ``collect`` after ``zero_grad``) one extra backward on the
   diagnostic batch computes them with ``torch.autograd.grad`` (no ``.grad`` is written).
@@ -21,6 +29,7 @@ Metric names (flat, one float each; ``collect`` returns them for the trainer's `
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Iterable
@@ -36,6 +45,7 @@ __all__ = [
     "optimizer_stats",
     "monitored_matrices",
     "attention_modules",
+    "HFAttention",
     "collect",
     "SATURATION_THRESHOLD",
 ]
@@ -248,45 +258,289 @@ def monitored_matrices(model: nn.Module, optimizer=None) -> list[tuple[str, torc
             if p.ndim == 2 and id(p) not in emb and not n.split(".")[-2:-1] == ["lm_head"]]
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that follow the attention diagnostics contract (``qk_weights()`` and ``record_logits``)."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "qk_weights") and hasattr(m, "record_logits")]
+# Hugging Face self-attention classes the logit monitors understand, keyed by (module, qualname) of a class in the
+# module's MRO (subclasses such as the SDPA/flash variants of older transformers releases match too). Matching by
+# name means transformers is never imported here.
+_HF_ATTENTION = {
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2Attention"): "gpt2",
+    ("transformers.models.llama.modeling_llama", "LlamaAttention"): "llama",
+    ("transformers.models.bert.modeling_bert", "BertSelfAttention"): "bert",
+}
 
 
-def _split_batch(batch, max_seqs: int):
-    x = y = None
+def _hf_family(m: nn.Module) -> str | None:
+    for c in type(m).__mro__:
+        fam = _HF_ATTENTION.get((c.__module__, c.__qualname__))
+        if fam is not None:
+            return fam
+    return None
+
+
+class HFAttention:
+    """One Hugging Face GPT-2, Llama or BERT self-attention module seen through the attention diagnostics contract.
+
+    ``qk_weights()`` returns (W_Q, W_K) in (out, in) layout: GPT-2's fused ``c_attn`` is a ``Conv1D`` with an
+    (in, 3·C) weight, so W_Q, W_K are transposed column blocks of it; Llama's ``q_proj``/``k_proj`` and BERT's
+    ``query``/``key`` weights as they are. Biases (GPT-2, BERT, Llama with ``attention_bias``) are not part of the
+    σ product. ``logits(args, kwargs)`` recomputes the pre-softmax logits of one forward call from the module's own
+    inputs (as a forward pre-hook sees them) with the module's own projections, in float32, scaled as the module
+    scales them (GPT-2: ``scaling``, which includes the optional 1/(layer_idx + 1); Llama, BERT: 1/√head_dim).
+    Llama's logits are taken **after RoPE**: q and k are rotated with the (cos, sin) position embeddings the decoder
+    layer passes to the attention module (the "rotate_half" convention of Hugging Face Llama), then K/V heads are
+    repeated for grouped-query attention (query head h uses KV head h // (H / H_kv)), so they are the logits the
+    model's softmax sees, before its mask is added (up to rounding: float32 here, the model's dtype there). Masks are
+    applied by the caller (:func:`collect`).
+
+    Args:
+        module: the attention module (``GPT2Attention``, ``LlamaAttention`` or ``BertSelfAttention``).
+        family: ``"gpt2"``, ``"llama"`` or ``"bert"``.
+    """
+
+    def __init__(self, module: nn.Module, family: str) -> None:
+        self.module = module
+        self.family = family
+        if family == "gpt2":
+            self.n_head = int(module.num_heads)
+            self.n_kv_head = self.n_head
+            self.head_dim = int(module.head_dim)
+            self.causal = not getattr(module, "is_cross_attention", False)
+        elif family == "llama":
+            cfg = module.config
+            self.n_head = int(cfg.num_attention_heads)
+            self.n_kv_head = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
+            self.head_dim = int(module.head_dim)
+            self.causal = True
+        elif family == "bert":
+            self.n_head = int(module.num_attention_heads)
+            self.n_kv_head = self.n_head
+            self.head_dim = int(module.attention_head_size)
+            # transformers 5: is_causal (True in a decoder's self-attention); older releases: is_decoder
+            self.causal = bool(getattr(module, "is_causal", getattr(module, "is_decoder", False)))
+        else:
+            raise ValueError(f"unknown Hugging Face attention family {family!r}")
+        self._signature = inspect.signature(module.forward)
+        self._var_kw = next((p.name for p in self._signature.parameters.values()
+                             if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_Q, W_K) in (out, in) layout: (n_head·head_dim, d_model) and (n_kv_head·head_dim, d_model)."""
+        m = self.module
+        if self.family == "gpt2":
+            if getattr(m, "is_cross_attention", False):
+                C = m.q_attn.weight.shape[1]
+                return m.q_attn.weight.mT, m.c_attn.weight[:, :C].mT
+            C = m.split_size
+            w = m.c_attn.weight  # Conv1D: (in, 3C), y = x W + b
+            return w[:, :C].mT, w[:, C:2 * C].mT
+        if self.family == "llama":
+            return m.q_proj.weight, m.k_proj.weight
+        return m.query.weight, m.key.weight
+
+    def _scaling(self) -> float:
+        m = self.module
+        s = getattr(m, "scaling", None)
+        if s is not None:
+            return float(s)
+        if self.family != "gpt2":
+            return self.head_dim ** -0.5
+        s = self.head_dim ** -0.5 if getattr(m, "scale_attn_weights", True) else 1.0
+        if getattr(m, "scale_attn_by_inverse_layer_idx", False):
+            s /= float(m.layer_idx + 1)
+        return s
+
+    def logits(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """Scaled pre-softmax logits (B, H, T, T), float32, unmasked, for one self-attention call.
+
+        Args:
+            args, kwargs: the call's arguments, as a ``register_forward_pre_hook(..., with_kwargs=True)`` hook gets
+                them.
+
+        Returns:
+            The logits, or None for a cross-attention call (``encoder_hidden_states`` given), which is not monitored.
+
+        Raises:
+            ValueError: a Llama call without ``position_embeddings`` (transformers older than 4.45 computes RoPE
+                inside the module), or a BERT module with relative position embeddings (older transformers).
+        """
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        extra = bound.get(self._var_kw, {}) if self._var_kw else {}  # what the module's **kwargs collected
+        if bound.get("encoder_hidden_states", extra.get("encoder_hidden_states")) is not None:
+            return None
+        h = bound.get("hidden_states", args[0] if args else None)
+        if not isinstance(h, torch.Tensor):
+            raise ValueError(f"diagnostics: no hidden_states tensor in the call of {type(self.module).__name__}")
+        m = self.module
+        B, T = h.shape[0], h.shape[1]
+        H, Hkv, d = self.n_head, self.n_kv_head, self.head_dim
+        if self.family == "gpt2":
+            if getattr(m, "is_cross_attention", False):
+                return None
+            q, k, _ = m.c_attn(h).split(m.split_size, dim=2)
+        elif self.family == "llama":
+            pe = bound.get("position_embeddings", extra.get("position_embeddings"))
+            if pe is None:
+                raise ValueError("diagnostics: Hugging Face LlamaAttention was called without position_embeddings "
+                                 "(transformers < 4.45); the logit monitors need the (cos, sin) the model passes")
+            q, k = m.q_proj(h), m.k_proj(h)
+        else:
+            if getattr(m, "position_embedding_type", "absolute") != "absolute":
+                raise ValueError("diagnostics: BERT attention with relative position embeddings "
+                                 f"({m.position_embedding_type!r}) is not supported by the logit monitors")
+            q, k = m.query(h), m.key(h)
+        q = q.view(B, T, H, d).transpose(1, 2).float()
+        k = k.view(B, T, Hkv, d).transpose(1, 2).float()
+        if self.family == "llama":
+            cos, sin = (t.float().unsqueeze(1) for t in pe)  # (B or 1, T, d) -> broadcast over heads
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if Hkv != H:
+            k = k.repeat_interleave(H // Hkv, dim=1)
+        return (q @ k.mT) * self._scaling()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension (Hugging Face Llama's RoPE convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module | HFAttention]]:
+    """The attention layers the monitors report on, in ``named_modules`` order; ``attn.<i>`` is the i-th of them.
+
+    A module that follows the attention diagnostics contract of ARCHITECTURE.md (``qk_weights()`` and
+    ``record_logits``: this package's GPT and Llama attention) is returned as is; a Hugging Face ``GPT2Attention``,
+    ``LlamaAttention`` or ``BertSelfAttention`` is returned wrapped in :class:`HFAttention`.
+    """
+    out: list[tuple[str, nn.Module | HFAttention]] = []
+    for n, m in model.named_modules():
+        if hasattr(m, "qk_weights") and hasattr(m, "record_logits"):
+            out.append((n, m))
+        else:
+            fam = _hf_family(m)
+            if fam is not None:
+                out.append((n, HFAttention(m, fam)))
+    return out
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP/FSDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+    return model
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(_unwrap(model)).__mro__)
+
+
+_TARGET_KEYS = ("labels", "targets", "y")
+_BATCH_TYPES = (torch.Tensor, dict, tuple, list)
+
+
+def _forward_inputs(model: nn.Module, batch, forward_kwargs: dict, max_seqs: int,
+                    need_grad_if_targets: bool) -> tuple[tuple, dict, bool]:
+    """(args, kwargs, has_targets) of the diagnostic forward; at most ``max_seqs`` sequences.
+
+    Tensor ``x``: ``model(x)`` (a Hugging Face model: ``input_ids=x``). ``(x, y)``: ``model(x, y)`` when the gradient
+    norms need the loss, else ``model(x)`` (a Hugging Face model: ``input_ids=x, labels=y``). A dict: passed as
+    keyword arguments when ``model.forward`` accepts its keys, else read as ``x`` = input_ids/x/idx and
+    ``y`` = labels/targets/y. ``forward_kwargs`` are added as keyword arguments.
+    """
+    hf = _is_hf_model(model)
+    main = getattr(_unwrap(model), "main_input_name", "input_ids") if hf else "input_ids"
+    args: tuple = ()
+    kwargs: dict = {}
+    has_targets = False
+    if isinstance(batch, dict):
+        try:
+            inspect.signature(_unwrap(model).forward).bind(**batch, **forward_kwargs)
+            fits = True
+        except TypeError:
+            fits = False
+        if fits or hf:
+            kwargs = dict(batch)
+        else:
+            x = batch.get("input_ids", batch.get("x", batch.get("idx")))
+            y = batch.get("labels", batch.get("targets", batch.get("y")))
+            if not isinstance(x, torch.Tensor):
+                raise ValueError("diagnostics.collect: a dict batch needs a tensor under input_ids, x or idx")
+            batch = (x, y)
     if isinstance(batch, torch.Tensor):
-        x = batch
-    elif isinstance(batch, (tuple, list)) and batch:
-        x = batch[0]
-        y = batch[1] if len(batch) > 1 else None
-    elif isinstance(batch, dict):
-        x = batch.get("input_ids", batch.get("x", batch.get("idx")))
-        y = batch.get("labels", batch.get("targets", batch.get("y")))
-    if x is None:
+        args = (batch,)
+    elif isinstance(batch, (tuple, list)):
+        if not batch or not isinstance(batch[0], torch.Tensor):
+            raise ValueError("diagnostics.collect: a tuple batch must start with the input tensor: (x, y) or (x,)")
+        x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+        args = (x,)
+        if y is not None and need_grad_if_targets:
+            args = (x, y)
+            has_targets = True
+    elif not isinstance(batch, dict):
         raise ValueError(f"diagnostics.collect: cannot read inputs from a batch of type {type(batch).__name__}; "
-                         "pass a tensor, (x, y) or a dict with input_ids/x")
-    if max_seqs and x.shape[0] > max_seqs:
-        x = x[:max_seqs]
-        y = y[:max_seqs] if isinstance(y, torch.Tensor) else y
-    return x, y
+                         "pass a tensor, (x, y) or a dict of keyword inputs")
+    if hf and args:  # Hugging Face forwards take labels as a keyword (positionally it would be attention_mask)
+        kwargs = {main: args[0]} | ({"labels": args[1]} if len(args) > 1 else {})
+        args = ()
+    for k, v in forward_kwargs.items():
+        if k in kwargs:
+            raise ValueError(f"diagnostics.collect: forward keyword {k!r} is given twice (in the batch and as a "
+                             "keyword argument)")
+        kwargs[k] = v
+    for k in ("past_key_values", "cache"):
+        if kwargs.get(k) is not None:
+            raise ValueError(f"diagnostics.collect: {k} is not supported: the logit monitors need the whole "
+                             "sequence in one forward")
+    has_targets = has_targets or any(kwargs.get(k) is not None for k in _TARGET_KEYS)
+    if hf and "use_cache" not in kwargs and "use_cache" in inspect.signature(_unwrap(model).forward).parameters:
+        kwargs["use_cache"] = False  # no KV cache to build for a single diagnostic forward
+    first = next((t for t in (*args, kwargs.get(main), *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        raise ValueError("diagnostics.collect: the batch holds no input tensor")
+    B = first.shape[0] if first.ndim else 0
+    if max_seqs and B > max_seqs:  # cut every batched tensor argument (first dimension = batch size)
+        def cut(t):
+            return t[:max_seqs] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == B else t
+        args = tuple(cut(t) for t in args)
+        kwargs = {k: cut(v) for k, v in kwargs.items()}
+    return args, kwargs, has_targets
 
 
 def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = 8, grads: bool = True,
-            threshold: float = SATURATION_THRESHOLD) -> dict[str, float]:
+            threshold: float = SATURATION_THRESHOLD, **forward_kwargs) -> dict[str, float]:
     """All monitors at once, as flat ``{name: float}`` (see the module docstring for the names).
 
     Args:
-        model: the model (any nn.Module; attention monitors need the attention contract of ARCHITECTURE.md).
-        optimizer: optional; selects the monitored matrices and provides ``last_stats``.
-        batch: optional input batch (tensor, (x, y) or dict); enables the logit statistics and, when it has targets
-            and no ``.grad`` is set, the extra backward for the gradient norms. At most ``max_seqs`` sequences used.
+        model: the model (any nn.Module). Attention monitors cover this package's GPT/Llama attention and Hugging
+            Face GPT-2, Llama and BERT self-attention (see :func:`attention_modules`).
+        optimizer: optional; selects the monitored matrices and provides ``last_stats``. A tensor, dict, tuple or
+            list here is taken as the batch (``collect(model, batch)``).
+        batch: optional input batch: a tensor of input ids, ``(x, y)``, or a dict of keyword inputs (Hugging Face
+            style: ``input_ids``, ``attention_mask``, ``labels``, ...). Enables the logit statistics and, when it
+            has targets (``y``, ``labels``/``targets``) and no ``.grad`` is set, the extra backward for the gradient
+            norms. At most ``max_seqs`` sequences are used. For a Hugging Face model ``(x, y)`` means
+            ``input_ids=x, labels=y`` (causal-LM labels are shifted inside the model: pass ``labels=input_ids``).
         max_seqs: cap on the sequences of the diagnostic forward (memory: one (B, H, T, T) layer at a time).
         grads: compute the gradient norms.
         threshold: saturation threshold on the max softmax probability.
+        **forward_kwargs: extra keyword arguments for the model's forward (e.g. ``attention_mask``); batched
+            tensors among them are cut to ``max_seqs`` sequences like the batch.
 
-    The model's training mode and ``record_logits`` flags are restored; the global RNG is not consumed.
+    Raises:
+        ValueError: a batch that cannot be read, a keyword given twice, a KV cache among the inputs, an attention
+            mask that is not (B, T), or an unsupported Hugging Face attention variant (see :class:`HFAttention`).
+
+    The model's training mode and ``record_logits`` flags are restored and every hook is removed, also when the
+    forward raises; the global RNG is not consumed.
     """
+    if batch is None and isinstance(optimizer, _BATCH_TYPES):
+        optimizer, batch = None, optimizer
     t0 = time.perf_counter()
     out: dict[str, float] = {}
     for name, W in monitored_matrices(model, optimizer):
@@ -303,40 +557,78 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = 8, 
     if grads and have_grads:
         out.update(grad_norms((_clean(n), p.grad) for n, p in model.named_parameters()))
     if batch is not None:
-        x, y = _split_batch(batch, max_seqs)
-        need_grad = grads and not have_grads and y is not None
-        out.update(_forward_stats(model, attn, x, y, need_grad, threshold))
+        want_grad = grads and not have_grads
+        args, kwargs, has_targets = _forward_inputs(model, batch, forward_kwargs, max_seqs, want_grad)
+        out.update(_forward_stats(model, attn, args, kwargs, want_grad and has_targets, threshold))
     out["diag.time_ms"] = (time.perf_counter() - t0) * 1e3
     return out
 
 
-def _forward_stats(model, attn, x, y, need_grad: bool, threshold: float) -> dict[str, float]:
+def _visible(mask: torch.Tensor | None, B: int, T: int, causal: bool, device) -> torch.Tensor:
+    """(B, T, T) bool: query t may attend to key s (causal and key padding); padded query rows are all False."""
+    vis = torch.ones(B, T, T, dtype=torch.bool, device=device)
+    if causal:
+        vis = vis.tril()
+    if mask is not None:
+        keep = mask.to(device) != 0
+        vis = vis & keep[:, None, :] & keep[:, :, None]
+    return vis
+
+
+def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, threshold: float) -> dict[str, float]:
     out: dict[str, float] = {}
-    index = {id(m): i for i, (_, m) in enumerate(attn)}
-    flags = [(m, m.record_logits) for _, m in attn]
+    own = [(i, m) for i, (_, m) in enumerate(attn) if not isinstance(m, HFAttention)]
+    hf = [(i, m) for i, (_, m) in enumerate(attn) if isinstance(m, HFAttention)]
+    index = {id(m): i for i, m in own}
+    flags = [(m, m.record_logits) for _, m in own]
+    pad = kwargs.get("attention_mask")
+    if hf and pad is not None and (not isinstance(pad, torch.Tensor) or pad.ndim != 2):
+        raise ValueError("diagnostics.collect: the attention monitors need a (batch, seq) padding attention_mask "
+                         f"(1 = token, 0 = padding), got {getattr(pad, 'shape', type(pad).__name__)}")
     was_training = model.training
     hooks = []
 
-    def hook(mod, _inp, _out):
+    def own_hook(mod, _inp, _out):
         z = getattr(mod, "last_logits", None)
         if z is not None:
             for k, v in logit_stats(z, threshold).items():
                 out[f"attn.{index[id(mod)]}.{k}"] = v
             mod.last_logits = None  # free (B, H, T, T) before the next layer
 
+    def hf_hook(i: int, site: HFAttention):
+        def pre_hook(_mod, a, kw):
+            with torch.no_grad():
+                z = site.logits(a, kw)
+                if z is None:
+                    return
+                B, _, T, S = z.shape
+                if pad is not None and tuple(pad.shape) != (B, S):
+                    raise ValueError(f"diagnostics.collect: attention_mask has shape {tuple(pad.shape)}, the "
+                                     f"attention layer sees (batch, seq) = ({B}, {S})")
+                vis = _visible(pad, B, T, site.causal, z.device)
+                for k, v in logit_stats(z.masked_fill(~vis[:, None], float("-inf")), threshold).items():
+                    out[f"attn.{i}.{k}"] = v
+        return pre_hook
+
+    first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
     devices = []
-    if x.device.type == "cuda":  # fork_rng wants CUDA device indices
-        devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()]
+    if first is not None and first.device.type == "cuda":  # fork_rng wants CUDA device indices
+        devices = [first.device.index if first.device.index is not None else torch.cuda.current_device()]
     try:
-        for _, m in attn:
+        for _, m in own:
             m.record_logits = True
-            hooks.append(m.register_forward_hook(hook))
+            hooks.append(m.register_forward_hook(own_hook))
+        for i, site in hf:
+            hooks.append(site.module.register_forward_pre_hook(hf_hook(i, site), with_kwargs=True))
         model.eval()
         with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(need_grad):
-            res = model(x, y) if need_grad else model(x)
+            res = model(*args, **kwargs)
             if need_grad:
-                loss = res[1] if isinstance(res, (tuple, list)) else getattr(res, "loss", None)
-                if loss is not None:
+                loss = getattr(res, "loss", None)
+                if loss is None and isinstance(res, (tuple, list)) and res:
+                    # this package's models return (logits, loss); Hugging Face tuples put the loss first
+                    loss = res[0] if _is_hf_model(model) else (res[1] if len(res) > 1 else None)
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
                     gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
                     out.update(grad_norms((_clean(n), g) for (n, _), g in zip(named, gs)))
