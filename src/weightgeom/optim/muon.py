@@ -12,6 +12,7 @@ where the direction is msign(U) without a manifold, or the manifold-Muon directi
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -31,13 +32,23 @@ from weightgeom.optim.functional import (
 )
 from weightgeom.optim.manifold_muon import DUAL_SCHEDULES, manifold_direction
 
-__all__ = ["Muon", "ALGORITHMS"]
+__all__ = ["Muon", "ALGORITHMS", "FarRetractionWarning"]
 
 ALGORITHMS = ("muon", "adamw")
 _MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
 # Group keys that are not hyperparameters: the params themselves, their names (ours, and torch's named-params key),
 # and keys LR schedulers / torch add to groups.
 _BOOKKEEPING_KEYS = frozenset({"params", "names", "param_names", "initial_lr", "name"})
+# ``init``: what the first step does with a constrained matrix (see the class docstring).
+INIT_MODES = ("retract", "keep")
+# A first-step retraction that moves a matrix by more than this relative Frobenius distance ‖R(W) − W‖_F / ‖W‖_F
+# triggers one warning per optimizer (weights given to the optimizer, e.g. pretrained ones, are being replaced).
+FAR_RETRACTION = 0.1
+
+
+class FarRetractionWarning(UserWarning):
+    """An ``init="retract"`` first step moved a matrix far onto its manifold (pretrained weights discarded).
+    Training from a random initialisation expects it; the trainer, whose models always start random, ignores it."""
 
 
 class Muon(torch.optim.Optimizer):
@@ -63,7 +74,8 @@ class Muon(torch.optim.Optimizer):
         momentum_form: ``"ema"`` (M ← βM + (1−β)G, torch.optim.Muon) or ``"sum"`` (M ← βM + G, seed 000's code).
         algorithm: ``"muon"`` or ``"adamw"``.
         manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
-            Constrained matrices are retracted onto the manifold at their first step, then after every step.
+            Constrained matrices are retracted onto the manifold at their first step, then after every step
+            (``init="retract"``); ``init="keep"`` leaves pretrained weights where they are (see ``init``).
         dual_steps: maximum dual-ascent iterations per step (each costs one msign).
         dual_lr: dual step α (units of the momentum normalised to unit RMS singular value); halved automatically
             whenever the residual grows.
@@ -81,6 +93,17 @@ class Muon(torch.optim.Optimizer):
             shape scale and ``split`` use the (out, in) view.
         split: None, or k: the weight is k equal matrices stacked along the output dimension (fused QKV, k = 3);
             each block gets its own msign / manifold direction, multiplier, retraction and shape scale.
+        init: what happens to a manifold-constrained matrix's given value (ignored without a manifold).
+            ``"retract"``: it is retracted onto the manifold at its first step and after every step (training from
+            a random initialisation). When that first retraction moves a matrix by a relative Frobenius distance
+            ‖R(W) − W‖_F/‖W‖_F above ``FAR_RETRACTION`` (0.1), one warning per optimizer names the farthest matrix
+            and suggests ``"keep"``. ``"keep"`` (fine-tuning pretrained weights): the matrix is never retracted.
+            The direction is the same dual ascent at the current W, whose constraint P(WᵀA + AᵀW) = 0 is the
+            tangent space of the level set {V : P(VᵀV) = P(W₀ᵀW₀)} through the starting point W₀ (the manifold
+            itself when W₀ is on it). So "keep" holds P(WᵀW) at its pretrained value to first order: each step
+            changes it by lr²·P(AᵀA) plus lr times the dual residual, and weight decay scales it by (1 − lr·wd)²;
+            nothing pulls it back. ``dual_project=True`` uses the manifold's closed-form projection, exact only on
+            the manifold. Details: docs/manifolds.md, "Fine-tuning a pretrained model".
 
     Attributes:
         last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int,
@@ -119,6 +142,7 @@ class Muon(torch.optim.Optimizer):
         adamw_lr: float | None = None,
         layout: str = "out_in",
         split: int | None = None,
+        init: str = "retract",
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
@@ -126,10 +150,12 @@ class Muon(torch.optim.Optimizer):
             momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
             dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, dual_ns_steps=dual_ns_steps,
             dual_project=dual_project, retraction=retraction,
-            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split,
+            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split, init=init,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
         self.last_stats: dict[str, dict[str, float]] = {}
+        self._far_retractions: dict[str, tuple[float, str]] = {}  # name -> (distance, manifold) since last warning
+        self._warned_far_retraction = False
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
 
@@ -201,6 +227,11 @@ class Muon(torch.optim.Optimizer):
 
         All or nothing: every gradient of every group is checked before any parameter or state changes.
 
+        DTensor parameters (FSDP2 ``fully_shard``; every rank calls ``step``): each Muon matrix is gathered whole onto
+        one owner rank, stepped there by this same code and scattered back; AdamW groups are stepped on each rank's
+        local shard; a NaN/Inf gradient shard on any rank makes every rank raise before anything changes
+        (``weightgeom.train.distributed.step_on_owners``; ``state_dict()`` is then per rank).
+
         Raises:
             NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
             ValueError: a sparse gradient, naming the parameter; nothing changed.
@@ -209,6 +240,17 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        from weightgeom.train.distributed import holds_dtensors, step_on_owners
+
+        if holds_dtensors(self.param_groups):  # FSDP2: Muon matrices whole on owner ranks, AdamW on local shards
+            step_on_owners(self, self._update, whole=lambda g, p: g["algorithm"] == "muon",
+                           name=lambda gi, g, i: self._name(g, i, gi), who="Muon")
+        else:
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         work = self._with_grads()
         self._check_finite(work)
         self.last_stats = {}
@@ -219,7 +261,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 for i, p in items:
                     self._muon_step(group, p, self._name(group, i, gi))
-        return loss
+        self._warn_far_retraction()
 
     def _with_grads(self) -> list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]:
         """(group index, group, [(param index, param)]) for every group with at least one gradient; refuses sparse
@@ -243,6 +285,19 @@ class Muon(torch.optim.Optimizer):
         if bad is not None:
             gi, group, i, p = where[bad]
             raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
+
+    def _warn_far_retraction(self) -> None:
+        """One warning per optimizer when an ``init="retract"`` first step moved a matrix by > FAR_RETRACTION."""
+        far, self._far_retractions = self._far_retractions, {}
+        if not far or self._warned_far_retraction:
+            return
+        self._warned_far_retraction = True
+        name, (dist, manifold) = max(far.items(), key=lambda kv: kv[1][0])
+        warnings.warn(
+            f"Muon: init='retract' moved {len(far)} matrix(es) onto their manifold by more than {FAR_RETRACTION:g} "
+            f"of their norm at the first step (largest: {name!r}, relative Frobenius distance {dist:.3g}, "
+            f"{manifold}); expected from a random initialisation, but it discards pretrained weights: pass "
+            f"init='keep' to fine-tune them", FarRetractionWarning, stacklevel=2)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
         state = self.state[p]
@@ -271,8 +326,12 @@ class Muon(torch.optim.Optimizer):
         if manifold is None:
             direction = msign(U, method=group["msign_method"], steps=group["ns_steps"], dtype=group["msign_dtype"])
         else:
-            if state["step"] == 0:  # start on the manifold (documented: constrained matrices are retracted first)
-                W.copy_(_retract(manifold, W))
+            if state["step"] == 0 and group.get("init", "retract") == "retract":  # start on the manifold
+                R = _retract(manifold, W)
+                dist = float(torch.linalg.vector_norm(R - W) / torch.linalg.vector_norm(W).clamp_min(1e-30))
+                if dist > FAR_RETRACTION:
+                    self._far_retractions[name] = (dist, str(getattr(manifold, "name", manifold)))
+                W.copy_(R)
             dtype = group["msign_dtype"] or (torch.float64 if p.dtype == torch.float64 else torch.float32)
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
@@ -299,7 +358,7 @@ class Muon(torch.optim.Optimizer):
             self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters,
                                      "dual_residual": info["dual_residual"]}
         apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"])
-        if manifold is not None:
+        if manifold is not None and group.get("init", "retract") == "retract":
             W.copy_(_retract(manifold, W))
         state["step"] += 1
 
@@ -328,6 +387,7 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         "msign_method": _MSIGN_METHODS,
         "dual_schedule": DUAL_SCHEDULES,
         "layout": ("out_in", "in_out"),
+        "init": INIT_MODES,
     }
     for key, allowed in choices.items():
         if key in group and group[key] not in allowed:

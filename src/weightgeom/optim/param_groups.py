@@ -18,8 +18,18 @@ other      any other parameter (e.g. BERT's pooler, ResMLP's ``inp``): AdamW
 =========  =====================================================================================================
 
 Strategies map roles to (algorithm, manifold): ``unconstrained`` (Muon on attn + mlp), ``all-stiefel``,
-``all-dgram``, ``hetero`` (attn Stiefel, mlp DGram; seed 000's best), ``hetero-inv`` (attn DGram, mlp Stiefel),
-``adamw`` (everything AdamW). Embeddings, head, norms, biases and other → AdamW, weight decay only on ≥2-D tensors.
+``all-dgram``, ``hetero`` (attn Stiefel, mlp DGram), ``hetero-inv`` (attn DGram, mlp Stiefel), ``adamw``
+(everything AdamW). Embeddings, head, norms, biases and other → AdamW, weight decay only on ≥2-D tensors.
+
+Hyperparameters go to the groups whose algorithm reads them (one rule, checked: a key nobody reads is an error
+with a "did you mean"):
+
+- AdamW groups: ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas``, ``adamw_eps`` (the ``adamw_`` prefix
+  dropped), the AdamW-only ``betas`` and ``eps``, and the entries of ``adamw_hparams={"lr": ...}`` (keys ``lr``,
+  ``weight_decay``, ``betas``, ``eps``). The same setting given two ways is an error.
+- Muon groups: every other keyword, which must be a Muon group key (a keyword of ``weightgeom.optim.Muon``:
+  ``lr``, ``weight_decay``, ``momentum``, ``dual_steps``, ``init``, ...). ``lr`` and ``weight_decay`` are Muon's.
+- An AdamW group given no ``lr`` takes the optimizer's (``Muon(..., adamw_lr=)``, else ``Muon(..., lr=)``).
 
 HF GPT-2 uses ``Conv1D`` whose weight is stored (in, out): such parameters get the group key ``layout="in_out"`` so
 Muon's shape scale and the QKV split use the (out, in) view; manifold constraints are orientation-free (wide matrices
@@ -30,13 +40,16 @@ own momentum direction, Gram constraint and multiplier.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["param_groups", "STRATEGIES", "ROLE_PATTERNS", "format_table", "classify"]
+__all__ = ["param_groups", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
+           "muon_group_keys"]
 
 # strategy -> {role: manifold name or None (plain Muon) or "adamw"}
 STRATEGIES: dict[str, dict[str, str | None]] = {
@@ -61,6 +74,77 @@ ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
 )
 _FUSED_QKV = re.compile(r"(^|\.)attn\.c_attn\.weight$")
 _ADAMW_ROLES = ("embed", "head", "norm", "bias", "other")
+
+# The keys Muon's AdamW step reads from a group; ``betas`` and ``eps`` are read by nothing else.
+ADAMW_GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")
+_ADAMW_ONLY = ("betas", "eps")
+# Group keys param_groups sets itself (from the strategy, rules and split_qkv), not keywords.
+_PLACEMENT_KEYS = ("algorithm", "manifold", "layout", "split")
+# param_groups' own keywords (for "did you mean").
+_OWN_KEYWORDS = ("strategy", "rules", "split_qkv", "verbose", "adamw_hparams")
+
+
+def muon_group_keys() -> tuple[str, ...]:
+    """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (its defaults) except
+    ``params``, the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``)."""
+    from weightgeom.optim.muon import Muon
+
+    skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr"}
+    return tuple(k for k in inspect.signature(Muon.__init__).parameters if k not in skip)
+
+
+def _did_you_mean(key: str, options: Iterable[str]) -> str:
+    m = difflib.get_close_matches(str(key), list(options), n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
+
+
+def _route(hparams: Mapping[str, Any], adamw_hparams: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """Split param_groups' keywords into (Muon group keys, AdamW group keys) by the rule in the module docstring.
+
+    Raises:
+        ValueError: one line naming a key no group reads (with a "did you mean"), a placement key given as a keyword,
+            or a setting given twice.
+    """
+    muon_keys = muon_group_keys()
+    adamw_kw = tuple(f"adamw_{k}" for k in ADAMW_GROUP_KEYS)
+    muon_hp: dict[str, Any] = {}
+    adamw_hp: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for k, v in dict(adamw_hparams or {}).items():
+        if k not in ADAMW_GROUP_KEYS:
+            raise ValueError(f"param_groups: adamw_hparams key {k!r} is not read by AdamW groups (they read "
+                             f"{', '.join(ADAMW_GROUP_KEYS)}){_did_you_mean(k, ADAMW_GROUP_KEYS)}")
+        adamw_hp[k], source[k] = v, f"adamw_hparams[{k!r}]"
+    for k, v in hparams.items():
+        if k in adamw_kw or k in _ADAMW_ONLY:
+            key = k.removeprefix("adamw_")
+            if key in source:
+                raise ValueError(f"param_groups: the AdamW {key!r} is given twice: as {k!r} and as {source[key]}")
+            adamw_hp[key], source[key] = v, repr(k)
+        elif k in muon_keys:
+            muon_hp[k] = v
+        elif k in _PLACEMENT_KEYS:
+            raise ValueError(f"param_groups: {k!r} is not a keyword: the strategy, rules and split_qkv set it "
+                             f"(e.g. rules={{regex: {{'manifold': 'stiefel'}}}})")
+        else:
+            options = (*muon_keys, *adamw_kw, *_ADAMW_ONLY, *_OWN_KEYWORDS)
+            raise ValueError(f"param_groups: unknown keyword {k!r} (not a Muon group key, not an AdamW one)"
+                             f"{_did_you_mean(k, options)}")
+    return muon_hp, adamw_hp
+
+
+def _check_rule_keys(spec: Mapping[str, Any], where: str) -> None:
+    """A rule's dict of group keys may hold only keys its algorithm reads."""
+    if spec.get("algorithm") == "adamw":
+        allowed = (*ADAMW_GROUP_KEYS, "algorithm", "manifold")
+        kind = "AdamW"
+    else:
+        allowed = (*muon_group_keys(), *_PLACEMENT_KEYS)
+        kind = "Muon"
+    for k in spec:
+        if k not in allowed:
+            raise ValueError(f"param_groups: rule {where}: key {k!r} is not read by {kind} groups"
+                             f"{_did_you_mean(k, allowed)}")
 
 
 def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, str, str]]:
@@ -114,6 +198,7 @@ def _spec_from_rule(value: Any, where: str) -> dict[str, Any]:
         spec = dict(value)
         spec.setdefault("algorithm", "muon")
         spec.setdefault("manifold", None)
+        _check_rule_keys(spec, where)
         return spec
     raise ValueError(f"param_groups: rule {where}: value must be a string or a dict of group keys, got {value!r}")
 
@@ -138,9 +223,13 @@ def param_groups(
             that matches no trainable parameter is an error.
         split_qkv: give fused QKV weights (``attn.c_attn.weight``) ``split=3`` so Q, K, V are separate matrices.
         verbose: print the assignment table.
-        adamw_hparams: group keys for the AdamW groups (e.g. ``{"lr": 6e-4, "weight_decay": 0.1}``); weight decay
-            applies to ≥2-D tensors only (1-D: 0).
-        **hparams: group keys for the Muon groups (``lr``, ``momentum``, ``dual_steps``, ...).
+        adamw_hparams: AdamW group keys (``lr``, ``weight_decay``, ``betas``, ``eps``), e.g. ``{"lr": 6e-4,
+            "weight_decay": 0.1}``; the same as the keywords ``adamw_lr=6e-4, adamw_weight_decay=0.1``. Weight
+            decay applies to ≥2-D tensors only (1-D: 0).
+        **hparams: routed by name (module docstring): ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas`` /
+            ``betas``, ``adamw_eps`` / ``eps`` → AdamW groups; every other key must be a Muon group key (``lr``
+            in spectral-norm units per step, ``weight_decay``, ``momentum``, ``dual_steps``, ``init``, ...) and goes
+            to the Muon groups. E.g. ``param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3)``.
 
     Returns:
         List of groups, each with ``params``, ``names``, ``algorithm``, ``manifold`` plus the hyperparameters (and
@@ -148,10 +237,12 @@ def param_groups(
 
     Raises:
         ValueError: unknown strategy, a rule matching nothing, a bad rule value, a non-matrix parameter given to a
-            Muon rule, or a model in which the strategy finds no attention/MLP matrix to constrain.
+            Muon rule, a model in which the strategy finds no attention/MLP matrix to constrain, or a keyword
+            (or ``adamw_hparams`` / rule key) that no group reads, naming it with a "did you mean".
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"param_groups: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+        raise ValueError(f"param_groups: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}"
+                         f"{_did_you_mean(strategy, STRATEGIES)}")
     role_map = STRATEGIES[strategy]
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     compiled = []
@@ -164,7 +255,7 @@ def param_groups(
         except re.error as e:
             raise ValueError(f"param_groups: rule {pat!r} is not a valid regex: {e}") from e
         compiled.append((pat, rx, _spec_from_rule(value, repr(pat))))
-    adamw_hp = dict(adamw_hparams or {})
+    hparams, adamw_hp = _route(hparams, adamw_hparams)
     hits = {pat: 0 for pat, _, _ in compiled}
 
     rows: list[dict[str, Any]] = []
