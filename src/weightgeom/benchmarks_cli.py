@@ -1,52 +1,41 @@
-"""``weightgeom bench NAME [ARGS...]``: run a script from the repository's benchmarks/ directory by name.
+"""``weightgeom bench NAME [ARGS...]``: run one of the benchmarks shipped in :mod:`weightgeom.benchmarks` by name.
 
-``weightgeom bench`` alone lists the available benchmarks; ``weightgeom bench optimizer_step --quick`` runs
-``benchmarks/optimizer_step.py --quick`` in this Python (arguments after the name are passed through).
-The directory is found next to the installed source tree (editable install) or via ``$WEIGHTGEOM_BENCHMARKS``.
+``weightgeom bench`` alone lists them; ``weightgeom bench optimizer_step --quick`` runs the module
+``weightgeom.benchmarks.optimizer_step`` as a script in this Python, with the arguments after the name passed through
+(``weightgeom bench optimizer_step --help`` shows the benchmark's own options). The benchmarks are part of the
+installed package, so this works from any directory after a plain ``pip install``; in a source checkout
+``python -m weightgeom.benchmarks.optimizer_step --quick`` is the same.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import pkgutil
 import runpy
 import sys
-from pathlib import Path
 
-__all__ = ["add_arguments", "run", "benchmarks_dir", "available"]
+__all__ = ["PACKAGE", "add_arguments", "run", "available"]
 
-
-def benchmarks_dir() -> Path | None:
-    """The benchmarks/ directory: ``$WEIGHTGEOM_BENCHMARKS``, else <repo>/benchmarks next to src/; None if absent."""
-    env = os.environ.get("WEIGHTGEOM_BENCHMARKS")
-    candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[2] / "benchmarks")
-    candidates.append(Path.cwd() / "benchmarks")
-    for c in candidates:
-        if c.is_dir():
-            return c
-    return None
+PACKAGE = "weightgeom.benchmarks"
 
 
 def available() -> list[str]:
-    """Benchmark names (script stems, helpers starting with ``_`` excluded)."""
-    d = benchmarks_dir()
-    return sorted(p.stem for p in d.glob("*.py") if not p.name.startswith("_")) if d else []
+    """Names of the benchmark modules in :mod:`weightgeom.benchmarks` (helpers starting with ``_`` excluded), found
+    without importing them (so without importing torch)."""
+    import weightgeom.benchmarks as pkg
+
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.ispkg and not m.name.startswith("_"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``name`` (optional: lists when missing) and the arguments passed through to the script."""
-    p.add_argument("name", nargs="?", help="benchmark to run (script name in benchmarks/, without .py)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script (e.g. --quick)")
+    """``name`` (optional: lists the benchmarks when missing) and the arguments passed through to the benchmark."""
+    p.add_argument("name", nargs="?", help=f"benchmark to run: {', '.join(available())} (none: list them)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed to the benchmark (e.g. --quick; --help shows its options)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the named benchmark as ``__main__`` with its arguments; returns its exit code."""
-    d = benchmarks_dir()
-    if d is None:
-        print("weightgeom bench: no benchmarks/ directory found (set WEIGHTGEOM_BENCHMARKS=/path/to/benchmarks)",
-              file=sys.stderr)
-        return 2
+    """Run the named benchmark as ``__main__`` with its arguments; returns its exit code (2: unknown name)."""
     names = available()
     if not args.name:
         print("available benchmarks:", ", ".join(names) if names else "(none)")
@@ -55,15 +44,15 @@ def run(args: argparse.Namespace) -> int:
     if name not in names:
         print(f"weightgeom bench: unknown benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
-    script = d / f"{name}.py"
-    old_argv, old_path = sys.argv, list(sys.path)
-    sys.argv = [str(script), *args.script_args]
-    sys.path.insert(0, str(d))
+    old_argv = sys.argv
+    sys.argv = [f"weightgeom bench {name}", *args.script_args]  # the benchmark's argparse prog and arguments
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_module(f"{PACKAGE}.{name}", run_name="__main__", alter_sys=False)
     except SystemExit as e:
-        code = e.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"): shown, exit code 1, as Python does for a script
+        return 1
     finally:
-        sys.argv, sys.path[:] = old_argv, old_path
+        sys.argv = old_argv
     return 0

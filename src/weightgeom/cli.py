@@ -1,9 +1,15 @@
 """``weightgeom`` command line: train | sweep | analyze | report | bench | data | demo.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only
-dispatches, importing the chosen module lazily so ``weightgeom --help`` stays fast. An ``OSError`` a subcommand lets
-through (a path that cannot be written or read: not a directory, no permission, disk full) ends the command with one
-line naming the path and the system's reason, and exit code 2, like any other bad input.
+dispatches. An ``OSError`` a subcommand lets through (a path that cannot be written or read: not a directory, no
+permission, disk full) ends the command with one line naming the path and the system's reason, and exit code 2, like
+any other bad input. ``weightgeom --version`` prints the installed versions of weightgeom and torch.
+
+Building the parser imports no torch, NumPy or pandas, so ``weightgeom --help``, ``weightgeom COMMAND --help`` and
+``--version`` answer in a fraction of a second: the subcommand modules and the packages above them (whose public
+names are lazy, see ``weightgeom._lazy``) import only the standard library at module level, and each ``run(args)``
+imports the heavy modules it needs inside the function. Those command functions are the one place in weightgeom
+where function-level imports are the rule; ``tests/test_cli.py`` checks that no torch is imported for help.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("weightgeom.experiments.cli", "run an experiment recipe: manifolds | continuity | md"),
     "report": ("weightgeom.experiments.report_cli", "regenerate tables and plots from run directories"),
     "analyze": ("weightgeom.analysis.cli", "continuity analysis of a checkpoint (HF dir, torch .pt, GGUF)"),
-    "bench": ("weightgeom.benchmarks_cli", "run the benchmarks in benchmarks/"),
+    "bench": ("weightgeom.benchmarks_cli", "run a benchmark shipped in weightgeom.benchmarks (none: list them)"),
     "data": ("weightgeom.data.cli", "prepare token datasets (train.bin/val.bin) from text, JSONL, parquet"),
 }
 
@@ -41,9 +47,40 @@ def os_error_line(e: OSError) -> str:
     return f"cannot use {where}: {reason}"
 
 
+def version_line() -> str:
+    """``weightgeom X.Y.Z (torch A.B.C, Python D.E.F)``: the installed distributions' versions, read from their
+    metadata (nothing is imported; ``weightgeom.__version__`` where weightgeom runs from a source tree without being
+    installed)."""
+    import platform
+    from importlib import metadata
+
+    from weightgeom import __version__
+
+    def installed(dist: str, fallback: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return fallback
+
+    return (f"weightgeom {installed('weightgeom', __version__)} (torch {installed('torch', 'not installed')}, "
+            f"Python {platform.python_version()})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_line` and exit 0 (computed only when asked for)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per available subcommand."""
     parser = argparse.ArgumentParser(prog="weightgeom", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_VersionAction, help="print the versions of weightgeom and torch and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         try:

@@ -1,22 +1,10 @@
-"""Continuity analysis of weight stacks (SPEC §E): metrics, role recognition, loaders, reports, ``weightgeom analyze``.
+"""Continuity analysis of weight stacks: metrics, role recognition, loaders, reports, ``weightgeom analyze``.
 
 Main entry points: :func:`analyze` (DataFrame, one row per (role, layer pair)), :func:`analyze_full` (plus per-layer
 table and all-pairs cosine matrices), :func:`write_report` (CSV/JSON/PNG).
 """
 
-from weightgeom.analysis.api import DEFAULT_METRICS, METRICS, AnalysisResult, analyze, analyze_full
-from weightgeom.analysis.continuity import (
-    dominance_ratio,
-    gram_alignment,
-    gram_alignment_svd,
-    gram_random_level,
-    index_matched_alignment,
-    random_level_cos,
-    stack_continuity,
-    top_cos,
-)
-from weightgeom.analysis.loaders import Loaded, load, load_gguf
-from weightgeom.analysis.roles import ROLES, assign_roles
+from weightgeom._lazy import lazy_exports
 
 __all__ = [
     "analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS", "stack_continuity", "gram_alignment",
@@ -25,9 +13,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # report pulls in matplotlib: import lazily
-    if name in ("write_report", "summary_table"):
-        from weightgeom.analysis import report
-
-        return getattr(report, name)
-    raise AttributeError(f"module 'weightgeom.analysis' has no attribute {name!r}")
+# imported on first use, so `weightgeom analyze --help` (which imports weightgeom.analysis.cli) needs no torch; report
+# pulls in matplotlib as well
+lazy_exports(__name__, {
+    **dict.fromkeys(["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS"], ".api"),
+    **dict.fromkeys(["dominance_ratio", "gram_alignment", "gram_alignment_svd", "gram_random_level",
+                     "index_matched_alignment", "random_level_cos", "stack_continuity", "top_cos"], ".continuity"),
+    **dict.fromkeys(["Loaded", "load", "load_gguf"], ".loaders"),
+    **dict.fromkeys(["ROLES", "assign_roles"], ".roles"),
+    **dict.fromkeys(["write_report", "summary_table"], ".report"),
+})

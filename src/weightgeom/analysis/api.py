@@ -24,13 +24,11 @@ import torch
 
 from weightgeom.analysis.continuity import stack_continuity
 from weightgeom.analysis.loaders import Loaded, load
+from weightgeom.analysis.metric_names import DEFAULT_METRICS, METRICS
 from weightgeom.analysis.roles import RoleWeight, assign_roles
 from weightgeom.linalg.topsv import top_singular
 
 __all__ = ["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS"]
-
-METRICS = ("cv", "cu", "gram", "idx")
-DEFAULT_METRICS = ("cv", "cu", "gram")
 
 
 @dataclass

@@ -3,18 +3,7 @@
 Submodules import lazily-heavy dependencies (tiktoken, pyarrow, scikit-learn) only when used.
 """
 
-from .corpora import iter_documents, shakespeare_files, shakespeare_text
-from .mnist import load_mnist
-from .prepare import (
-    cache_dir,
-    load_token_dataset,
-    prepare,
-    prepare_cached,
-    prepare_shakespeare,
-    write_token_dataset,
-)
-from .tokenizers import CharTokenizer, GPT2Tokenizer, get_tokenizer, gpt2_encoding, tokenizer_from_meta
-from .tokens import TokenDataset
+from weightgeom._lazy import lazy_exports
 
 __all__ = [
     "CharTokenizer",
@@ -34,3 +23,14 @@ __all__ = [
     "tokenizer_from_meta",
     "write_token_dataset",
 ]
+
+# imported on first use, so `weightgeom data --help` (which imports weightgeom.data.cli) needs no torch
+lazy_exports(__name__, {
+    "iter_documents": ".corpora", "shakespeare_files": ".corpora", "shakespeare_text": ".corpora",
+    "load_mnist": ".mnist",
+    "cache_dir": ".prepare", "load_token_dataset": ".prepare", "prepare": ".prepare", "prepare_cached": ".prepare",
+    "prepare_shakespeare": ".prepare", "write_token_dataset": ".prepare",
+    "CharTokenizer": ".tokenizers", "GPT2Tokenizer": ".tokenizers", "get_tokenizer": ".tokenizers",
+    "gpt2_encoding": ".tokenizers", "tokenizer_from_meta": ".tokenizers",
+    "TokenDataset": ".tokens",
+})

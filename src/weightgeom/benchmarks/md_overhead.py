@@ -15,9 +15,9 @@ MD always wraps eagerly. On CUDA the fused path does not apply (MD runs eagerly 
 
 Usage::
 
-    python benchmarks/md_overhead.py                       # all rows, 1 layer, CPU
-    python benchmarks/md_overhead.py --base adamw --adamw-impl default --md-path fused
-    python benchmarks/md_overhead.py --device cuda --layers 12 --iters 50 --json md_overhead.json
+    python -m weightgeom.benchmarks.md_overhead  # all rows, 1 layer, CPU
+    python -m weightgeom.benchmarks.md_overhead --base adamw --adamw-impl default --md-path fused
+    python -m weightgeom.benchmarks.md_overhead --device cuda --layers 12 --iters 50 --json md_overhead.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Training throughput: our GPT training step against a plain nanoGPT-style reference, same config.
 
-    python benchmarks/train_throughput.py                 # CPU size (4 layers, width 256, T=128, B=8)
-    python benchmarks/train_throughput.py --preset gpt2   # GPT-2 small, T=1024 (CUDA; bf16 autocast)
-    python benchmarks/train_throughput.py --e2e           # also time a whole `weightgeom.train.train` run
-    weightgeom bench train_throughput --quick             # smoke run
+    python -m weightgeom.benchmarks.train_throughput                # CPU size (4 layers, width 256, T=128, B=8)
+    python -m weightgeom.benchmarks.train_throughput --preset gpt2  # GPT-2 small, T=1024 (CUDA; bf16 autocast)
+    python -m weightgeom.benchmarks.train_throughput --e2e          # also time a whole `weightgeom.train.train` run
+    weightgeom bench train_throughput --quick                       # smoke run
 
 "Ours" is the trainer's step: ``weightgeom.models`` GPT, batches from ``weightgeom.train.batches``, the LR schedule
 applied to every group, global grad-norm clipping (``weightgeom.train.distributed.clip_grad_norm``), AdamW from
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     from weightgeom.train.config import load_config
     from weightgeom.train.distributed import DistInfo, clip_grad_norm
     from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
-    from weightgeom.train.trainer import build_model, build_optimizer_from_config
+    from weightgeom.train.trainer import build_optimizer_from_config, model_from_config
 
     P = PRESETS[args.preset]
     dev = torch.device(args.device)
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         "model": {"kind": "gpt", "n_layer": P["n_layer"], "n_head": P["n_head"], "n_embd": P["n_embd"],
                   "block_size": T, "vocab_size": V, "bias": False},
         "data": {"kind": "synthetic", "block_size": T, "batch_size": B},
-        "optim": {"name": "adamw", "adamw_lr": 6e-4, "weight_decay": 0.1},
+        "optim": {"name": "adamw", "adamw": {"lr": 6e-4, "weight_decay": 0.1}},
         "schedule": {"kind": "cosine", "warmup": 10},
         "train": {"max_steps": 1000, "grad_clip": 1.0},
     })
@@ -146,10 +146,10 @@ def main(argv=None) -> dict:
     # ours: the trainer's components
     torch.manual_seed(0)
     batches = build_batches(cfg)
-    model = build_model(cfg["model"]).to(dev)
+    model = model_from_config(cfg.model).to(dev)
     opt = build_optimizer_from_config(model, cfg)
     capture_base_lrs(opt)
-    lr_fn = make_lr_fn(cfg["schedule"], 1000)
+    lr_fn = make_lr_fn(cfg.schedule, 1000)
     params = [p for p in model.parameters() if p.requires_grad]
     info = DistInfo(device=dev)
     state = {"s": 0}

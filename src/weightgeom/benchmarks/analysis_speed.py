@@ -22,9 +22,9 @@ Gram alignments 2.7e-7.
 
 Usage::
 
-    python benchmarks/analysis_speed.py                 # one torch thread
-    python benchmarks/analysis_speed.py --threads 0     # torch's default thread count
-    python benchmarks/analysis_speed.py --layers 8 --skip-svd    # quick look
+    python -m weightgeom.benchmarks.analysis_speed                        # one torch thread
+    python -m weightgeom.benchmarks.analysis_speed --threads 0            # torch's default thread count
+    python -m weightgeom.benchmarks.analysis_speed --layers 8 --skip-svd  # quick look
 
 Prints a small table and one JSON line.
 """

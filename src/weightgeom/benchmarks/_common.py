@@ -1,7 +1,5 @@
-"""Shared helpers for the scripts in benchmarks/: shapes, device sync, interleaved timing, machine description.
-
-Import as ``from _common import ...`` (the scripts run with benchmarks/ on sys.path, as ``python benchmarks/x.py``
-and ``weightgeom bench x`` both arrange).
+"""Shared helpers of the benchmarks in :mod:`weightgeom.benchmarks`: shapes, device sync, interleaved timing, machine
+description. Not a benchmark itself (the leading underscore keeps it out of ``weightgeom bench``'s list).
 """
 
 from __future__ import annotations

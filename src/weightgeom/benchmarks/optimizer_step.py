@@ -12,9 +12,9 @@ msign ≥ 85% of a plain matmul's GFLOP/s.
 
 Usage::
 
-    python benchmarks/optimizer_step.py --quick           # 1 warm-up + 1 timed step each (~5 min on 2 CPU cores)
-    python benchmarks/optimizer_step.py --iters 5 --json optimizer_step.json
-    python benchmarks/optimizer_step.py --device cuda --iters 20
+    python -m weightgeom.benchmarks.optimizer_step --quick  # 1 warm-up + 1 timed step each (~5 min on 2 CPU cores)
+    python -m weightgeom.benchmarks.optimizer_step --iters 5 --json optimizer_step.json
+    python -m weightgeom.benchmarks.optimizer_step --device cuda --iters 20
     weightgeom bench optimizer_step --quick
 """
 
@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import GPT2_SMALL_SHAPES, interleaved_medians, machine_info, matmul_gflops  # noqa: E402
-from weightgeom.linalg import MSIGN_PRESETS, msign  # noqa: E402
-from weightgeom.optim import Muon  # noqa: E402
+from weightgeom.benchmarks._common import GPT2_SMALL_SHAPES, interleaved_medians, machine_info, matmul_gflops
+from weightgeom.linalg import MSIGN_PRESETS, msign
+from weightgeom.optim import Muon
 
 TARGET_MUON_VS_TORCH = 1 / 20
 TARGET_MANIFOLD_VS_MUON = 4.0
 TARGET_MSIGN_VS_MATMUL = 0.85
 TOL = 1e-4
 
-# name -> (factory kind, kwargs). "seed": seed 000's dual settings (K = 20, α = 0.1 linear, 10-step msign);
+# name -> (factory kind, kwargs). "paper dual": the manifold-assignment paper's dual settings
+# (K = 20, α = 0.1 linear, 10-step msign);
 # "fast": 5-step msign inside the loop + one accurate final msign, α = 0.3 constant, then tangent projection
 # (residual at rounding level by construction; the dual residual before projection is reported too).
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -46,8 +45,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "muon (ours, default)": ("ours", {}),
     "muon (ours, muon preset fp32)": ("ours", {"msign_method": "muon"}),
     "muon (ours, muon preset bf16)": ("ours", {"msign_method": "muon", "msign_dtype": torch.bfloat16}),
-    "stiefel (seed dual)": ("ours", {"manifold": "stiefel", "dual_tol": TOL}),
-    "dgram (seed dual)": ("ours", {"manifold": "dgram", "dual_tol": TOL}),
+    "stiefel (paper dual)": ("ours", {"manifold": "stiefel", "dual_tol": TOL}),
+    "dgram (paper dual)": ("ours", {"manifold": "dgram", "dual_tol": TOL}),
     "stiefel (fast dual+proj)": ("ours", {"manifold": "stiefel", "dual_tol": TOL, "dual_steps": 4,
                                           "dual_ns_steps": 5, "dual_lr": 0.3, "dual_schedule": "constant",
                                           "dual_project": True}),
