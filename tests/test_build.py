@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from weightgeom.models import build_model
 from weightgeom.optim.build import adamw_groups, build_optimizer, canonical_name
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
-
-HAS_MUON = importlib.util.find_spec("weightgeom.optim.muon") is not None and \
-    importlib.util.find_spec("weightgeom.optim.param_groups") is not None
-needs_muon = pytest.mark.skipif(not HAS_MUON, reason="weightgeom.optim.muon / param_groups not available yet")
 
 
 def _gpt(**kw):
@@ -95,7 +89,6 @@ def test_bad_input():
     build_optimizer(model, "adamw", momentum=0.9, dual_steps=5, split_qkv=False)
 
 
-@needs_muon
 @pytest.mark.parametrize("name,strategy", [("muon", "unconstrained"), ("muon-md", "unconstrained"),
                                            ("muon-md", "hetero"), ("muon-md", "all-stiefel")])
 def test_muon_names_train(name, strategy):
@@ -109,7 +102,6 @@ def test_muon_names_train(name, strategy):
     assert losses[-1] < losses[0]
 
 
-@needs_muon
 def test_stiefel_attention_plus_md_one_liner():
     model = _gpt()
     opt = build_optimizer(model, "muon-md", rules={r"\.attn\.": "stiefel"}, md={"gains": "row+col"}, dual_steps=5)
@@ -120,7 +112,6 @@ def test_stiefel_attention_plus_md_one_liner():
     assert losses[-1] < losses[0]
 
 
-@needs_muon
 def test_muon_md_manifold_checkpoint_round_trip():
     import io
 

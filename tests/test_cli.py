@@ -127,20 +127,20 @@ def _shipped_presets() -> list[str]:
 
 def test_every_preset_is_found_in_the_package_from_any_directory(tmp_path, monkeypatch):
     from weightgeom.experiments.cli import RECIPES, get_recipe
-    from weightgeom.experiments.runner import available_presets, resolve_config
+    from weightgeom.experiments.runner import resolve_preset, sweep_presets
 
     monkeypatch.chdir(tmp_path)  # nothing may depend on the current directory
     (tmp_path / "configs" / "experiments").mkdir(parents=True)
     shipped = _shipped_presets()
     assert {"md-ci", "manifolds-ci", "continuity-ci", "continuity-cpu", "manifolds-tiny-shakespeare"} <= set(shipped)
-    assert available_presets() == shipped
+    assert sweep_presets() == shipped
     presets_dir = Path(str(importlib.resources.files("weightgeom.experiments").joinpath("presets"))).resolve()
     for name in shipped:
-        label, path = resolve_config(name)
+        label, path = resolve_preset(name)
         assert Path(path).resolve() == presets_dir / f"{name}.toml", name
     for recipe in RECIPES:  # the short names: `weightgeom sweep md ci`, the recipes' defaults, the demo's presets
         for short in ("ci", get_recipe(recipe).default_config):
-            _, path = resolve_config(short, recipe)
+            _, path = resolve_preset(short, recipe)
             assert Path(path).resolve().parent == presets_dir, (recipe, short, path)
             assert Path(path).stem in (f"{recipe}-{short}", short)
 

@@ -1,65 +1,129 @@
-"""Trainer configs: loading TOML/YAML, --set overrides with type coercion, clear errors, bundled configs, schedules."""
+"""Typed configuration: one definition of every setting for Python, files and the CLI.
 
+Files (TOML/YAML), ``--set`` overrides (TOML literal values) and Python dicts become the same dataclasses, with one
+set of defaults shared with the optimizer classes; the resolved config a run writes loads back to an equal object;
+errors are one line naming the key; a manifold step trained through the CLI moves a matrix by ‖ΔW‖₂ = lr.
+"""
+
+import dataclasses
+import inspect
 import math
 
 import pytest
+import torch
 
+from hostile_cases import assert_one_line_error, cli
+from weightgeom.optim import MagnitudeDirection, Muon, build_optimizer
+from weightgeom.optim.build import resolve_config
+from weightgeom.optim.config import AdamWConfig, MDConfig, MuonConfig, OptimConfig
+from weightgeom.schema import ConfigError, parse_value, to_dict
 from weightgeom.train.config import (
-    DEFAULTS,
-    apply_overrides,
+    Config,
     bundled_configs,
     config_hash,
     dump_toml,
     load_config,
+    parse_overrides,
     resolve_config_path,
 )
 from weightgeom.train.schedule import apply_lr, lr_factor
 
+# Muon keywords that are not MuonConfig fields, and why: per-group keys param_groups sets (algorithm, manifold,
+# layout, split), and the AdamW-path settings Muon carries for its AdamW groups (from AdamWConfig).
+_MUON_NOT_IN_CONFIG = {"params", "algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_lr"}
 
-def test_defaults_validate():
+
+def _defaults(fn, skip=()) -> dict:
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+            if k not in skip and p.default is not inspect.Parameter.empty}
+
+
+def test_muon_config_has_every_muon_keyword_with_the_same_default():
+    sig = _defaults(Muon.__init__, skip=_MUON_NOT_IN_CONFIG)
+    fields = {f.name: getattr(MuonConfig(), f.name) for f in dataclasses.fields(MuonConfig)}
+    assert set(fields) == set(sig), set(fields) ^ set(sig)
+    for k, v in sig.items():
+        assert fields[k] == v, (k, fields[k], v)
+
+
+def test_md_and_adamw_configs_share_the_classes_defaults():
+    sig = _defaults(MagnitudeDirection.__init__, skip={"base_optimizer", "model"})
+    md = MDConfig()
+    assert {f.name for f in dataclasses.fields(MDConfig)} == set(sig)
+    for k, v in sig.items():
+        got = getattr(md, k)
+        assert (list(got) if isinstance(got, (list, tuple)) else got) == (list(v) if isinstance(v, tuple) else v), k
+    a = AdamWConfig()
+    m = _defaults(Muon.__init__)
+    assert tuple(a.betas) == tuple(m["betas"]) and a.eps == m["eps"]
+
+
+def test_defaults_are_one_set_for_python_and_files():
     cfg = load_config(None)
-    assert set(cfg) == set(DEFAULTS)
-    assert cfg["train"]["max_steps"] == DEFAULTS["train"]["max_steps"]
+    assert isinstance(cfg, Config) and cfg == Config()
+    assert cfg.optim == OptimConfig() and cfg.optim.muon == MuonConfig()
+    # build_optimizer with no config builds exactly OptimConfig()'s settings
+    assert resolve_config() == OptimConfig()
 
 
 def test_toml_and_yaml_equivalent(tmp_path):
-    (tmp_path / "a.toml").write_text('[train]\nmax_steps = 7\n[optim]\nbetas = [0.8, 0.9]\n[model]\nn_layer = 2\n')
-    (tmp_path / "a.yaml").write_text("train:\n  max_steps: 7\noptim:\n  betas: [0.8, 0.9]\nmodel:\n  n_layer: 2\n")
+    (tmp_path / "a.toml").write_text("[train]\nmax_steps = 7\n[optim.adamw]\nbetas = [0.8, 0.9]\n"
+                                     "[model]\nn_layer = 2\n")
+    (tmp_path / "a.yaml").write_text("train:\n  max_steps: 7\noptim:\n  adamw:\n    betas: [0.8, 0.9]\n"
+                                     "model:\n  n_layer: 2\n")
     a, b = load_config(tmp_path / "a.toml"), load_config(tmp_path / "a.yaml")
     assert a == b
-    assert a["train"]["max_steps"] == 7 and a["optim"]["betas"] == [0.8, 0.9] and a["model"]["n_layer"] == 2
+    assert a.train.max_steps == 7 and a.optim.adamw.betas == (0.8, 0.9) and a.model["n_layer"] == 2
 
 
-def test_overrides_coerce_by_default_type():
-    cfg = load_config(None, ["train.max_steps=12", "optim.lr=3e-2", "optim.nesterov=false", "optim.betas=0.5,0.6",
-                             "run.name=x", "train.grad_clip=2", "model.n_embd=64", "optim.md.gains=row"])
-    assert cfg["train"]["max_steps"] == 12 and isinstance(cfg["train"]["max_steps"], int)
-    assert cfg["optim"]["lr"] == 0.03
-    assert cfg["optim"]["nesterov"] is False
-    assert cfg["optim"]["betas"] == [0.5, 0.6]
-    assert cfg["train"]["grad_clip"] == 2.0 and isinstance(cfg["train"]["grad_clip"], float)
-    assert cfg["model"]["n_embd"] == 64
-    assert cfg["optim"]["md"] == {"gains": "row"}
-    assert load_config(None, ["optim.betas=[0.1, 0.2]"])["optim"]["betas"] == [0.1, 0.2]
+def test_overrides_are_toml_literals_coerced_to_the_field_type():
+    cfg = load_config(None, ["train.max_steps=12", "optim.muon.lr=3e-2", "optim.muon.nesterov=false",
+                             "optim.adamw.betas=[0.5, 0.6]", "run.name=x", "train.grad_clip=2", "model.n_embd=64",
+                             "optim.md.gains=row", "optim.md.gain_lr=1e-3", "optim.muon.msign_dtype=bfloat16",
+                             "optim.muon.adjust_lr_fn=none", "optim.muon.ns_steps=6"])
+    assert cfg.train.max_steps == 12 and isinstance(cfg.train.max_steps, int)
+    assert cfg.optim.muon.lr == 0.03 and cfg.optim.muon.nesterov is False
+    assert cfg.optim.adamw.betas == (0.5, 0.6)
+    assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
+    assert cfg.model["n_embd"] == 64
+    assert cfg.optim.md.gains == "row"
+    assert cfg.optim.md.gain_lr == 0.001 and isinstance(cfg.optim.md.gain_lr, float)  # was the string '1e-3'
+    assert cfg.optim.muon.msign_dtype == "bfloat16" and cfg.optim.muon.adjust_lr_fn == "none"
+    assert cfg.optim.muon.ns_steps == 6
+    # the one parser: a quoted number is a string, a bare word is a string, TOML numbers are numbers
+    assert parse_overrides(["a.b=1e-3", "a.c='1e-3'", "a.d=cosine", "a.e=[1, 2]", "a.f=true"]) == {
+        "a.b": 1e-3, "a.c": "1e-3", "a.d": "cosine", "a.e": [1, 2], "a.f": True}
+    assert parse_value("0x10") == 16 and parse_value("all-dgram") == "all-dgram"
 
 
 @pytest.mark.parametrize("override, fragment", [
     ("train.max_stepz=3", "train.max_stepz; did you mean 'max_steps'"),
-    ("trian.max_steps=3", "unknown section 'trian'; did you mean 'train'"),
-    ("train.max_steps=abc", "'train.max_steps': expected an integer, got 'abc'"),
+    ("trian.max_steps=3", "unknown config section [trian]; did you mean 'train'"),
+    ("train.max_steps=abc", "train.max_steps: expected an integer, got 'abc'"),
     ("train.max_steps=2.5", "expected an integer"),
-    ("optim.nesterov=maybe", "expected a bool"),
-    ("schedule.kind=cosin", "schedule.kind='cosin': must be one of cosine, linear, constant; did you mean 'cosine'"),
+    ("optim.muon.nesterov=maybe", "expected true or false"),
+    ("schedule.kind=cosin", "schedule.kind='cosin': must be one of 'cosine', 'linear', 'constant'; did you mean "
+                            "'cosine'"),
     ("train.max_steps=0", "train.max_steps=0: must be > 0"),
-    ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2.0: must be in [0, 1]"),
+    ("data.val_fraction=nan", "data.val_fraction=nan: must be between 0 and 1 (> 0, < 1)"),
+    ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2.0: must be between 0 and 1 (>= 0, <= 1)"),
     ("max_steps=3", "must be section.key"),
     ("train.max_steps", "expected section.key=value"),
-    ("model.n_layrs=2", "model.n_layrs; did you mean 'n_layer'"),
+    ("model.n_layrs=2", "model.n_layrs for model.kind='gpt'; did you mean 'n_layer'"),
     ("data.kind=bin", "data.path is required"),
+    ("optim.lr=0.1", "optim.lr: moved to optim.muon.lr"),
+    ("optim.adamw_lr=0.1", "optim.adamw_lr: moved to optim.adamw.lr"),
+    ("optim.muon_weight_decay=0", "moved to optim.muon.weight_decay"),
+    ("optim.dual_steps=3", "moved to optim.muon.dual_steps"),
+    ("optim.muon.msign_dtype=bf16", "optim.muon.msign_dtype='bf16': must be one of"),
+    ("optim.muon.msign_method=polarexpress", "did you mean 'polar_express'"),
+    ("optim.md.gain_lr=fast", "optim.md.gain_lr: expected a number, got 'fast'"),
+    ("optim.md.gains=rows", "did you mean 'row'"),
+    ("optim.strategy=hetro", "did you mean 'hetero'"),
+    ("optim.adamw.betas=[0.9]", "optim.adamw.betas: expected 2 values"),
+    ("optim.muon.momentum=1", "optim.muon.momentum=1.0: must be between 0 and 1 (>= 0, < 1)"),
     ("run.name=../../x", "run.name='../../x': must not contain '..'"),
-    ("run.name=a/../../b", "must not contain '..'"),
     ("run.name=/tmp/x", "run.name='/tmp/x': must be relative to run.out_dir, not an absolute path"),
-    ("run.name=~/x", "not an absolute path"),
     ("run.name=", "run.name='': must be a non-empty name"),
 ])
 def test_override_errors_are_one_clear_line(override, fragment):
@@ -70,19 +134,30 @@ def test_override_errors_are_one_clear_line(override, fragment):
     assert "\n" not in msg
 
 
-def test_run_name_may_name_a_subdirectory_and_out_dir_may_be_absolute(tmp_path):
-    cfg = load_config(None, ["run.name=sweep/a-s0", f"run.out_dir={tmp_path}"])
-    assert cfg["run"]["name"] == "sweep/a-s0" and cfg["run"]["out_dir"] == str(tmp_path)
+def test_adamw_name_with_a_strategy_is_refused():
+    with pytest.raises(ValueError, match="optim.strategy='hetero': needs a Muon name"):
+        load_config(None, ["optim.name=adamw", "optim.strategy=hetero"])
+
+
+def test_python_construction_is_checked_too():
+    with pytest.raises(ConfigError, match="optim.muon.lr: expected a number, got 'x'"):
+        MuonConfig(lr="x")
+    with pytest.raises(ConfigError, match="optim.md.gains='rows'"):
+        MDConfig(gains="rows")
+    assert MuonConfig(lr=1).lr == 1.0 and isinstance(MuonConfig(lr=1).lr, float)
 
 
 def test_file_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nmax_stepss = 3\n")
-    with pytest.raises(ValueError, match=r"config bad.toml: unknown key train.max_stepss; did you mean 'max_steps'"):
+    with pytest.raises(ValueError, match=r"config bad.toml: unknown config key train.max_stepss; did you mean"):
         load_config(bad)
     (tmp_path / "sec.toml").write_text("[optimizer]\nlr = 1\n")
-    with pytest.raises(ValueError, match=r"unknown section \[optimizer\]; did you mean 'optim'"):
+    with pytest.raises(ValueError, match=r"unknown config section \[optimizer\]; did you mean 'optim'"):
         load_config(tmp_path / "sec.toml")
+    (tmp_path / "old.toml").write_text("[optim]\nadamw_lr = 1e-3\n")
+    with pytest.raises(ValueError, match=r"config old.toml: unknown config key optim.adamw_lr: moved to"):
+        load_config(tmp_path / "old.toml")
     (tmp_path / "syntax.toml").write_text("[train\n")
     with pytest.raises(ValueError, match="cannot parse"):
         load_config(tmp_path / "syntax.toml")
@@ -93,34 +168,102 @@ def test_file_errors(tmp_path):
         load_config("tiny-shakespear")
 
 
-def test_bundled_configs_by_name_and_roundtrip(tmp_path):
+@pytest.mark.parametrize("comments", [False, True])
+def test_bundled_configs_round_trip_through_the_resolved_file(tmp_path, comments):
     names = bundled_configs()
     assert {"gpt2-small-owt", "tiny-shakespeare", "resmlp-mnist"} <= set(names)
     for n in names:
-        cfg = load_config(n)
+        cfg = load_config(n, ["optim.muon.ns_steps=7", "optim.rules={'lm_head' = 'adamw'}"])
         assert resolve_config_path(n).is_file()
         p = tmp_path / f"{n}.toml"
-        p.write_text(dump_toml(cfg))
-        assert load_config(p) == cfg  # the resolved config round-trips
-        assert config_hash(load_config(p)) == config_hash(cfg)
+        p.write_text(dump_toml(cfg, comments=comments))
+        back = load_config(p)
+        assert back == cfg  # the resolved config loads back to the same objects
+        assert config_hash(back) == config_hash(cfg)
 
 
-def test_paper_config_matches_spec():
+def test_paper_config_values():
     c = load_config("gpt2-small-owt")
-    m, o, s, t, d = c["model"], c["optim"], c["schedule"], c["train"], c["data"]
+    m, o, s, t, d = c.model, c.optim, c.schedule, c.train, c.data
     assert (m["n_layer"], m["n_head"], m["n_embd"], m["bias"]) == (12, 12, 768, False)
-    assert d["batch_size"] * t["grad_accum"] == 64 and d["block_size"] == 1024 and d["kind"] == "bin"
-    assert t["max_steps"] == 50000 and t["grad_clip"] == 1.0
-    assert (o["name"], o["strategy"], o["lr"], o["adamw_lr"], o["weight_decay"]) == ("muon", "hetero", 0.02, 6e-4, 0.1)
-    assert o["betas"] == [0.9, 0.95] and o["momentum"] == 0.95 and o["nesterov"] and o["momentum_form"] == "sum"
-    assert o["muon_weight_decay"] == 0.0
-    assert (s["kind"], s["warmup"]) == ("cosine", 1000) and math.isclose(6e-4 * s["min_lr_ratio"], 6e-5)
+    assert d.batch_size * t.grad_accum == 64 and d.block_size == 1024 and d.kind == "bin"
+    assert t.max_steps == 50000 and t.grad_clip == 1.0
+    assert (o.name, o.strategy, o.muon.lr, o.adamw.lr, o.adamw.weight_decay) == ("muon", "hetero", 0.02, 6e-4, 0.1)
+    assert o.adamw.betas == (0.9, 0.95) and o.muon.momentum == 0.95 and o.muon.nesterov
+    assert o.muon.momentum_form == "sum" and o.muon.weight_decay == 0.0
+    assert o.muon.adjust_lr_fn is None  # manifold groups step η = lr
+    assert (s.kind, s.warmup) == ("cosine", 1000) and math.isclose(6e-4 * s.min_lr_ratio, 6e-5)
 
 
 def test_config_hash_ignores_max_steps_only():
     a = load_config(None)
-    assert config_hash(a) == config_hash(apply_overrides(a, ["train.max_steps=5"]))
-    assert config_hash(a) != config_hash(apply_overrides(a, ["optim.lr=0.5"]))
+    assert config_hash(a) == config_hash(load_config(a, ["train.max_steps=5"]))
+    assert config_hash(a) != config_hash(load_config(a, ["optim.muon.lr=0.5"]))
+
+
+def test_build_optimizer_takes_the_config_and_every_muon_keyword():
+    from weightgeom.models import build_model
+
+    model = build_model("gpt", n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8)
+    muon = MuonConfig(lr=0.01, ns_steps=6, msign_dtype="float32", dual_steps=3, dual_schedule="constant",
+                      dual_ns_steps=4, dual_project=True, retraction=None)
+    cfg = OptimConfig(name="muon", strategy="hetero", muon=muon,
+                      adamw=AdamWConfig(lr=1e-3, weight_decay=0.0))
+    opt = build_optimizer(model, config=cfg)
+    g = next(g for g in opt.param_groups if g["manifold"] == "stiefel")
+    a = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    assert a["lr"] == 1e-3 and a["weight_decay"] in (0.0,)
+    assert g["ns_steps"] == 6 and g["msign_dtype"] is torch.float32 and g["dual_ns_steps"] == 4
+    assert g["dual_schedule"] == "constant" and g["dual_project"] is True and g["lr"] == 0.01
+    # the same from a nested dict, and the shorthands override it
+    opt2 = build_optimizer(model, config=to_dict(cfg), lr=0.05)
+    g2 = next(g for g in opt2.param_groups if g["manifold"] == "stiefel")
+    assert g2["lr"] == 0.05 and g2["ns_steps"] == 6
+    with pytest.raises(ValueError, match="optim.muon.msign_dtype"):
+        build_optimizer(model, msign_dtype="bf16")
+    with pytest.raises(TypeError, match="unknown keyword argument"):
+        build_optimizer(model, ns_step=3)
+
+
+def _spectral_step(run_dir, name: str) -> float:
+    from weightgeom.train.checkpoint import list_checkpoints, load_checkpoint
+
+    (_, c1), (_, c2) = list_checkpoints(run_dir / "checkpoints")[-2:]
+    w1, w2 = (load_checkpoint(c)["model"][name].double() for c in (c1, c2))
+    return float(torch.linalg.matrix_norm(w2 - w1, ord=2))
+
+
+# ‖ΔW‖₂/lr bounds. At these settings (tiny matrices, default 20 dual steps) the dual ascent stops at a tangent
+# residual of ~2e-2, and the retraction keeps the tangent part of the direction, whose spectral norm exceeds 1: measured
+# 1.09–1.15 (all-stiefel and all-dgram, 2-core AMD EPYC). Getting that part to 1 is the dual ascent's accuracy (its own
+# issue). The shape scale a config used to force on manifold groups gave 1.97 on c_attn and 2.29 on c_fc here.
+_STEP_BOUNDS = {"all-stiefel": (0.9, 1.3), "all-dgram": (0.9, 1.3)}
+
+
+@pytest.mark.parametrize("strategy", sorted(_STEP_BOUNDS))
+def test_manifold_step_through_the_cli_is_lr(tmp_path, strategy):
+    """‖W₂ − W₁‖₂ = lr on every constrained matrix trained through ``weightgeom train``."""
+    lr = 0.01
+    res = cli("train", "tiny-shakespeare", "--no-progress", "--out", tmp_path / "r",
+              "--set", f"optim.strategy={strategy}", "--set", f"optim.muon.lr={lr}",
+              "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "data.batch_size=4",
+              "--set", "data.block_size=16", "--set", "train.max_steps=2", "--set", "train.ckpt_every=1",
+              "--set", "train.keep_checkpoints=2", "--set", "train.eval_iters=1", "--set", "schedule.kind=constant",
+              "--set", "schedule.warmup=0")
+    assert res.rc == 0, res.err[-2000:]
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight",
+                 "transformer.h.0.mlp.c_proj.weight"):
+        ratio = _spectral_step(tmp_path / "r", name) / lr
+        lo, hi = _STEP_BOUNDS[strategy]
+        assert lo < ratio < hi, (name, ratio)
+
+
+def test_set_errors_through_the_cli_are_one_line(tmp_path):
+    res = cli("train", "tiny-shakespeare", "--out", tmp_path / "r", "--set", "optim.md.gain_lr=fast")
+    assert_one_line_error(res, "optim.md.gain_lr: expected a number, got 'fast'")
+    res = cli("train", "tiny-shakespeare", "--out", tmp_path / "r", "--set", "optim.lr=0.1")
+    assert_one_line_error(res, "optim.lr: moved to optim.muon.lr")
+    assert not (tmp_path / "r").exists()
 
 
 def test_schedule_shapes():
@@ -138,8 +281,6 @@ def test_schedule_shapes():
 
 
 def test_apply_lr_scales_every_group_including_muon_keys():
-    import torch
-
     w = torch.nn.Parameter(torch.zeros(2, 2))
     b = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([{"params": [w], "lr": 0.02}, {"params": [b], "lr": 6e-4}], lr=1.0)

@@ -99,7 +99,7 @@ def test_prepare_roundtrip(tmp_path, tokenizer, sep, fmt):
         (src / "a.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)) + "\n\n")
         inputs = [src / "a.jsonl"]
     elif fmt == "parquet":
-        pa = pytest.importorskip("pyarrow")
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"text": DOCS, "n": [1, 2, 3]}), src / "a.parquet", row_group_size=2)
@@ -199,7 +199,7 @@ def test_mnist_shapes():
 
 
 def test_digits_fallback():
-    pytest.importorskip("sklearn")
+    import sklearn  # noqa: F401
     xtr, ytr, xva, yva, xte, yte = load_mnist("digits")
     assert xtr.shape == (1297, 64) and xva.shape == xte.shape == (250, 64) and xtr.max() <= 1.0
     with pytest.raises(ValueError, match="emnist"):
@@ -214,9 +214,9 @@ def test_char_vocab_needs_newline():
 
 
 def test_auto_falls_back_to_digits_with_a_note(monkeypatch, capsys):
-    from weightgeom.data import mnist as wm
+    import sklearn  # noqa: F401
 
-    pytest.importorskip("sklearn")
+    from weightgeom.data import mnist as wm
     monkeypatch.setattr(wm, "mnist_pickle_path", lambda: None)
     wm._load.cache_clear()
     try:
@@ -476,14 +476,14 @@ def test_build_batches_bin_uses_meta_json(tmp_path):
         build_batches(_data_cfg(kind="bin", path=tmp_path))
 
 
-@pytest.mark.parametrize("value", [1.5, 0.0, -0.1, 1.0, float("nan"), float("inf"), "0.1", True])
-def test_build_batches_refuses_bad_val_fraction(value):
-    from weightgeom.train.batches import build_batches
+@pytest.mark.parametrize("value", ["1.5", "0.0", "-0.1", "1.0", "nan", "inf", "'0.1'", "true"])
+def test_config_refuses_bad_val_fraction(value):
+    from weightgeom.train.config import DataConfig, load_config
 
-    cfg = _data_cfg()
-    cfg["data"]["val_fraction"] = value
-    with pytest.raises(ValueError, match=r"^config key data.val_fraction=.*: must be a number strictly between 0 "):
-        build_batches(cfg)
+    with pytest.raises(ValueError, match=r"data.val_fraction.*(must be|expected a number)"):
+        load_config("tiny-shakespeare", [f"data.val_fraction={value}"])
+    with pytest.raises(ValueError, match=r"data.val_fraction"):
+        DataConfig(val_fraction=value)
 
 
 def test_build_batches_text_must_be_utf8(tmp_path):
@@ -515,7 +515,7 @@ def test_readers_refuse_non_utf8_and_broken_files(tmp_path):
     assert list(read_file(tmp_path / "b.txt.gz")) == ["fine text ✓" * 1000]
     with pytest.raises(ValueError, match=r"c.txt.gz: not a readable gzip file"):
         list(read_file(tmp_path / "c.txt.gz"))
-    pytest.importorskip("pyarrow")
+    import pyarrow  # noqa: F401
     (tmp_path / "d.parquet").write_bytes(b"PAR1 not really parquet PAR1")
     with pytest.raises(ValueError, match=r"d.parquet: not a readable parquet file"):
         list(read_file(tmp_path / "d.parquet"))

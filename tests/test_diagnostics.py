@@ -198,6 +198,21 @@ def test_collect_with_manifold_muon():
     assert keys and all(d[k] == pytest.approx(1.0, abs=1e-2) for k in keys)
 
 
+def test_collect_reads_muon_stats_through_the_md_wrapper():
+    """A MagnitudeDirection around manifold Muon: the per-matrix stats come from its base (the wrapper has none),
+    for the same matrices as with Muon alone."""
+    m = _gpt()
+    opt = optim.MagnitudeDirection(optim.Muon(optim.param_groups(m, strategy="hetero", verbose=False)), model=m)
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    _, loss = m(x, y)
+    loss.backward()
+    opt.step()
+    d = collect(m, opt, (x, y))
+    res = {k for k in d if k.endswith(".tangent_residual")}
+    assert res == {f"muon.{n}.tangent_residual" for n in opt.base_optimizer.last_stats}
+    assert res and "muon.dual_iters_mean" in d
+
+
 def test_optimizer_stats_index_keys():
     p = torch.nn.Parameter(torch.randn(4, 4))
 

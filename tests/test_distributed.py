@@ -22,19 +22,8 @@ from weightgeom.train.logging import read_metrics
 pytestmark = pytest.mark.distributed
 
 
-def _muon_available() -> bool:
-    try:
-        import weightgeom.optim.muon  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
-
-
 def _config() -> dict:
-    optim = ({"name": "muon", "strategy": "hetero", "muon": {"momentum_form": "sum"}, "adamw": {"lr": 0.01}}
-             if _muon_available()
-             else {"name": "adamw", "adamw": {"lr": 0.01}})
+    optim = {"name": "muon", "strategy": "hetero", "muon": {"momentum_form": "sum"}, "adamw": {"lr": 0.01}}
     return {
         "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16},
         "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
@@ -178,7 +167,9 @@ def _user_nan_case(rank: int) -> dict:
     muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
     held = [p for p in muon if "momentum_buffer" in opt.state[p]]
     out["owned"] = {"muon": len(muon), "held": len(held),
-                    "full_size": all(opt.state[p]["momentum_buffer"].shape == p.shape for p in held)}
+                    "full_size": all(opt.state[p]["momentum_buffer"].shape == p.shape for p in held),
+                    "stats": sorted(opt.last_stats),
+                    "constrained": sorted(n for g in opt.param_groups if g["manifold"] is not None for n in g["names"])}
     return out
 
 
@@ -255,6 +246,8 @@ def test_user_fsdp2_muon_state_lives_on_one_owner(user_loop):
     assert owned[0]["held"] > 0 and owned[1]["held"] > 0
     assert owned[0]["held"] + owned[1]["held"] == owned[0]["muon"]
     assert owned[0]["full_size"] and owned[1]["full_size"]
+    # last_stats (one entry per manifold-constrained matrix, computed on its owner) is merged over the ranks
+    assert owned[0]["stats"] == owned[1]["stats"] == owned[0]["constrained"] != []
 
 
 if __name__ == "__main__":

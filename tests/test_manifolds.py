@@ -26,7 +26,8 @@ MANIFOLDS = [
     pytest.param(Oblique, id="oblique"),
     pytest.param(Euclidean, id="euclidean"),
 ]
-# Seed 000's DGram retraction re-assigns the sorted singular values to columns by index (docs/manifolds.md).
+# The manifold-assignment paper's DGram retraction re-assigns
+# the sorted singular values to columns by index (docs/manifolds.md).
 NOT_IDEMPOTENT = {"dgram-paper"}
 
 # Tall, wide, square, batched 3-D and 4-D, single row/column.

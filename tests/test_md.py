@@ -1,4 +1,4 @@
-"""Magnitude–direction decoupling (SPEC §D): chain rule vs autograd, reduction to the projected base optimizer,
+"""Magnitude–direction decoupling (the MD paper): chain rule vs autograd, reduction to the projected base optimizer,
 sphere invariants, checkpoints, every option combination, torch.optim citizenship and bad input."""
 
 from __future__ import annotations
@@ -490,7 +490,7 @@ def test_bad_input_names_the_parameter():
 def _fused_or_skip(fused):
     from weightgeom import kernels
 
-    if fused and kernels.load("md_adam") is None:
+    if fused and kernels.load_kernel("md_adam") is None:
         pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
 
 

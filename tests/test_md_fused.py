@@ -23,7 +23,7 @@ KERNEL_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 PATH_TOL = {torch.float64: 1e-10, torch.float32: 5e-5}
 STEPS = 4
 
-needs_kernel = pytest.mark.skipif(kernels.load("md_adam") is None,
+needs_kernel = pytest.mark.skipif(kernels.load_kernel("md_adam") is None,
                                   reason=f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
 
 GAIN_KINDS = ["row+col", "row", "col", "scalar", "none"]
@@ -333,7 +333,7 @@ def test_fused_true_refuses_what_it_cannot_run():
         MagnitudeDirection(Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02), model=model, fused=True)
     with pytest.raises(ValueError, match="fused must be None, True or False"):
         MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model, fused="yes")
-    if kernels.load("md_adam") is not None:
+    if kernels.load_kernel("md_adam") is not None:
         md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, fused=True,
                                 parameterization="direct")
         with pytest.raises(ValueError, match=r"'0.weight' cannot take the fused path: parameterization 'direct'"):
@@ -375,7 +375,7 @@ def no_kernel(monkeypatch, tmp_path):
 
 
 def test_without_a_compiler_the_eager_path_runs(no_kernel):
-    assert kernels.load("md_adam") is None
+    assert kernels.load_kernel("md_adam") is None
     assert "failed" in kernels.unavailable_reason("md_adam") or "does not run" in kernels.unavailable_reason("md_adam")
     model = _model(torch.float64)
     md = _make("adamw", model, None)
@@ -394,7 +394,7 @@ def test_an_unwritable_cache_means_no_kernel_not_a_crash(monkeypatch, tmp_path):
     try:
         if kernels._compiler() is None:
             pytest.skip("no C compiler")
-        assert kernels.load("md_adam") is None
+        assert kernels.load_kernel("md_adam") is None
         assert "failed" in kernels.unavailable_reason("md_adam")
     finally:
         monkeypatch.undo()
@@ -411,7 +411,7 @@ def test_a_compiler_without_openmp_gets_the_single_threaded_kernel(monkeypatch, 
     monkeypatch.setenv("CC", str(cc))
     kernels._reset()
     try:
-        assert kernels.load("md_adam") is not None
+        assert kernels.load_kernel("md_adam") is not None
         assert not kernels.uses_openmp("md_adam")
         test_kernel_matches_float64_reference("row+col", "softplus", "col", torch.float32)
     finally:
@@ -424,7 +424,7 @@ def test_kernels_can_be_disabled(monkeypatch):
     monkeypatch.setenv("WEIGHTGEOM_NO_KERNELS", "1")
     kernels._reset()
     try:
-        assert kernels.load("md_adam") is None
+        assert kernels.load_kernel("md_adam") is None
         assert kernels.unavailable_reason("md_adam") == "disabled by WEIGHTGEOM_NO_KERNELS"
     finally:
         monkeypatch.delenv("WEIGHTGEOM_NO_KERNELS")
@@ -436,12 +436,12 @@ def test_kernel_is_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
     kernels._reset()
     try:
-        assert kernels.load("md_adam") is not None
+        assert kernels.load_kernel("md_adam") is not None
         built = list((tmp_path / "kernels").glob("md_adam-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
         kernels._reset()
-        assert kernels.load("md_adam") is not None
+        assert kernels.load_kernel("md_adam") is not None
         assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
         monkeypatch.undo()
@@ -502,7 +502,7 @@ def test_md_overhead_benchmark_runs_and_reports_the_path(tmp_path, capsys):
     assert "adamw(fused)" in text
     rows = json.loads(out.read_text())["results"]
     assert [r["adamw_impl"] for r in rows] == ["fused", "fused"]
-    expected = "fused" if kernels.load("md_adam") is not None else "eager"
+    expected = "fused" if kernels.load_kernel("md_adam") is not None else "eager"
     assert [r["md_path"] for r in rows] == [expected, "eager"]
     assert all(r["base_ms"] > 0 and r["md_ms"] > 0 for r in rows)
     assert main(["bench", "md_overhead", "--adamw-impl", "nope"]) == 2

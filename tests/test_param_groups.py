@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from weightgeom.models import build_model
 from weightgeom.optim import STRATEGIES, Muon, param_groups
-
-transformers = pytest.importorskip("transformers")
 
 
 def _hf_gpt2():

@@ -32,7 +32,7 @@ __all__ = ["CASES", "TINY", "OsSystemPayload", "tiny_run", "write_evil_checkpoin
 TINY = {
     "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
     "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
-    "optim": {"name": "adamw", "adamw_lr": 1e-2},
+    "optim": {"name": "adamw", "adamw": {"lr": 1e-2}},
     "train": {"max_steps": 4, "eval_every": 4, "eval_iters": 1, "log_every": 1, "ckpt_every": 2},
 }
 
@@ -177,7 +177,7 @@ def _stale_tmp_removed(tmp: Path) -> None:
 
 
 _OPTIMS = ({"name": "adamw"}, {"name": "adamw-md"}, {"name": "muon"},
-           {"name": "muon-md", "strategy": "hetero", "dual_steps": 2})  # manifold state too (Stiefel and dual Gram)
+           {"name": "muon-md", "strategy": "hetero", "muon": {"dual_steps": 2}})  # manifold state too
 
 
 def _every_optimizer_safe(tmp: Path) -> None:

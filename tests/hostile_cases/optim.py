@@ -134,7 +134,7 @@ def _md(fused: bool | None, **kw):
     from weightgeom import kernels
     from weightgeom.optim import MagnitudeDirection
 
-    if fused and kernels.load("md_adam") is None:
+    if fused and kernels.load_kernel("md_adam") is None:
         pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))

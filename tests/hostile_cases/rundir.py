@@ -29,7 +29,7 @@ from hostile_cases import Hostile, assert_one_line_error, cli
 TINY = {
     "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
     "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
-    "optim": {"name": "adamw", "adamw_lr": 1e-2},
+    "optim": {"name": "adamw", "adamw": {"lr": 1e-2}},
     "train": {"max_steps": 8, "eval_every": 4, "eval_iters": 2, "log_every": 1, "ckpt_every": 2},
 }
 
@@ -243,8 +243,8 @@ def _shape_mismatch_optimizer(tmp: Path) -> None:
 def _changed_config(tmp: Path) -> None:
     run = tmp / "r"
     assert _train(tmp, run, "--set", "train.max_steps=4").rc == 0
-    res = _train(tmp, run, "--set", "optim.adamw_lr=0.5")
-    assert_one_line_error(res, "different config", "optim.adamw_lr", "use --fresh to start over",
+    res = _train(tmp, run, "--set", "optim.adamw.lr=0.5")
+    assert_one_line_error(res, "different config", "optim.adamw.lr", "use --fresh to start over",
                           "previous/", "--out to choose another directory")
     assert _steps(run) == [2, 4] and not (run / "previous").exists()
 

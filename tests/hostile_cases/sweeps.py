@@ -56,7 +56,8 @@ block_size = 16
 batch_size = 4
 [optim]
 name = "adamw"
-adamw_lr = 0.01
+[optim.adamw]
+lr = 0.01
 [train]
 max_steps = 3
 eval_every = 3
@@ -265,8 +266,8 @@ def _changed_settings_refused(tmp: Path) -> None:
     out = tmp / "sw"
     assert _sweep(tmp, out).rc == 0
     before = _snapshot(out)
-    res = _sweep(tmp, out, "--set", "optim.weight_decay=0.5")
-    line = assert_one_line_error(res, f"run {RUNS[0]}-s0 was trained with optim.weight_decay=", "asks 0.5",
+    res = _sweep(tmp, out, "--set", "optim.adamw.weight_decay=0.5")
+    line = assert_one_line_error(res, f"run {RUNS[0]}-s0 was trained with optim.adamw.weight_decay=", "asks 0.5",
                                  "--no-resume")
     assert str(out) in line
     res = _sweep(tmp, out, "--steps", "5")
@@ -283,7 +284,7 @@ def _no_resume_keeps_previous(tmp: Path) -> None:
     old_ckpt = (run / "checkpoints" / "ckpt_00000003.pt").read_bytes()
     old_metrics = (run / "metrics.jsonl").read_text()
     old_exp = json.loads((run / "experiment.json").read_text())
-    res = _sweep(tmp, out, "--no-resume", "--set", "optim.weight_decay=0.5")
+    res = _sweep(tmp, out, "--no-resume", "--set", "optim.adamw.weight_decay=0.5")
     assert res.rc == 0, res.err
     prev = list((run / "previous").iterdir())
     assert len(prev) == 1, prev
@@ -291,10 +292,10 @@ def _no_resume_keeps_previous(tmp: Path) -> None:
     assert (prev[0] / "metrics.jsonl").read_text() == old_metrics
     assert json.loads((prev[0] / "experiment.previous.json").read_text()) == old_exp
     new_exp = json.loads((run / "experiment.json").read_text())
-    assert new_exp["settings"]["optim.weight_decay"] == 0.5 != old_exp["settings"]["optim.weight_decay"]
+    assert new_exp["settings"]["optim.adamw.weight_decay"] == 0.5 != old_exp["settings"]["optim.adamw.weight_decay"]
     assert json.loads((run / "status.json").read_text())["state"] == "done"
     # the re-trained runs are recorded with their new settings: the same command now resumes
-    res = _sweep(tmp, out, "--set", "optim.weight_decay=0.5")
+    res = _sweep(tmp, out, "--set", "optim.adamw.weight_decay=0.5")
     assert res.rc == 0 and res.out.count("(skipped)") == 2, res.err
 
 
@@ -305,7 +306,7 @@ def _sweep_level_settings(tmp: Path) -> None:
     before = _snapshot(out)
     refusals = [
         (("--steps", "5"), ("was run with no --steps, the command gives --steps 5", "use --out")),
-        (("--set", "optim.weight_decay=0.5"), ("without --set optim.weight_decay", "use --out")),
+        (("--set", "optim.adamw.weight_decay=0.5"), ("without --set optim.adamw.weight_decay", "use --out")),
         (("--steps", "5", "--no-resume"), ("--no-resume would leave 1 of its runs", f"{first}-s0")),
     ]
     for extra, expect in refusals:  # the command plans only a run the directory does not hold yet
@@ -339,7 +340,7 @@ def _bad_input(tmp: Path) -> None:
         (("sweep", "md", "no-such-preset"), "unknown preset 'no-such-preset'"),
         (("sweep", "md", cfg, "--only", "nope"), "--only nope matches no variant"),
         (("sweep", "md", cfg, "--set", "train.nope=1"), "train.nope"),
-        (("sweep", "md", cfg, "--set", "optim.adamw_lr=-1"), "optim.adamw_lr"),
+        (("sweep", "md", cfg, "--set", "optim.adamw.lr=-1"), "optim.adamw.lr"),
         (("sweep", "md", cfg, "--steps", "0"), "--steps"),
     ]
     for args, expect in cases:

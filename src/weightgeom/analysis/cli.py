@@ -12,7 +12,7 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``weightgeom analyze``."""
-    from weightgeom.analysis.api import DEFAULT_METRICS, METRICS
+    from weightgeom.analysis.metric_names import DEFAULT_METRICS, METRICS
 
     p.add_argument("path", help="HF model directory (safetensors), .safetensors, torch checkpoint (.pt; ours or "
                                 "{'model': state_dict}), weightgeom run directory, or llama.cpp .gguf file")

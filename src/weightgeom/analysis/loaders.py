@@ -26,6 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from weightgeom.train.checkpoint import (
+    is_checkpoint_file,
+    latest_checkpoint,
+    load_checkpoint,
+    safe_torch_load,
+    weights_only_refusal,
+)
+
 __all__ = ["Loaded", "load", "load_gguf", "unpermute_qk", "permute_qk", "GGUF_PERMUTED_ARCHS"]
 
 # Architectures whose Q/K rows convert_hf_to_gguf.py permutes (LlamaModel.modify_tensors and subclasses).
@@ -92,8 +100,6 @@ def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
         ValueError: the file needs the full unpickler (pickled Python objects), is truncated, corrupt, not a torch
             file, or holds no state dict — one line naming the file and the reason. Nothing in it is executed.
     """
-    from weightgeom.train.checkpoint import is_checkpoint_file, load_checkpoint, safe_torch_load, weights_only_refusal
-
     notes = []
     try:
         with open(path, "rb") as f:
@@ -363,8 +369,6 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
     if not path.exists():
         raise FileNotFoundError(f"no such file or directory: {path}")
     if path.is_dir():
-        from weightgeom.train.checkpoint import latest_checkpoint
-
         meta = {"path": str(path)}
         cfg = path / "config.json"
         if cfg.exists():

@@ -32,6 +32,7 @@ import time
 import torch
 
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
+from weightgeom.optim.muon import Muon
 
 GPT2_SMALL = {"attn.c_attn": (2304, 768), "attn.c_proj": (768, 768), "mlp.c_fc": (3072, 768),
               "mlp.c_proj": (768, 3072)}
@@ -57,8 +58,6 @@ def make_base(kind: str, params: list, names: list[str], adamw_impl: str = "defa
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw_impl]
         return torch.optim.AdamW([{"params": params, "names": names}], lr=1e-4, weight_decay=0.0, **impl)
     if kind == "muon":
-        from weightgeom.optim.muon import Muon
-
         return Muon([{"params": params, "names": names}], lr=0.02)
     raise ValueError(f"unknown base {kind!r}")
 

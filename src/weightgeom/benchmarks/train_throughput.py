@@ -23,11 +23,19 @@ import contextlib
 import json
 import math
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from weightgeom.train import train
+from weightgeom.train.batches import build_batches
+from weightgeom.train.config import load_config
+from weightgeom.train.distributed import DistInfo, clip_grad_norm
+from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
+from weightgeom.train.trainer import build_optimizer_from_config, model_from_config
 
 
 # ------------------------------------------------------------------------------------ reference (nanoGPT model.py)
@@ -122,12 +130,6 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from weightgeom.train.batches import build_batches
-    from weightgeom.train.config import load_config
-    from weightgeom.train.distributed import DistInfo, clip_grad_norm
-    from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
-    from weightgeom.train.trainer import build_optimizer_from_config, model_from_config
-
     P = PRESETS[args.preset]
     dev = torch.device(args.device)
     B, T, V = P["batch_size"], P["block_size"], P["vocab_size"]
@@ -218,10 +220,6 @@ def main(argv=None) -> dict:
         "params_ref": sum(p.numel() for p in ref.parameters()),
     }
     if args.e2e:
-        import tempfile
-
-        from weightgeom.train import train
-
         with tempfile.TemporaryDirectory() as d:
             steps = args.rounds * args.steps
             res = train(cfg, run_dir=d, progress=False,

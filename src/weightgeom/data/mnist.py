@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .prepare import cache_dir
 from .safe_pickle import PickleRefused, load_numpy_pickle
 
 MNIST = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -43,8 +44,6 @@ def mnist_pickle_path() -> Path | None:
 
 
 def _cache_file() -> Path:
-    from .prepare import cache_dir
-
     return cache_dir() / "mnist-uint8.npz"
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from .corpora import expand_inputs, iter_documents, shakespeare_text
 from .tokenizers import CharTokenizer, GPT2Tokenizer, Tokenizer, get_tokenizer
@@ -84,12 +85,7 @@ class _Progress:
     def __init__(self, enabled: bool, desc: str) -> None:
         self.bar = None
         if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(desc=desc, unit=" docs", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:  # pragma: no cover - tqdm is a dependency
-                self.bar = None
+            self.bar = tqdm(desc=desc, unit=" docs", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, docs: int, tokens: int) -> None:
         if self.bar is not None:

@@ -37,6 +37,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from weightgeom.linalg.topsv import top_singular
+from weightgeom.optim.magnitude_direction import MagnitudeDirection
+
 __all__ = [
     "matrix_stats",
     "qk_sigma_prod",
@@ -95,8 +98,6 @@ def _sigma_max(W: torch.Tensor) -> torch.Tensor:
     G = A.mT @ A if n <= m else A @ A.mT
     if min(m, n) <= 1024:
         return torch.sqrt(torch.linalg.eigvalsh(G.double())[..., -1].clamp_min(0))
-    from weightgeom.linalg.topsv import top_singular
-
     return top_singular(A, 1, method="power", gram=G, oversample=8)[1][..., 0]
 
 
@@ -159,17 +160,11 @@ def grad_norms(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dict[s
 
 
 def _inner_optimizers(optimizer) -> list:
-    out, seen = [], set()
-    stack = [optimizer]
-    while stack:
-        o = stack.pop()
-        if o is None or id(o) in seen:
-            continue
-        seen.add(id(o))
-        out.append(o)
-        for attr in ("base_optimizer", "base", "optimizer", "inner"):
-            stack.append(getattr(o, attr, None))
-    return out
+    """``optimizer`` and, for a ``MagnitudeDirection``, its base optimizer (which holds Muon's ``last_stats``);
+    [] for None."""
+    if optimizer is None:
+        return []
+    return [optimizer, optimizer.base_optimizer] if isinstance(optimizer, MagnitudeDirection) else [optimizer]
 
 
 def _clean(name: str) -> str:

@@ -1,9 +1,9 @@
 """``weightgeom sweep RECIPE [CONFIG]``: run an experiment recipe (manifolds | continuity | md) and report it.
 
-CONFIG is a preset name (``tiny-shakespeare`` → ``configs/experiments/<recipe>-tiny-shakespeare.toml`` or
-``configs/experiments/tiny-shakespeare.toml`` or the trainer's bundled config) or a TOML/YAML path — the CPU preset
-and the paper-scale config go through the same recipe unchanged. Finished runs are skipped, so re-running the same
-command resumes a sweep; ``OUT/sweep.json`` lists every run with its status.
+CONFIG is a preset name (``tiny-shakespeare`` → ``presets/<recipe>-tiny-shakespeare.toml`` or
+``presets/tiny-shakespeare.toml``, shipped in ``weightgeom.experiments``, else the trainer's bundled config) or a
+TOML/YAML path — the CPU preset and the paper-scale config go through the same recipe unchanged. Finished runs are
+skipped, so re-running the same command resumes a sweep; ``OUT/sweep.json`` lists every run with its status.
 
 One sweep at a time owns ``OUT`` (a lock from planning to the report); a sweep whose runs were trained with other
 settings, or whose directory was run with other sweep-level settings (recipe, config, ``--steps``, ``--set``; not
@@ -18,17 +18,10 @@ import contextlib
 import importlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from weightgeom.experiments.runner import (
-    SWEEP_SETTINGS_KEY,
-    Recipe,
-    load_parts,
-    parse_set,
-    plan,
-    run_sweep,
-    sweep_settings,
-)
-from weightgeom.train.rundir import DirLock
+if TYPE_CHECKING:
+    from weightgeom.experiments.runner import Recipe
 
 RECIPES = {
     "manifolds": "weightgeom.experiments.manifolds",
@@ -121,6 +114,11 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         FileNotFoundError: unknown preset or config file.
         OSError: the sweep directory cannot be written.
     """
+    # imported here, not at module level: the config schema imports torch, and `weightgeom sweep --help` must not
+    from weightgeom.experiments.runner import SWEEP_SETTINGS_KEY, load_parts, plan, run_sweep, sweep_settings
+    from weightgeom.train.config import parse_overrides
+    from weightgeom.train.rundir import DirLock
+
     recipe = get_recipe(recipe_name)
     label, parts, sweep = load_parts(config or recipe.default_config, recipe.name)
     seeds = list(seeds) if seeds else [int(s) for s in sweep.get("seeds", recipe.default_seeds)]
@@ -132,7 +130,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         raise ValueError(f"{sweep['_path']}: the [sweep] table does not fit recipe {recipe.name}: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     only_list = [o.strip() for o in only.split(",")] if isinstance(only, str) else (list(only) if only else None)
-    set_values = parse_set(sets)
+    set_values = parse_overrides(sets)
     runs = plan(recipe.name, variants, parts, seeds, steps=steps, only=only_list, sets=set_values)
     out = Path(out or Path("runs") / "sweeps" / f"{recipe.name}-{label}")
     if list_only:

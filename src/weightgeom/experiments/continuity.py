@@ -1,11 +1,11 @@
-"""Recipe ``continuity`` (seed 001): why adjacent layers' singular vectors line up.
+"""Recipe ``continuity`` (the continuity paper, arXiv:2605.04971): why adjacent layers' singular vectors line up.
 
-Part ``resmlp`` — residual MLP on MNIST (paper: 16 blocks × 256), continuity recorded *during* training by
-:class:`weightgeom.experiments.controls.ContinuityRecorder` (weights, minibatch gradients, accumulated updates ΔW and
-the dominance ratio ‖ΔW‖/‖W₀‖):
+Part ``resmlp`` — residual MLP on MNIST (paper: 16 blocks × 256), continuity recorded *during* training by the
+trainer callback :class:`weightgeom.analysis.recorder.ContinuityRecorder` (declared as the control
+``continuity_every``: weights, minibatch gradients, accumulated updates ΔW and the dominance ratio ‖ΔW‖/‖W₀‖):
 
 =================  =========================================================  ==================================
-variant            change                                                     seed figure
+variant            change                                                     paper figure
 =================  =========================================================  ==================================
 ``res-relu``       baseline: residual + ReLU                                  continuity develops
 ``nores``          no skip connection                                         gradient ≈ 0.05 (random)
@@ -19,25 +19,24 @@ variant            change                                                     se
 
 Part ``llama`` — Llama-style transformer (paper: 8 layers, 34M, WikiText-103) with the MLP activation ablated
 (``silu`` = SwiGLU baseline, ``gelu``, ``relu``, ``none``); after training, the final checkpoint is analysed per
-projection (Q, K, V, O, Gate, Up, Down: C_v and C_u between adjacent layers) into ``continuity.jsonl``.
+projection (Q, K, V, O, Gate, Up, Down: C_v and C_u between adjacent layers) into ``continuity.jsonl``
+(:func:`weightgeom.analysis.recorder.continuity_rows`: the same rows and metrics as the recorder).
 
 A preset is a sweep file with ``[parts.resmlp]`` and ``[parts.llama]`` trainer configs (either may be absent) and
-a ``[sweep]`` table (``seeds``, ``continuity_every``, ``init_small``, ``init_large``, ``llama_activations``).
+a ``[sweep]`` table (``seeds``, ``continuity_every``, ``init_small``, ``init_large``, ``llama_activations``). With
+``--steps N`` the recording interval shrinks to at most N // 8 (so a short run still records several points).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from weightgeom.experiments.controls import pair_continuity
-from weightgeom.experiments.runner import Recipe, RunSpec, Variant, get_path
-
-LLAMA_ROLE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+from weightgeom.analysis.recorder import CONTINUITY_FILE, continuity_rows
+from weightgeom.experiments.runner import Recipe, RunSpec, Variant
+from weightgeom.train.checkpoint import latest_checkpoint, load_checkpoint
+from weightgeom.train.config import get_key
 
 
 def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
@@ -45,7 +44,9 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
     out: list[Variant] = []
     if "resmlp" in parts:
         every = int(sweep.get("continuity_every", 25))
-        base_scale = float(get_path(parts["resmlp"], "model.init_scale", 1.0))
+        if steps is not None:
+            every = max(1, min(every, steps // 8 or 1))
+        base_scale = float(get_key(parts["resmlp"], "model.init_scale", 1.0))
         ctl = {"continuity_every": every}
         small = float(sweep.get("init_small", 0.1)) * base_scale
         large = float(sweep.get("init_large", 3.0)) * base_scale
@@ -60,9 +61,9 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
             ("init-large", {"model.residual": True, "model.activation": "relu", "model.init_scale": large},
              f"Res+ReLU, init scale {large:g}"),
             ("adam-b2-0", {"model.residual": True, "model.activation": "relu", "optim.name": "adamw",
-                           "optim.betas": [0.9, 0.0]}, "Res+ReLU, Adam β2=0"),
+                           "optim.adamw.betas": [0.9, 0.0]}, "Res+ReLU, Adam β2=0"),
             ("adam-b1-0-b2-0", {"model.residual": True, "model.activation": "relu", "optim.name": "adamw",
-                                "optim.betas": [0.0, 0.0]}, "Res+ReLU, Adam β1=β2=0 (sign descent)"),
+                                "optim.adamw.betas": [0.0, 0.0]}, "Res+ReLU, Adam β1=β2=0 (sign descent)"),
         ]
         for name, ov, desc in arms:
             out.append(Variant(name, ov, desc, part="resmlp", controls=dict(ctl), group="resmlp"))
@@ -75,40 +76,21 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
     return out
 
 
-def llama_rows(state: dict[str, torch.Tensor], step: int = -1) -> list[dict[str, Any]]:
-    """Per-projection continuity rows (kind ``weight``) from a Llama state dict."""
-    by_role: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in state.items():
-        m = LLAMA_ROLE.search(name)
-        if m and t.ndim == 2:
-            by_role.setdefault(m.group(2), {})[int(m.group(1))] = t
-    rows = []
-    for role, layers in by_role.items():
-        if len(layers) < 2:
-            continue
-        stack = torch.stack([layers[i].float() for i in sorted(layers)])
-        met = pair_continuity(stack)
-        for li in range(stack.shape[0] - 1):
-            rows.append({"step": step, "kind": "weight", "role": role, "layer": li,
-                         **{k: float(v[li]) for k, v in met.items()}})
-    return rows
-
-
 def post_run(spec: RunSpec, run_dir: Path) -> None:
     """After a Llama run: analyse its final checkpoint per projection into ``continuity.jsonl``."""
-    if spec.part != "llama" or (run_dir / "continuity.jsonl").exists():
+    if spec.part != "llama" or (run_dir / CONTINUITY_FILE).exists():
         return
-    from weightgeom.train.checkpoint import latest_checkpoint, load_checkpoint
-
     ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
         raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to analyse")
     payload = load_checkpoint(ck)
-    state = payload["model"]
-    rows = llama_rows(state, int(payload.get("step", -1)))
+    try:
+        rows = continuity_rows(payload["model"], int(payload.get("step", -1)))
+    except ValueError:
+        rows = []
     if not rows:
         raise ValueError(f"{ck}: no Llama projection weights (layers.N.self_attn.q_proj.weight …) found")
-    with open(run_dir / "continuity.jsonl", "w") as f:
+    with open(run_dir / CONTINUITY_FILE, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
@@ -119,5 +101,5 @@ RECIPE = Recipe(
     default_seeds=(0,),
     variants=variants,
     post_run=post_run,
-    doc="seed 001: residual-MLP ablations (continuity over training) + Llama activation ablation (per projection)",
+    doc="continuity paper: residual-MLP ablations over training + Llama activation ablation (per projection)",
 )

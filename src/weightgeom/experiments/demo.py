@@ -1,4 +1,5 @@
-"""``weightgeom demo``: the main CPU job — small versions of the seed-000 and seed-001 experiments, then a report.
+"""``weightgeom demo``: the main CPU job — small versions of the manifold-assignment and continuity experiments,
+then a report.
 
 1. ``weightgeom sweep manifolds tiny-shakespeare``: the five manifold assignments + ALL-DGRAM with a σ cap +
    HETERO+MD on a character-level GPT (Shakespeare, bundled), two seeds, with σ/logit/saturation diagnostics.
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="demo directory (default: runs/demo or runs/demo-quick)")
     p.add_argument("--only", choices=["manifolds", "continuity"], default=None, help="run one of the two sweeps")
     p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars (with --jobs 1)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key in every run of both sweeps (TOML literal value, as for train and "
+                        "sweep), e.g. --set optim.muon.dual_steps=10")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="runs in parallel, one process and one thread each (default 2: one per core of a 2-core CPU)")
 
@@ -67,8 +71,8 @@ def _run_locked(args: argparse.Namespace, out: Path) -> int:
         print(f"== weightgeom demo: {recipe} sweep on preset {preset!r}"
               f"{' (quick)' if args.quick else ''} ==", flush=True)
         manifest, _ = execute(recipe, preset, seeds=kw.get("seeds"), steps=kw.get("steps"), out=out / recipe,
-                              report=False, progress=True, quiet_trainer=not args.verbose, jobs=args.jobs,
-                              threads=1 if args.jobs > 1 else None)
+                              sets=args.sets, report=False, progress=True, quiet_trainer=not args.verbose,
+                              jobs=args.jobs, threads=1 if args.jobs > 1 else None)
         failed += sum(r.get("status") == "failed" for r in manifest["runs"])
         dirs.append(out / recipe)
     path = make_report(dirs, out=out, title="weightgeom demo" + (" (quick)" if args.quick else ""))

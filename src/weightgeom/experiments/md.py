@@ -1,4 +1,5 @@
-"""Recipe ``md`` (seed 002): LR sweep over widths for AdamW, Muon, AdamW+MD, Muon+MD; warmup vs none; compute.
+"""Recipe ``md`` (the MD paper, arXiv:2606.25971): LR sweep over widths for AdamW, Muon, AdamW+MD, Muon+MD; warmup
+vs none; compute.
 
 Variants:
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightgeom.experiments.runner import Recipe, Variant, get_path
+from weightgeom.experiments.runner import Recipe, Variant
+from weightgeom.train.config import get_key
 
 OPTIMIZERS = ("adamw", "muon", "adamw-md", "muon-md")
 DEFAULT_LRS = {
@@ -33,18 +35,18 @@ WIDTH_KEY = {"gpt": "model.n_embd", "llama": "model.dim", "resmlp": "model.width
 
 def lr_key(opt: str) -> str:
     """The config key the LR sweep varies: the matrix LR for Muon, the AdamW LR for AdamW."""
-    return "optim.adamw_lr" if opt.startswith("adamw") else "optim.lr"
+    return "optim.adamw.lr" if opt.startswith("adamw") else "optim.muon.lr"
 
 
 def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
     """Optimizer × width × LR grid plus the warmup arm."""
     base = parts["main"]
-    kind = str(get_path(base, "model.kind", "gpt"))
+    kind = str(get_key(base, "model.kind", "gpt"))
     wkey = str(sweep.get("width_key", WIDTH_KEY.get(kind, "model.n_embd")))
     widths = [int(w) for w in sweep.get("widths", DEFAULT_WIDTHS.get(kind, [64, 128, 256]))]
     opts = list(sweep.get("optimizers", OPTIMIZERS))
     lrs = {**DEFAULT_LRS, **dict(sweep.get("lrs", {}))}
-    max_steps = int(steps or get_path(base, "train.max_steps", 1000))
+    max_steps = int(steps or get_key(base, "train.max_steps", 1000))
     warm = int(sweep.get("warmup", max(1, max_steps // 10)))
     out: list[Variant] = []
     for opt in opts:
@@ -53,7 +55,7 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
         grid = [float(x) for x in lrs[opt]]
         extra: dict[str, Any] = {"optim.name": opt, "schedule.warmup": 0}
         if opt.endswith("-md"):
-            extra["optim.weight_decay"] = 0.0
+            extra["optim.adamw.weight_decay"] = 0.0
         for w in widths:
             for lr in grid:
                 ov = {**extra, wkey: w, lr_key(opt): lr}
@@ -73,5 +75,5 @@ RECIPE = Recipe(
     default_config="tiny",
     default_seeds=(0,),
     variants=variants,
-    doc="seed 002: LR × width sweep for adamw / muon / adamw-md / muon-md, warmup vs none, loss vs compute",
+    doc="MD paper: LR × width sweep for adamw / muon / adamw-md / muon-md, warmup vs none, loss vs compute",
 )

@@ -28,7 +28,6 @@ with named parts, e.g. ``[parts.resmlp]`` and ``[parts.llama]`` (each a trainer 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import math
@@ -38,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,15 +47,28 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from weightgeom.train.rundir import TRAINER_FILES
+from weightgeom.train import train
+from weightgeom.train.callbacks import build_callbacks
+from weightgeom.train.config import (
+    bundled_configs,
+    config_to_dict,
+    get_key,
+    load_config,
+    read_config_file,
+    resolve_config_path,
+    set_key,
+    with_overrides,
+)
+from weightgeom.train.rundir import TRAINER_FILES, DirLock, read_status
 
 FINISHED = ("done", "diverged")
 MANIFEST = "sweep.json"
 EXPERIMENT_FILE = "experiment.json"
 PREVIOUS_EXPERIMENT_FILE = "experiment.previous.json"
 """Name a re-trained run's old ``experiment.json`` is given, so the trainer moves it to ``previous/`` with its run."""
-RUN_OUTPUTS = (*TRAINER_FILES, "controls.json", "continuity.jsonl", "continuity_w0.safetensors")
-"""Entries of a run directory that show the run was trained (at least started) there."""
+RUN_OUTPUTS = (*TRAINER_FILES, "controls.json")
+"""Entries of a run directory that show the run was trained (at least started) there (callbacks write their files
+only after the trainer has written its own)."""
 IGNORED_SETTINGS = ("run.out_dir",)
 """Config keys left out of a run's settings: the sweep chooses the run directory itself."""
 
@@ -74,8 +86,10 @@ class Variant:
         overrides: ``"section.key" -> value`` applied on top of the part's base config.
         description: one line for the report.
         part: which base config of a multi-part preset this variant uses (``"main"`` for single-config recipes).
-        controls: extra training-time controls implemented in :mod:`weightgeom.experiments.controls`
-            (e.g. ``{"sigma_cap": 1.0}``); recorded in the manifest.
+        controls: the trainer callbacks the run uses, declared as ``{name: value}`` and built by
+            :func:`weightgeom.train.callbacks.build_callbacks` (``name``: a key of its registry; ``value``: the
+            callback's argument, or a table of its keyword arguments); recorded in the manifest and, as
+            ``controls.<name>``, in the settings.
         group: optional grouping key for reports (e.g. the optimizer in the MD sweep).
         tags: free-form numbers/strings the report uses (e.g. ``{"width": 128, "lr": 0.02}``).
     """
@@ -137,8 +151,9 @@ def preset_dirs() -> list[Path]:
     return out
 
 
-def available_presets() -> list[str]:
-    """Preset names found in :func:`preset_dirs`."""
+def sweep_presets() -> list[str]:
+    """Sweep preset names found in :func:`preset_dirs` (``weightgeom.models.available_presets`` lists model
+    presets)."""
     names = set()
     for d in preset_dirs():
         if d.is_dir():
@@ -146,29 +161,7 @@ def available_presets() -> list[str]:
     return sorted(names)
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or YAML file into a dict."""
-    path = Path(path)
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ValueError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    else:
-        with open(path, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}: not valid TOML: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a table at the top level")
-    return data
-
-
-def resolve_config(arg: str, recipe: str | None = None) -> tuple[str, Path]:
+def resolve_preset(arg: str, recipe: str | None = None) -> tuple[str, Path]:
     """Map the CONFIG argument to ``(preset label, file path)``.
 
     Lookup for a name (not a path): ``configs/experiments/<recipe>-<name>.toml``, then
@@ -188,13 +181,9 @@ def resolve_config(arg: str, recipe: str | None = None) -> tuple[str, Path]:
             cand = d / f"{stem}.toml"
             if cand.exists():
                 return arg, cand
-    try:
-        from weightgeom.train.config import resolve_config_path
-
-        return arg, Path(resolve_config_path(arg))
-    except (ImportError, ValueError):
-        pass
-    raise FileNotFoundError(f"unknown preset {arg!r}; available: {', '.join(available_presets()) or '(none)'} "
+    if arg in bundled_configs():
+        return arg, resolve_config_path(arg)
+    raise FileNotFoundError(f"unknown preset {arg!r}; available: {', '.join(sweep_presets()) or '(none)'} "
                             "(a '<recipe>-' prefix may be left out)")
 
 
@@ -203,8 +192,8 @@ def load_parts(arg: str, recipe: str | None = None) -> tuple[str, dict[str, dict
 
     A plain trainer config becomes the single part named after its model kind *and* ``"main"``.
     """
-    label, path = resolve_config(arg, recipe)
-    data = load_file(path)
+    label, path = resolve_preset(arg, recipe)
+    data = read_config_file(path)
     sweep = data.pop("sweep", {}) or {}
     if not isinstance(sweep, dict):
         raise ValueError(f"{path}: [sweep] must be a table")
@@ -245,72 +234,20 @@ class Recipe:
     doc: str = ""
 
 
-def set_path(cfg: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``cfg["a"]["b"] = value`` for ``key="a.b"`` (creating tables); ``value=None`` deletes the key."""
-    parts = key.split(".")
-    d = cfg
-    for k in parts[:-1]:
-        nxt = d.get(k)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            d[k] = nxt
-        d = nxt
-    if value is None:
-        d.pop(parts[-1], None)
-    else:
-        d[parts[-1]] = value
-
-
-def get_path(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
-    """``cfg["a"]["b"]`` for ``key="a.b"``, or ``default``."""
-    d: Any = cfg
-    for k in key.split("."):
-        if not isinstance(d, dict) or k not in d:
-            return default
-        d = d[k]
-    return d
-
-
-def apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``cfg`` with ``overrides`` applied."""
-    out = copy.deepcopy(cfg)
-    for k, v in overrides.items():
-        set_path(out, k, v)
-    return out
-
-
-def parse_set(items: Iterable[str]) -> dict[str, Any]:
-    """Parse ``--set section.key=value`` strings; values are TOML literals, else plain strings."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set expects section.key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if "." not in key:
-            raise ValueError(f"--set key must be section.key, got {key!r}")
-        try:
-            value = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw.strip()
-        out[key] = value
-    return out
-
-
 def fit_steps(cfg: dict[str, Any], steps: int) -> None:
     """Set ``train.max_steps`` and shrink eval / diagnostics / checkpoint / warmup intervals to fit ``steps``."""
-    set_path(cfg, "train.max_steps", int(steps))
+    set_key(cfg, "train.max_steps", int(steps))
     quarter = max(1, steps // 4)
     for key in ("train.eval_every", "diagnostics.every", "train.log_every"):
-        v = get_path(cfg, key)
+        v = get_key(cfg, key)
         if isinstance(v, int) and v > 0 and v > quarter:
-            set_path(cfg, key, quarter)
-    v = get_path(cfg, "train.ckpt_every")
+            set_key(cfg, key, quarter)
+    v = get_key(cfg, "train.ckpt_every")
     if isinstance(v, int) and v > 0 and v > steps:
-        set_path(cfg, "train.ckpt_every", steps)
-    w = get_path(cfg, "schedule.warmup")
+        set_key(cfg, "train.ckpt_every", steps)
+    w = get_key(cfg, "schedule.warmup")
     if isinstance(w, int) and w > 0 and w >= steps:
-        set_path(cfg, "schedule.warmup", max(0, steps // 10))
+        set_key(cfg, "schedule.warmup", max(0, steps // 10))
 
 
 # -------------------------------------------------------------------------------------------------------- settings
@@ -343,13 +280,11 @@ def resolved_settings(spec: RunSpec) -> dict[str, Any]:
     Raises:
         ValueError: the config is invalid (one line naming the key and the run).
     """
-    from weightgeom.train.config import load_config
-
     try:
         cfg = load_config(spec.config)
     except ValueError as e:
         raise ValueError(f"{e} (run {spec.name})") from None
-    flat = {k: v for k, v in flatten(cfg).items() if k not in IGNORED_SETTINGS}
+    flat = {k: v for k, v in flatten(config_to_dict(cfg)).items() if k not in IGNORED_SETTINGS}
     flat.update({f"controls.{k}": v for k, v in sorted(spec.controls.items())})
     return _jsonable(flat)
 
@@ -372,8 +307,8 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-FREE_SETTINGS = ("model.", "optim.md.", "controls.")
-"""Settings that may be absent from a validated config (model fields left to their defaults, the free ``optim.md``
+FREE_SETTINGS = ("model.", "optim.rules.", "controls.")
+"""Settings that may be absent from a validated config (model fields left to their defaults, the free ``optim.rules``
 table, controls): absent on one side only, they differ. Any other key is always present in a validated config, so one
 absent on one side only was written by another version of weightgeom and is not a difference."""
 
@@ -524,7 +459,7 @@ def sweep_settings_difference(manifest: Any, planned: dict[str, Any]) -> tuple[s
     The config file is compared by content (``config_hash``: the same trainer configs under another path are the
     same config); the difference then reads ``("config", recorded path, planned path)``. A manifest without
     :data:`SWEEP_SETTINGS_KEY` (written by an older weightgeom) is compared on :data:`LEGACY_SWEEP_KEYS` where it
-    records them; an unreadable one is not compared. ``--set`` keys are compared one by one (``("set optim.lr",
+    records them; an unreadable one is not compared. ``--set`` keys are compared one by one (``("set optim.muon.lr",
     old, new)``; a side without the key is :data:`_MISSING`).
     """
     if not isinstance(manifest, dict):
@@ -620,18 +555,21 @@ def plan(
     for v in chosen:
         if v.part not in parts:
             raise ValueError(f"variant {v.name!r} needs config part {v.part!r}; the config has {sorted(parts)}")
+        if v.controls:  # an unknown or bad callback is one line before anything runs
+            try:
+                build_callbacks(v.controls)
+            except ValueError as e:
+                raise ValueError(f"variant {v.name!r}: {e}") from None
         for seed in seeds:
-            cfg = apply_overrides(parts[v.part], v.overrides)
+            cfg = with_overrides(parts[v.part], v.overrides)
             if steps is not None:
                 fit_steps(cfg, steps)
             if sets:
-                cfg = apply_overrides(cfg, sets)
-            set_path(cfg, "run.seed", int(seed))
+                cfg = with_overrides(cfg, sets)
+            set_key(cfg, "run.seed", int(seed))
             name = run_name(v.name, seed)
-            set_path(cfg, "run.name", name)
+            set_key(cfg, "run.name", name)
             controls = dict(v.controls)
-            if steps is not None and "continuity_every" in controls:
-                controls["continuity_every"] = max(1, min(int(controls["continuity_every"]), steps // 8 or 1))
             spec = RunSpec(name=name, recipe=recipe, variant=v.name, seed=int(seed), part=v.part, config=cfg,
                            overrides=dict(v.overrides), description=v.description,
                            controls=controls, group=v.group, tags=dict(v.tags))
@@ -641,31 +579,28 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------------------------- run
-def read_status(run_dir: Path) -> dict[str, Any]:
-    """``status.json`` of a run directory, or ``{}``."""
-    try:
-        with open(run_dir / "status.json") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _default_train(config: dict[str, Any], run_dir: str, progress: bool, fresh: bool = False) -> dict[str, Any]:
-    from weightgeom.train import train
-
-    return train(config, run_dir=run_dir, progress=progress, resume=False if fresh else "auto")
-
-
 TrainFn = Callable[[RunSpec, Path, bool], dict[str, Any]]
+
+CONTROLS_FILE = "controls.json"
+"""What a run's callbacks did (their merged :meth:`~weightgeom.train.callbacks.Callback.summary`)."""
 
 
 def default_train_fn(spec: RunSpec, run_dir: Path, progress: bool) -> dict[str, Any]:
-    """Train one run with ``weightgeom.train.train``, applying the variant's controls if any."""
-    if spec.controls:
-        from weightgeom.experiments.controls import train_with_controls
+    """Train one run with ``weightgeom.train.train`` and the callbacks its variant declares.
 
-        return train_with_controls(spec.config, run_dir, spec.controls, progress=progress, fresh=spec.fresh)
-    return _default_train(spec.config, str(run_dir), progress, spec.fresh)
+    The callbacks are built from ``spec.controls`` by :func:`weightgeom.train.callbacks.build_callbacks`; when the run
+    trained (it was not already finished), their merged summaries are written to ``run_dir/controls.json``.
+    """
+    callbacks = build_callbacks(spec.controls)
+    result = train(spec.config, run_dir=str(run_dir), progress=progress, resume=False if spec.fresh else "auto",
+                   callbacks=callbacks)
+    run_dir = Path(result.get("run_dir", run_dir))
+    if callbacks and not result.get("already_done") and run_dir.is_dir():
+        summary: dict[str, Any] = {}
+        for cb in callbacks:
+            summary.update(cb.summary() if hasattr(cb, "summary") else {})
+        _write_json(run_dir / CONTROLS_FILE, summary)
+    return result
 
 
 def _fmt_s(s: float) -> str:
@@ -1081,8 +1016,6 @@ def run_sweep(
             ``meta["sweep_settings"]`` differs from the earlier manifest's (see :func:`check_sweep_settings`).
         ValueError: a run's config is invalid.
     """
-    from weightgeom.train.rundir import DirLock
-
     out = Path(out)
     sweep = _Sweep(runs, out, train_fn or default_train_fn, resume, progress,
                    progress if trainer_progress is None else trainer_progress, post_run, meta, jobs, threads)

@@ -6,8 +6,8 @@ them, and ``torch.compile`` takes minutes to build the same loops on a small CPU
 second and is cached on disk, keyed by its source, the compiler, the flags and the CPU, so it never runs on a machine
 it was not built for.
 
-Where no compiler works (or ``WEIGHTGEOM_NO_KERNELS=1``), ``load`` returns None and callers use their eager PyTorch
-path: same maths, slower. ``unavailable_reason`` says why. The cache lives in ``$WEIGHTGEOM_CACHE_DIR`` or
+Where no compiler works (or ``WEIGHTGEOM_NO_KERNELS=1``), ``load_kernel`` returns None and callers use their eager
+PyTorch path: same maths, slower. ``unavailable_reason`` says why. The cache lives in ``$WEIGHTGEOM_CACHE_DIR`` or
 ``$XDG_CACHE_HOME/weightgeom`` (default ``~/.cache/weightgeom``), under ``kernels/``.
 
 The kernels release the GIL (``ctypes.CDLL``) and use OpenMP with ``torch.get_num_threads()`` threads.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "unavailable_reason", "uses_openmp", "md_adam_step", "any_nonfinite", "cache_dir"]
+__all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "any_nonfinite", "kernel_cache_dir"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -47,7 +47,7 @@ _SIGNATURES = {
 }
 
 
-def cache_dir() -> Path:
+def kernel_cache_dir() -> Path:
     """Where compiled kernels are kept (``$WEIGHTGEOM_CACHE_DIR``, else ``$XDG_CACHE_HOME/weightgeom``)."""
     root = os.environ.get("WEIGHTGEOM_CACHE_DIR")
     if not root:
@@ -119,7 +119,7 @@ def _compile(name: str, source: str, cc: str, version: str, flags: tuple[str, ..
     """The cached shared object for these flags, compiled if missing; (None, why) if the compiler fails."""
     key = hashlib.sha256("\0".join([source, version, " ".join(flags), _cpu_signature(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    target = kernel_cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target, ""
     try:
@@ -144,7 +144,7 @@ def _compile(name: str, source: str, cc: str, version: str, flags: tuple[str, ..
     return target, ""
 
 
-def load(name: str = "md_adam") -> ctypes.CDLL | None:
+def load_kernel(name: str = "md_adam") -> ctypes.CDLL | None:
     """The compiled kernel library ``name`` (built on first call, then cached), or None where it cannot be had."""
     with _lock:
         if name not in _libs:
@@ -156,11 +156,11 @@ def load(name: str = "md_adam") -> ctypes.CDLL | None:
 
 def uses_openmp(name: str = "md_adam") -> bool:
     """Whether the loaded kernel was built with OpenMP (threads) rather than single-threaded."""
-    return load(name) is not None and "-fopenmp" in _flags.get(name, ())
+    return load_kernel(name) is not None and "-fopenmp" in _flags.get(name, ())
 
 
 def unavailable_reason(name: str = "md_adam") -> str:
-    """Why ``load(name)`` returned None ("" when it did not, or was not called yet)."""
+    """Why ``load_kernel(name)`` returned None ("" when it did not, or was not called yet)."""
     return _reasons.get(name, "")
 
 
@@ -214,7 +214,7 @@ def md_adam_step(G: torch.Tensor, D: torch.Tensor, W: torch.Tensor, exp_avg: tor
         RuntimeError: the kernel is unavailable (``unavailable_reason``) or out of memory.
         ValueError: a tensor of the wrong device, dtype, size or layout (named), or an unknown option.
     """
-    lib = load("md_adam")
+    lib = load_kernel("md_adam")
     if lib is None:
         raise RuntimeError(f"md kernel unavailable: {unavailable_reason('md_adam')}")
     dt = D.dtype
@@ -257,7 +257,7 @@ def any_nonfinite(t: torch.Tensor) -> bool:
         RuntimeError: the kernel is unavailable (``unavailable_reason``).
         ValueError: another device, dtype or layout.
     """
-    lib = load("md_adam")
+    lib = load_kernel("md_adam")
     if lib is None:
         raise RuntimeError(f"md kernel unavailable: {unavailable_reason('md_adam')}")
     if t.dtype not in _SUFFIX:

@@ -1,7 +1,7 @@
 /* Fused magnitude-direction + Adam step for one matrix on CPU (float32 and float64), used by
  * weightgeom.optim.MagnitudeDirection when its base optimizer is torch.optim.Adam/AdamW (weightgeom/optim/md_fused.py).
  *
- * W = diag(g_r) D diag(g_c) with g = phi(theta) (phi = softplus or exp), D on a sphere (SPEC section D). Matrices are
+ * W = diag(g_r) D diag(g_c) with g = phi(theta) (phi = softplus or exp), D on a sphere (docs/md.md). Matrices are
  * row-major (m, n) and contiguous. Two passes over memory, parallel over rows with OpenMP; sums in double.
  *
  * Pass 1, with Gh = g_r,i G_ij g_c,j (the direction gradient):

@@ -75,7 +75,7 @@ _NORM_EPS = 1e-30
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """Compute dtype msign uses when none is given: bfloat16 on CUDA, float32 elsewhere.
 
-    On a CPU without bf16 units a bf16 matmul is several times slower than fp32 (SPEC §A), so fp32 is the
+    On a CPU without bf16 units a bf16 matmul is several times slower than fp32, so fp32 is the
     CPU default; float64 inputs are also computed in float64 on the CPU.
     """
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

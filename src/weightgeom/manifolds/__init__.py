@@ -1,4 +1,4 @@
-"""Gram-space matrix manifolds (SPEC §C) and their registry; see docs/manifolds.md.
+"""Gram-space matrix manifolds and their registry; see docs/manifolds.md.
 
 Adding a manifold: one file with a ``Manifold`` subclass (with a unique ``name``), one ``register`` line below,
 one line in the table of tests/test_manifolds.py.

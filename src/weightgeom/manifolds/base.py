@@ -1,4 +1,4 @@
-"""The one abstract class behind every matrix manifold (Gram-space family, SPEC §C).
+"""The one abstract class behind every matrix manifold (Gram-space family; see docs/manifolds.md).
 
 A manifold here is a constraint on the Gram matrix of a *tall* W ∈ R^{m×n} (m ≥ n):
     P(WᵀW) = P(I)

@@ -6,9 +6,10 @@ zero diagonal}, so the orthogonal projection is A − W·Λ with Λ_ij = (WᵀA 
 Retractions:
 - ``"polar"`` (default): msign(W)·diag(‖w_j‖). On the manifold W = Q·diag(‖w_j‖) with Q orthonormal, so
   msign(W) = Q and the map returns W: idempotent, and it keeps each column's norm.
-- ``"paper"``: seed 000's code, (U Vᵀ)·diag(σ) with W = U diag(σ) Vᵀ and σ sorted descending. On a manifold
-  point the singular values are the column norms, but sorted: column j receives the j-th largest norm, so
-  the map is NOT idempotent unless the column norms are already in descending order. For reproduction only.
+- ``"paper"``: the manifold-assignment paper's published code, (U Vᵀ)·diag(σ) with W = U diag(σ) Vᵀ and σ
+  sorted descending. On a manifold point the singular values are the column norms, but sorted: column j receives
+  the j-th largest norm, so the map is NOT idempotent unless the column norms are already in descending order.
+  For reproduction only.
 
 Shortcut for ``"polar"`` near the manifold (``polar_near_columns``): when the column-normalised W is within
 Stiefel's ``NEAR_TOL`` of orthonormal and W is at least twice as tall as wide, msign(W) = U₁·msign(U₁ᵀW) with
@@ -85,7 +86,10 @@ def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: i
 
 
 def dgram_retract_paper(X: torch.Tensor) -> torch.Tensor:
-    """Seed 000's retraction (U Vᵀ)·diag(σ), σ descending, on the tall view (float64 SVD). Not idempotent."""
+    """The manifold-assignment paper's retraction (U Vᵀ)·diag(σ), σ descending, on the tall view (float64 SVD).
+
+    Not idempotent.
+    """
     U, S, Vh = torch.linalg.svd(X.to(torch.float64), full_matrices=False)
     return ((U @ Vh) * S.unsqueeze(-2)).to(X.dtype)
 
@@ -94,7 +98,8 @@ class DGram(Manifold):
     """Matrices whose columns (tall view; rows of a wide matrix) are mutually orthogonal, with free norms.
 
     Args:
-        retraction: ``"polar"`` (default, idempotent, keeps column norms) or ``"paper"`` (seed 000's
+        retraction: ``"polar"`` (default, idempotent, keeps column norms) or ``"paper"`` (the
+            manifold-assignment paper's
             (U Vᵀ)·diag(σ sorted); re-assigns norms by index, not idempotent — see the module docstring).
         method: how the polar factor of the ``"polar"`` retraction is computed: ``"polar_express"`` (default,
             float64/float32 following W) or ``"svd"`` (exact).

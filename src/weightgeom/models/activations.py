@@ -1,4 +1,5 @@
-"""Activation functions selectable by name, including the rotation-equivariant radial activation of seed 001.
+"""Activation functions selectable by name, including the rotation-equivariant radial activation of the continuity paper
+(K. Jeong, W.-G. Paeng, H. Suh, arXiv:2605.04971).
 
 ``radial``: σ(x) = x · tanh(‖x‖), the norm taken over the last (feature) dimension, one norm per token / sample. It is
 non-linear but commutes with every rotation R of the feature space (σ(Rx) = Rσ(x)), so it does not break the SO(d)

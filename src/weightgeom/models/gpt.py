@@ -37,7 +37,8 @@ class GPTConfig(ConfigBase):
         n_head: attention heads per block.
         n_embd: width (channels).
         dropout: dropout probability (embeddings, attention, residual).
-        bias: biases in Linear and LayerNorm layers (GPT-2 had them; nanoGPT and seed 000 train without).
+        bias: biases in Linear and LayerNorm layers (GPT-2 had them; nanoGPT and the manifold-assignment paper train
+            without).
         separate_qkv: separate ``q_proj/k_proj/v_proj`` instead of the fused ``c_attn`` (same parameter count).
         tie_weights: share the token embedding with the LM head (one Parameter).
         activation: MLP activation (GPT-2: ``gelu``; also relu, silu, none, radial).

@@ -202,8 +202,8 @@ class Llama(ModelBase):
 
 # name -> LlamaConfig overrides.
 LLAMA_PRESETS: dict[str, dict] = {
-    # Seed 001's small model: 8 layers, ~34M parameters with the GPT-2 BPE vocabulary (50304) and tied embeddings:
-    # 19.3M embedding + 8 × 1.77M layers = 33.5M.
+    # The continuity paper's small model: 8 layers, ~34M parameters with the GPT-2 BPE vocabulary (50304) and tied
+    # embeddings: 19.3M embedding + 8 × 1.77M layers = 33.5M.
     "llama-34m": dict(dim=384, n_layers=8, n_heads=6, ffn_hidden=1024, tie_weights=True, max_seq_len=1024),
     # CPU sizes.
     "llama-micro": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=344, max_seq_len=256),

@@ -1,4 +1,5 @@
-"""Deep residual MLP for the geometric-continuity experiments of seed 001 (MNIST, 16 layers × 256).
+"""Deep residual MLP for the geometric-continuity experiments of the continuity paper (K. Jeong, W.-G. Paeng,
+H. Suh, arXiv:2605.04971; MNIST, 16 layers × 256).
 
 Structure (names ``inp``, ``blocks.{i}.fc``, ``head``)::
 
@@ -120,6 +121,6 @@ class ResMLP(ModelBase):
 
 
 RESMLP_PRESETS: dict[str, dict] = {
-    "resmlp-16x256": dict(depth=16, width=256),  # seed 001's toy MLP
+    "resmlp-16x256": dict(depth=16, width=256),  # the continuity paper's toy MLP
     "resmlp-tiny": dict(depth=4, width=64),
 }

@@ -1,8 +1,11 @@
-"""weightgeom.optim: Muon / manifold Muon / AdamW in one optimizer, and parameter-group strategies.
+"""weightgeom.optim: Muon / manifold Muon / AdamW in one optimizer, the magnitude–direction wrapper, parameter-group
+strategies, typed optimizer configs and one-line builders.
 
 See docs/ARCHITECTURE.md (optim) and docs/muon.md (derivations).
 """
 
+from weightgeom.optim.build import build_optimizer
+from weightgeom.optim.config import AdamWConfig, MDConfig, MuonConfig, OptimConfig
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
     adamw_update,
@@ -10,14 +13,22 @@ from weightgeom.optim.functional import (
     momentum_direction,
     shape_scale,
 )
+from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.manifold_muon import manifold_direction, manifold_direction_reference
-from weightgeom.optim.muon import Muon
+from weightgeom.optim.muon import FarRetractionWarning, Muon
 from weightgeom.optim.param_groups import STRATEGIES, param_groups
 
 __all__ = [
     "Muon",
+    "MagnitudeDirection",
+    "build_optimizer",
     "param_groups",
     "STRATEGIES",
+    "MuonConfig",
+    "AdamWConfig",
+    "MDConfig",
+    "OptimConfig",
+    "FarRetractionWarning",
     "manifold_direction",
     "manifold_direction_reference",
     "momentum_direction",
@@ -26,9 +37,3 @@ __all__ = [
     "adamw_update",
     "NonFiniteGradientError",
 ]
-
-# Magnitude–direction wrapper and one-line builders (optim/magnitude_direction.py, optim/build.py).
-from weightgeom.optim.build import build_optimizer  # noqa: E402
-from weightgeom.optim.magnitude_direction import MagnitudeDirection  # noqa: E402
-
-__all__ += ["MagnitudeDirection", "build_optimizer"]

@@ -1,42 +1,44 @@
-"""One-line optimizer builders: ``build_optimizer(model, "muon-md", strategy="hetero")``.
+"""One-line optimizer builders: ``build_optimizer(model, "muon-md", strategy="hetero")`` or
+``build_optimizer(model, config=OptimConfig(...))``.
 
 Names (case-insensitive; ``_``, ``+`` and a missing dash are accepted, e.g. ``"MuonMD"``, ``"adamw+md"``):
 
-- ``"adamw"``: ``torch.optim.AdamW``; weight decay on ≥2-D params, none on 1-D (nanoGPT / seed 000 convention).
+- ``"adamw"``: ``torch.optim.AdamW``; weight decay on ≥2-D params, none on 1-D (the nanoGPT convention).
 - ``"muon"``: ``weightgeom.optim.Muon`` over ``param_groups(model, strategy)`` — Muon (or manifold Muon, per the
   strategy) on the hidden matrices, the AdamW path on embeddings, head, norms and biases.
-- ``"adamw-md"``, ``"muon-md"``: the same, wrapped in ``MagnitudeDirection`` (options from ``md``). With a manifold
-  strategy (e.g. ``"muon-md"`` + ``strategy="all-stiefel"`` or ``"hetero"``) the constrained matrices are stepped by
-  manifold Muon inside MD (docs/md.md, "Manifold groups").
+- ``"adamw-md"``, ``"muon-md"``: the same, wrapped in ``MagnitudeDirection``. With a manifold strategy (e.g.
+  ``"muon-md"`` + ``strategy="all-stiefel"`` or ``"hetero"``) the constrained matrices are stepped by manifold Muon
+  inside MD (docs/md.md, "Manifold groups").
 
-Learning-rate and weight-decay keys follow the trainer's config (``[optim]``): ``lr`` is the Muon (matrix) LR,
-``adamw_lr`` the AdamW LR (AdamW groups inside Muon, or every group of ``"adamw"``/``"adamw-md"``; when it is None
-``"adamw"`` falls back to ``lr``); ``weight_decay`` is Muon's decoupled decay, ``adamw_weight_decay`` AdamW's (for
-``"adamw"`` it falls back to ``weight_decay``). Muon-only keys are accepted and ignored by the AdamW names so one config
-can drive every name.
+Every setting is a field of :class:`weightgeom.optim.config.OptimConfig` (``[optim]`` in a config file), whose
+defaults are the one set of defaults for Python, files and the CLI. The keyword arguments are shorthands onto that
+config: ``lr`` is the step size of the optimizer the name runs (Muon's for Muon names, AdamW's for AdamW names
+unless ``adamw_lr`` is given); ``adamw_lr``, ``adamw_weight_decay``, ``betas`` and ``eps`` set AdamW's; ``weight_decay``
+is Muon's decoupled decay for Muon names and AdamW's for AdamW names (unless ``adamw_weight_decay`` is given); any other
+keyword is a :class:`~weightgeom.optim.config.MuonConfig` field (ignored by the AdamW names, so one call can drive every
+name) or ``split_qkv`` / ``rules``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from weightgeom.optim.config import OPTIMIZER_NAMES, AdamWConfig, MDConfig, MuonConfig, OptimConfig
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
+from weightgeom.optim.muon import Muon
+from weightgeom.optim.param_groups import param_groups
+from weightgeom.schema import ConfigError, from_dict, suggest
 
 __all__ = ["build_optimizer", "OPTIMIZER_NAMES", "MD_OPTIONS", "adamw_groups", "canonical_name"]
 
-OPTIMIZER_NAMES = ("adamw", "muon", "adamw-md", "muon-md")
-MD_OPTIONS = ("gains", "parameterization", "sphere", "gain_lr", "gain_betas", "gain_eps", "params", "exclude",
-              "embeddings", "embedding_radius", "fused")
-# Muon / param_groups hyperparameters (ARCHITECTURE.md, optim): passed to them, ignored by the AdamW names.
-_MUON_KEYS = ("momentum", "nesterov", "ns_steps", "msign_method", "msign_dtype", "adjust_lr_fn", "momentum_form",
-              "dual_steps", "dual_lr", "dual_tol", "retraction", "split_qkv", "rules", "adamw_hparams")
-
-# AdamW defaults when nothing is given: seed 000's AdamW (SPEC §C): lr 6e-4, betas (0.9, 0.95), wd 0.1 on 2-D.
-_ADAMW_LR = 6e-4
-_ADAMW_WD = 0.1
+MD_OPTIONS = tuple(f.name for f in dataclasses.fields(MDConfig))
+_MUON_FIELDS = tuple(f.name for f in dataclasses.fields(MuonConfig))
+_GROUP_KEYS = ("split_qkv", "rules")
 
 
 def canonical_name(name: str) -> str:
@@ -45,7 +47,8 @@ def canonical_name(name: str) -> str:
     if key.endswith("md") and not key.endswith("-md"):
         key = key[:-2] + "-md"
     if key not in OPTIMIZER_NAMES:
-        raise ValueError(f"build_optimizer: unknown optimizer name {name!r}; choose from {list(OPTIMIZER_NAMES)}")
+        raise ValueError(f"build_optimizer: unknown optimizer name {name!r}; choose from {list(OPTIMIZER_NAMES)}"
+                         f"{suggest(key, OPTIMIZER_NAMES)}")
     return key
 
 
@@ -63,18 +66,73 @@ def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str = "muon",
-    strategy: str = "unconstrained",
-    md: dict[str, Any] | None = None,
+def resolve_config(
+    name: str | None = None,
+    strategy: str | None = None,
+    md: MDConfig | Mapping[str, Any] | None = None,
     *,
+    config: OptimConfig | Mapping[str, Any] | None = None,
     lr: float | None = None,
     adamw_lr: float | None = None,
     weight_decay: float | None = None,
     adamw_weight_decay: float | None = None,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    **hp: Any,
+) -> OptimConfig:
+    """The :class:`OptimConfig` that :func:`build_optimizer` builds from ``config`` and the shorthands.
+
+    Raises:
+        ValueError: unknown name, MD option, group key, or a value that does not fit (one line naming it).
+        TypeError: an unknown keyword argument.
+    """
+    cfg = OptimConfig() if config is None else (
+        config if isinstance(config, OptimConfig) else OptimConfig.from_dict(config))
+    unknown = sorted(set(hp) - set(_MUON_FIELDS) - set(_GROUP_KEYS))
+    if unknown:
+        names = (*_MUON_FIELDS, *_GROUP_KEYS, "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "betas", "eps")
+        raise TypeError(f"build_optimizer: unknown keyword argument(s) {unknown}{suggest(unknown[0], names)}")
+    key = canonical_name(cfg.name if name is None else name)
+    if md and not key.endswith("-md"):
+        raise ValueError(f"build_optimizer: md options given but name={key!r} has no magnitude–direction wrapper; "
+                         f"use {key + '-md'!r}")
+    if md is not None and not isinstance(md, MDConfig):
+        bad = sorted(set(md) - set(MD_OPTIONS))
+        if bad:
+            raise ValueError(f"build_optimizer: unknown md option(s) {bad}{suggest(bad[0], MD_OPTIONS)}; "
+                             f"known: {list(MD_OPTIONS)}")
+        md = from_dict(MDConfig, {**dataclasses.asdict(cfg.md), **md})
+    adamw_name = key.startswith("adamw")
+    a_lr = adamw_lr if adamw_lr is not None else (lr if adamw_name else None)
+    a_wd = adamw_weight_decay if adamw_weight_decay is not None else (weight_decay if adamw_name else None)
+    adamw = {k: v for k, v in (("lr", a_lr), ("weight_decay", a_wd), ("betas", betas), ("eps", eps)) if v is not None}
+    muon = {k: v for k, v in hp.items() if k in _MUON_FIELDS}
+    if not adamw_name:
+        muon.update({k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None})
+    top = {k: v for k, v in hp.items() if k in _GROUP_KEYS}
+    try:
+        return dataclasses.replace(
+            cfg, name=key, strategy=cfg.strategy if strategy is None else strategy, **top,
+            muon=dataclasses.replace(cfg.muon, **muon) if muon else cfg.muon,
+            adamw=dataclasses.replace(cfg.adamw, **adamw) if adamw else cfg.adamw,
+            md=cfg.md if md is None else md)
+    except ConfigError as e:
+        raise ValueError(f"build_optimizer: {e}") from None
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str | None = None,
+    strategy: str | None = None,
+    md: MDConfig | Mapping[str, Any] | None = None,
+    *,
+    config: OptimConfig | Mapping[str, Any] | None = None,
+    lr: float | None = None,
+    adamw_lr: float | None = None,
+    weight_decay: float | None = None,
+    adamw_weight_decay: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
     verbose: bool = False,
     **hp: Any,
 ) -> torch.optim.Optimizer:
@@ -82,79 +140,49 @@ def build_optimizer(
 
     Args:
         model: the model; its parameters (``requires_grad``) are all optimised.
-        name: ``"adamw"``, ``"muon"``, ``"adamw-md"`` or ``"muon-md"`` (see module docstring for spellings).
+        name: ``"adamw"``, ``"muon"``, ``"adamw-md"`` or ``"muon-md"`` (None: ``config.name``, default ``"muon"``).
         strategy: ``param_groups`` strategy for the Muon names (``"unconstrained"``, ``"all-stiefel"``,
             ``"all-dgram"``, ``"hetero"``, ``"hetero-inv"``, ...). The AdamW names accept only ``"unconstrained"``.
-        md: ``MagnitudeDirection`` options (``gains``, ``parameterization``, ``sphere``, ``gain_lr``, ``gain_betas``,
-            ``gain_eps``, ``params``, ``exclude``, ``embeddings``, ``embedding_radius``, ``fused``) for the ``-md``
-            names.
-        lr: Muon matrix LR (default 0.02); for ``"adamw"`` names only when ``adamw_lr`` is None.
-        adamw_lr: AdamW LR (default 6e-4).
-        weight_decay: Muon's decoupled weight decay (default 0); for AdamW names only when ``adamw_weight_decay``
-            is None.
-        adamw_weight_decay: AdamW weight decay on ≥2-D params (default 0.1). Under MD the decoupled matrices get
-            none regardless (MD fixes their norm).
+        md: ``MagnitudeDirection`` options (an :class:`MDConfig` or a dict of its fields) for the ``-md`` names.
+        config: the full optimizer config (an :class:`OptimConfig` or a nested dict as in ``[optim]``); the other
+            arguments override it.
+        lr: the step size of the optimizer the name runs (Muon's for Muon names; AdamW's for AdamW names when
+            ``adamw_lr`` is None).
+        adamw_lr: AdamW's step size (AdamW groups inside Muon, every group of the AdamW names).
+        weight_decay: Muon's decoupled decay for Muon names; AdamW's for AdamW names when ``adamw_weight_decay`` is
+            None.
+        adamw_weight_decay: AdamW weight decay on ≥2-D params. Under MD the decoupled matrices get none regardless
+            (MD fixes their norm).
         betas: AdamW betas.
         eps: AdamW epsilon.
         verbose: print the parameter-group table (Muon names).
-        **hp: Muon / ``param_groups`` keys (``momentum``, ``nesterov``, ``msign_method``, ``dual_steps``, ``rules``,
-            ``split_qkv``, ...); ignored by the AdamW names.
+        **hp: :class:`MuonConfig` fields (``momentum``, ``ns_steps``, ``msign_dtype``, ``dual_steps``, ``init``, ...;
+            ignored by the AdamW names) and ``split_qkv`` / ``rules``.
 
     Returns:
         A ``torch.optim.Optimizer`` (``MagnitudeDirection`` for the ``-md`` names).
 
     Raises:
-        ValueError: unknown name, unknown MD option, ``md`` given for a name without MD, or a strategy other than
-            ``"unconstrained"`` for an AdamW name.
+        ValueError: unknown name, unknown MD option, ``md`` given for a name without MD, a strategy other than
+            ``"unconstrained"`` for an AdamW name, or a value that does not fit its field.
         TypeError: an unknown keyword argument.
     """
-    key = canonical_name(name)
-    unknown = sorted(set(hp) - set(_MUON_KEYS))
-    if unknown:
-        raise TypeError(f"build_optimizer: unknown keyword argument(s) {unknown}")
-    use_md = key.endswith("-md")
-    if md and not use_md:
-        raise ValueError(f"build_optimizer: md options given but name={name!r} has no magnitude–direction wrapper; "
-                         f"use {key + '-md'!r}")
-    md = dict(md or {})
-    bad = sorted(set(md) - set(MD_OPTIONS))
-    if bad:
-        raise ValueError(f"build_optimizer: unknown md option(s) {bad}; known: {list(MD_OPTIONS)}")
+    cfg = resolve_config(name, strategy, md, config=config, lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay,
+                         adamw_weight_decay=adamw_weight_decay, betas=betas, eps=eps, **hp)
+    return from_config(model, cfg, verbose=verbose)
 
-    if key.startswith("adamw"):
-        if strategy not in (None, "unconstrained", "none"):
-            raise ValueError(f"build_optimizer: strategy={strategy!r} needs a Muon name (manifold groups are Muon "
-                             f"groups); {name!r} supports only 'unconstrained'")
-        a_lr = adamw_lr if adamw_lr is not None else (lr if lr is not None else _ADAMW_LR)
-        a_wd = adamw_weight_decay if adamw_weight_decay is not None else (
-            weight_decay if weight_decay is not None else _ADAMW_WD)
-        base: torch.optim.Optimizer = torch.optim.AdamW(adamw_groups(model, a_wd), lr=a_lr, betas=tuple(betas),
-                                                        eps=eps)
+
+def from_config(model: nn.Module, cfg: OptimConfig, verbose: bool = False) -> torch.optim.Optimizer:
+    """The optimizer an :class:`OptimConfig` describes (see :func:`build_optimizer`)."""
+    a: AdamWConfig = cfg.adamw
+    if cfg.name.startswith("adamw"):
+        base: torch.optim.Optimizer = torch.optim.AdamW(adamw_groups(model, a.weight_decay), lr=a.lr,
+                                                        betas=tuple(a.betas), eps=a.eps)
     else:
-        base = _build_muon(model, strategy, lr, adamw_lr, weight_decay, adamw_weight_decay, betas, eps, verbose, hp)
-
-    if not use_md:
+        adamw_hp = {"lr": a.lr, "weight_decay": a.weight_decay, "betas": tuple(a.betas), "eps": a.eps}
+        groups = param_groups(model, cfg.strategy, rules=cfg.rules or None, split_qkv=cfg.split_qkv, verbose=verbose,
+                              adamw_hparams=adamw_hp)
+        base = Muon(groups, **cfg.muon.kwargs(), betas=tuple(a.betas), eps=a.eps, adamw_lr=a.lr)
+    if not cfg.name.endswith("-md"):
         return base
-    return MagnitudeDirection(base, model=model, **md)
-
-
-def _build_muon(model, strategy, lr, adamw_lr, weight_decay, adamw_weight_decay, betas, eps, verbose, hp):
-    try:
-        from weightgeom.optim.muon import Muon
-        from weightgeom.optim.param_groups import param_groups
-    except ImportError as e:  # pragma: no cover - only while the Muon module is missing
-        raise ValueError(f"build_optimizer: the Muon names need weightgeom.optim.muon / param_groups ({e})") from e
-    group_keys = {"split_qkv", "rules", "adamw_hparams"}
-    pg_kw = {k: v for k, v in hp.items() if k in group_keys}
-    muon_kw = {k: v for k, v in hp.items() if k not in group_keys}
-    adamw_hp = dict(pg_kw.pop("adamw_hparams", None) or {})
-    adamw_hp.setdefault("lr", adamw_lr if adamw_lr is not None else _ADAMW_LR)
-    adamw_hp.setdefault("weight_decay", adamw_weight_decay if adamw_weight_decay is not None else _ADAMW_WD)
-    adamw_hp.setdefault("betas", tuple(betas))
-    adamw_hp.setdefault("eps", eps)
-    groups = param_groups(model, strategy, verbose=verbose, adamw_hparams=adamw_hp, **pg_kw)
-    muon_kw.update(lr=0.02 if lr is None else lr, weight_decay=0.0 if weight_decay is None else weight_decay,
-                   betas=tuple(betas), eps=eps)
-    if adamw_lr is not None:
-        muon_kw["adamw_lr"] = adamw_lr
-    return Muon(groups, **muon_kw)
+    return MagnitudeDirection(base, model=model, **cfg.md.kwargs())

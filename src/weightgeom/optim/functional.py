@@ -1,4 +1,4 @@
-"""Pure update stages of the Muon family (SPEC §B): momentum → direction → shape scale → decay → lr.
+"""Pure update stages of the Muon family (docs/muon.md §1): momentum → direction → shape scale → decay → lr.
 
 Every stage is a small function of tensors and floats, so the optimizer class (``muon.py``) is one loop that calls
 them in order, and tests can check each stage alone. Derivations are in ``docs/muon.md``.
@@ -109,8 +109,9 @@ def momentum_direction(
     """Update the momentum buffer in place and return the vector to orthogonalise.
 
     Forms (β = ``beta``):
-        - ``"ema"`` (SPEC §B, torch.optim.Muon): M ← βM + (1−β)G; Nesterov U = (1−β)G + βM, else U = M.
-        - ``"sum"`` (SGD form, seed 000's code): M ← βM + G; Nesterov U = G + βM, else U = M.
+        - ``"ema"`` (torch.optim.Muon): M ← βM + (1−β)G; Nesterov U = (1−β)G + βM, else U = M.
+        - ``"sum"`` (SGD form, the manifold-assignment paper's published code): M ← βM + G; Nesterov
+          U = G + βM, else U = M.
     Started from M = 0 the two buffers differ by the constant factor (1−β), so after a scale-invariant msign the
     directions are identical; the forms differ only in what the buffer stores (and hence in checkpoints).
 

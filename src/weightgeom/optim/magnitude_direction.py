@@ -1,5 +1,5 @@
-"""Magnitude–direction decoupling (MD, SPEC §D): a wrapper that lets any optimizer train the *direction* of each weight
-matrix on a sphere while learned row/column gains carry its magnitude.
+"""Magnitude–direction decoupling (MD; the MD paper, arXiv:2606.25971): a wrapper that lets any optimizer train
+the *direction* of each weight matrix on a sphere while learned row/column gains carry its magnitude.
 
     W = diag(γ_r) · Ŵ · diag(γ_c),    γ = φ(θ) (φ = softplus by default, θ₀ = φ⁻¹(1)),    Ŵ on a sphere of fixed radius.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from weightgeom import kernels
+from weightgeom import kernels, manifolds
 from weightgeom.optim import md_fused
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
@@ -53,6 +53,8 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     split_gradient,
     split_gradient_log,
 )
+from weightgeom.optim.muon import Muon
+from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = [
     "MagnitudeDirection",
@@ -77,8 +79,8 @@ __all__ = [
 
 # How a base group's manifold interacts with the sphere: "free" (no manifold, or a constraint invariant under
 # scaling, e.g. DGram: off-diagonal Gram = 0) → project Ŵ on the sphere directly; "fixed" (Stiefel, Oblique: the
-# manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)).
-_FIXED_BY_NAME = {"stiefel": "fixed", "oblique": "fixed", "dgram": "free", "euclidean": "free", "none": "free"}
+# manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)). Decided from the
+# manifold's target Gram P(I) (_manifold_kind_uncached), so a registered manifold needs no entry here.
 
 
 def _manifold_kind(manifold: Any, k: int) -> str:
@@ -97,27 +99,17 @@ _KIND_CACHE: dict[tuple[Any, int], str] = {}
 def _manifold_kind_uncached(manifold: Any, k: int) -> str:
     if manifold is None:
         return "free"
-    name = manifold if isinstance(manifold, str) else getattr(manifold, "name", None)
-    obj = manifold if not isinstance(manifold, str) else None
-    if obj is None:
-        try:  # the registry (weightgeom.manifolds.get) answers generically; fall back on the known names
-            from weightgeom.manifolds import get as _get  # type: ignore[attr-defined]
-
-            obj = _get(name)
-        except Exception:
-            obj = None
-    if obj is not None and hasattr(obj, "P"):
-        target = obj.P(torch.eye(k, dtype=torch.float64))
-        diag = target.diagonal()
-        if bool(torch.all(target == 0)):
-            return "free"
-        if bool(torch.all(diag == 1)):
-            return "fixed"
-        raise ValueError(f"MagnitudeDirection: manifold {name!r} neither fixes ‖W‖_F nor is scale-invariant; "
-                         "MD cannot combine its sphere with it")
-    if str(name).lower() in _FIXED_BY_NAME:
-        return _FIXED_BY_NAME[str(name).lower()]
-    raise ValueError(f"MagnitudeDirection: unknown manifold {name!r} in a base param group")
+    try:
+        obj = manifolds.get(manifold)
+    except ValueError as e:
+        raise ValueError(f"MagnitudeDirection: unknown manifold {manifold!r} in a base param group ({e})") from None
+    target = obj.P(torch.eye(k, dtype=torch.float64))
+    if bool(torch.all(target == 0)):
+        return "free"
+    if bool(torch.all(target.diagonal() == 1)):
+        return "fixed"
+    raise ValueError(f"MagnitudeDirection: manifold {obj.name!r} neither fixes ‖W‖_F nor is scale-invariant; "
+                     "MD cannot combine its sphere with it")
 
 
 # W counts as still γ_r Ŵ γ_c (no re-derivation of Ŵ) when every entry agrees to this many units in the last place:
@@ -140,7 +132,7 @@ def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
 # The wrapper.
 # ---------------------------------------------------------------------------------------------------------------------
 class MagnitudeDirection(Optimizer):
-    """Magnitude–direction decoupling around any base optimizer (SPEC §D).
+    """Magnitude–direction decoupling around any base optimizer (the MD paper; docs/md.md).
 
     Each selected matrix W (m×n, PyTorch (out, in) layout) is trained as W = diag(γ_r) Ŵ diag(γ_c): the base
     optimizer steps the direction Ŵ (kept on a sphere of its initial norm), the gains γ = φ(θ) are trained by a
@@ -273,7 +265,7 @@ class MagnitudeDirection(Optimizer):
             D = p.detach().clone()
             st["direction"] = D
             radius = sphere_norm(D, sphere).to(gdtype)
-            st["radius"] = radius.full_tensor() if hasattr(radius, "full_tensor") else radius  # DTensor p: whole
+            st["radius"] = radius.full_tensor() if is_dtensor(radius) else radius  # DTensor p: whole
             m, n = p.shape
             shapes = {"row+col": ((m,), (n,)), "row": ((m,), None), "col": (None, (n,)), "scalar": ((1,), None),
                       "none": (None, None)}[gains]
@@ -369,7 +361,7 @@ class MagnitudeDirection(Optimizer):
         matrix of the base) is gathered whole onto one owner rank with its direction, stepped there by this same code
         — its gains are trained there — and scattered back; elementwise base groups (AdamW) step the local shards; a
         NaN/Inf gradient shard on any rank makes every rank raise before anything changes
-        (``weightgeom.train.distributed.step_on_owners``; ``state_dict()`` is then per rank).
+        (``weightgeom.optim.sharded.step_on_owners``; ``state_dict()`` is then per rank).
 
         Returns:
             The closure's loss, or None.
@@ -384,13 +376,12 @@ class MagnitudeDirection(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from weightgeom.train.distributed import holds_dtensors, step_on_owners
-
         if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
             handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
             step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
                            whole=lambda g, q: id(q) in handled or g.get("algorithm") == "muon",
-                           name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins)
+                           name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
+                           merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
         else:
             self._update()
         return loss

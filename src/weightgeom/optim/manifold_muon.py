@@ -1,11 +1,14 @@
-"""Manifold Muon direction by dual ascent (SPEC §C; Bernstein 2025, "Modular Manifolds"; seed 000).
+"""Manifold Muon direction by dual ascent (Bernstein 2025, "Modular Manifolds"; the manifold-assignment paper).
+
+The manifold-assignment paper: K. Yoshihara, "Different Layers, Different Manifolds: Module-Wise Weight-Space Geometry
+in Transformer Optimization", arXiv:2606.13276; derivation in docs/muon.md.
 
 For a tall W ∈ R^{m×n} on a Gram-space manifold {W : P(WᵀW) = P(I)} and a gradient-like G, the direction solves
 
     minimise tr(GᵀA)  s.t.  ‖A‖₂ ≤ 1,  P(AᵀW + WᵀA) = 0.
 
 With a symmetric multiplier Λ the Lagrangian's minimiser over the spectral ball is A(Λ) = −msign(G + 2W·P(Λ)); we
-return the sign-flipped A = msign(G + 2W·P(Λ)) (the optimizer steps W − η·A, as in the seed code). The dual is
+return the sign-flipped A = msign(G + 2W·P(Λ)) (the optimizer steps W − η·A, as in that paper's code). The dual is
 concave with (super)gradient −H, H = P(WᵀA + AᵀW), so dual ascent is Λ ← Λ − α_k·H. The map Λ → A is invariant
 under scaling G and Λ together, so G is first normalised to unit RMS singular value (‖G‖_F/sqrt(n)): α then has fixed
 units and Λ can be warm-started across steps whatever the gradient scale.
@@ -37,7 +40,7 @@ def _sym(S: torch.Tensor) -> torch.Tensor:
 
 
 def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> torch.Tensor:
-    """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; SPEC §C)."""
+    """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3)."""
     X, t = tall(W)
     Y = G.mT if t else G
     S = X.mT @ Y
@@ -75,12 +78,13 @@ def manifold_direction(
             start ``initial_multiplier`` (exact for square Stiefel W).
         steps: maximum number of dual iterations K (each costs one ``msign_fn`` call).
         lr: dual step α in units of the normalised G per unit residual; iteration k uses α·(1 − k/K) with the
-            ``"linear"`` schedule (seed 000's code) or α with ``"constant"``.
+            ``"linear"`` schedule (the manifold-assignment paper's code) or α with ``"constant"``.
         tol: stop as soon as the tangent residual ‖H‖_F/n ≤ tol (same measure as ``Manifold.tangent_residual``).
         msign_fn: orthogonaliser used inside the loop, called on tall (..., m, n) matrices.
         schedule: ``"linear"`` or ``"constant"``.
         normalize: divide G by its RMS singular value ‖G‖_F/sqrt(n) first, so Λ and α are scale-free
-            (recommended; then α = 0.1, seed 000's value, is in the stable range for typical spectra).
+            (recommended; then α = 0.1, the manifold-assignment paper's value, is in the stable range for
+            typical spectra).
         project: finally replace A by ``manifold.proj_tangent(W, A)``: exactly tangent (residual at rounding
             level) at the cost of ‖A‖₂ = 1 + O(dual residual). The returned residual is then the projected one;
             ``stats["dual_residual"]`` keeps the dual ascent's.

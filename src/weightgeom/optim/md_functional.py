@@ -1,4 +1,6 @@
-"""Magnitude–direction decoupling: the pure maths (SPEC §D), used by ``MagnitudeDirection``.
+"""Magnitude–direction decoupling: the pure maths, used by ``MagnitudeDirection``.
+
+The MD paper: A. Hägele, A. Hernández-Cano, A. Kosson, M. Jaggi, arXiv:2606.25971 (2026); derivations in docs/md.md.
 
 Gains γ = φ(θ) and their chain rule, the split of ∂L/∂W into gain gradients and the direction gradient Ĝ (plain and
 log-gain forms), sphere norms and projections, the recomposition W = γ_r Ŵ γ_c, and the gains' Adam step. Stateless:

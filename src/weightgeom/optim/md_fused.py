@@ -75,7 +75,7 @@ def fusable(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.
 
 def kernel_missing() -> str | None:
     """None if the C kernel is built and loaded; else why not (one line)."""
-    if kernels.load("md_adam") is None:
+    if kernels.load_kernel("md_adam") is None:
         return f"the C kernel is unavailable: {kernels.unavailable_reason('md_adam')}"
     return None
 

@@ -1,4 +1,4 @@
-"""``Muon``: one torch.optim optimizer for Muon, manifold Muon and AdamW parameter groups (SPEC §B, §C).
+"""``Muon``: one torch.optim optimizer for Muon, manifold Muon and AdamW parameter groups (docs/muon.md).
 
 Per group, ``algorithm="muon"`` (2-D parameters) runs
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, msign
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
@@ -31,6 +32,7 @@ from weightgeom.optim.functional import (
     shape_scale,
 )
 from weightgeom.optim.manifold_muon import DUAL_SCHEDULES, manifold_direction
+from weightgeom.optim.sharded import holds_dtensors, step_on_owners
 
 __all__ = ["Muon", "ALGORITHMS", "FarRetractionWarning"]
 
@@ -70,8 +72,9 @@ class Muon(torch.optim.Optimizer):
             fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach ``dual_tol``).
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
-            (seed 000 steps W − lr·A with ‖A‖₂ = 1).
-        momentum_form: ``"ema"`` (M ← βM + (1−β)G, torch.optim.Muon) or ``"sum"`` (M ← βM + G, seed 000's code).
+            (the manifold-assignment paper steps W − lr·A with ‖A‖₂ = 1).
+        momentum_form: ``"ema"`` (M ← βM + (1−β)G, torch.optim.Muon) or ``"sum"`` (M ← βM + G,
+            the manifold-assignment paper's code).
         algorithm: ``"muon"`` or ``"adamw"``.
         manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
             Constrained matrices are retracted onto the manifold at their first step, then after every step
@@ -80,7 +83,7 @@ class Muon(torch.optim.Optimizer):
         dual_lr: dual step α (units of the momentum normalised to unit RMS singular value); halved automatically
             whenever the residual grows.
         dual_tol: stop the dual ascent once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol.
-        dual_schedule: ``"linear"`` (α_k = α(1 − k/K), seed 000) or ``"constant"``.
+        dual_schedule: ``"linear"`` (α_k = α(1 − k/K), the manifold-assignment paper) or ``"constant"``.
         dual_ns_steps: msign steps inside the dual loop (None: ``ns_steps``); when set, one accurate msign
             (``ns_steps``) recomputes the direction at the best Λ.
         dual_project: project the final direction onto the tangent space (exactly tangent; ‖A‖₂ = 1 + O(dual
@@ -205,14 +208,14 @@ class Muon(torch.optim.Optimizer):
         names = group.get("names") or group.get("param_names")
         return names[i] if names is not None else f"group{gi}.param{i}"
 
-    def _manifold(self, group: dict[str, Any]):
+    def _manifold(self, group: dict[str, Any]) -> manifolds.Manifold:
         name, retraction = group["manifold"], group["retraction"]
+        if isinstance(name, manifolds.Manifold):
+            return name
         if not isinstance(name, str):
-            return name  # a Manifold instance
+            raise ValueError(f"Muon: manifold={name!r}: expected a manifold name or a weightgeom.manifolds.Manifold")
         key = (name, retraction)
         if key not in self._manifolds:
-            from weightgeom import manifolds
-
             kwargs = {} if retraction is None else {"retraction": retraction}
             try:
                 self._manifolds[key] = manifolds.get(name, **kwargs)
@@ -230,7 +233,7 @@ class Muon(torch.optim.Optimizer):
         DTensor parameters (FSDP2 ``fully_shard``; every rank calls ``step``): each Muon matrix is gathered whole onto
         one owner rank, stepped there by this same code and scattered back; AdamW groups are stepped on each rank's
         local shard; a NaN/Inf gradient shard on any rank makes every rank raise before anything changes
-        (``weightgeom.train.distributed.step_on_owners``; ``state_dict()`` is then per rank).
+        (``weightgeom.optim.sharded.step_on_owners``; ``state_dict()`` is then per rank).
 
         Raises:
             NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
@@ -240,11 +243,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from weightgeom.train.distributed import holds_dtensors, step_on_owners
-
         if holds_dtensors(self.param_groups):  # FSDP2: Muon matrices whole on owner ranks, AdamW on local shards
             step_on_owners(self, self._update, whole=lambda g, p: g["algorithm"] == "muon",
-                           name=lambda gi, g, i: self._name(g, i, gi), who="Muon")
+                           name=lambda gi, g, i: self._name(g, i, gi), who="Muon", merge_stats=[self])
         else:
             self._update()
         return loss
@@ -330,7 +331,7 @@ class Muon(torch.optim.Optimizer):
                 R = _retract(manifold, W)
                 dist = float(torch.linalg.vector_norm(R - W) / torch.linalg.vector_norm(W).clamp_min(1e-30))
                 if dist > FAR_RETRACTION:
-                    self._far_retractions[name] = (dist, str(getattr(manifold, "name", manifold)))
+                    self._far_retractions[name] = (dist, manifold.name)
                 W.copy_(R)
             dtype = group["msign_dtype"] or (torch.float64 if p.dtype == torch.float64 else torch.float32)
             ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)

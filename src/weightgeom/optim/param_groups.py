@@ -48,6 +48,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from weightgeom import manifolds
+from weightgeom.optim.muon import Muon
+
 __all__ = ["param_groups", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
            "muon_group_keys"]
 
@@ -87,8 +90,6 @@ _OWN_KEYWORDS = ("strategy", "rules", "split_qkv", "verbose", "adamw_hparams")
 def muon_group_keys() -> tuple[str, ...]:
     """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (its defaults) except
     ``params``, the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``)."""
-    from weightgeom.optim.muon import Muon
-
     skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr"}
     return tuple(k for k in inspect.signature(Muon.__init__).parameters if k not in skip)
 
@@ -185,8 +186,6 @@ def _spec_from_rule(value: Any, where: str) -> dict[str, Any]:
             return {"algorithm": "adamw", "manifold": None}
         if v in ("muon", "none", "unconstrained"):
             return {"algorithm": "muon", "manifold": None}
-        from weightgeom import manifolds
-
         try:
             manifolds.get(v)
         except ValueError as e:

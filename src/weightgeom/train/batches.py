@@ -33,6 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightgeom.data.corpora import decode_utf8, shakespeare_text
+from weightgeom.data.mnist import load_mnist
+from weightgeom.data.tokenizers import GPT2_VOCAB_SIZE, get_tokenizer
+from weightgeom.data.tokens import TokenDataset
+from weightgeom.train.config import Config
+
 __all__ = ["Batches", "build_batches", "batch_seed"]
 
 _SPLIT_ID = {"train": 0, "val": 1}
@@ -121,14 +127,12 @@ def _char_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _gpt2_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
-    from weightgeom.data import get_tokenizer
-
     try:
         tok = get_tokenizer("gpt2")
-    except (FileNotFoundError, ImportError) as e:
+    except FileNotFoundError as e:  # the bundled BPE files are missing (a broken install)
         raise ValueError(f"config key data.tokenizer='gpt2': {e}") from None
     ids = tok.encode(text)
-    return np.array(ids, dtype=np.uint16), {"tokenizer": "gpt2", "vocab_size": 50257}
+    return np.array(ids, dtype=np.uint16), {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
 
 
 def _encode(text: str, tokenizer: str) -> tuple[np.ndarray, dict[str, Any]]:
@@ -137,8 +141,6 @@ def _encode(text: str, tokenizer: str) -> tuple[np.ndarray, dict[str, Any]]:
 
 def _shakespeare_text() -> str:
     """The bundled Shakespeare corpus (``weightgeom.data.shakespeare_text``)."""
-    from weightgeom.data import shakespeare_text
-
     try:
         return shakespeare_text()
     except FileNotFoundError as e:
@@ -151,8 +153,6 @@ def _read_text_file(value: str) -> str:
     Raises:
         ValueError: one line naming ``data.path``: no such file, unreadable, not UTF-8, or empty.
     """
-    from weightgeom.data.corpora import decode_utf8
-
     where = f"config key data.path={value!r}"
     p = Path(value).expanduser()
     if not p.is_file():
@@ -175,15 +175,12 @@ def _check_lengths(tr: Any, va: Any, block_size: int, names: tuple[str, str], hi
                              f"use a smaller data.block_size or {hint}")
 
 
-def _bin_batches(cfg: dict[str, Any]) -> Batches:
+def _bin_batches(cfg: Config) -> Batches:
     """Batches over a ``train.bin``/``val.bin`` folder, with the dtype and vocabulary its metadata records."""
-    from weightgeom.data.tokenizers import GPT2_VOCAB_SIZE
-    from weightgeom.data.tokens import TokenDataset
-
-    d = cfg["data"]
-    where = f"config key data.path={d['path']!r}"
+    d = cfg.data
+    where = f"config key data.path={d.path!r}"
     try:
-        ds = TokenDataset(d["path"])
+        ds = TokenDataset(d.path)
         if ds.vocab_size is not None:
             vocab, source = ds.vocab_size, f"from {ds.vocab_source}"
         else:
@@ -195,11 +192,11 @@ def _bin_batches(cfg: dict[str, Any]) -> Batches:
     except FileNotFoundError as e:
         raise ValueError(f"{where}: {e}; see `weightgeom data prepare`") from None
     except OSError as e:
-        raise ValueError(f"{where}: cannot read {e.filename or d['path']} ({e.strerror or e})") from None
-    _check_lengths(tr, va, d["block_size"], (str(ds.files["train"]), str(ds.files["val"])), "more data")
-    meta = {"tokenizer": ds.meta.get("tokenizer") or d["tokenizer"], "vocab_size": vocab, "dtype": ds.dtype_name,
+        raise ValueError(f"{where}: cannot read {e.filename or d.path} ({e.strerror or e})") from None
+    _check_lengths(tr, va, d.block_size, (str(ds.files["train"]), str(ds.files["val"])), "more data")
+    meta = {"tokenizer": ds.meta.get("tokenizer") or d.tokenizer, "vocab_size": vocab, "dtype": ds.dtype_name,
             "train_tokens": len(tr), "val_tokens": len(va)}
-    return Batches("lm", tr, va, d["batch_size"], d["block_size"], vocab, seed=cfg["run"]["seed"], meta=meta,
+    return Batches("lm", tr, va, d.batch_size, d.block_size, vocab, seed=cfg.run.seed, meta=meta,
                    vocab_source=source)
 
 
@@ -214,23 +211,23 @@ def _synthetic(n: int, vocab: int, seed: int) -> np.ndarray:
     return t.astype(np.int32)
 
 
-def build_batches(cfg: dict[str, Any]) -> Batches:
+def build_batches(cfg: Config) -> Batches:
     """A :class:`Batches` for the ``[data]`` section of a resolved config.
 
     Raises:
         ValueError: missing files or unusable data, naming the config key.
     """
-    d, seed = cfg["data"], cfg["run"]["seed"]
-    kind, B, T = d["kind"], d["batch_size"], d["block_size"]
-    val_fraction = check_val_fraction(d.get("val_fraction", 0.1))
+    d, seed = cfg.data, cfg.run.seed
+    kind, B, T = d.kind, d.batch_size, d.block_size
+    val_fraction = check_val_fraction(d.val_fraction)
     if kind == "synthetic":
-        vocab = int(cfg["model"].get("vocab_size") or 16)
+        vocab = int(cfg.model.get("vocab_size") or 16)
         tr = _synthetic(20_000, vocab, 1234)
         va = _synthetic(4_000, vocab, 4321)
         return Batches("lm", tr, va, B, T, vocab, seed=seed, meta={"tokenizer": "synthetic", "vocab_size": vocab})
     if kind in ("shakespeare", "text"):
-        text = _read_text_file(d["path"]) if kind == "text" else _shakespeare_text()
-        tokens, meta = _encode(text, d["tokenizer"])
+        text = _read_text_file(d.path) if kind == "text" else _shakespeare_text()
+        tokens, meta = _encode(text, d.tokenizer)
         tr, va = _split(tokens, val_fraction)
         _check_lengths(tr, va, T, ("the train split", "the val split"), "a data.val_fraction that leaves both splits "
                        f"long enough (now {val_fraction:g} of {len(tokens)} tokens)")
@@ -239,8 +236,6 @@ def build_batches(cfg: dict[str, Any]) -> Batches:
     if kind == "bin":
         return _bin_batches(cfg)
     if kind == "mnist":
-        from weightgeom.data import load_mnist
-
         try:  # evaluation on the validation split; the test split is untouched
             xtr, ytr, xva, yva, _xte, _yte = load_mnist()
         except (FileNotFoundError, ImportError) as e:

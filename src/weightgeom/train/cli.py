@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from step 0; an earlier run's files in the run directory are moved to previous/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the bundled configs and exit")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (TOML) and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (TOML, every key documented) and exit")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.print_config:
-            print(dump_toml(load_config(config, args.overrides)))
+            print(dump_toml(load_config(config, args.overrides), comments=True))
             return 0
         from weightgeom.train import train
 

@@ -1,12 +1,18 @@
-"""Training configuration: schema with defaults, TOML/YAML loading, ``--set section.key=value`` overrides, validation.
+"""Training configuration: typed sections, TOML/YAML files, ``--set section.key=value`` overrides.
 
-A config is a nested dict with the sections of :data:`DEFAULTS`. Every key in a loaded file or an override must exist
-in the schema (the ``[model]`` section is checked against the chosen model's config dataclass when the models package
-provides it; ``optim.md`` is a free table handed to the magnitude–direction wrapper). Values are coerced to the type
-of the default (``"3"`` → 3 for an int key, ``"true"`` → True for a bool key, ``"0.9,0.95"`` → [0.9, 0.95] for a list
-key). Errors are ``ValueError`` with one line naming the key and, for typos, the closest valid names.
+A run's configuration is a :class:`Config`: one dataclass per section (:class:`RunConfig`, ``model``,
+:class:`DataConfig`, :class:`~weightgeom.optim.config.OptimConfig` with its ``muon`` / ``adamw`` / ``md`` tables,
+:class:`ScheduleConfig`, :class:`TrainConfig`, :class:`DiagnosticsConfig`), every field documented with its units.
+Files, overrides and Python dicts all become a :class:`Config` through :func:`load_config`: keys are checked (unknown
+ones get a "did you mean"), values coerced to the field's type, bounds and choices checked, each error one line
+naming the key. Override values are TOML literals (:func:`weightgeom.schema.parse_value`) for ``train``, ``sweep`` and
+``demo`` alike: ``--set optim.md.gain_lr=1e-3`` is the float 0.001.
 
-Bundled configs live in the ``weightgeom/configs`` package directory and are reachable by name
+The ``[model]`` table holds ``kind``, an optional ``preset`` and any field of that kind's model config dataclass
+(``weightgeom.models.GPTConfig``, ``LlamaConfig``, ``ResMLPConfig``), checked against it.
+
+The resolved config a run writes (``config.resolved.toml``, :func:`dump_toml`) loads back to an equal
+:class:`Config`. Bundled configs live in the ``weightgeom/configs`` package directory and are reachable by name
 (``weightgeom train tiny-shakespeare``); see :func:`resolve_config_path`.
 """
 
@@ -14,24 +20,53 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+import yaml
+
+from weightgeom.models import GPTConfig, LlamaConfig, ResMLPConfig, available_presets
+from weightgeom.optim.config import OptimConfig
+from weightgeom.schema import (
+    ConfigError,
+    Section,
+    _coerce,
+    _hints,
+    field_docs,
+    from_dict,
+    parse_value,
+    setting,
+    suggest,
+    to_dict,
+)
 from weightgeom.train.rundir import check_relative_name
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the tomli backport
+    import tomli as tomllib
+
 __all__ = [
-    "DEFAULTS",
-    "CHOICES",
+    "Config",
+    "RunConfig",
+    "DataConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "DiagnosticsConfig",
+    "MODEL_CONFIGS",
     "load_config",
-    "load_file",
-    "apply_overrides",
-    "validate",
-    "merge",
+    "config_from_dict",
+    "read_config_file",
+    "parse_overrides",
+    "with_overrides",
+    "get_key",
+    "set_key",
     "config_hash",
     "dump_toml",
     "resolve_config_path",
@@ -44,100 +79,165 @@ RESUMABLE_KEYS = ("train.max_steps", "run.name", "run.out_dir")
 """Keys a run may change when it resumes (``--set train.max_steps=...`` to continue, a moved or renamed run
 directory): :func:`config_hash` leaves them out, and a resume never refuses a checkpoint over them."""
 
-#: The full schema: every section and key with its default value (the default's type is the key's type).
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "run": {
-        "name": "run",  # run directory name under out_dir
-        "out_dir": "runs",  # parent of run directories
-        "seed": 0,
-        "device": "auto",  # auto | cpu | cuda
-        "dtype": "float32",  # float32 | bfloat16 (autocast dtype for the forward on CUDA)
-        "parallel": "ddp",  # ddp | fsdp (only used under torchrun with WORLD_SIZE > 1)
-        "compile": False,  # torch.compile the model
-    },
-    "model": {
-        "kind": "gpt",  # gpt | llama | resmlp; the other keys are the model config's fields
-        "preset": "",  # optional weightgeom.models preset (e.g. "gpt2") whose values the other keys override
-    },
-    "data": {
-        "kind": "shakespeare",  # shakespeare | text | bin | mnist
-        "path": "",  # text file (text), directory with train.bin/val.bin (bin)
-        "tokenizer": "char",  # char | gpt2
-        "block_size": 128,  # tokens per sequence
-        "batch_size": 16,  # sequences (or examples) per micro-batch per rank
-        "val_fraction": 0.1,  # held-out share for corpora without a split
-    },
-    "optim": {
-        "name": "adamw",  # muon | adamw | muon-md | adamw-md | any name build_optimizer knows
-        "strategy": "unconstrained",  # param_groups strategy
-        "lr": 0.02,  # Muon (matrix) learning rate
-        "adamw_lr": 6e-4,  # AdamW learning rate (AdamW groups, or every group with name="adamw")
-        "weight_decay": 0.1,  # AdamW decay on 2-D params (1-D params get 0)
-        "muon_weight_decay": 0.0,  # decoupled decay on Muon matrices (seed 000: 0)
-        "betas": [0.9, 0.95],
-        "eps": 1e-8,
-        "momentum": 0.95,
-        "nesterov": True,
-        "momentum_form": "ema",  # ema | sum
-        "msign_method": "polar_express",
-        "adjust_lr_fn": "original",  # original | match_rms_adamw
-        "dual_steps": 20,
-        "dual_lr": 0.1,
-        "dual_tol": 1e-4,
-        "split_qkv": False,
-        "md": {},  # MagnitudeDirection options (gains, parameterization, sphere, gain_lr, ...)
-    },
-    "schedule": {
-        "kind": "cosine",  # cosine | linear | constant
-        "warmup": 0,  # steps of linear warmup from 0
-        "min_lr_ratio": 0.1,  # final lr / peak lr for cosine and linear decay
-        "decay_steps": 0,  # steps over which to decay (0 = train.max_steps)
-    },
-    "train": {
-        "max_steps": 1000,  # optimizer steps
-        "grad_accum": 1,  # micro-batches per optimizer step, global (divided across ranks)
-        "eval_every": 100,  # steps between evaluations (0 = only at the end)
-        "eval_iters": 20,  # micro-batches per evaluation
-        "grad_clip": 1.0,  # max global grad norm (0 = off)
-        "ckpt_every": 0,  # steps between checkpoints (0 = only at the end)
-        "keep_checkpoints": 2,  # most recent checkpoints kept on disk
-        "log_every": 10,  # steps between train-metric lines
-        "diverge_factor": 5.0,  # diverged when loss > factor × best smoothed loss (0 = off; NaN/Inf always)
-        "diverge_warmup": 10,  # steps before the loss-explosion check starts
-        "smoothing": 0.9,  # EMA factor of the smoothed train loss
-    },
-    "diagnostics": {
-        "every": 0,  # steps between weightgeom.diagnostics.collect calls (0 = off)
-    },
-}
-
-#: Keys restricted to a fixed set of values.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "run.device": ("auto", "cpu", "cuda"),
-    "run.dtype": ("float32", "bfloat16", "float16"),
-    "run.parallel": ("ddp", "fsdp"),
-    "model.kind": ("gpt", "llama", "resmlp"),
-    "data.kind": ("shakespeare", "text", "bin", "mnist", "synthetic"),
-    "data.tokenizer": ("char", "gpt2"),
-    "optim.momentum_form": ("ema", "sum"),
-    "optim.adjust_lr_fn": ("original", "match_rms_adamw"),
-    "schedule.kind": ("cosine", "linear", "constant"),
-}
-
-# keys that must be > 0 / >= 0
-_POSITIVE = {"data.block_size", "data.batch_size", "train.max_steps", "train.grad_accum", "train.eval_iters",
-             "train.keep_checkpoints", "train.log_every"}
-_NONNEG = {"schedule.warmup", "schedule.decay_steps", "train.eval_every", "train.ckpt_every", "train.grad_clip",
-           "train.diverge_factor", "train.diverge_warmup", "diagnostics.every", "optim.lr", "optim.adamw_lr",
-           "optim.weight_decay", "optim.muon_weight_decay", "run.seed"}
-_FREE_TABLES = {"optim.md"}  # dict-valued keys whose contents are validated by their consumer
+MODEL_CONFIGS: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "resmlp": ResMLPConfig}
+"""``model.kind`` → the model config dataclass whose fields the ``[model]`` table may set."""
 
 
-def _suggest(name: str, options: Iterable[str]) -> str:
-    m = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
-    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
+def check_run_name(name: str) -> str:
+    """Refuse a ``run.name`` that would put the run directory outside ``run.out_dir``; returns ``name``.
+
+    The name is a path relative to ``run.out_dir`` (``"x"`` or ``"sweep/x"``); the rules are
+    :func:`weightgeom.train.rundir.check_relative_name`'s (symbolic links that lead out of ``out_dir`` are refused
+    when the trainer resolves the run directory, :func:`weightgeom.train.rundir.safe_child`). ``run.out_dir`` itself
+    may be any path.
+
+    Raises:
+        ValueError: one line naming ``run.name`` and what is wrong with it.
+    """
+    return check_relative_name(name, "run.name", "run.out_dir")
 
 
+@dataclass
+class RunConfig(Section):
+    """Where the run lives and what it runs on (``[run]``)."""
+
+    _prefix: ClassVar[str] = "run"
+
+    name: str = setting("run", "run directory name under out_dir (may contain '/': sweep/run)")
+    out_dir: str = setting("runs", "parent of run directories")
+    seed: int = setting(0, "random seed (model init, data order)", ge=0)
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto | cpu | cuda")
+    dtype: Literal["float32", "bfloat16", "float16"] = setting("float32", "autocast dtype of the forward on CUDA")
+    parallel: Literal["ddp", "fsdp"] = setting("ddp", "data parallelism under torchrun with WORLD_SIZE > 1")
+    compile: bool = setting(False, "torch.compile the model")
+
+    def check(self) -> None:
+        check_run_name(self.name)
+
+
+@dataclass
+class DataConfig(Section):
+    """The training data (``[data]``)."""
+
+    _prefix: ClassVar[str] = "data"
+
+    kind: Literal["shakespeare", "text", "bin", "mnist", "synthetic"] = setting(
+        "shakespeare", "shakespeare (bundled) | text (a file) | bin (train.bin/val.bin) | mnist (bundled) | synthetic")
+    path: str = setting("", "text file (text) or directory with train.bin/val.bin (bin)")
+    tokenizer: Literal["char", "gpt2"] = setting("char", "char | gpt2 (BPE)")
+    block_size: int = setting(128, "tokens per sequence", gt=0)
+    batch_size: int = setting(16, "sequences (or examples) per micro-batch per rank", gt=0)
+    val_fraction: float = setting(0.1, "held-out share for corpora without a split", gt=0, lt=1)
+
+    def check(self) -> None:
+        if self.kind in ("text", "bin") and not self.path:
+            raise ConfigError(f"config key data.path is required for data.kind={self.kind!r}")
+
+
+@dataclass
+class ScheduleConfig(Section):
+    """Learning-rate schedule, a multiplier on every group's lr (``[schedule]``)."""
+
+    _prefix: ClassVar[str] = "schedule"
+
+    kind: Literal["cosine", "linear", "constant"] = setting("cosine", "cosine | linear | constant")
+    warmup: int = setting(0, "steps of linear warmup from 0", ge=0)
+    min_lr_ratio: float = setting(0.1, "final lr / peak lr for cosine and linear decay", ge=0, le=1)
+    decay_steps: int = setting(0, "steps over which to decay (0 = train.max_steps)", ge=0)
+
+
+@dataclass
+class TrainConfig(Section):
+    """The training loop (``[train]``)."""
+
+    _prefix: ClassVar[str] = "train"
+
+    max_steps: int = setting(1000, "optimizer steps", gt=0)
+    grad_accum: int = setting(1, "micro-batches per optimizer step, global (divided across ranks)", gt=0)
+    eval_every: int = setting(100, "steps between evaluations (0 = only at the end)", ge=0)
+    eval_iters: int = setting(20, "micro-batches per evaluation", gt=0)
+    grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", ge=0)
+    ckpt_every: int = setting(0, "steps between checkpoints (0 = only at the end)", ge=0)
+    keep_checkpoints: int = setting(2, "most recent checkpoints kept on disk", gt=0)
+    log_every: int = setting(10, "steps between train-metric lines", gt=0)
+    diverge_factor: float = setting(5.0, "diverged when loss > factor × best smoothed loss (0 = off; NaN/Inf always)",
+                                    ge=0)
+    diverge_warmup: int = setting(10, "steps before the loss-explosion check starts", ge=0)
+    smoothing: float = setting(0.9, "EMA factor of the smoothed train loss", ge=0, lt=1)
+
+
+@dataclass
+class DiagnosticsConfig(Section):
+    """Weight and attention diagnostics during training (``[diagnostics]``)."""
+
+    _prefix: ClassVar[str] = "diagnostics"
+
+    every: int = setting(0, "steps between weightgeom.diagnostics.collect calls (0 = off)", ge=0)
+    max_seqs: int = setting(8, "sequences of the step's batch the diagnostics forward uses", gt=0)
+    saturation_threshold: float = setting(0.99, "a softmax row counts as saturated when its max probability exceeds "
+                                                "this", gt=0, lt=1)
+
+
+@dataclass
+class Config(Section):
+    """A run's full configuration."""
+
+    run: RunConfig = setting(RunConfig(), "run directory, seed, device")
+    model: dict[str, Any] = setting({"kind": "gpt", "preset": ""},
+                                    "kind (gpt | llama | resmlp), preset, and fields of that kind's model config")
+    data: DataConfig = setting(DataConfig(), "training data")
+    optim: OptimConfig = setting(OptimConfig(), "optimizer")
+    schedule: ScheduleConfig = setting(ScheduleConfig(), "learning-rate schedule")
+    train: TrainConfig = setting(TrainConfig(), "training loop")
+    diagnostics: DiagnosticsConfig = setting(DiagnosticsConfig(), "diagnostics")
+
+    def check(self) -> None:
+        object.__setattr__(self, "model", _check_model(self.model))
+
+
+def _model_fields(kind: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(MODEL_CONFIGS[kind])}
+
+
+def _check_model(table: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` table with ``kind`` / ``preset`` checked and every other key checked and coerced against the
+    kind's model config dataclass (schema's ``_coerce``: the same coercion as every other section)."""
+    out = dict(table)
+    kind = out.setdefault("kind", "gpt")
+    if kind not in MODEL_CONFIGS:
+        raise ConfigError(f"config key model.kind={kind!r}: must be one of {', '.join(MODEL_CONFIGS)}"
+                          f"{suggest(str(kind), MODEL_CONFIGS)}")
+    preset = out.setdefault("preset", "")
+    if not isinstance(preset, str):
+        raise ConfigError(f"config key model.preset: expected a string, got {preset!r}")
+    if preset and preset not in available_presets(kind):
+        raise ConfigError(f"config key model.preset={preset!r}: not a {kind} preset (available: "
+                          f"{', '.join(available_presets(kind))}){suggest(preset, available_presets(kind))}")
+    fields = _model_fields(kind)
+    hints = _hints(MODEL_CONFIGS[kind])
+    for k, v in list(out.items()):
+        if k in ("kind", "preset"):
+            continue
+        if k not in fields:
+            raise ConfigError(f"unknown config key model.{k} for model.kind={kind!r}"
+                              f"{suggest(k, [*fields, 'kind', 'preset'])}")
+        out[k] = _coerce(f"model.{k}", v, hints[k])
+    return out
+
+
+def model_field_docs(kind: str) -> dict[str, str]:
+    """Model field → its documentation line (from the model config's docstring ``Attributes:``)."""
+    doc = MODEL_CONFIGS[kind].__doc__ or ""
+    out = {}
+    for line in doc.splitlines():
+        s = line.strip()
+        name, sep, rest = s.partition(":")
+        if sep and name in _model_fields(kind):
+            out[name] = rest.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- files
 def bundled_dir() -> Path:
     """The package directory holding the bundled configs (``weightgeom/configs``)."""
     return Path(__file__).resolve().parent.parent / "configs"
@@ -146,8 +246,6 @@ def bundled_dir() -> Path:
 def bundled_configs() -> list[str]:
     """Names of the bundled configs (file stems), e.g. ``["gpt2-small-owt", "resmlp-mnist", "tiny-shakespeare"]``."""
     d = bundled_dir()
-    if not d.is_dir():
-        return []
     return sorted(p.stem for p in d.iterdir() if p.suffix in (".toml", ".yaml", ".yml"))
 
 
@@ -169,11 +267,11 @@ def resolve_config_path(name_or_path: str | os.PathLike) -> Path:
             return q
     names = bundled_configs()
     raise ValueError(f"config {str(name_or_path)!r} is neither a file nor a bundled config "
-                     f"(bundled: {', '.join(names) or 'none'}){_suggest(p.stem, names)}")
+                     f"(bundled: {', '.join(names) or 'none'}){suggest(p.stem, names)}")
 
 
-def load_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a TOML or YAML file into a nested dict (no validation).
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse a TOML or YAML file into a nested dict (no checking of keys; :func:`config_from_dict` does that).
 
     Raises:
         ValueError: unknown extension, or a parse error (with the file name and the parser's message).
@@ -181,286 +279,153 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if path.suffix not in (".toml", ".yaml", ".yml"):
         raise ValueError(f"config {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .yml)")
-    text = path.read_text()
     try:
-        if path.suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-
-            data = tomllib.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path}: not UTF-8 text ({e.reason})") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else (yaml.safe_load(text) or {})
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"config {path}: cannot parse: {e}".replace("\n", " ")) from e
     if not isinstance(data, dict):
         raise ValueError(f"config {path}: top level must be a table/mapping, got {type(data).__name__}")
     return data
 
 
-def _model_fields(kind: str) -> dict[str, Any] | None:
-    """Field name → default of the model config dataclass for ``kind``, or None if the models package lacks it."""
-    import importlib
-
-    names = {"gpt": "GPTConfig", "llama": "LlamaConfig", "resmlp": "ResMLPConfig"}
-    if kind not in names:
-        return None
-    cls = None
-    for mod in ("weightgeom.models", f"weightgeom.models.{kind}"):
-        try:
-            cls = getattr(importlib.import_module(mod), names[kind], None)
-        except Exception:
-            cls = None
-        if cls is not None:
-            break
-    if cls is None or not dataclasses.is_dataclass(cls):
-        return None
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            out[f.name] = f.default_factory()  # type: ignore[misc]
-        else:
-            out[f.name] = None
-    return out
-
-
-def _parse_literal(text: str) -> Any:
-    """A value from override text with no typed default: TOML-ish literal (int, float, bool, list, string)."""
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except Exception:
-        return text
-
-
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    """``value`` converted to the type of ``default``; ValueError naming ``key`` when impossible."""
-    def bad(expect: str) -> ValueError:
-        return ValueError(f"config key {key!r}: expected {expect}, got {value!r}")
-
-    if default is None:
-        return _parse_literal(value) if isinstance(value, str) else value
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.strip().lower() in ("true", "1", "yes", "on")
-        raise bad("a bool (true/false)")
-    if isinstance(default, int):
-        if isinstance(value, bool):
-            raise bad("an integer")
-        if isinstance(value, int):
-            return value
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise bad("an integer") from None
-        if not f.is_integer():
-            raise bad("an integer")
-        return int(f)
-    if isinstance(default, float):
-        if isinstance(value, bool):
-            raise bad("a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise bad("a number") from None
-    if isinstance(default, str):
-        if isinstance(value, (dict, list)):
-            raise bad("a string")
-        return str(value)
-    if isinstance(default, (list, tuple)):
-        if isinstance(value, str):
-            s = value.strip()
-            if s.startswith("["):
-                value = _parse_literal(s)
-            else:
-                value = [v.strip() for v in s.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise bad("a list")
-        if default:
-            value = [_coerce(f"{key}[{i}]", v, default[0]) for i, v in enumerate(value)]
-        return list(value)
-    if isinstance(default, dict):
-        if not isinstance(value, dict):
-            raise bad("a table")
-        return dict(value)
-    return value
-
-
-def merge(base: dict[str, Any], update: Mapping[str, Any], *, where: str = "config") -> dict[str, Any]:
-    """``base`` updated by ``update`` section by section, every key checked against the schema and coerced.
-
-    Args:
-        base: a full config (all sections present); modified copy is returned.
-        update: a partial config (from a file or dict).
-        where: name of the source for error messages.
+# ---------------------------------------------------------------------------------------------------- overrides
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["optim.muon.lr=0.01", ...]`` → ``{"optim.muon.lr": 0.01, ...}``; values are TOML literals (text that is not
+    one is a string). The one parser of ``--set`` for ``train``, ``sweep`` and ``demo``.
 
     Raises:
-        ValueError: unknown section or key, or a value of the wrong type.
+        ValueError: an item without ``=`` or without a ``section.key`` path.
     """
-    out = copy.deepcopy(base)
-    for section, table in update.items():
-        if section not in DEFAULTS:
-            raise ValueError(f"{where}: unknown section [{section}]{_suggest(section, DEFAULTS)} "
-                             f"(sections: {', '.join(DEFAULTS)})")
-        if not isinstance(table, Mapping):
-            raise ValueError(f"{where}: [{section}] must be a table, got {table!r}")
-        if section == "model" and "kind" in table:
-            out["model"]["kind"] = _coerce("model.kind", table["kind"], "")
-        for key, value in table.items():
-            _set(out, section, key, value, where)
-    return out
-
-
-def _schema_default(cfg: dict[str, Any], section: str, key: str) -> tuple[bool, Any]:
-    """(known, default) of ``section.key`` given the current config (model keys depend on model.kind)."""
-    if key in DEFAULTS[section]:
-        return True, DEFAULTS[section][key]
-    if section == "model":
-        fields = _model_fields(cfg["model"].get("kind", "gpt"))
-        if fields is None:
-            return True, None  # models package not available: accept, type from the literal
-        if key in fields:
-            return True, fields[key]
-    return False, None
-
-
-def _set(cfg: dict[str, Any], section: str, key: str, value: Any, where: str) -> None:
-    known, default = _schema_default(cfg, section, key)
-    if not known:
-        options = list(DEFAULTS[section])
-        if section == "model":
-            options += list(_model_fields(cfg["model"].get("kind", "gpt")) or {})
-        raise ValueError(f"{where}: unknown key {section}.{key}{_suggest(key, options)}")
-    full = f"{section}.{key}"
-    if full in _FREE_TABLES and isinstance(cfg[section].get(key), dict) and isinstance(value, Mapping):
-        cfg[section][key] = {**cfg[section][key], **value}
-        return
-    cfg[section][key] = _coerce(full, value, default)
-
-
-def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """``cfg`` with ``section.key=value`` overrides applied (``optim.md.gains=row`` sets a key of a free table).
-
-    Raises:
-        ValueError: malformed override, unknown section/key, or a value that does not fit the key's type.
-    """
-    out = copy.deepcopy(cfg)
-    for ov in overrides:
-        if "=" not in ov:
-            raise ValueError(f"override {ov!r}: expected section.key=value")
-        path, value = ov.split("=", 1)
-        parts = path.strip().split(".")
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected section.key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
         if len(parts) < 2 or not all(parts):
-            raise ValueError(f"override {ov!r}: key must be section.key (e.g. train.max_steps=100)")
-        section, key = parts[0], parts[1]
-        if section not in DEFAULTS:
-            raise ValueError(f"override {ov!r}: unknown section {section!r}{_suggest(section, DEFAULTS)}")
-        if len(parts) > 2:
-            full = f"{section}.{key}"
-            if full not in _FREE_TABLES:
-                raise ValueError(f"override {ov!r}: {full} is not a table")
-            table = out[section].setdefault(key, {})
-            for p in parts[2:-1]:
-                table = table.setdefault(p, {})
-            table[parts[-1]] = _parse_literal(value)
-            continue
-        _set(out, section, key, value, f"override {ov!r}")
+            raise ValueError(f"--set {item!r}: the key must be section.key (e.g. train.max_steps=100)")
+        out[key] = parse_value(raw)
     return out
 
 
-def validate(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Check value ranges and choices; returns ``cfg``.
+def set_key(cfg: dict[str, Any], key: str, value: Any) -> None:
+    """``cfg["a"]["b"] = value`` for ``key="a.b"`` in a nested dict (tables created as needed; a non-table on the
+    way is replaced); ``value=None`` deletes the key."""
+    parts = key.split(".")
+    d = cfg
+    for k in parts[:-1]:
+        if not isinstance(d.get(k), dict):
+            d[k] = {}
+        d = d[k]
+    if value is None:
+        d.pop(parts[-1], None)
+    else:
+        d[parts[-1]] = value
+
+
+def get_key(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """``cfg["a"]["b"]`` for ``key="a.b"`` in a nested dict, or ``default``."""
+    d: Any = cfg
+    for k in key.split("."):
+        if not isinstance(d, Mapping) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def with_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of the nested dict ``data`` with the dotted-key ``overrides`` set (no checking)."""
+    out = copy.deepcopy(dict(data))
+    for k, v in overrides.items():
+        set_key(out, k, v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def config_from_dict(data: Mapping[str, Any] | Config, where: str = "config") -> Config:
+    """A checked :class:`Config` from a (partial) nested dict; missing keys take their defaults.
 
     Raises:
-        ValueError: one line naming the key and the allowed values.
+        ValueError: one line, ``"<where>: <what is wrong with which key>"``.
     """
-    for full, options in CHOICES.items():
-        s, k = full.split(".")
-        v = cfg[s][k]
-        if v not in options:
-            raise ValueError(f"config key {full}={v!r}: must be one of {', '.join(options)}{_suggest(str(v), options)}")
-    for full in _POSITIVE | _NONNEG:
-        s, k = full.split(".")
-        v = cfg[s][k]
-        if full in _POSITIVE and not v > 0:
-            raise ValueError(f"config key {full}={v!r}: must be > 0")
-        if full in _NONNEG and not v >= 0:
-            raise ValueError(f"config key {full}={v!r}: must be >= 0")
-    r = cfg["schedule"]["min_lr_ratio"]
-    if not 0.0 <= r <= 1.0:
-        raise ValueError(f"config key schedule.min_lr_ratio={r!r}: must be in [0, 1]")
-    b = cfg["optim"]["betas"]
-    if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
-        raise ValueError(f"config key optim.betas={b!r}: must be two numbers in [0, 1)")
-    sm = cfg["train"]["smoothing"]
-    if not 0.0 <= sm < 1.0:
-        raise ValueError(f"config key train.smoothing={sm!r}: must be in [0, 1)")
-    if cfg["data"]["kind"] in ("text", "bin") and not cfg["data"]["path"]:
-        raise ValueError(f"config key data.path is required for data.kind={cfg['data']['kind']!r}")
-    check_run_name(cfg["run"]["name"])
-    return cfg
+    if isinstance(data, Config):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        msg = str(e)
+        if msg.startswith("unknown config key ") and "." not in msg.split()[3].rstrip(":;"):
+            sections = [f.name for f in dataclasses.fields(Config)]
+            key = msg.split()[3].rstrip(":;")
+            msg = f"unknown config section [{key}]{suggest(key, sections)} (sections: {', '.join(sections)})"
+        raise ValueError(f"{where}: {msg}") from None
 
 
-def check_run_name(name: str) -> str:
-    """Refuse a ``run.name`` that would put the run directory outside ``run.out_dir``; returns ``name``.
-
-    The name is a path relative to ``run.out_dir`` (``"x"`` or ``"sweep/x"``); the rules are
-    :func:`weightgeom.train.rundir.check_relative_name`'s (symbolic links that lead out of ``out_dir`` are refused
-    when the trainer resolves the run directory, :func:`weightgeom.train.rundir.safe_child`). ``run.out_dir`` itself
-    may be any path.
-
-    Raises:
-        ValueError: one line naming ``run.name`` and what is wrong with it.
-    """
-    return check_relative_name(name, "run.name", "run.out_dir")
-
-
-def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None,
-                overrides: Iterable[str] = ()) -> dict[str, Any]:
-    """The resolved, validated config: defaults ← file or dict ← overrides.
+def load_config(source: str | os.PathLike | Mapping[str, Any] | Config | None = None,
+                overrides: Iterable[str] | Mapping[str, Any] = ()) -> Config:
+    """The resolved, checked config: defaults ← file or dict ← overrides.
 
     Args:
-        source: path to a .toml/.yaml file, a bundled config name, a (partial) config dict, or None (defaults).
-        overrides: ``section.key=value`` strings applied last.
-
-    Returns:
-        A full nested dict with every section and key of the schema.
+        source: path to a .toml/.yaml file, a bundled config name, a (partial) config dict, a :class:`Config`, or
+            None (defaults).
+        overrides: ``section.key=value`` strings (TOML literal values) or an already parsed ``{dotted key: value}``
+            mapping, applied last, in order.
 
     Raises:
-        ValueError: on any unknown key, type mismatch, bad choice or out-of-range value.
+        ValueError: one line naming the file or override and the key: unknown key (with "did you mean"), a value
+            of the wrong type, a bad choice or an out-of-range value.
     """
-    cfg = copy.deepcopy(DEFAULTS)
-    if source is not None:
-        if isinstance(source, Mapping):
-            cfg = merge(cfg, source, where="config")
-        else:
-            path = resolve_config_path(source)
-            cfg = merge(cfg, load_file(path), where=f"config {path.name}")
-    cfg = apply_overrides(cfg, overrides)
-    return validate(cfg)
+    if source is None:
+        data, where = {}, "config"
+    elif isinstance(source, Config):
+        data, where = config_to_dict(source), "config"
+    elif isinstance(source, Mapping):
+        data, where = dict(source), "config"
+    else:
+        path = resolve_config_path(source)
+        data, where = read_config_file(path), f"config {path.name}"
+    cfg = config_from_dict(data, where)
+    items = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    if not items:
+        return cfg
+    try:
+        return config_from_dict(with_overrides(data, items), "")
+    except ValueError as e:
+        msg = str(e).removeprefix(": ")
+        # name the override the message is about (overrides apply together: data.kind=bin needs data.path too)
+        named = [k for k in items if k in msg.split(" ")[3:4] or f"{k}=" in msg or f"{k}:" in msg or f"{k};" in msg]
+        where = f"--set {named[0]}={_show(items[named[0]])}" if named else "--set " + " ".join(
+            f"{k}={_show(v)}" for k, v in items.items())
+        raise ValueError(f"{where}: {msg}") from None
 
 
-def config_hash(cfg: Mapping[str, Any], ignore: Iterable[str] = RESUMABLE_KEYS) -> str:
+def _show(v: Any) -> str:
+    return _toml_value(v) if not isinstance(v, str) else v
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as a nested dict of plain values (what the run directory and checkpoints store)."""
+    return to_dict(cfg)
+
+
+def config_hash(cfg: Config | Mapping[str, Any], ignore: Iterable[str] = RESUMABLE_KEYS) -> str:
     """A short stable hash of the config, ignoring keys that may legitimately change on resume.
 
     Args:
-        cfg: a resolved config.
+        cfg: a resolved config (or its :func:`config_to_dict` form).
         ignore: ``section.key`` names left out of the hash (extending max_steps on resume is allowed).
 
     Returns:
         16 hex characters (SHA-256 prefix).
     """
-    c = copy.deepcopy(dict(cfg))
+    c = copy.deepcopy(config_to_dict(cfg) if isinstance(cfg, Config) else dict(cfg))
     for full in ignore:
         s, k = full.split(".", 1)
         if isinstance(c.get(s), dict):
@@ -469,30 +434,59 @@ def config_hash(cfg: Mapping[str, Any], ignore: Iterable[str] = RESUMABLE_KEYS) 
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# ---------------------------------------------------------------------------------------------------- dumping
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return repr(v) if not (isinstance(v, float) and v != v) else "nan"
+        if isinstance(v, float) and v != v:
+            return "nan"
+        if isinstance(v, float) and v in (float("inf"), float("-inf")):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)
+        return json.dumps(v, ensure_ascii=False)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if v is None:
-        return '""'
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {_toml_value(x)}"
+                               for k, x in v.items()) + "}"
     return json.dumps(str(v))
 
 
-def dump_toml(cfg: Mapping[str, Any]) -> str:
-    """The config as TOML text (round-trips through :func:`load_config`)."""
-    lines = []
-    for section, table in cfg.items():
-        lines.append(f"[{section}]")
-        for k, v in table.items():
-            if v is None:
-                continue
-            lines.append(f"{k} = {_toml_value(v)}")
-        lines.append("")
+def _section_lines(title: str, obj: Any, docs: Mapping[str, str], comments: bool) -> list[str]:
+    lines = [f"[{title}]"]
+    nested = []
+    items = obj.items() if isinstance(obj, Mapping) else ((f.name, getattr(obj, f.name)) for f in
+                                                          dataclasses.fields(obj))
+    for k, v in items:
+        if dataclasses.is_dataclass(v):
+            nested.append((k, v))
+            continue
+        if comments and docs.get(k):
+            lines.append(f"# {docs[k]}")
+        if v is None:
+            if comments:
+                lines.append(f"# {k} = (unset)")
+            continue
+        v = to_dict(v)
+        lines.append(f"{k} = {_toml_value(v)}")
+    lines.append("")
+    for k, v in nested:
+        lines += _section_lines(f"{title}.{k}", v, field_docs(type(v)), comments)
+    return lines
+
+
+def dump_toml(cfg: Config, comments: bool = False) -> str:
+    """The config as TOML text that :func:`load_config` reads back to an equal :class:`Config`.
+
+    Args:
+        cfg: the config.
+        comments: put each field's documentation (meaning, units) above it, and list unset optional fields.
+    """
+    lines: list[str] = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        docs = model_field_docs(v.get("kind", "gpt")) if f.name == "model" else field_docs(type(v))
+        lines += _section_lines(f.name, v, docs, comments)
     return "\n".join(lines)

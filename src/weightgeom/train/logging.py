@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from weightgeom.train.checkpoint import atomic_write_bytes
+
 __all__ = ["MetricsLogger", "read_metrics", "Progress", "write_json_atomic"]
 
 
@@ -27,8 +29,6 @@ def _clean(v: Any) -> Any:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (tmp + os.replace)."""
-    from weightgeom.train.checkpoint import atomic_write_bytes
-
     atomic_write_bytes(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
 
 
@@ -115,8 +115,6 @@ class MetricsLogger:
         if drop:
             with open(self.run_dir / "metrics.dropped.jsonl", "a") as f:
                 f.write("\n".join(drop) + "\n")
-            from weightgeom.train.checkpoint import atomic_write_bytes
-
             atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
         self._f = open(path, "a", buffering=1)
         return len(drop)

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightgeom.optim import MagnitudeDirection
 from weightgeom.train.checkpoint import CheckpointError
-from weightgeom.train.config import RESUMABLE_KEYS
+from weightgeom.train.config import RESUMABLE_KEYS, Config, config_to_dict
+from weightgeom.train.distributed import ShardedStep
 from weightgeom.train.rundir import PREVIOUS_DIR
 
 __all__ = ["config_difference", "check_config_hash", "load_model_state", "load_optimizer_state"]
@@ -43,7 +45,7 @@ def config_difference(old: Any, new: Any, prefix: str = "") -> str | None:
     return None if old == new else f"{prefix}: {old!r} in the checkpoint, {new!r} now"
 
 
-def check_config_hash(payload: dict[str, Any], path: Path, expected: str, cfg: dict[str, Any]) -> None:
+def check_config_hash(payload: dict[str, Any], path: Path, expected: str, cfg: Config) -> None:
     """Refuse a checkpoint made with another config, naming the first differing key and the ways out.
 
     Raises:
@@ -52,7 +54,8 @@ def check_config_hash(payload: dict[str, Any], path: Path, expected: str, cfg: d
     got = payload.get("config_hash")
     if got == expected:
         return
-    diff = config_difference(payload.get("config"), cfg) if isinstance(payload.get("config"), dict) else None
+    old = payload.get("config")
+    diff = config_difference(old, config_to_dict(cfg)) if isinstance(old, dict) else None
     what = diff or f"hash {got} != {expected}"
     raise CheckpointError(
         f"checkpoint {path}: made with a different config ({what}); use --fresh to start over (the old run is moved "
@@ -90,21 +93,15 @@ def load_model_state(model: nn.Module, sd: Any, path: Path) -> None:
                                        f"{str(e).strip().splitlines()[0]}") from e
 
 
-def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
-    """``opt`` and the torch optimizers it wraps (``ShardedStep.optimizer``, an MD wrapper's ``base_optimizer``)."""
-    out, todo, seen = [], [opt], set()
-    while todo:
-        o = todo.pop()
-        if o is None or id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.optim.Optimizer):
-            out.append(o)
-        todo += [getattr(o, a, None) for a in ("optimizer", "base_optimizer")]
-    return out
+def _torch_optimizers(stepper: torch.optim.Optimizer | ShardedStep) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state ``stepper`` holds: the optimizer itself (``ShardedStep.optimizer`` for the sharded
+    step) and, for a ``MagnitudeDirection``, its ``base_optimizer``."""
+    opt = stepper.optimizer if isinstance(stepper, ShardedStep) else stepper
+    return [opt, opt.base_optimizer] if isinstance(opt, MagnitudeDirection) else [opt]
 
 
-def load_optimizer_state(stepper: Any, sd: Any, model: nn.Module, path: Path) -> None:
+def load_optimizer_state(stepper: torch.optim.Optimizer | ShardedStep, sd: Any, model: nn.Module,
+                         path: Path) -> None:
     """``stepper.load_state_dict(sd)``, then check that parameter-shaped state has its parameter's shape.
 
     torch's ``Optimizer.load_state_dict`` checks group sizes but not the shapes of the state tensors; a mismatch would

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale", "archive_previous",
-           "safe_child", "check_relative_name", "remove_if_unused", "RUN_MARKERS", "TRAINER_FILES",
+__all__ = ["read_status", "LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale",
+           "archive_previous", "safe_child", "check_relative_name", "remove_if_unused", "RUN_MARKERS", "TRAINER_FILES",
            "check_run_dir_contents", "proc_state"]
 
 LOCK_NAME = ".weightgeom.lock"
@@ -339,3 +339,14 @@ def safe_child(parent: str | os.PathLike, name: str, what: str = "run.name") -> 
     if base not in child.parents:
         raise ValueError(f"config key {what}={name!r}: resolves to {child}, outside {base}")
     return Path(parent) / name
+
+
+def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """A run directory's ``status.json`` (``{"state": "running" | "done" | "diverged" | "failed", "step", "reason"}``),
+    or ``{}`` when it is absent or unreadable (a run that never started, or one killed while writing it)."""
+    try:
+        with open(Path(run_dir) / "status.json", encoding="utf-8") as f:
+            st = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return st if isinstance(st, dict) else {}

@@ -1,8 +1,8 @@
 """Learning-rate schedules as pure functions of the step: a multiplier on every param group's base LR.
 
-The same factor scales every group — AdamW groups, Muon groups (seed 000: "Muon lr 0.02 scaled by the same
-schedule") and the magnitude–direction wrapper's gain LR — so the shapes stay identical. Warmup follows nanoGPT:
-``(step + 1) / (warmup + 1)`` for ``step < warmup``, then decay over ``[warmup, decay_steps]`` down to
+The same factor scales every group — AdamW groups, Muon groups (the manifold-assignment paper: "Muon lr 0.02
+scaled by the same schedule") and the magnitude–direction wrapper's gain LR — so the shapes stay identical. Warmup
+follows nanoGPT: ``(step + 1) / (warmup + 1)`` for ``step < warmup``, then decay over ``[warmup, decay_steps]`` down to
 ``min_lr_ratio`` and constant afterwards.
 """
 
@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from weightgeom.train.config import ScheduleConfig
 
 __all__ = ["lr_factor", "make_lr_fn", "apply_lr", "capture_base_lrs"]
 
@@ -53,47 +55,28 @@ def lr_factor(step: int, kind: str = "cosine", warmup: int = 0, decay_steps: int
     return min_lr_ratio + coeff * (1.0 - min_lr_ratio)
 
 
-def make_lr_fn(schedule_cfg: dict, max_steps: int) -> Callable[[int], float]:
-    """``step -> factor`` from a ``[schedule]`` config section (``decay_steps = 0`` means ``max_steps``)."""
-    decay = schedule_cfg.get("decay_steps") or max_steps
-    kind, warmup, ratio = schedule_cfg["kind"], schedule_cfg["warmup"], schedule_cfg["min_lr_ratio"]
+def make_lr_fn(schedule_cfg: ScheduleConfig, max_steps: int) -> Callable[[int], float]:
+    """``step -> factor`` from the ``[schedule]`` config section (``decay_steps = 0`` means ``max_steps``)."""
+    decay = schedule_cfg.decay_steps or max_steps
+    kind, warmup, ratio = schedule_cfg.kind, schedule_cfg.warmup, schedule_cfg.min_lr_ratio
     return lambda step: lr_factor(step, kind, warmup, decay, ratio)
 
 
-def _groups(optimizer) -> list[dict]:
-    """All param groups reachable from ``optimizer``, including those of wrapped base optimizers."""
-    seen, out, stack = set(), [], [optimizer]
-    while stack:
-        opt = stack.pop()
-        if opt is None or id(opt) in seen:
-            continue
-        seen.add(id(opt))
-        out.extend(getattr(opt, "param_groups", []) or [])
-        for attr in ("base_optimizer", "base", "optimizer", "gain_optimizer", "inner"):
-            sub = getattr(opt, attr, None)
-            if sub is not None and hasattr(sub, "param_groups"):
-                stack.append(sub)
-    # de-duplicate groups shared between a wrapper and its base
-    uniq, ids = [], set()
-    for g in out:
-        if id(g) not in ids:
-            ids.add(id(g))
-            uniq.append(g)
-    return uniq
+def capture_base_lrs(optimizer: torch.optim.Optimizer) -> None:
+    """Store each group's peak learning rates as ``initial_<key>`` (idempotent, kept in the optimizer state dict).
 
-
-def capture_base_lrs(optimizer) -> None:
-    """Store each group's peak learning rates as ``initial_<key>`` (idempotent, kept in the optimizer state dict)."""
-    for g in _groups(optimizer):
+    ``optimizer.param_groups`` are all the groups: a ``MagnitudeDirection``'s are its base's followed by its gains
+    group."""
+    for g in optimizer.param_groups:
         for k in LR_KEYS:
             if k in g and g[k] is not None and f"initial_{k}" not in g:
                 g[f"initial_{k}"] = g[k]
 
 
-def apply_lr(optimizer, factor: float) -> float:
+def apply_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:
     """Set every group's LR keys to ``initial × factor``; returns ``factor``."""
     capture_base_lrs(optimizer)
-    for g in _groups(optimizer):
+    for g in optimizer.param_groups:
         for k in LR_KEYS:
             base = g.get(f"initial_{k}")
             if base is not None:

@@ -30,6 +30,8 @@ import random
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +39,24 @@ import numpy as np
 import torch
 from torch import nn
 
+from weightgeom import __version__
+from weightgeom.diagnostics.monitors import _clean, grad_norms
+from weightgeom.diagnostics.monitors import collect as collect_diagnostics
+from weightgeom.models import GPT, Llama, build_model
+from weightgeom.optim import MagnitudeDirection
+from weightgeom.optim.build import from_config as optimizer_from_config
+from weightgeom.optim.muon import FarRetractionWarning
+from weightgeom.optim.sharded import is_dtensor
 from weightgeom.train import checkpoint as ckpt_mod
 from weightgeom.train.batches import Batches, build_batches
-from weightgeom.train.config import config_hash, dump_toml, load_config
+from weightgeom.train.callbacks import CallbackList, TrainContext
+from weightgeom.train.config import Config, config_hash, config_to_dict, dump_toml, load_config
 from weightgeom.train.distributed import (
     DistInfo,
     ShardedStep,
     all_reduce_mean,
     barrier,
+    cleanup,
     clip_grad_norm,
     full_state_dict,
     init_distributed,
@@ -57,85 +69,49 @@ from weightgeom.train.rundir import (
     LockError,
     archive_previous,
     check_run_dir_contents,
+    read_status,
     remove_if_unused,
     safe_child,
 )
 from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
 
-__all__ = ["train", "build_model", "build_optimizer_from_config", "read_status", "explosion"]
+__all__ = ["train", "model_from_config", "build_optimizer_from_config", "explosion"]
 
 
 # ----------------------------------------------------------------------------------------------------------- builders
-def _fill_model_config(cfg: dict[str, Any], batches: Batches) -> None:
+def _fill_model_config(cfg: Config, batches: Batches) -> None:
     """Fill data-derived model fields the config leaves out (vocab size, context length, input/output sizes)."""
-    m, kind = cfg["model"], cfg["model"]["kind"]
+    m, kind = cfg.model, cfg.model["kind"]
     if kind == "gpt":
         m.setdefault("vocab_size", batches.vocab_size)
-        m.setdefault("block_size", cfg["data"]["block_size"])
+        m.setdefault("block_size", cfg.data.block_size)
     elif kind == "llama":
         m.setdefault("vocab_size", batches.vocab_size)
-        m.setdefault("max_seq_len", cfg["data"]["block_size"])
+        m.setdefault("max_seq_len", cfg.data.block_size)
     elif kind == "resmlp":
         m.setdefault("in_dim", batches.input_dim)
         m.setdefault("out_dim", batches.vocab_size)
     if batches.kind == "lm" and kind == "resmlp":
         raise ValueError("config: model.kind='resmlp' needs a classification dataset (data.kind='mnist')")
     if batches.kind == "cls" and kind in ("gpt", "llama"):
-        raise ValueError(f"config: model.kind={kind!r} needs a token dataset, not data.kind={cfg['data']['kind']!r}")
+        raise ValueError(f"config: model.kind={kind!r} needs a token dataset, not data.kind={cfg.data.kind!r}")
 
 
-def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+def model_from_config(model_cfg: dict[str, Any]) -> nn.Module:
     """A model from a ``[model]`` section (``kind`` + the model config's fields).
 
     Raises:
         ValueError: unknown kind or bad field (from the model config's ``from_dict``).
     """
-    from weightgeom.models import build_model as _build
-
     mc = dict(model_cfg)
     kind = mc.pop("kind")
     preset = mc.pop("preset", "") or None
-    return _build(kind, preset=preset, **mc)
+    return build_model(kind, preset=preset, **mc)
 
 
-def build_optimizer_from_config(model: nn.Module, cfg: dict[str, Any], verbose: bool = False):
-    """The optimizer for ``cfg["optim"]`` via ``weightgeom.optim.build.build_optimizer``.
-
-    Falls back to ``torch.optim.AdamW`` (decay on ≥2-D parameters only) for ``name="adamw"`` when the optim package
-    does not provide ``build_optimizer``.
-    """
-    o = cfg["optim"]
-    try:
-        from weightgeom.optim.build import build_optimizer
-    except ImportError:
-        build_optimizer = None
-    if build_optimizer is None:
-        if o["name"] != "adamw":
-            raise ValueError(f"config key optim.name={o['name']!r}: weightgeom.optim.build is not available")
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=o["adamw_lr"], betas=tuple(o["betas"]), eps=o["eps"])
-    hp = {
-        "lr": o["lr"],
-        "adamw_lr": o["adamw_lr"],
-        "weight_decay": o["muon_weight_decay"],
-        "adamw_weight_decay": o["weight_decay"],
-        "betas": tuple(o["betas"]),
-        "eps": o["eps"],
-        "momentum": o["momentum"],
-        "nesterov": o["nesterov"],
-        "momentum_form": o["momentum_form"],
-        "msign_method": o["msign_method"],
-        "adjust_lr_fn": o["adjust_lr_fn"],
-        "dual_steps": o["dual_steps"],
-        "dual_lr": o["dual_lr"],
-        "dual_tol": o["dual_tol"],
-        "split_qkv": o["split_qkv"],
-        "verbose": verbose,
-    }
-    return build_optimizer(model, o["name"], strategy=o["strategy"], md=dict(o["md"]) or None, **hp)
+def build_optimizer_from_config(model: nn.Module, cfg: Config, verbose: bool = False) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.optim`` describes (:func:`weightgeom.optim.build.from_config`)."""
+    return optimizer_from_config(model, cfg.optim, verbose=verbose)
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
@@ -146,8 +122,10 @@ def _check_model_vocab(model: nn.Module, batches: Batches) -> None:
     Raises:
         ValueError: one line naming ``model.vocab_size``, both sizes and where the data's comes from.
     """
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if batches.kind != "lm" or not isinstance(vocab, int) or vocab >= batches.vocab_size:
+    if batches.kind != "lm" or not isinstance(model, (GPT, Llama)):  # ResMLP has no vocabulary
+        return
+    vocab = model.config.vocab_size
+    if vocab >= batches.vocab_size:
         return
     source = f", {batches.vocab_source}" if batches.vocab_source else ""
     raise ValueError(f"config key model.vocab_size={vocab}: smaller than the data's vocabulary "
@@ -190,19 +168,11 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    import weightgeom
-
     v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-         "weightgeom": getattr(weightgeom, "__version__", "?")}
+         "weightgeom": __version__}
     if torch.cuda.is_available():
         v["cuda"] = str(torch.version.cuda)
     return v
-
-
-def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """``run_dir/status.json`` as a dict, or None if absent."""
-    p = Path(run_dir) / "status.json"
-    return json.loads(p.read_text()) if p.exists() else None
 
 
 KEEP_ON_FRESH = ("experiment.json",)
@@ -227,20 +197,16 @@ def nonfinite_grads(named: list[tuple[str, torch.Tensor]]) -> list[str]:
         g = p.grad
         if g is None:
             continue
-        loc = g.to_local() if hasattr(g, "to_local") else g
+        loc = g.to_local() if is_dtensor(g) else g
         if not bool(torch.isfinite(loc).all()):
             bad.append(name)
     return bad
 
 
-def _is_md(opt) -> bool:
-    return any(hasattr(opt, a) for a in ("base_optimizer", "gain_optimizer")) or not isinstance(
-        opt, torch.optim.Optimizer)
-
-
 # -------------------------------------------------------------------------------------------------------------- train
 def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike | None = None,
-          overrides=(), progress: bool = True, resume: bool | str = "auto") -> dict[str, Any]:
+          overrides=(), progress: bool = True, resume: bool | str = "auto",
+          callbacks: Iterable[Any] | None = None) -> dict[str, Any]:
     """Train a model from a config.
 
     Args:
@@ -251,6 +217,8 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
         resume: ``"auto"`` — continue from the newest checkpoint in ``run_dir`` if there is one; ``True`` — require
             one; ``False`` — start fresh. Starting from step 0 in a directory an earlier run used moves that run's
             files into ``run_dir/previous/<UTC time>/`` (never deleted; ``experiment.json`` stays).
+        callbacks: :class:`weightgeom.train.callbacks.Callback` objects, called in this order at fixed points of the
+            loop (when, and what they see: :mod:`weightgeom.train.callbacks`); their state is kept in checkpoints.
 
     Returns:
         ``{"status": "done" | "diverged", "run_dir": str, "step": int, "final": {metric: value}}``; a run that was
@@ -263,26 +231,29 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
             process writes ``run_dir``.
         OSError: the run directory cannot be written (not a directory, no permission, disk full); ``filename``
             names the path. Files written before stay as they were (checkpoints are replaced atomically).
+        CallbackError: a callback raised (the message names it, the hook and the step; status.json: failed).
     """
     import torch.distributed as dist
 
     cfg = load_config(config, overrides)
     preexisting = dist.is_available() and dist.is_initialized()
-    info = init_distributed(cfg["run"]["device"])
+    info = init_distributed(cfg.run.device)
     try:
-        return _Trainer(cfg, info, run_dir, progress, resume).run()
+        with warnings.catch_warnings():  # the trainer's models start from a random init: retracting them is expected
+            warnings.simplefilter("ignore", FarRetractionWarning)
+            return _Trainer(cfg, info, run_dir, progress, resume, CallbackList(callbacks)).run()
     finally:
         if info.enabled and not preexisting:
-            from weightgeom.train.distributed import cleanup
-
             cleanup(info)
 
 
 class _Trainer:
-    def __init__(self, cfg: dict[str, Any], info: DistInfo, run_dir, progress: bool, resume):
+    def __init__(self, cfg: Config, info: DistInfo, run_dir, progress: bool, resume,
+                 callbacks: CallbackList | None = None):
         self.cfg, self.info = cfg, info
+        self.callbacks = callbacks if callbacks is not None else CallbackList()
         if run_dir is None:
-            run_dir = safe_child(cfg["run"]["out_dir"], cfg["run"]["name"], "run.name")
+            run_dir = safe_child(cfg.run.out_dir, cfg.run.name, "run.name")
         self.run_dir = Path(run_dir)
         self.progress_on = progress and info.is_main
         self.resume = resume
@@ -292,21 +263,22 @@ class _Trainer:
     # -- setup ---------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
         cfg, info = self.cfg, self.info
-        seed = cfg["run"]["seed"]
+        seed = cfg.run.seed
         random.seed(seed)
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
         self.batches = build_batches(cfg)
         _fill_model_config(cfg, self.batches)
         self.hash = config_hash(cfg)
-        tr = cfg["train"]
-        if tr["grad_accum"] % info.world_size != 0:
-            raise ValueError(f"config key train.grad_accum={tr['grad_accum']}: must be a multiple of the number of "
+        tr = cfg.train
+        if tr.grad_accum % info.world_size != 0:
+            raise ValueError(f"config key train.grad_accum={tr.grad_accum}: must be a multiple of the number of "
                              f"processes ({info.world_size})")
-        self.accum_local = tr["grad_accum"] // info.world_size
+        self.accum_local = tr.grad_accum // info.world_size
 
-        # checkpoint to resume from
+        # checkpoint to resume from (and, on ranks > 0 of a sharded run, this rank's own optimizer shard)
         self.payload = None
+        self.shard_payload: dict[str, Any] | None = None
         ckdir = self.run_dir / "checkpoints"
         if self.resume:
             latest = ckpt_mod.latest_checkpoint(ckdir)
@@ -327,7 +299,7 @@ class _Trainer:
 
         # model (identical init on every rank: same seed), then the optimizer on the unwrapped parameters
         self.device = info.device
-        self.model = build_model(cfg["model"]).to(self.device)
+        self.model = model_from_config(cfg.model).to(self.device)
         _check_model_vocab(self.model, self.batches)
         if self.payload is not None:
             load_model_state(self.model, self.payload["model"], self.ckpt_path)
@@ -337,11 +309,11 @@ class _Trainer:
         opt = build_optimizer_from_config(self.model, cfg, verbose=info.is_main and self.progress_on)
         capture_base_lrs(opt)
         self.optimizer = opt
-        parallel = cfg["run"]["parallel"]
+        parallel = cfg.run.parallel
         self.fsdp = info.enabled and parallel == "fsdp"
-        if info.enabled and _is_md(opt):
+        if info.enabled and isinstance(opt, MagnitudeDirection):
             if self.fsdp:
-                raise ValueError(f"config: optim.name={cfg['optim']['name']!r} (magnitude–direction wrapper) is not "
+                raise ValueError(f"config: optim.name={cfg.optim.name!r} (magnitude–direction wrapper) is not "
                                  "supported with run.parallel='fsdp'; use run.parallel='ddp'")
             self.wrapped = wrap_model(self.model, info, parallel)
             self.stepper = opt  # replicated step: every rank computes the same update
@@ -355,10 +327,10 @@ class _Trainer:
             self.wrapped = self.model
             self.stepper = opt
             self.sharded = False
-        if cfg["run"]["compile"]:
+        if cfg.run.compile:
             self.wrapped = torch.compile(self.wrapped)
         self.clip_params = [p for p in self.model.parameters() if p.requires_grad]
-        self.lr_fn = make_lr_fn(cfg["schedule"], tr["max_steps"])
+        self.lr_fn = make_lr_fn(cfg.schedule, tr.max_steps)
 
         # trainer state
         self.step = 0
@@ -366,7 +338,7 @@ class _Trainer:
         self.tokens, self.train_time = 0, 0.0
         self.last_val: dict[str, float] = {}
         if self.payload is not None:
-            own = getattr(self, "shard_payload", None) or self.payload
+            own = self.shard_payload or self.payload
             load_optimizer_state(self.stepper, own["optimizer"], self.model, self.ckpt_path)
             ckpt_mod.set_rng_state(own["rng"])
             st = self.payload["trainer"]
@@ -375,7 +347,7 @@ class _Trainer:
             self.tokens, self.train_time = st["tokens"], st["train_time"]
             self.last_val = st.get("last_val", {})
 
-        dt = cfg["run"]["dtype"]
+        dt = cfg.run.dtype
         if dt != "float32":
             self.amp = lambda: torch.autocast(self.device.type, dtype=getattr(torch, dt))
         else:
@@ -396,7 +368,7 @@ class _Trainer:
             meta = json.loads(meta_path.read_text())
             meta.setdefault("resumes", []).append({**session, "checkpoint": str(self.ckpt_path)})
         else:  # a fresh start: an earlier run's meta.json was moved to previous/ by _archive_previous_run
-            meta = {"seed": self.cfg["run"]["seed"], "config_hash": self.hash, "versions": _versions(),
+            meta = {"seed": self.cfg.run.seed, "config_hash": self.hash, "versions": _versions(),
                     "git_commit": _git_commit(), "data": self.batches.meta,
                     "num_params": sum(p.numel() for p in self.model.parameters()), **session}
         write_json_atomic(meta_path, meta)
@@ -463,7 +435,7 @@ class _Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean val loss (and accuracy for classification) over ``train.eval_iters`` fixed micro-batches."""
-        info, n_iter = self.info, self.cfg["train"]["eval_iters"]
+        info, n_iter = self.info, self.cfg.train.eval_iters
         per_rank = math.ceil(n_iter / info.world_size)
         self.model.eval()
         tot = torch.zeros(3, dtype=torch.float64)
@@ -488,7 +460,7 @@ class _Trainer:
         return out
 
     def _save(self) -> None:
-        info, tr = self.info, self.cfg["train"]
+        info, tr = self.info, self.cfg.train
         ckdir = self.run_dir / "checkpoints"
         model_sd = full_state_dict(self.model) if self.fsdp else {k: v.detach().cpu().clone()
                                                                   for k, v in self.model.state_dict().items()}
@@ -507,11 +479,13 @@ class _Trainer:
         path = ckdir / ckpt_mod.checkpoint_name(self.step)
         with _io_path(path):
             ckpt_mod.save_checkpoint(path, {
-                "format": "weightgeom-ckpt-2", "step": self.step, "config_hash": self.hash, "config": self.cfg,
+                "format": "weightgeom-ckpt-2", "step": self.step, "config_hash": self.hash,
+                "config": config_to_dict(self.cfg),
                 "model": model_sd, "optimizer": opt_sd, "rng": ckpt_mod.rng_state(), "trainer": trainer_state,
-                "world_size": info.world_size, "sharded": self.sharded})
+                "world_size": info.world_size, "sharded": self.sharded,
+                **({"callbacks": cb_state} if (cb_state := self.callbacks.state_dict()) else {})})
         with _io_path(ckdir):
-            ckpt_mod.prune_checkpoints(ckdir, tr["keep_checkpoints"])
+            ckpt_mod.prune_checkpoints(ckdir, tr.keep_checkpoints)
         barrier(info)
 
     def _diverged(self, reason: str) -> dict[str, Any]:
@@ -522,9 +496,30 @@ class _Trainer:
         return self._finish("diverged")
 
     def _finish(self, status: str) -> dict[str, Any]:
+        result = {"status": status, "run_dir": str(self.run_dir), "step": self.step, "final": self._final()}
+        self._cb("on_train_end", result)
         self.bar.close()
         self.logger.close()
-        return {"status": status, "run_dir": str(self.run_dir), "step": self.step, "final": self._final()}
+        return result
+
+    def _start_callbacks(self) -> None:
+        """The callbacks' context; their state from the checkpoint resumed from; ``on_train_start``."""
+        if not self.callbacks:
+            return
+        info = self.info
+        self.ctx = TrainContext(model=self.model, optimizer=self.optimizer, config=self.cfg, run_dir=self.run_dir,
+                                step=self.step, start_step=self.step, max_steps=self.cfg.train.max_steps,
+                                resumed=self.payload is not None, rank=info.rank, world_size=info.world_size,
+                                is_main=info.is_main, device=self.device, fsdp=self.fsdp)
+        if self.payload is not None:
+            self.ctx.loaded_state = self.callbacks.load_state_dict(self.payload.get("callbacks"))
+        self._cb("on_train_start")
+
+    def _cb(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every callback with the context at the current step."""
+        if self.callbacks:
+            self.ctx.step = self.step
+            self.callbacks.call(hook, self.ctx, *args)
 
     def _final(self) -> dict[str, float]:
         """The result's numbers: last and smoothed train loss, last val metrics, steps, tokens, time."""
@@ -549,13 +544,13 @@ class _Trainer:
             if (read_status(self.run_dir) or {}).get("state") != "done":
                 self._status("done")
             print(f"weightgeom: run in {self.run_dir} is already done at step {self.step} (train.max_steps="
-                  f"{self.cfg['train']['max_steps']}); nothing to do: raise train.max_steps to continue it or use "
+                  f"{self.cfg.train.max_steps}); nothing to do: raise train.max_steps to continue it or use "
                   "--fresh to start over", file=sys.stderr)
         return {"status": "done", "run_dir": str(self.run_dir), "step": self.step, "final": self._final(),
                 "already_done": True}
 
     def _smooth(self) -> float:
-        sm = self.cfg["train"]["smoothing"]
+        sm = self.cfg.train.smoothing
         return self.ema / (1 - sm ** self.ema_n) if self.ema_n else float("nan")
 
     # -- the loop --------------------------------------------------------------------------------------------------
@@ -571,8 +566,8 @@ class _Trainer:
     def _run_owned(self) -> dict[str, Any]:
         self._last_loss = float("nan")
         self._setup()
-        info, tr = self.info, self.cfg["train"]
-        if self.payload is not None and self.step >= tr["max_steps"]:
+        info, tr = self.info, self.cfg.train
+        if self.payload is not None and self.step >= tr.max_steps:
             return self._already_done()
         if self.payload is None:
             self._archive_previous_run()
@@ -581,9 +576,10 @@ class _Trainer:
         self.logger = MetricsLogger(self.run_dir, enabled=info.is_main, resume_step=self.step if resumed else None)
         if resumed:
             self.logger.truncate_after(self.step)
-        self.bar = Progress(tr["max_steps"], self.step, enabled=self.progress_on)
+        self.bar = Progress(tr.max_steps, self.step, enabled=self.progress_on)
         try:
             self._status("running")
+            self._start_callbacks()
             return self._loop()
         except BaseException as e:
             with contextlib.suppress(OSError):  # a full disk must not hide the original error
@@ -594,16 +590,17 @@ class _Trainer:
             raise
 
     def _loop(self) -> dict[str, Any]:
-        cfg, info, tr = self.cfg, self.info, self.cfg["train"]
+        cfg, info, tr = self.cfg, self.info, self.cfg.train
         ddp = info.enabled and not self.fsdp
-        diag_every = cfg["diagnostics"]["every"]
-        sm = tr["smoothing"]
+        diag_every = cfg.diagnostics.every
+        sm = tr.smoothing
         tokens_per_micro = self.batches.batch_size * max(1, self.batches.block_size)
         if self.step == 0:
             self.last_val = self.evaluate()
             self.logger.log(0, "val", self.last_val)
+            self._cb("on_eval", self.last_val)
         x = y = None
-        while self.step < tr["max_steps"]:
+        while self.step < tr.max_steps:
             t0 = time.perf_counter()
             factor = apply_lr(self.optimizer, self.lr_fn(self.step))
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -622,33 +619,39 @@ class _Trainer:
             if not math.isfinite(loss_val):
                 self.step = s_next
                 return self._diverged(f"non-finite train loss ({loss_val}) at step {s_next}")
-            why = explosion(loss_val, self.ema, self.ema_n, self.best, tr["diverge_factor"], tr["diverge_warmup"], sm)
+            why = explosion(loss_val, self.ema, self.ema_n, self.best, tr.diverge_factor, tr.diverge_warmup, sm)
             if why:
                 self.step = s_next
                 return self._diverged(f"loss explosion at step {s_next}: {why}")
             diag_due = bool(diag_every) and s_next % diag_every == 0 and not self.fsdp
             pre_clip = self._grad_norms() if diag_due else None  # per-module norms of the raw (unclipped) gradients
-            gnorm = clip_grad_norm(self.clip_params, tr["grad_clip"], info)
+            gnorm = clip_grad_norm(self.clip_params, tr.grad_clip, info)
             if not math.isfinite(gnorm):
                 self.step = s_next
                 return self._diverged(self._grad_reason(gnorm, s_next))
+            if self.callbacks:  # this step's loss, batch and (clipped) gradients, before the update
+                self.ctx.loss, self.ctx.batch, self.ctx.grads_available = loss_val, (x, y), True
+                self._cb("on_before_step")
             self.stepper.step()
             self.step = s_next
+            self._cb("on_step_end")  # may change the weights (e.g. SigmaCap): before diagnostics and checkpoints
             if diag_due:
                 self._diagnostics(x, y, pre_clip)  # weights after this step's update; gradient norms before clipping
             self.stepper.zero_grad(set_to_none=True)
             for p in self.clip_params:  # also parameters an optimizer does not hold (sharded step, frozen groups)
                 p.grad = None
+            if self.callbacks:
+                self.ctx.grads_available = False
             self.ema = sm * self.ema + (1 - sm) * loss_val
             self.ema_n += 1
             self.best = min(self.best, self._smooth())
             dt = time.perf_counter() - t0
             self.train_time += dt
-            n_tok = tokens_per_micro * tr["grad_accum"]
+            n_tok = tokens_per_micro * tr.grad_accum
             self.tokens += n_tok
             self.bar.update(1, loss=loss_val, val=self.last_val.get("loss", float("nan")))
 
-            if self.step % tr["log_every"] == 0 or self.step == tr["max_steps"]:
+            if self.step % tr.log_every == 0 or self.step == tr.max_steps:
                 lrs = {}
                 for g in self.optimizer.param_groups:
                     key = "lr_" + str(g.get("algorithm", "group"))
@@ -657,15 +660,17 @@ class _Trainer:
                                                      "grad_norm": gnorm, "lr_factor": factor, **lrs,
                                                      "tokens": self.tokens, "tokens_per_s": n_tok / dt,
                                                      "ms_per_step": dt * 1e3})
-            ev = tr["eval_every"]
-            if (ev and self.step % ev == 0) or self.step == tr["max_steps"]:
+            ev = tr.eval_every
+            if (ev and self.step % ev == 0) or self.step == tr.max_steps:
                 self.last_val = self.evaluate()
                 self.logger.log(self.step, "val", self.last_val)
-            ce = tr["ckpt_every"]
-            if (ce and self.step % ce == 0) or self.step == tr["max_steps"]:
+                self._cb("on_eval", self.last_val)
+            ce = tr.ckpt_every
+            if (ce and self.step % ce == 0) or self.step == tr.max_steps:
                 self.logger.flush()
                 self._save()
                 self._status("running")
+                self._cb("on_checkpoint", self.run_dir / "checkpoints" / ckpt_mod.checkpoint_name(self.step))
         self._status("done")
         return self._finish("done")
 
@@ -678,24 +683,14 @@ class _Trainer:
         return f"non-finite gradient norm ({gnorm}) at step {step}: non-finite gradient in {', '.join(bad[:3])}{more}"
 
     def _grad_norms(self) -> dict[str, float]:
-        from weightgeom.diagnostics.monitors import _clean, grad_norms
-
         return grad_norms((_clean(n), p.grad) for n, p in self.model.named_parameters())
 
     def _diagnostics(self, x, y, pre_clip: dict[str, float] | None = None) -> None:
-        if getattr(self, "_diag_off", False):
-            return
-        try:
-            from weightgeom.diagnostics import collect
-
-            rng = torch.get_rng_state()
-            d = collect(self.model, self.optimizer, (x, y), grads=pre_clip is None)
-            d.update(pre_clip or {})
-            torch.set_rng_state(rng)  # diagnostics never change the training trajectory
-            self.model.train()
-            self.logger.log(self.step, "diag", d)
-        except ImportError:
-            self._diag_off = True
-            if self.info.is_main:
-                print("weightgeom: diagnostics.every is set but weightgeom.diagnostics.collect is not available; "
-                      "diagnostics off", file=sys.stderr)
+        dc = self.cfg.diagnostics
+        rng = torch.get_rng_state()
+        d = collect_diagnostics(self.model, self.optimizer, (x, y), grads=pre_clip is None, max_seqs=dc.max_seqs,
+                                threshold=dc.saturation_threshold)
+        d.update(pre_clip or {})
+        torch.set_rng_state(rng)  # diagnostics never change the training trajectory
+        self.model.train()
+        self.logger.log(self.step, "diag", d)

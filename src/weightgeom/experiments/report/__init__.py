@@ -11,7 +11,7 @@ Sections by recipe:
   seed bands and divergence markers, and the mechanism curves σ_max(W_Q)·σ_max(W_K), attention-logit max,
   saturation and entropy (from the ``diag`` split), with a plain-words verdict on whether the chain
   DGram attention → σ growth → logit growth → saturation is visible.
-* ``continuity`` — per-variant continuity table next to the seed's figures (SPEC §E), continuity and dominance
+* ``continuity`` — per-variant continuity table next to the continuity paper's figures, continuity and dominance
   ratio ‖ΔW‖/‖W₀‖ over training with its crossing of 1, and the Llama per-projection table.
 * ``md`` — final loss vs LR per width and optimizer, optimal LR vs width (transfer), warmup vs none, loss vs compute.
 * anything else — a generic table (final metrics per run) and loss curves.

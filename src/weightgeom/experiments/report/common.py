@@ -18,19 +18,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 import numpy as np
 import pandas as pd
 
-from weightgeom.experiments.runner import EXPERIMENT_FILE, read_status
-from weightgeom.train.rundir import PREVIOUS_DIR
-
-RANDOM_LEVEL_256 = math.sqrt(2 / (math.pi * 256))
-
-# strategy -> (attention manifold, MLP manifold); seed 000 naming
-STRATEGY_GEOMETRY = {
-    "unconstrained": ("none", "none"),
-    "all-stiefel": ("stiefel", "stiefel"),
-    "all-dgram": ("dgram", "dgram"),
-    "hetero": ("stiefel", "dgram"),
-    "hetero-inv": ("dgram", "stiefel"),
-}
+from weightgeom.experiments.runner import EXPERIMENT_FILE
+from weightgeom.train.rundir import PREVIOUS_DIR, read_status
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -76,7 +65,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_metrics(path: Path) -> pd.DataFrame:
+def metrics_frame(path: Path) -> pd.DataFrame:
     """``metrics.jsonl`` as a long DataFrame (step, split, metric, value); non-numbers dropped."""
     recs = []
     for row in _read_jsonl(path):
@@ -112,7 +101,7 @@ def load_run(path: str | Path) -> RunData:
     except (OSError, json.JSONDecodeError):
         experiment = {}
     status = read_status(path)
-    metrics = read_metrics(path / "metrics.jsonl")
+    metrics = metrics_frame(path / "metrics.jsonl")
     cont = None
     if (path / "continuity.jsonl").exists():
         cont = pd.DataFrame(_read_jsonl(path / "continuity.jsonl"))

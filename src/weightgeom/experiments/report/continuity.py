@@ -1,4 +1,4 @@
-"""Report section for the continuity experiments (seed 001): residual-MLP ablations and Llama projections."""
+"""Report section for the continuity experiments (the continuity paper): residual-MLP ablations, Llama projections."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from weightgeom.analysis.continuity import random_level_cos
+from weightgeom.analysis.recorder import ROW_METRICS
 from weightgeom.experiments.report.common import (
     LINESTYLES,
-    RANDOM_LEVEL_256,
     RunData,
     _colors,
     _legend_below,
@@ -30,24 +31,25 @@ from weightgeom.experiments.report.common import (
     series,
 )
 
-# Seed 001 figures for the residual-MLP ablations (SPEC §E); None = the seed gives no number
+# The continuity paper's figures for the residual-MLP ablations (K. Jeong, W.-G. Paeng, H. Suh, arXiv:2605.04971);
+# entries in parentheses: the paper gives no number
 SEED_CONTINUITY = {
     "res-relu": "baseline: continuity develops (weight and gradient high)",
     "nores": "gradient continuity ≈ 0.05 (random level); weight continuity does not develop",
     "res-none": "gradient 0.93, weight v1 0.22 (rotation drift)",
     "res-radial": "weight v1 ≈ 0.22 (rotation-equivariant: no symmetry breaking)",
-    "init-small": "(seed: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
-    "init-large": "(seed: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
-    "adam-b2-0": "(seed: optimizer setting ablation; continuity is not an optimizer artifact)",
-    "adam-b1-0-b2-0": "(seed: optimizer setting ablation; continuity is not an optimizer artifact)",
+    "init-small": "(paper: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
+    "init-large": "(paper: init scale changes when ‖ΔW‖ dominates ‖W₀‖)",
+    "adam-b2-0": "(paper: optimizer setting ablation; continuity is not an optimizer artifact)",
+    "adam-b1-0-b2-0": "(paper: optimizer setting ablation; continuity is not an optimizer artifact)",
 }
 
-# Seed 001: expected continuity space per Llama projection
+# The continuity paper: expected continuity space per Llama projection
 EXPECTED_SPACE = {"q": "v1", "k": "v1", "gate": "v1", "up": "v1", "o": "u1", "down": "u1", "v": "low"}
 
 
 # -------------------------------------------------------------------------------------------------- continuity
-CONT_METRICS = ("cv", "cu", "align_in", "align_out")
+CONT_METRICS = ROW_METRICS
 
 
 def _cont_summary(run: RunData, kind: str, step: str | int = "last") -> dict[str, float]:
@@ -90,11 +92,11 @@ def crossing_step(s: pd.Series, level: float = 1.0) -> float:
 
 
 def continuity_section(runs: Sequence[RunData], out: Path) -> str:
-    """Markdown for the continuity experiments (seed 001), writing plots into ``out``."""
-    lines = ["## Geometric continuity (seed 001)", ""]
+    """Markdown for the continuity experiments (the continuity paper), writing plots into ``out``."""
+    lines = ["## Geometric continuity (the continuity paper, arXiv:2605.04971)", ""]
     widths = sorted({int(r.config.get("model", {}).get("width", 256)) for r in runs
                      if r.config.get("model", {}).get("kind") == "resmlp"}) or [256]
-    rnd = ", ".join(f"{math.sqrt(2 / (math.pi * w)):.3f} (d={w})" for w in widths)
+    rnd = ", ".join(f"{random_level_cos(w):.3f} (d={w})" for w in widths)
     lines.append(f"Continuity of adjacent same-role layers: C_v = |⟨v1(W_l), v1(W_l+1)⟩| (input space), "
                  f"C_u (output space), σ²-weighted Gram alignment tr(S_l S_l+1)/(‖S_l‖‖S_l+1‖) (input space, "
                  f"S = WᵀW); means over layer pairs at the last recorded step. Random level of C_v, C_u: {rnd}. "
@@ -131,7 +133,7 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append("")
         lines.append(md_table(["variant", "diverged", "weight C_v", "weight C_u", "weight σ²-align", "grad C_v (init)",
                                "grad C_v", "grad σ²-align", "ΔW C_v", "dominance ‖ΔW‖/‖W₀‖", "crossing step",
-                               "val loss", "val acc", "seed paper figure"], rows))
+                               "val loss", "val acc", "paper figure"], rows))
         lines.append("")
         if div_lines:
             lines.append("Diverged runs (their metrics are those of the last finite step before the stop):")
@@ -139,7 +141,8 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
             lines.append("")
         lines.append(continuity_verdict(groups))
         lines.append("")
-        lines += image_lines(plot_continuity(groups, out / "continuity_training.png"), "continuity over training")
+        lines += image_lines(plot_continuity_training(groups, out / "continuity_training.png", widths),
+                             "continuity over training")
         p = plot_loss_curves(groups, out / "continuity_loss.png", "Loss curves — residual MLP ablations")
         lines += image_lines(p, "loss curves")
     if llama:
@@ -148,7 +151,7 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
 
 
 def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
-    """Compare the measured pattern with the seed's qualitative claims."""
+    """Compare the measured pattern with the continuity paper's qualitative claims."""
     def val(name, kind, key):
         rs = groups.get(name)
         if not rs:
@@ -161,24 +164,26 @@ def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
     base_w, base_g = val("res-relu", "weight", "cv"), val("res-relu", "grad", "cv")
     if math.isfinite(val("nores", "grad", "cv")):
         g = val("nores", "grad", "cv")
-        checks.append(f"NoRes gradient C_v {g:.2f} vs Res+ReLU {base_g:.2f} — the seed says ≈ 0.05 without residuals: "
+        checks.append(f"NoRes gradient C_v {g:.2f} vs Res+ReLU {base_g:.2f} — the paper says ≈ 0.05 without residuals: "
                       + ("reproduced" if g < 0.5 * base_g else "**not reproduced**"))
     if math.isfinite(val("res-none", "grad", "cv")):
         g, w = val("res-none", "grad", "cv"), val("res-none", "weight", "cv")
-        checks.append(f"Res+None gradient C_v {g:.2f} (seed 0.93), weight C_v {w:.2f} (seed 0.22) vs Res+ReLU weight "
+        checks.append(f"Res+None gradient C_v {g:.2f} (paper 0.93), weight C_v {w:.2f} (paper 0.22) vs Res+ReLU weight "
                       f"{base_w:.2f}: " + ("reproduced (high gradient, lower weight continuity)"
                                            if g > w and w < base_w else "**not reproduced**"))
     if math.isfinite(val("res-radial", "weight", "cv")):
         w = val("res-radial", "weight", "cv")
-        checks.append(f"Res+Radial weight C_v {w:.2f} (seed ≈ 0.22) vs Res+ReLU {base_w:.2f}: "
+        checks.append(f"Res+Radial weight C_v {w:.2f} (paper ≈ 0.22) vs Res+ReLU {base_w:.2f}: "
                       + ("reproduced" if w < base_w else "**not reproduced**"))
     if not checks:
         return ""
-    return "**Against the seed's claims:**\n\n" + "\n".join(f"- {c}" for c in checks)
+    return "**Against the continuity paper's claims:**\n\n" + "\n".join(f"- {c}" for c in checks)
 
 
-def plot_continuity(groups: dict[str, list[RunData]], path: Path) -> Path | None:
-    """Weight C_v, gradient C_v, ΔW C_v and dominance ratio vs step per variant."""
+def plot_continuity_training(groups: dict[str, list[RunData]], path: Path,
+                             widths: Sequence[int] = (256,)) -> Path | None:
+    """Weight C_v, gradient C_v, ΔW C_v and dominance ratio vs step per variant, with the random level of C_v for
+    each block width in ``widths``."""
     specs = [("weight", "cv", "weight continuity C_v (input space)"),
              ("grad", "cv", "gradient continuity C_v"),
              ("delta", "cv", "accumulated-update (ΔW) continuity C_v"),
@@ -203,7 +208,8 @@ def plot_continuity(groups: dict[str, list[RunData]], path: Path) -> Path | None
             if ax.get_lines():
                 ax.set_yscale("log")
         else:
-            ax.axhline(RANDOM_LEVEL_256, color="gray", ls=":", lw=1, label="random level (d=256)")
+            for w in widths:
+                ax.axhline(random_level_cos(w), color="gray", ls=":", lw=1, label=f"random level (d={w})")
             ax.set_ylim(0, 1.02)
     fig.suptitle("Continuity over training (mean over adjacent layer pairs; band: min–max over seeds)")
     return _savefig(fig, path, rect=_legend_below(fig, axes[0, 0]))
@@ -247,20 +253,23 @@ def llama_section(runs: Sequence[RunData], out: Path) -> str:
         per_variant[name] = vals
         loss = [final_value(loss_series(r, "val")) for r in rs]
         rows.append([f"`{name}`"] + cells + [f"{match}/{total}" if total else "—", fmt_stats(loss, 3)])
-    lines.append("Expected (seed 001): Q, K, Gate, Up → input space (C_v > C_u); O, Down → output space (C_u > C_v); "
-                 "V → low in both (counted as a match when V's larger value is below every other projection's "
-                 "continuity in its expected space). Weight continuity of the final checkpoint, mean over layer "
-                 "pairs and seeds.")
+    lines.append("Expected (continuity paper): Q, K, Gate, Up → input space (C_v > C_u); O, Down → output space "
+                 "(C_u > C_v); V → low in both (counted as a match when V's larger value is below every other "
+                 "projection's continuity in its expected space). Weight continuity of the final checkpoint, mean "
+                 "over layer pairs and seeds.")
     lines.append("")
     lines.append(md_table(header, rows))
     lines.append("")
-    p = plot_projection_bars(per_variant, out / "continuity_llama_projections.png")
+    dims = sorted({int(d) for r in runs if isinstance(d := r.config.get("model", {}).get("dim"), int)})
+    p = plot_projection_bars(per_variant, out / "continuity_llama_projections.png", dims)
     lines += image_lines(p, "per-projection continuity")
     return "\n".join(lines)
 
 
-def plot_projection_bars(per_variant: dict[str, dict[str, tuple[float, float]]], path: Path) -> Path | None:
-    """Grouped bars: C_v and C_u per projection, one panel per variant."""
+def plot_projection_bars(per_variant: dict[str, dict[str, tuple[float, float]]], path: Path,
+                         dims: Sequence[int] = ()) -> Path | None:
+    """Grouped bars: C_v and C_u per projection, one panel per variant; a dotted line at the random level of a unit
+    vector in R^d for each model width d in ``dims``."""
     if not per_variant:
         return None
     plt = _plt()
@@ -274,7 +283,8 @@ def plot_projection_bars(per_variant: dict[str, dict[str, tuple[float, float]]],
         ax.set_xticks(x, [f"{r}\n({EXPECTED_SPACE[r]})" for r in roles])
         ax.set_ylim(0, 1.02)
         ax.set_title(name)
-        ax.axhline(RANDOM_LEVEL_256, color="gray", ls=":", lw=1)
+        for d in dims:
+            ax.axhline(random_level_cos(d), color="gray", ls=":", lw=1)
     axes[0][0].legend()
     fig.suptitle("Per-projection continuity (expected space in parentheses)")
     return _savefig(fig, path)

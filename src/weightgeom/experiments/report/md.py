@@ -1,4 +1,4 @@
-"""Report section for the magnitude–direction LR sweep (seed 002): LR transfer, warmup, loss vs compute."""
+"""Report section for the magnitude–direction LR sweep (the MD paper): LR transfer, warmup, loss vs compute."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _tag(run: RunData, key: str, default: Any = None) -> Any:
 
 
 def md_section(runs: Sequence[RunData], out: Path) -> str:
-    """Markdown for the magnitude–direction experiment (seed 002), writing plots into ``out``."""
-    lines = ["## Magnitude–direction decoupling (seed 002)", ""]
+    """Markdown for the magnitude–direction experiment (the MD paper), writing plots into ``out``."""
+    lines = ["## Magnitude–direction decoupling (the MD paper, arXiv:2606.25971)", ""]
     lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr"]
     wu_runs = [r for r in runs if _tag(r, "kind") == "warmup"]
     # (optimizer, width, lr) -> list of final val losses (diverged = inf)

@@ -1,0 +1,178 @@
+"""Typed optimizer configuration: one definition of every optimizer setting, for Python, files and the CLI.
+
+- :class:`MuonConfig` — every hyperparameter keyword of :class:`weightgeom.optim.Muon`, with the same defaults
+  (a test keeps them equal). In a config file: ``[optim.muon]``.
+- :class:`AdamWConfig` — the AdamW path: embeddings, LM head, norms and biases inside Muon, or every parameter for the
+  ``adamw`` names. ``[optim.adamw]``.
+- :class:`MDConfig` — the magnitude–direction wrapper's options (:class:`weightgeom.optim.MagnitudeDirection`).
+  ``[optim.md]``.
+- :class:`OptimConfig` — which optimizer (``name``), which parameters go where (``strategy``, ``rules``,
+  ``split_qkv``) and the three component configs. ``[optim]``.
+
+``weight_decay`` always means the decay of the component it sits in (Muon's decoupled decay on its matrices in
+``[optim.muon]``, AdamW's in ``[optim.adamw]``); ``lr`` likewise. A file in the older flat layout (``optim.lr``,
+``optim.adamw_lr``, ``optim.muon_weight_decay`` …) is refused with one line saying where each key moved.
+
+:func:`weightgeom.optim.build_optimizer` takes an :class:`OptimConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from weightgeom.linalg.msign import MSIGN_PRESETS
+from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
+from weightgeom.optim.manifold_muon import DUAL_SCHEDULES
+from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
+from weightgeom.optim.param_groups import STRATEGIES
+from weightgeom.schema import ConfigError, Section, from_dict, setting, suggest
+
+__all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS"]
+
+OPTIMIZER_NAMES = ("adamw", "muon", "adamw-md", "muon-md")
+MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
+MSIGN_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+MsignDtype = Literal[MSIGN_DTYPES]  # type: ignore[valid-type]
+AdjustLr = Literal[ADJUST_LR_FNS]  # type: ignore[valid-type]
+MomentumForm = Literal[MOMENTUM_FORMS]  # type: ignore[valid-type]
+DualSchedule = Literal[DUAL_SCHEDULES]  # type: ignore[valid-type]
+Gains = Literal[GAINS]  # type: ignore[valid-type]
+Parameterization = Literal[PARAMETERIZATIONS]  # type: ignore[valid-type]
+Sphere = Literal[SPHERES]  # type: ignore[valid-type]
+Embeddings = Literal[EMBEDDINGS]  # type: ignore[valid-type]
+OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
+Init = Literal["retract", "keep"]
+
+
+@dataclass
+class MuonConfig(Section):
+    """Muon and manifold Muon (``[optim.muon]``); the fields are :class:`weightgeom.optim.Muon`'s keywords."""
+
+    _prefix: ClassVar[str] = "optim.muon"
+
+    lr: float = setting(0.02, "step size: ‖ΔW‖₂ = lr·s per step, s the shape scale (spectral-norm units)", ge=0)
+    momentum: float = setting(0.95, "momentum coefficient β", ge=0, lt=1)
+    nesterov: bool = setting(True, "Nesterov look-ahead U = (1−β)G + βM (ema) / G + βM (sum)")
+    weight_decay: float = setting(0.0, "decoupled decay W ← W(1 − lr·wd) on Muon matrices (per step, unitless)",
+                                  ge=0)
+    ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default)", gt=0)
+    msign_method: str = setting("polar_express", "msign polynomial: polar_express | muon | svd")
+    msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: fp32 on CPU, bf16 on CUDA; "
+                                                   "manifold groups fp32)")
+    adjust_lr_fn: AdjustLr | None = setting(None, "shape scale s: original sqrt(max(1, rows/cols)) | "
+                                                  "match_rms_adamw | none (unset: original without a manifold, "
+                                                  "none with one, so a manifold step is ‖ΔW‖₂ = lr)")
+    momentum_form: MomentumForm = setting("ema", "ema M ← βM + (1−β)G (torch.optim.Muon) | sum M ← βM + G")
+    dual_steps: int = setting(20, "manifold Muon: maximum dual-ascent iterations per step (one msign each)", ge=0)
+    dual_lr: float = setting(0.1, "manifold Muon: dual step α (momentum normalised to unit RMS singular value)",
+                             gt=0)
+    dual_tol: float = setting(1e-4, "manifold Muon: stop once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol",
+                              ge=0)
+    dual_schedule: DualSchedule = setting("linear", "manifold Muon: α_k = α(1 − k/K) (linear) or α (constant)")
+    dual_ns_steps: int | None = setting(None, "manifold Muon: msign steps inside the dual loop (unset: ns_steps)",
+                                        gt=0)
+    dual_project: bool = setting(False, "manifold Muon: project the final direction onto the tangent space")
+    retraction: str | None = setting(None, "manifold retraction variant (unset: the manifold's default)")
+    init: Init = setting("retract", "first step of a constrained matrix: retract onto the manifold, or keep the "
+                                    "given (e.g. pretrained) weights")
+
+    def check(self) -> None:
+        if self.msign_method not in MSIGN_METHODS:
+            raise ConfigError(f"config key optim.muon.msign_method={self.msign_method!r}: must be one of "
+                              f"{', '.join(MSIGN_METHODS)}{suggest(self.msign_method, MSIGN_METHODS)}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`weightgeom.optim.Muon` (``msign_dtype`` as a torch dtype)."""
+        import torch
+
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if kw["msign_dtype"] is not None:
+            kw["msign_dtype"] = getattr(torch, kw["msign_dtype"])
+        return kw
+
+
+@dataclass
+class AdamWConfig(Section):
+    """The AdamW path (``[optim.adamw]``): every parameter for the ``adamw`` names; embeddings, LM head, norms and
+    biases inside Muon."""
+
+    _prefix: ClassVar[str] = "optim.adamw"
+
+    lr: float = setting(6e-4, "AdamW step size (parameter units per step)", ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW (β1, β2)", ge=0, lt=1)
+    eps: float = setting(1e-8, "AdamW denominator ε", gt=0)
+    weight_decay: float = setting(0.1, "decoupled decay on ≥2-D AdamW parameters (1-D ones get none)", ge=0)
+
+
+@dataclass
+class MDConfig(Section):
+    """The magnitude–direction wrapper W = diag(γ_r) Ŵ diag(γ_c) (``[optim.md]``), for the ``-md`` names."""
+
+    _prefix: ClassVar[str] = "optim.md"
+
+    gains: Gains = setting("row+col", "learned gains: row+col | row | col | scalar | none")
+    parameterization: Parameterization = setting("softplus", "gain = softplus(θ) | exp(θ) | θ (direct)")
+    sphere: Sphere = setting("frobenius", "norm the direction Ŵ keeps: frobenius | row | col")
+    gain_lr: float = setting(1e-3, "Adam step size of the gain parameters", ge=0)
+    gain_betas: tuple[float, float] = setting((0.9, 0.95), "Adam (β1, β2) of the gains", ge=0, lt=1)
+    gain_eps: float = setting(1e-8, "Adam ε of the gains", gt=0)
+    params: list[str] | None = setting(None, "regexes of the matrices to decouple (unset: every hidden matrix)")
+    exclude: list[str] = setting([], "regexes of matrices never decoupled")
+    embeddings: Embeddings = setting("exclude", "embeddings: exclude | unit_rows | decouple")
+    embedding_radius: float = setting(1.0, "row norm of unit_rows embeddings", gt=0)
+    fused: bool | None = setting(None, "use the fused C kernel (unset: when it is built and faster)")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`weightgeom.optim.MagnitudeDirection` (unset ``params`` left out)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if kw["params"] is None:
+            del kw["params"]
+        return kw
+
+
+MOVED_KEYS: dict[str, str] = {
+    "lr": "moved to optim.muon.lr (Muon matrices); AdamW's is optim.adamw.lr",
+    "adamw_lr": "moved to optim.adamw.lr",
+    "weight_decay": "moved: AdamW's decay is optim.adamw.weight_decay, Muon's optim.muon.weight_decay",
+    "adamw_weight_decay": "moved to optim.adamw.weight_decay",
+    "muon_weight_decay": "moved to optim.muon.weight_decay",
+    "betas": "moved to optim.adamw.betas",
+    "eps": "moved to optim.adamw.eps",
+    **{k: f"moved to optim.muon.{k}" for k in ("momentum", "nesterov", "ns_steps", "msign_method", "msign_dtype",
+                                               "adjust_lr_fn", "momentum_form", "dual_steps", "dual_lr", "dual_tol",
+                                               "dual_schedule", "dual_ns_steps", "dual_project", "retraction")},
+}
+"""Keys of the older flat ``[optim]`` layout → where they live now (used in the unknown-key message)."""
+
+
+@dataclass
+class OptimConfig(Section):
+    """Which optimizer, which parameters go where, and the component settings (``[optim]``)."""
+
+    _prefix: ClassVar[str] = "optim"
+    _moved: ClassVar[dict[str, str]] = MOVED_KEYS
+
+    name: OptimizerName = setting("muon", "adamw | muon | adamw-md | muon-md")
+    strategy: str = setting("unconstrained", "manifold assignment for Muon names (weightgeom.optim.STRATEGIES)")
+    split_qkv: bool = setting(False, "treat a fused QKV weight as three matrices (Q, K, V each constrained)")
+    rules: dict[str, Any] = setting({}, "extra name rules {regex: adamw | muon | manifold | {group keys}} applied "
+                                        "before the strategy")
+    muon: MuonConfig = setting(MuonConfig(), "Muon / manifold Muon settings")
+    adamw: AdamWConfig = setting(AdamWConfig(), "AdamW settings")
+    md: MDConfig = setting(MDConfig(), "magnitude–direction wrapper settings (for the -md names)")
+
+    def check(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"config key optim.strategy={self.strategy!r}: must be one of {', '.join(STRATEGIES)}"
+                              f"{suggest(self.strategy, STRATEGIES)}")
+        if self.name.startswith("adamw") and self.strategy != "unconstrained":
+            raise ConfigError(f"config key optim.strategy={self.strategy!r}: needs a Muon name (manifold groups are "
+                              f"Muon groups); optim.name={self.name!r} supports only 'unconstrained'")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> OptimConfig:
+        """From a (partial) nested dict such as a file's ``[optim]`` table (older flat keys: where they moved)."""
+        return from_dict(cls, data)
