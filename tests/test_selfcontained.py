@@ -18,7 +18,7 @@ FORBIDDEN = [
     (re.compile(r"\bseed (?:paper|code)s?\b", re.IGNORECASE), "internal name of the papers ('seed paper/code')"),
     (re.compile(r"\bseed \d+\.\d|\(seed ?≈|\(seed: (?!(?:int|str|float|bool|None)\b)", re.IGNORECASE),
      "a paper's figure labelled 'seed'"),
-    (re.compile(r"\bseed (?:iteration|dual|setting|setup|recipe|figure|claim)s?\b", re.IGNORECASE),
+    (re.compile(r"\bseed (?:iteration|dual|setting|setup|recipe|figure|claim|pattern)s?\b", re.IGNORECASE),
      "internal name of a paper ('seed iteration')"),
     (re.compile(r"\bthe seeds?'s?\b(?! *(?:=|\d|value|of the run))", re.IGNORECASE),
      "internal name of a paper ('the seed')"),

@@ -19,7 +19,7 @@ the same way, even when it plans only runs the directory does not hold yet (anot
 are free). The manifest keeps every invocation (command, time, ``--only``, ``--seeds``) and the union of the seeds.
 Parallel runs (``jobs > 1``) train in worker processes that die with the sweep process (:func:`die_with_parent`).
 
-Base configs (the CONFIG argument) are either a preset name looked up in ``configs/experiments/<name>.toml`` or a
+Base configs (the CONFIG argument) are either a preset name (a file of the package's ``experiments/presets/``) or a
 path to a TOML/YAML file. A file is either a plain trainer config (it has a ``[model]`` table) or a *sweep file*
 with named parts, e.g. ``[parts.resmlp]`` and ``[parts.llama]`` (each a trainer config) plus an optional
 ``[sweep]`` table (``seeds``, ``steps``).
@@ -164,9 +164,8 @@ def sweep_presets() -> list[str]:
 def resolve_preset(arg: str, recipe: str | None = None) -> tuple[str, Path]:
     """Map the CONFIG argument to ``(preset label, file path)``.
 
-    Lookup for a name (not a path): ``configs/experiments/<recipe>-<name>.toml``, then
-    ``configs/experiments/<name>.toml`` (current directory first, then the source checkout), then the trainer's
-    bundled configs (``weightgeom train <name>``).
+    Lookup for a name (not a path), in the package's ``experiments/presets/``: ``<recipe>-<name>.toml``, then
+    ``<name>.toml``; then the trainer's bundled configs (``weightgeom train <name>``).
 
     Raises:
         FileNotFoundError: when ``arg`` is neither an existing file nor a known preset.

@@ -220,7 +220,7 @@ def llama_section(runs: Sequence[RunData], out: Path) -> str:
     lines = ["### Llama-style transformer: per-projection continuity (activation ablation)", ""]
     groups = group_runs(runs)
     roles = ["q", "k", "v", "o", "gate", "up", "down"]
-    header = ["variant"] + [f"{r} C_v / C_u" for r in roles] + ["matches seed pattern", "val loss"]
+    header = ["variant"] + [f"{r} C_v / C_u" for r in roles] + ["matches the paper's pattern", "val loss"]
     rows = []
     per_variant = {}
     for name, rs in groups.items():
