@@ -1,5 +1,10 @@
 """``analyze(source)``: per-role continuity of adjacent layers as a DataFrame (one row per (role, layer pair)).
 
+Streamed: a path is opened with :func:`~weightgeom.analysis.loaders.open_lazy` (headers only), and each role's
+matrices are read one at a time in layer order, analysed against the previous layer and released; tensors no role uses
+are never read. In-memory sources (modules, state dicts, :class:`Loaded`) go through the same per-matrix pass, so both
+give the same numbers.
+
 Weights, and when available gradients (an nn.Module with ``.grad`` set, or ``grads=``) and accumulated updates
 ΔW = W − W_0 (``reference=`` a W_0 source), each get the metrics of :mod:`weightgeom.analysis.continuity` with their
 random levels; ``dominance`` = ‖ΔW_l‖_F/‖W0_l‖_F for the first layer of the pair (per-layer values in ``layers``).
@@ -15,15 +20,15 @@ drops the ``grad_*`` / ``delta_*`` metrics of its run, with a note.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 
-from weightgeom.analysis.continuity import stack_continuity
-from weightgeom.analysis.loaders import Loaded, load
+from weightgeom.analysis.continuity import powerlaw_alpha, random_level_cos
+from weightgeom.analysis.loaders import Loaded, materialize, open_lazy
 from weightgeom.analysis.metric_names import DEFAULT_METRICS, METRICS
 from weightgeom.analysis.roles import RoleWeight, assign_roles
 from weightgeom.linalg.topsv import top_singular
@@ -50,7 +55,7 @@ class AnalysisResult:
 
 
 def _as_loaded(source) -> Loaded:
-    return source if isinstance(source, Loaded) else load(source)
+    return source if isinstance(source, Loaded) else open_lazy(source)
 
 
 def _nonfinite(t: torch.Tensor) -> str | None:
@@ -67,23 +72,6 @@ def _empty(t: torch.Tensor) -> str | None:
     return f"empty: {'×'.join(str(d) for d in t.shape)}, no entries"
 
 
-def _groups(items: list[RoleWeight], skip: set[int] | None = None) -> list[list[RoleWeight]]:
-    """Split a role's layers into runs of one shape (continuity needs equal shapes); the layers in ``skip`` (indices
-    into ``items``, e.g. non-finite matrices) are left out and end a run, so no pair spans a skipped layer."""
-    runs: list[list[RoleWeight]] = []
-    broken = True
-    for i, rw in enumerate(items):
-        if skip and i in skip:
-            broken = True
-            continue
-        if runs and not broken and runs[-1][-1].weight.shape == rw.weight.shape:
-            runs[-1].append(rw)
-        else:
-            runs.append([rw])
-        broken = False
-    return runs
-
-
 def _run_key(role: str, run: list[RoleWeight], runs: list[list[RoleWeight]]) -> str:
     """Name of a run's heatmap: the role, with the shape (and layer range) when the role has several runs."""
     if len(runs) == 1:
@@ -91,44 +79,6 @@ def _run_key(role: str, run: list[RoleWeight], runs: list[list[RoleWeight]]) -> 
     m, n = run[0].weight.shape
     same_shape = sum(1 for r in runs if r[0].weight.shape == run[0].weight.shape)
     return f"{role}[{m}x{n}]" if same_shape == 1 else f"{role}[{m}x{n}, layers {run[0].layer}-{run[-1].layer}]"
-
-
-def _skip_nonfinite(by_role: dict[str, list[RoleWeight]], lay_rows: list[dict], notes: list[str],
-                    skipped: list[dict]) -> dict[str, set[int]]:
-    """Find the matrices that cannot be analysed (empty, or holding NaN/Inf); record them in ``lay_rows``, ``notes``
-    and ``skipped`` (whose ``reason`` starts with ``"empty"`` for an empty matrix).
-
-    Returns:
-        role → indices of its skipped layers.
-
-    Raises:
-        ValueError: every matrix is skipped (nothing left to analyse); names the first tensors.
-    """
-    skip: dict[str, set[int]] = {}
-    total = 0
-    for role, items in by_role.items():
-        for i, rw in enumerate(items):
-            total += 1
-            empty = _empty(rw.weight)
-            why = empty or _nonfinite(rw.weight)
-            if why is None:
-                continue
-            kind = why if empty else f"non-finite ({why})"
-            skip.setdefault(role, set()).add(i)
-            skipped.append({"role": role, "layer": rw.layer, "tensor": rw.name, "reason": why})
-            m, n = rw.weight.shape
-            lay_rows.append({"role": role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n,
-                             "note": f"skipped: {kind}"})
-            notes.append(f"skipped {role} layer {rw.layer} ({rw.name}): {kind}; its pairs with the neighbouring "
-                         "layers are left out")
-    if skipped and len(skipped) == total:
-        names = ", ".join(dict.fromkeys(d["tensor"] for d in skipped[:3]))
-        if any(d["reason"].startswith("empty") for d in skipped):
-            raise ValueError(f"no matrix can be analysed: every one is empty or holds NaN/Inf ({total} matrices, "
-                             f"e.g. {names})")
-        raise ValueError(f"every matrix holds NaN or Inf ({total} matrices, e.g. {names}): nothing to analyse "
-                         "(a diverged checkpoint?)")
-    return skip
 
 
 def _roles_or_none(tensors: Mapping[str, torch.Tensor] | None, roles) -> dict[str, list[RoleWeight]] | None:
@@ -140,18 +90,293 @@ def _roles_or_none(tensors: Mapping[str, torch.Tensor] | None, roles) -> dict[st
         return None
 
 
-def _match(other: dict[str, list[RoleWeight]] | None, role: str, items: list[RoleWeight]) -> list[torch.Tensor] | None:
-    """The matrices of ``other`` (grads or reference, role-assigned) matching ``items`` by (role, layer, shape)."""
-    if other is None:
-        return None
-    by_layer = {rw.layer: rw.weight for rw in other.get(role, [])}
-    out = []
-    for rw in items:
-        t = by_layer.get(rw.layer)
-        if t is None or t.shape != rw.weight.shape:
-            return None
-        out.append(t)
-    return out
+class _PairStream:
+    """Adjacent-pair metrics of same-shape matrices fed one at a time (the streamed form of
+    :func:`~weightgeom.analysis.continuity.stack_continuity`: the same columns, computed holding only the previous
+    matrix and its Gram).
+
+    Only the Gram of the smaller side is formed (k×k, k = min(m, n)); in the other space the alignment's numerator is
+    the squared Frobenius norm of the k×k cross product (e.g. ‖W_aᵀW_b‖_F² for tall W), never a max(m, n)² matrix.
+    """
+
+    def __init__(self, metrics: Sequence[str], method: str, idx_k: int | None, prefix: str = "",
+                 want_top: bool = False):
+        self.metrics, self.method, self.idx_k, self.p = metrics, method, idx_k, prefix
+        self.want_top = want_top or "cv" in metrics or "cu" in metrics
+        self.prev: dict | None = None
+
+    def reset(self) -> None:
+        """Start a new run (the next matrix has no predecessor)."""
+        self.prev = None
+
+    def push(self, W: torch.Tensor) -> tuple[dict, dict]:
+        """Add the next matrix (m, n).
+
+        Returns:
+            (vectors, columns): ``v1`` (n,), ``u1`` (m,), ``sigma1`` (0-d) of W when computed; the pair (previous,
+            W) metric columns with their random levels (empty for the first matrix of a run).
+        """
+        W = W.to(torch.float64 if W.dtype == torch.float64 else torch.float32)
+        m, n = W.shape
+        tall = n <= m
+        cur: dict = {"W": W}
+        if "gram" in self.metrics or self.method != "svd":
+            G = W.mT @ W if tall else W @ W.mT
+            cur.update(G=G, sq=(G * G).sum(), tr=torch.diagonal(G).sum())
+        vecs: dict = {}
+        if self.want_top:
+            g = cur["G"][None] if "G" in cur else None
+            u, s, v = top_singular(W[None], 1, method=self.method, gram=g)
+            vecs = {"v1": v[0, :, 0], "u1": u[0, :, 0], "sigma1": s[0, 0]}
+        if "idx" in self.metrics:
+            uu, ss, vh = torch.linalg.svd(W, full_matrices=False)
+            cur.update(U=uu, S=ss, V=vh.mT)
+        cur.update(vecs)
+        prev, p, cols = self.prev, self.p, {}
+        if prev is not None:
+            if "cv" in self.metrics:
+                cols[p + "cv"] = float((prev["v1"] * vecs["v1"]).sum().abs())
+                cols[p + "cv_rand"] = random_level_cos(n)
+            if "cu" in self.metrics:
+                cols[p + "cu"] = float((prev["u1"] * vecs["u1"]).sum().abs())
+                cols[p + "cu_rand"] = random_level_cos(m)
+            if "gram" in self.metrics:
+                den = torch.sqrt(prev["sq"] * cur["sq"])
+                for space, tag, d in (("input", "in", n), ("output", "out", m)):
+                    if den <= 0:
+                        val, rnd = 0.0, 0.0
+                    else:
+                        if (space == "input") == tall:
+                            inner = (prev["G"] * cur["G"]).sum()
+                        else:
+                            X = prev["W"].mT @ W if tall else prev["W"] @ W.mT
+                            inner = (X * X).sum()
+                        val, rnd = float(inner / den), float(prev["tr"] * cur["tr"] / (d * den))
+                    cols[f"{p}gram_{tag}"] = val
+                    cols[f"{p}gram_{tag}_rand"] = rnd
+            if "idx" in self.metrics:
+                cols[p + "idx_in"] = _idx_pair(prev["V"], prev["S"], cur["V"], cur["S"], self.idx_k)
+                cols[p + "idx_in_rand"] = random_level_cos(n)
+                cols[p + "idx_out"] = _idx_pair(prev["U"], prev["S"], cur["U"], cur["S"], self.idx_k)
+                cols[p + "idx_out_rand"] = random_level_cos(m)
+        if "gram" not in self.metrics:
+            cur.pop("W")  # the cross product is the only use of the previous matrix itself
+        self.prev = cur
+        return vecs, cols
+
+
+def _idx_pair(Ua: torch.Tensor, Sa: torch.Tensor, Ub: torch.Tensor, Sb: torch.Tensor, k: int | None) -> float:
+    """Index-matched alignment Σ_i σ_iσ'_i |⟨x_i, x'_i⟩| / Σ_i σ_iσ'_i over the top ``k`` (None: all) pairs."""
+    r = Sa.shape[-1] if k is None else min(k, Sa.shape[-1])
+    w = Sa[:r] * Sb[:r]
+    c = (Ua[:, :r] * Ub[:, :r]).sum(0).abs()
+    return float((w * c).sum() / w.sum()) if w.sum() > 0 else 0.0
+
+
+# The space in which a role's layers can share a basis (the continuity paper: Q, K, Gate, Up share input-space bases;
+# O, Down output-space; V neither — its input space is used, and the suggestions say V is not advised).
+SHARE_SPACE = {"Q": "input", "K": "input", "Gate": "input", "Up": "input", "MLP": "input", "V": "input",
+               "O": "output", "Down": "output"}
+SHARE_KS = (1, 8, 64)
+
+
+class _RoleAnalysis:
+    """One role's layers, fed one matrix at a time in layer order; runs of one shape become pair rows in ``ctx``.
+
+    Holds the previous matrix (and its Gram) of the weights, of the gradients and of ΔW = W − W0 only; the rows and
+    top vectors of the current run are kept until the run ends (a shape change, a skipped layer, the role's end).
+    """
+
+    def __init__(self, ctx: _RunContext, role: str):
+        self.ctx, self.role = ctx, role
+        self.runs: list[tuple[list[RoleWeight], torch.Tensor, torch.Tensor]] = []
+        self.cur: dict | None = None
+        self.main = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, want_top=True)
+        self.grad = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, "grad_") if ctx.has_grads else None
+        self.delta = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, "delta_") if ctx.has_ref else None
+        self.grad_by_layer = _by_layer(ctx.grad_roles, role)
+        self.ref_by_layer = _by_layer(ctx.ref_roles, role)
+
+    def _other(self, by_layer: dict | None, rw: RoleWeight, shape, what: str) -> tuple[torch.Tensor | None, str]:
+        """The gradient / W0 matrix matching ``rw`` (read now), or (None, why) when missing, misshaped or non-finite."""
+        ref = None if by_layer is None else by_layer.get(rw.layer)
+        if ref is None or tuple(ref.shape) != tuple(shape):
+            return None, "missing"
+        t = materialize(ref)
+        why = _nonfinite(t)
+        return (None, f"{self.role} layer {rw.layer} is non-finite ({why})") if why else (t, "")
+
+    def add(self, rw: RoleWeight, W: torch.Tensor) -> None:
+        """Analyse the next finite, non-empty matrix of the role (float32 or float64, (m, n))."""
+        ctx, cur = self.ctx, self.cur
+        m, n = W.shape
+        if cur is not None and cur["shape"] != (m, n):
+            self.end_run()
+            cur = None
+        if cur is None:
+            cur = self.cur = {"shape": (m, n), "items": [], "lay": [], "pairs": [], "v1": [], "u1": [],
+                              "grad_fail": None, "ref_fail": None, "svd_prev": None}
+            for st in (self.main, self.grad, self.delta):
+                if st is not None:
+                    st.reset()
+        lay = {"role": self.role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n, "note": rw.note,
+               "fro": float(torch.linalg.matrix_norm(W))}
+        tf = time.perf_counter()
+        vecs, cols = self.main.push(W)
+        ctx.timing["fast"] += time.perf_counter() - tf
+        s1 = float(vecs["sigma1"])
+        lay["sigma1"] = s1
+        lay["stable_rank"] = lay["fro"] ** 2 / s1**2 if s1 > 0 else float("nan")
+        cur["v1"].append(vecs["v1"])
+        cur["u1"].append(vecs["u1"])
+        if ctx.spectra:
+            ts = time.perf_counter()
+            G = self.main.prev.get("G") if self.main.prev else None
+            if G is None:
+                G = W.mT @ W if n <= m else W @ W.mT
+            lay.update(powerlaw_alpha(torch.linalg.eigvalsh(G).cpu().numpy()))
+            ctx.timing["spectra"] = ctx.timing.get("spectra", 0.0) + time.perf_counter() - ts
+        if ctx.suggest:
+            self._share(W, cur, cols)
+        if ctx.check_svd:
+            ts = time.perf_counter()
+            us, ss, vs = top_singular(W[None], 1, method="svd")
+            ctx.timing["svd_check"] += time.perf_counter() - ts
+            vs, us = vs[0, :, 0], us[0, :, 0]
+            lay["v1_err"] = 1.0 - float((vs * vecs["v1"]).sum().abs())
+            lay["u1_err"] = 1.0 - float((us * vecs["u1"]).sum().abs())
+            lay["sigma1_svd"] = float(ss[0, 0])
+            if cur["svd_prev"] is not None:
+                pv, pu = cur["svd_prev"]
+                cols["cv_svd"] = float((pv * vs).sum().abs())
+                cols["cu_svd"] = float((pu * us).sum().abs())
+            cur["svd_prev"] = (vs, us)
+        if self.grad is not None and cur["grad_fail"] is None:
+            g, why = self._other(self.grad_by_layer, rw, (m, n), "gradients")
+            if g is None:
+                cur["grad_fail"] = why
+            else:
+                cols.update(self.grad.push(g.float())[1])
+            del g
+        if self.delta is not None and cur["ref_fail"] is None:
+            W0, why = self._other(self.ref_by_layer, rw, (m, n), "reference")
+            if W0 is None:
+                cur["ref_fail"] = why
+            else:
+                W0 = W0.to(W.dtype)
+                D = W - W0
+                lay["dominance"] = float(torch.linalg.matrix_norm(D.double())
+                                         / torch.linalg.matrix_norm(W0.double()))
+                del W0
+                cols.update(self.delta.push(D)[1])
+                del D
+        if cur["items"]:
+            row = {"role": self.role, "layer": cur["items"][-1].layer, "layer_next": rw.layer, "out_dim": m,
+                   "in_dim": n}
+            row.update(cols)
+            cur["pairs"].append(row)
+        cur["items"].append(rw)
+        cur["lay"].append(lay)
+
+    def _share(self, W: torch.Tensor, cur: dict, cols: dict) -> None:
+        """``share_k{k}``: energy fraction of W captured by the previous layer's top-k basis in the role's space
+        (:data:`SHARE_SPACE`), with the random level k/d; the top-64 basis of W is kept for the next layer."""
+        m, n = W.shape
+        space = SHARE_SPACE.get(self.role, "input")
+        kmax = min(max(SHARE_KS), m, n)
+        G = self.main.prev.get("G") if self.main.prev else None
+        method = "svd" if self.ctx.method == "svd" else "randomized"
+        u, _, v = top_singular(W, kmax, method=method, gram=G if method != "svd" else None)
+        B = v if space == "input" else u
+        prev = cur.get("share_prev")
+        if prev is not None:
+            tot = float((W.double() ** 2).sum())
+            d = n if space == "input" else m
+            for k in SHARE_KS:
+                kk = min(k, prev.shape[1])
+                P = W @ prev[:, :kk] if space == "input" else prev[:, :kk].mT @ W
+                cols[f"share_k{k}"] = float((P.double() ** 2).sum()) / tot if tot > 0 else 0.0
+                cols[f"share_k{k}_rand"] = kk / d
+        cur["share_prev"] = B
+
+    def end_run(self) -> None:
+        """Close the current run: notes for missing gradients / W0, dominance columns, rows into ``ctx``."""
+        cur, ctx = self.cur, self.ctx
+        if cur is None:
+            return
+        self.cur = None
+        items, lay, pairs = cur["items"], cur["lay"], cur["pairs"]
+        L, first, last = len(items), items[0].layer, items[-1].layer
+        if self.grad is not None and cur["grad_fail"] is not None and L >= 2:
+            why = cur["grad_fail"]
+            ctx.notes.append(f"gradients: no complete set for role {self.role} (same names and shapes needed)"
+                             if why == "missing" else
+                             f"gradients: {why}; gradients metrics left out for {self.role} layers {first}-{last}")
+            for row in pairs:
+                for k in [k for k in row if k.startswith("grad_")]:
+                    del row[k]
+        if self.delta is not None:
+            why = cur["ref_fail"]
+            if why is not None:
+                ctx.notes.append(f"reference: no matching W0 for role {self.role} (same names and shapes needed)"
+                                 if why == "missing" else
+                                 f"reference: {why}; reference metrics left out for {self.role} layers "
+                                 f"{first}-{last}")
+                for row in pairs:
+                    for k in [k for k in row if k.startswith("delta_")]:
+                        del row[k]
+                for d in lay:
+                    d.pop("dominance", None)
+            elif L >= 2:
+                for a, row in enumerate(pairs):
+                    row["dominance"] = lay[a]["dominance"]
+                    row["dominance_next"] = lay[a + 1]["dominance"]
+        ctx.layer_rows.extend(lay)
+        ctx.pair_rows.extend(pairs)
+        self.runs.append((items, torch.stack(cur["v1"]), torch.stack(cur["u1"])))
+        for st in (self.main, self.grad, self.delta):
+            if st is not None:
+                st.reset()
+
+    def finish(self) -> None:
+        """Close the last run and store each run's all-pairs |cos| matrices of the top vectors."""
+        self.end_run()
+        runs = [r[0] for r in self.runs]
+        for items, v1, u1 in self.runs:
+            key = _run_key(self.role, items, runs)
+            self.ctx.v1_cos[key] = (v1 @ v1.mT).abs().cpu().numpy()
+            self.ctx.u1_cos[key] = (u1 @ u1.mT).abs().cpu().numpy()
+
+
+def _by_layer(roles: dict[str, list[RoleWeight]] | None, role: str) -> dict | None:
+    """layer → matrix (tensor or reference) of ``role`` in a role-assigned gradient / W0 source (None: no source)."""
+    return None if roles is None else {rw.layer: rw.weight for rw in roles.get(role, [])}
+
+
+def _fmt_s(x: float) -> str:
+    """Seconds as ``42 s`` or ``3 min 05 s``."""
+    x = max(0.0, x)
+    return f"{x:.0f} s" if x < 60 else f"{int(x // 60)} min {int(x % 60):02d} s"
+
+
+def _result(ctx: _RunContext, src: Loaded, by_role: dict[str, list[RoleWeight]], done: list[str], method: str,
+            metrics: Sequence[str], t_start: float, skipped: list[dict]) -> AnalysisResult:
+    """The :class:`AnalysisResult` of the roles in ``done`` (all of them, or those finished before an interrupt)."""
+    order = {r: i for i, r in enumerate(by_role)}
+    layer_rows = sorted(ctx.layer_rows, key=lambda d: (order[d["role"]], d["layer"]))  # skipped layers in place
+    meta = {"format": src.format, "notes": list(src.notes), "method": method, "metrics": list(metrics),
+            "time_total_s": time.perf_counter() - t_start, "time_metrics_s": ctx.timing["fast"],
+            "time_svd_check_s": ctx.timing["svd_check"], "skipped": list(skipped),
+            **({"time_spectra_s": ctx.timing["spectra"]} if "spectra" in ctx.timing else {}),
+            "source_meta": {k: v for k, v in src.meta.items() if k != "config"}}
+    meta["notes"] += sorted({rw.note for r in done for rw in by_role[r] if rw.note}) + ctx.notes
+    missing = [r for r in by_role if r not in done]
+    meta["roles_done"] = list(done)
+    if missing:
+        meta["roles_missing"] = missing
+        meta["incomplete"] = True
+    return AnalysisResult(pd.DataFrame(list(ctx.pair_rows)), pd.DataFrame(layer_rows), dict(ctx.v1_cos),
+                          dict(ctx.u1_cos), meta)
 
 
 def analyze_full(
@@ -165,8 +390,16 @@ def analyze_full(
     check_svd: bool = False,
     idx_k: int | None = None,
     progress: bool = False,
+    on_role_done: Callable[[AnalysisResult], None] | None = None,
+    spectra: bool = False,
+    suggest: bool = False,
 ) -> AnalysisResult:
     """Continuity analysis with per-layer details and the all-pairs top-vector cosine matrices.
+
+    A path is streamed (:func:`~weightgeom.analysis.loaders.open_lazy`): each matrix a role uses is read when the
+    analysis gets to it (one role at a time, in layer order), analysed against its predecessor and released; tensors
+    no role uses (embeddings, LM head, norms) are never read. Peak memory is a few float32 copies of the largest matrix
+    (plus its smaller-side Gram), independent of the number of layers.
 
     Args:
         source: nn.Module, state dict, path (HF dir, .safetensors, torch checkpoint, .gguf) or a :class:`Loaded`.
@@ -177,7 +410,18 @@ def analyze_full(
         method: top-singular-vector method (``randomized`` | ``power`` | ``svd``).
         check_svd: also compute v1/u1 by full SVD: columns ``cv_svd``/``cu_svd`` and per-layer ``v1_err``.
         idx_k: top-k truncation of the index-matched sum.
-        progress: print one line per role (stderr) with its time.
+        progress: print one line per matrix (stderr) with the elapsed time and an ETA (by matrix size), and one per
+            finished role.
+        on_role_done: called after each role with the result so far (``meta["roles_missing"]`` lists the roles
+            still to come); the CLI writes its CSV/JSON files from it, so an interrupt keeps the finished roles.
+        spectra: per-layer heavy-tail metrics in ``layers``: ``alpha`` (power-law exponent of the eigenvalue density
+            of WᵀW, see :func:`~weightgeom.analysis.continuity.powerlaw_alpha`), ``alpha_xmin``, ``alpha_ks``,
+            ``alpha_tail``; from the eigenvalues of the smaller-side Gram the pass already forms (one ``eigvalsh`` of
+            a k×k matrix, k = min(m, n), per matrix). ``sigma1`` (σ_max) and ``stable_rank`` are always there.
+        suggest: pair columns ``share_k1``, ``share_k8``, ``share_k64`` (with ``*_rand`` = k/d): the fraction
+            ‖P_l W_{l+1}‖_F²/‖W_{l+1}‖_F² of layer l+1's energy that layer l's top-k singular basis captures in the
+            role's space (input for Q, K, Gate, Up and V, output for O and Down; V is not advised for sharing). See
+            :func:`~weightgeom.analysis.report.shared_basis_runs`.
 
     Returns:
         :class:`AnalysisResult`.
@@ -197,29 +441,60 @@ def analyze_full(
     ref = _as_loaded(reference).tensors if reference is not None else None
     by_role = assign_roles(src.tensors, roles)
     ctx = _RunContext(metrics, method, idx_k, check_svd, _roles_or_none(grads, roles), _roles_or_none(ref, roles),
-                      grads is not None, ref is not None)
+                      grads is not None, ref is not None, spectra, suggest)
     skipped: list[dict] = []
-    skip = _skip_nonfinite(by_role, ctx.layer_rows, ctx.notes, skipped)
+    total = sum(len(items) for items in by_role.values())
+    units = sum(rw.weight.numel() for items in by_role.values() for rw in items) or 1
+    done_units, k, done = 0, 0, []
     for role, items in by_role.items():
         t0 = time.perf_counter()
-        runs = _groups(items, skip.get(role))
-        for run in runs:
-            try:
-                _analyse_run(ctx, role, run, _run_key(role, run, runs))
-            except torch.linalg.LinAlgError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ValueError(f"cannot analyse role {role}, layers {run[0].layer}-{run[-1].layer} "
-                                 f"({run[0].name} ...): {first}") from None
+        ra = _RoleAnalysis(ctx, role)
+        for rw in items:
+            W = materialize(rw.weight)
+            why = _empty(W) or _nonfinite(W)
+            if why is not None:
+                kind = why if why.startswith("empty") else f"non-finite ({why})"
+                skipped.append({"role": role, "layer": rw.layer, "tensor": rw.name, "reason": why})
+                m, n = W.shape
+                ctx.layer_rows.append({"role": role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n,
+                                       "note": f"skipped: {kind}"})
+                ctx.notes.append(f"skipped {role} layer {rw.layer} ({rw.name}): {kind}; its pairs with the "
+                                 "neighbouring layers are left out")
+                ra.end_run()
+            else:
+                try:
+                    ra.add(rw, W.float() if W.dtype != torch.float64 else W)
+                except torch.linalg.LinAlgError as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    start = ra.cur["items"][0] if ra.cur and ra.cur["items"] else rw
+                    raise ValueError(f"cannot analyse role {role}, layers {start.layer}-{rw.layer} "
+                                     f"({start.name} ...): {first}") from None
+            del W
+            k += 1
+            done_units += rw.weight.numel()
+            if progress:
+                el = time.perf_counter() - t_start
+                eta = el / done_units * (units - done_units) if done_units else 0.0
+                shape = "×".join(str(d) for d in rw.weight.shape)
+                print(f"  [{k:{len(str(total))}d}/{total}] {role:5s} layer {rw.layer:3d} {shape:>11s}  "
+                      f"{_fmt_s(el)} elapsed, ETA {_fmt_s(eta)}", file=sys.stderr, flush=True)
+        ra.finish()
+        done.append(role)
         if progress:
             print(f"  {role:5s} {len(items):3d} layers  {time.perf_counter() - t0:6.2f} s", file=sys.stderr)
-    order = {r: i for i, r in enumerate(by_role)}
-    ctx.layer_rows.sort(key=lambda d: (order[d["role"]], d["layer"]))  # skipped layers in their place
-    meta = {"format": src.format, "notes": list(src.notes), "method": method, "metrics": list(metrics),
-            "time_total_s": time.perf_counter() - t_start, "time_metrics_s": ctx.timing["fast"],
-            "time_svd_check_s": ctx.timing["svd_check"], "skipped": skipped,
-            "source_meta": {k: v for k, v in src.meta.items() if k != "config"}}
-    meta["notes"] += sorted({rw.note for items in by_role.values() for rw in items if rw.note}) + ctx.notes
-    return AnalysisResult(pd.DataFrame(ctx.pair_rows), pd.DataFrame(ctx.layer_rows), ctx.v1_cos, ctx.u1_cos, meta)
+        if on_role_done is not None and len(done) < len(by_role):
+            on_role_done(_result(ctx, src, by_role, done, method, metrics, t_start, skipped))
+    if skipped and len(skipped) == total:
+        names = ", ".join(dict.fromkeys(d["tensor"] for d in skipped[:3]))
+        if any(d["reason"].startswith("empty") for d in skipped):
+            raise ValueError(f"no matrix can be analysed: every one is empty or holds NaN/Inf ({total} matrices, "
+                             f"e.g. {names})")
+        raise ValueError(f"every matrix holds NaN or Inf ({total} matrices, e.g. {names}): nothing to analyse "
+                         "(a diverged checkpoint?)")
+    res = _result(ctx, src, by_role, done, method, metrics, t_start, skipped)
+    if on_role_done is not None:
+        on_role_done(res)
+    return res
 
 
 @dataclass
@@ -234,103 +509,14 @@ class _RunContext:
     ref_roles: dict[str, list[RoleWeight]] | None
     has_grads: bool
     has_ref: bool
+    spectra: bool = False
+    suggest: bool = False
     pair_rows: list[dict] = field(default_factory=list)
     layer_rows: list[dict] = field(default_factory=list)
     v1_cos: dict[str, np.ndarray] = field(default_factory=dict)
     u1_cos: dict[str, np.ndarray] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     timing: dict[str, float] = field(default_factory=lambda: {"fast": 0.0, "svd_check": 0.0})
-
-
-def _finite_match(ctx: _RunContext, other, role: str, run: list[RoleWeight], what: str) -> list[torch.Tensor] | None:
-    """The matrices of ``other`` matching ``run`` (see :func:`_match`), or None with a note in ``ctx`` when there is
-    no complete match or a matched matrix holds NaN/Inf (``what``: ``"gradients"`` or ``"reference"``)."""
-    got = _match(other, role, run)
-    if got is None:
-        ctx.notes.append(f"{what}: no complete set for role {role} (same names and shapes needed)"
-                         if what == "gradients" else
-                         f"{what}: no matching W0 for role {role} (same names and shapes needed)")
-        return None
-    for rw, t in zip(run, got):
-        why = _nonfinite(t)
-        if why is not None:
-            ctx.notes.append(f"{what}: {role} layer {rw.layer} is non-finite ({why}); {what} metrics left out for "
-                             f"{role} layers {run[0].layer}-{run[-1].layer}")
-            return None
-    return got
-
-
-def _check_svd(ctx: _RunContext, W: torch.Tensor, vecs: dict, lay: list[dict], cols: dict) -> None:
-    """Full-SVD check of the top vectors: per-layer ``v1_err``/``u1_err``/``sigma1_svd``, pair ``cv_svd``/``cu_svd``."""
-    ts = time.perf_counter()
-    us, ss, vs = top_singular(W, 1, method="svd")
-    ctx.timing["svd_check"] += time.perf_counter() - ts
-    vs, us = vs[..., 0], us[..., 0]
-    for i, d in enumerate(lay):
-        d["v1_err"] = 1.0 - float((vs[i] * vecs["v1"][i]).sum().abs())
-        d["u1_err"] = 1.0 - float((us[i] * vecs["u1"][i]).sum().abs())
-        d["sigma1_svd"] = float(ss[i, 0])
-    L = W.shape[0]
-    if L >= 2:
-        cols["cv_svd"] = [float((vs[a] * vs[a + 1]).sum().abs()) for a in range(L - 1)]
-        cols["cu_svd"] = [float((us[a] * us[a + 1]).sum().abs()) for a in range(L - 1)]
-
-
-def _reference_metrics(ctx: _RunContext, role: str, run: list[RoleWeight], W: torch.Tensor, lay: list[dict],
-                       cols: dict) -> None:
-    """Dominance ‖W − W0‖/‖W0‖ per layer and the ``delta_*`` continuity of ΔW = W − W0 (when a W0 matches)."""
-    if not ctx.has_ref:
-        return
-    r0 = _finite_match(ctx, ctx.ref_roles, role, run, "reference")
-    if r0 is None:
-        return
-    W0 = torch.stack(r0).to(W.dtype)
-    dom = (torch.linalg.matrix_norm((W - W0).double()) / torch.linalg.matrix_norm(W0.double())).tolist()
-    for d, x in zip(lay, dom):
-        d["dominance"] = x
-    if W.shape[0] >= 2:
-        dc, _ = stack_continuity(W - W0, ctx.metrics, method=ctx.method, idx_k=ctx.idx_k, prefix="delta_")
-        cols.update(dc)
-        cols["dominance"] = dom[:-1]
-        cols["dominance_next"] = dom[1:]
-
-
-def _analyse_run(ctx: _RunContext, role: str, run: list[RoleWeight], key: str) -> None:
-    """All metrics of one run (same-shape, finite, consecutive layers of a role); rows go into ``ctx``."""
-    W = torch.stack([rw.weight.float() if rw.weight.dtype != torch.float64 else rw.weight for rw in run])
-    L, m, n = W.shape
-    base = {"role": role}
-    lay = [dict(base, layer=rw.layer, tensor=rw.name, out_dim=m, in_dim=n, note=rw.note) for rw in run]
-    fro = torch.linalg.matrix_norm(W)
-    for d, f in zip(lay, fro.tolist()):
-        d["fro"] = f
-    if L >= 2:
-        tf = time.perf_counter()
-        cols, vecs = stack_continuity(W, ctx.metrics, method=ctx.method, idx_k=ctx.idx_k)
-        ctx.timing["fast"] += time.perf_counter() - tf
-    else:
-        cols, vecs = {}, {}
-    if "v1" not in vecs:
-        u, s, v = top_singular(W, 1, method=ctx.method)
-        vecs = {"v1": v[..., 0], "u1": u[..., 0], "sigma1": s[..., 0]}
-    for d, s1 in zip(lay, vecs["sigma1"].tolist()):
-        d["sigma1"] = s1
-        d["stable_rank"] = d["fro"] ** 2 / s1**2 if s1 > 0 else float("nan")
-    ctx.v1_cos[key] = (vecs["v1"] @ vecs["v1"].mT).abs().cpu().numpy()
-    ctx.u1_cos[key] = (vecs["u1"] @ vecs["u1"].mT).abs().cpu().numpy()
-    if ctx.check_svd:
-        _check_svd(ctx, W, vecs, lay, cols)
-    g = _finite_match(ctx, ctx.grad_roles, role, run, "gradients") if ctx.has_grads and L >= 2 else None
-    if g is not None:
-        gc, _ = stack_continuity(torch.stack(g).float(), ctx.metrics, method=ctx.method, idx_k=ctx.idx_k,
-                                 prefix="grad_")
-        cols.update(gc)
-    _reference_metrics(ctx, role, run, W, lay, cols)
-    ctx.layer_rows.extend(lay)
-    for a in range(L - 1):
-        row = dict(base, layer=run[a].layer, layer_next=run[a + 1].layer, out_dim=m, in_dim=n)
-        row.update({k: v[a] for k, v in cols.items()})
-        ctx.pair_rows.append(row)
 
 
 def analyze(source, roles: Mapping[str, str] | str | None = None, **kwargs) -> pd.DataFrame:

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default=None, help="initial weights W0 (same kinds as PATH): adds accumulated-"
                                                      "update continuity delta_* and the dominance ratio")
     p.add_argument("--check-svd", action="store_true", help="also compute v1/u1 by full SVD and report the error")
+    p.add_argument("--spectra", action="store_true",
+                   help="per-layer power-law exponent α of the eigenvalue density (WeightWatcher-style) in layers.csv "
+                        "(one eigvalsh of the smaller-side Gram per matrix); σ_max and stable rank are always there")
+    p.add_argument("--suggest", action="store_true",
+                   help="per role and adjacent pair, the energy of W_l+1 that layer l's top-k singular basis keeps in "
+                        "the role's space (k = 1, 8, 64, with the random level k/d), and the layer runs where a "
+                        "shared basis would lose least: suggest.csv, suggest.png")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--gguf-keep-permutation", action="store_true",
                    help="do not undo llama.cpp's Q/K row permutation (adjacent-layer metrics are invariant to it)")
@@ -42,14 +49,15 @@ def _fail(msg: str) -> int:
 
 
 def _load_inputs(args: argparse.Namespace, path: Path):
-    """Load PATH and the optional --reference; returns (src, ref, seconds)."""
-    from weightgeom.analysis.loaders import load
+    """Open PATH and the optional --reference (file tensors are read one at a time later, by the analysis); returns
+    (src, ref, seconds)."""
+    from weightgeom.analysis.loaders import open_lazy
 
     t0 = time.perf_counter()
     if not args.quiet:
-        print(f"loading {path} ...", file=sys.stderr)
-    src = load(path, undo_permute=False if args.gguf_keep_permutation else None)
-    ref = load(args.reference) if args.reference else None
+        print(f"opening {path} ...", file=sys.stderr)
+    src = open_lazy(path, undo_permute=False if args.gguf_keep_permutation else None)
+    ref = open_lazy(args.reference) if args.reference else None
     return src, ref, time.perf_counter() - t0
 
 
@@ -65,6 +73,17 @@ def _warn_skipped(res) -> None:
         why = " (NaN/Inf)" if "non-finite" in kinds else ""
         print(f"weightgeom analyze: warning: skipped {len(skipped)} {kind} {what}{why}: {shown}{more}; "
               f"the layer pairs that would include {pron} are left out, the rest is analysed", file=sys.stderr)
+
+
+def _report_interrupt(res, out: Path) -> None:
+    """One stderr line after Ctrl-C: which roles' CSV/JSON are in ``out`` and which roles are missing."""
+    if res is None:
+        print("weightgeom analyze: interrupted before the first role was finished; nothing written", file=sys.stderr)
+        return
+    done, missing = res.meta.get("roles_done", []), res.meta.get("roles_missing", [])
+    print(f"weightgeom analyze: interrupted; {out}/ holds the finished roles ({', '.join(done)}: pairs.csv, "
+          f"layers.csv, summary.csv, analysis.json); missing: {', '.join(missing) or 'none'} (no plots)",
+          file=sys.stderr)
 
 
 def _first_line(e: BaseException) -> str:
@@ -118,10 +137,22 @@ def run(args: argparse.Namespace) -> int:
             raise
         return _fail(f"{path}: not enough memory to load it ({_first_line(e)})")
     if not args.quiet:
-        print(f"loaded {len(src.tensors)} tensors ({src.format}) in {t_load:.1f} s; analysing ...", file=sys.stderr)
+        print(f"opened {len(src.tensors)} tensors ({src.format}) in {t_load:.1f} s; analysing (each matrix read "
+              "when its turn comes) ...", file=sys.stderr)
+    partial: dict = {}
+
+    def save_partial(r) -> None:  # after every role: the finished roles' CSV/JSON stay readable after Ctrl-C
+        r.meta["time_load_s"] = t_load
+        write_report(r, out, plots=False)
+        partial["res"] = r
+
     try:
         res = analyze_full(src, roles, reference=ref, metrics=args.metrics, method=args.method,
-                           check_svd=args.check_svd, progress=not args.quiet)
+                           check_svd=args.check_svd, progress=not args.quiet, on_role_done=save_partial,
+                           spectra=args.spectra, suggest=args.suggest)
+    except KeyboardInterrupt:
+        _report_interrupt(partial.get("res"), out)
+        raise
     except ValueError as e:
         return _fail(f"{path}: {e}")
     except (MemoryError, RuntimeError) as e:
@@ -131,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     _warn_skipped(res)
     res.meta["time_load_s"] = t_load
     print(format_summary(res))
+    if args.suggest:
+        from weightgeom.analysis.report import format_suggestions, shared_basis_runs
+
+        print(format_suggestions(shared_basis_runs(res.pairs)))
     try:
         paths = write_report(res, out, plots=not args.no_plots,
                              title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")

@@ -34,7 +34,8 @@ from weightgeom.train.checkpoint import (
     weights_only_refusal,
 )
 
-__all__ = ["Loaded", "load", "load_gguf", "unpermute_qk", "permute_qk", "GGUF_PERMUTED_ARCHS"]
+__all__ = ["Loaded", "TensorRef", "load", "open_lazy", "open_gguf", "load_gguf", "materialize", "unpermute_qk",
+           "permute_qk", "GGUF_PERMUTED_ARCHS"]
 
 # Architectures whose Q/K rows convert_hf_to_gguf.py permutes (LlamaModel.modify_tensors and subclasses).
 GGUF_PERMUTED_ARCHS = ("llama", "mistral", "granite", "granitemoe", "deci", "llama4")
@@ -59,6 +60,75 @@ class Loaded:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+class TensorRef:
+    """A tensor of a file that is not read yet: its name, shape and kind, and how to read it.
+
+    :func:`open_lazy` returns these instead of tensors, so that role assignment (which needs names and shapes only)
+    reads nothing, and the analysis reads each matrix when it gets to it and drops it afterwards. ``.T`` and
+    ``.chunk(n)`` record a transpose / a split along the rows (GPT-2's Conv1D layout and fused QKV) that
+    :meth:`materialize` applies after reading.
+
+    Attributes:
+        name: tensor name in the file.
+        shape: shape after the recorded transforms.
+        floating: True for a floating-point tensor.
+        nbytes: bytes the stored tensor occupies in the file (before dequantisation).
+    """
+
+    def __init__(self, name: str, shape: tuple[int, ...], floating: bool, read, nbytes: int = 0, ops: tuple = ()):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.floating = floating
+        self.nbytes = nbytes
+        self._read = read
+        self._ops = ops
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def numel(self) -> int:
+        """Number of elements (after the recorded transforms)."""
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    def is_floating_point(self) -> bool:
+        """True for a floating-point tensor (like ``torch.Tensor.is_floating_point``)."""
+        return self.floating
+
+    @property
+    def T(self) -> TensorRef:  # noqa: N802 - mirrors torch.Tensor.T
+        """The transposed 2-D tensor (read lazily)."""
+        return TensorRef(self.name, tuple(reversed(self.shape)), self.floating, self._read, self.nbytes,
+                         self._ops + (("T",),))
+
+    def chunk(self, n: int, dim: int = 0) -> list[TensorRef]:
+        """``n`` equal row blocks (``dim`` must be 0; the row count divisible by ``n``), read lazily."""
+        if dim != 0 or self.shape[0] % n:
+            raise ValueError(f"{self.name}: cannot split {tuple(self.shape)} into {n} row blocks")
+        r = self.shape[0] // n
+        return [TensorRef(self.name, (r, *self.shape[1:]), self.floating, self._read, self.nbytes // n,
+                          self._ops + (("rows", i * r, (i + 1) * r),)) for i in range(n)]
+
+    def materialize(self) -> torch.Tensor:
+        """Read the tensor (an owned CPU tensor in its stored dtype, or float32 for GGUF) and apply the transforms."""
+        t = self._read()
+        for op in self._ops:
+            t = t.T if op[0] == "T" else t[op[1]:op[2]]
+        return t
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.name!r}, shape={tuple(self.shape)})"
+
+
+def materialize(t) -> torch.Tensor:
+    """``t`` itself for a tensor, the read tensor for a :class:`TensorRef`."""
+    return t.materialize() if isinstance(t, TensorRef) else t
 
 
 def _strip(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -175,7 +245,8 @@ _BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 def _shard_paths(index: Path) -> list[Path]:
-    """The shard files an HF ``pytorch_model.bin.index.json`` lists (``weight_map`` values), in order of first use.
+    """The shard files an HF ``pytorch_model.bin.index.json`` or ``model.safetensors.index.json`` lists
+    (``weight_map`` values), in order of first use.
 
     Raises:
         ValueError: unreadable index, no ``weight_map``, a shard name that is not a plain file name in the index's
@@ -198,6 +269,87 @@ def _shard_paths(index: Path) -> list[Path]:
             raise ValueError(f"{index}: shard {name} is missing from {index.parent}")
         shards.append(shard)
     return shards
+
+
+def _safetensors_refs(path: Path) -> dict[str, TensorRef]:
+    """:class:`TensorRef` for every tensor of one ``.safetensors`` file (header only; each read opens the file with
+    ``safe_open``, copies that one tensor and closes it, so no page of the file stays mapped between reads).
+
+    Raises:
+        ValueError: truncated, corrupt or not a safetensors file (one line naming it).
+    """
+    from safetensors import safe_open
+
+    def read(name: str, f: str = str(path)) -> torch.Tensor:
+        with safe_open(f, framework="pt") as h:
+            return h.get_tensor(name)
+
+    out: dict[str, TensorRef] = {}
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                shape, dt = tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype())
+                n = 1
+                for d in shape:
+                    n *= d
+                bits = int("".join(c for c in dt.split("_")[0] if c.isdigit()) or 8)
+                out[k] = TensorRef(k, shape, dt.startswith(("F", "BF")), lambda k=k: read(k), n * bits // 8)
+    except Exception as e:  # noqa: BLE001 - SafetensorError (a Rust exception type), OSError, ...
+        msg = str(e).replace("Error while deserializing header: ", "").strip().splitlines()
+        raise ValueError(f"{path}: not a readable safetensors file ({msg[0] if msg else type(e).__name__}); "
+                         "truncated or corrupt?") from None
+    return out
+
+
+_ST_INDEX = "model.safetensors.index.json"
+
+
+def _lazy_safetensors_dir(path: Path) -> tuple[dict[str, TensorRef], list[str]]:
+    """References to the tensors of an HF safetensors directory: the shards ``model.safetensors.index.json`` lists
+    (only the tensors its ``weight_map`` assigns to each shard), or else every ``*.safetensors`` file."""
+    index = path / _ST_INDEX
+    if not index.exists():
+        out: dict[str, TensorRef] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            out.update(_safetensors_refs(f))
+        return out, []
+    shards = _shard_paths(index)
+    wmap = _read_config_json(index)["weight_map"]
+    out = {}
+    for shard in shards:
+        refs = _safetensors_refs(shard)
+        for name, sh in wmap.items():
+            if sh == shard.name:
+                if name not in refs:
+                    raise ValueError(f"{index}: tensor {name} is listed in shard {sh}, which does not hold it")
+                out[name] = refs[name]
+    return out, [f"streamed {len(shards)} shard{'s' if len(shards) > 1 else ''} listed in {_ST_INDEX}"]
+
+
+def _read_torch_one(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a zip-format torch file: memory-mapped load, an owned copy of ``name``, the mapping dropped."""
+    obj = safe_torch_load(path, map_location="cpu", mmap=True)
+    t = _unwrap(obj)[name].clone()
+    del obj
+    return t
+
+
+def _lazy_torch(path: Path) -> tuple[dict[str, torch.Tensor | TensorRef], list[str]]:
+    """References to the tensors of a zip-format torch file (checked like :func:`_load_torch`, memory-mapped, nothing
+    copied); our verified checkpoints and legacy pickles are read whole (the same as :func:`_load_torch`)."""
+    sd, notes = _load_torch(path)
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+    except OSError:
+        zipped = False
+    if not zipped or notes:  # legacy pickle, or our checkpoint (already verified and in memory)
+        return sd, notes
+    refs = {k: TensorRef(k, tuple(t.shape), t.is_floating_point(), lambda k=k: _read_torch_one(path, k),
+                         t.numel() * t.element_size()) for k, t in sd.items()}
+    del sd
+    return refs, notes
 
 
 def _load_sharded_bin(index: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -297,17 +449,38 @@ def _head_count(reader, key: str, path: str | os.PathLike) -> int | None:
     return int(v)
 
 
-def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Loaded:
-    """Read a GGUF file into float32 tensors in (out, in) layout with llama.cpp tensor names.
+_GGUF_INT_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def _release_pages(reader, t) -> None:
+    """Drop the resident pages of tensor ``t``'s bytes from the reader's read-only memory map (they are read again
+    from the file if touched), so reading a GGUF tensor by tensor keeps the process's RSS bounded."""
+    import mmap
+
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
+def open_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Loaded:
+    """References to the tensors of a GGUF file (see :class:`TensorRef`): each is read from the reader's memory map,
+    dequantised to float32 in (out, in) layout and, for Q/K, un-permuted only when the analysis reads it.
 
     Args:
         path: the .gguf file.
         undo_permute: undo the Q/K row permutation (default: when the architecture is in ``GGUF_PERMUTED_ARCHS``).
 
     Raises:
-        ValueError: not a GGUF file, truncated or corrupt, or a tensor that cannot be read (one line naming the file).
+        ValueError: not a GGUF file, truncated or corrupt, head counts missing or not dividing the Q/K rows (one line
+            naming the file).
     """
-    reader = _open_gguf(Path(path))
+    path = Path(path)
+    reader = _open_gguf(path)
     try:
         arch = _field_value(reader, "general.architecture") or "unknown"
         n_head = _head_count(reader, f"{arch}.attention.head_count", path)
@@ -318,29 +491,56 @@ def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
     except Exception as e:  # noqa: BLE001 - malformed metadata fields
         raise ValueError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
     notes = []
+    do = arch in GGUF_PERMUTED_ARCHS if undo_permute is None else undo_permute
+    if do and not n_head:
+        raise ValueError(f"{path}: {arch}.attention.head_count missing; cannot undo the Q/K permutation "
+                         "(pass undo_permute=False — adjacent-layer metrics are invariant to it)")
     quantised: set[str] = set()
-    tensors = {t.name: _gguf_tensor(t, Path(path), quantised) for t in reader.tensors}
+    refs: dict[str, TensorRef] = {}
+    for t in reader.tensors:
+        name = t.name
+        shape = tuple(int(x) for x in reversed(list(t.shape)))
+        heads = None
+        if do:
+            heads = n_head if name.endswith("attn_q.weight") else n_kv if name.endswith("attn_k.weight") else None
+        if heads is not None and (len(shape) < 1 or shape[0] % (2 * heads)):
+            kv = name.endswith("attn_k.weight") and kv_given
+            key = "head_count_kv" if kv else "head_count"
+            raise ValueError(f"{path}: tensor {name}: cannot undo the GGUF Q/K permutation: {shape[0]} rows not "
+                             f"divisible by 2·{heads} heads ({arch}.attention.{key}); pass undo_permute=False "
+                             "(--gguf-keep-permutation) to leave the rows as stored")
+        tname = t.tensor_type.name
+        if tname not in ("F32", "F16") and tname not in _GGUF_INT_TYPES:
+            quantised.add(tname)
+
+        def read(t=t, heads=heads) -> torch.Tensor:
+            w = _gguf_tensor(t, path, set())
+            _release_pages(reader, t)
+            return unpermute_qk(w, heads).contiguous() if heads is not None else w
+
+        refs[name] = TensorRef(name, shape, tname not in _GGUF_INT_TYPES, read, int(t.n_bytes))
     if quantised:
         notes.append(f"dequantised {', '.join(sorted(quantised))} tensors with gguf.quants.dequantize")
-    do = arch in GGUF_PERMUTED_ARCHS if undo_permute is None else undo_permute
     if do:
-        if not n_head:
-            raise ValueError(f"{path}: {arch}.attention.head_count missing; cannot undo the Q/K permutation "
-                             "(pass undo_permute=False — adjacent-layer metrics are invariant to it)")
-        for name in list(tensors):
-            heads = n_head if name.endswith("attn_q.weight") else n_kv if name.endswith("attn_k.weight") else None
-            if heads is None:
-                continue
-            try:
-                tensors[name] = unpermute_qk(tensors[name], heads)
-            except ValueError as e:
-                kv = name.endswith("attn_k.weight") and kv_given
-                key = "head_count_kv" if kv else "head_count"
-                raise ValueError(f"{path}: tensor {name}: {e} ({arch}.attention.{key}); pass undo_permute=False "
-                                 "(--gguf-keep-permutation) to leave the rows as stored") from None
         notes.append(f"undid llama.cpp's Q/K row permutation (arch {arch}, {n_head} heads, {n_kv} KV heads)")
     meta = {"path": str(path), "arch": arch, "n_head": n_head, "n_head_kv": n_kv}
-    return Loaded(tensors, "gguf", meta=meta, notes=notes)
+    return Loaded(refs, "gguf", meta=meta, notes=notes)
+
+
+def load_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Loaded:
+    """Read a GGUF file into float32 tensors in (out, in) layout with llama.cpp tensor names (every tensor in memory;
+    :func:`open_gguf` reads them one at a time instead).
+
+    Args:
+        path: the .gguf file.
+        undo_permute: undo the Q/K row permutation (default: when the architecture is in ``GGUF_PERMUTED_ARCHS``).
+
+    Raises:
+        ValueError: not a GGUF file, truncated or corrupt, or a tensor that cannot be read (one line naming the file).
+    """
+    lazy = open_gguf(path, undo_permute)
+    lazy.tensors = {k: materialize(v) for k, v in lazy.tensors.items()}
+    return lazy
 
 
 def load(source, undo_permute: bool | None = None) -> Loaded:
@@ -407,3 +607,55 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
         return Loaded(sd, "torch", meta={"path": str(path)}, notes=notes)
     raise ValueError(f"{path}: unsupported file type {suffix!r}; expected an HF directory, .safetensors, .pt/.pth/"
                      ".bin/.ckpt or .gguf")
+
+
+def open_lazy(source, undo_permute: bool | None = None) -> Loaded:
+    """Like :func:`load`, but a file's tensors come as :class:`TensorRef` (read one at a time when analysed).
+
+    Streamed: safetensors files and directories (with or without ``model.safetensors.index.json``; each tensor read
+    with ``safe_open``), zip-format torch files and the shards of ``pytorch_model.bin.index.json`` (each tensor from a
+    memory-mapped ``torch.load(weights_only=True)``), GGUF (per-tensor dequantisation from the reader's memory map).
+    Read whole, as :func:`load` does: nn.Modules and state dicts (already in memory), our verified checkpoints (a run
+    directory's too) and legacy (non-zip) torch pickles.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load`.
+    """
+    if isinstance(source, (torch.nn.Module, Mapping)):
+        return load(source, undo_permute)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    if path.is_dir():
+        meta = {"path": str(path)}
+        cfg = path / "config.json"
+        if cfg.exists():
+            meta["config"] = _read_config_json(cfg)
+        if list(path.glob("*.safetensors")):
+            refs, notes = _lazy_safetensors_dir(path)
+            return Loaded(refs, "safetensors", meta=meta, notes=notes)
+        for name in ("pytorch_model.bin", "model.pt", "checkpoint.pt"):
+            if (path / name).exists():
+                sd, notes = _lazy_torch(path / name)
+                return Loaded(sd, "torch", meta=meta, notes=notes)
+        if (path / _BIN_INDEX).exists():
+            out: dict = {}
+            shards = _shard_paths(path / _BIN_INDEX)
+            for shard in shards:
+                out.update(_lazy_torch(shard)[0])
+            note = f"streamed {len(shards)} shard{'s' if len(shards) > 1 else ''} listed in {_BIN_INDEX}"
+            return Loaded(out, "torch", meta=meta, notes=[note])
+        if latest_checkpoint(path / "checkpoints") is None:
+            ggufs = sorted(path.glob("*.gguf"))
+            if ggufs:
+                return open_gguf(ggufs[0], undo_permute)
+        return load(path, undo_permute)
+    suffix = path.suffix.lower()
+    if suffix == ".gguf":
+        return open_gguf(path, undo_permute)
+    if suffix == ".safetensors":
+        return Loaded(_safetensors_refs(path), "safetensors", meta={"path": str(path)})
+    if suffix in (".pt", ".pth", ".bin", ".ckpt"):
+        sd, notes = _lazy_torch(path)
+        return Loaded(sd, "torch", meta={"path": str(path)}, notes=notes)
+    return load(path, undo_permute)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from weightgeom.analysis.api import AnalysisResult
+from weightgeom.analysis.api import SHARE_SPACE, AnalysisResult
 
-__all__ = ["summary_table", "format_summary", "write_report", "plot_continuity", "plot_heatmaps"]
+__all__ = ["summary_table", "format_summary", "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
+           "format_suggestions"]
 
 _LABELS = {
     "cv": "C_v = |cos(v1_l, v1_l+1)| (input space)",
@@ -27,6 +29,9 @@ _LABELS = {
     "gram_out": "Gram alignment, output space (σ²-weighted)",
     "idx_in": "index-matched alignment, input space",
     "idx_out": "index-matched alignment, output space",
+    "share_k1": "energy of W_l+1 in layer l's top-1 basis (role's space)",
+    "share_k8": "energy of W_l+1 in layer l's top-8 basis (role's space)",
+    "share_k64": "energy of W_l+1 in layer l's top-64 basis (role's space)",
 }
 
 
@@ -72,6 +77,56 @@ def format_summary(result: AnalysisResult, digits: int = 3) -> str:
         lines.append("mean over adjacent layer pairs; (random level) beside each metric")
     for n in result.meta.get("notes", []):
         lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def shared_basis_runs(pairs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -> pd.DataFrame:
+    """Layer runs where a shared rank-k basis would lose least (from ``analyze_full(..., suggest=True)``).
+
+    A pair (l, l+1) qualifies when layer l's top-k basis in the role's space captures at least ``min_share`` of
+    W_{l+1}'s energy (``share_k{k}``); a run is a maximal chain of qualifying adjacent pairs. Rows: role, space,
+    first and last layer, pairs, mean / min captured energy and its random level k/d, and ``advised`` (False for V,
+    which shares neither space in the continuity paper). Sorted by role, then mean captured energy (best first).
+    """
+    col = f"share_k{k}"
+    if pairs.empty or col not in pairs.columns:
+        return pd.DataFrame()
+    rows = []
+    for role, d in pairs.groupby("role", sort=False):
+        run: list = []
+        for r in list(d.itertuples()) + [None]:
+            ok = r is not None and getattr(r, col) >= min_share
+            if ok and run and run[-1].layer_next == r.layer:
+                run.append(r)
+                continue
+            if run:
+                vals = [getattr(x, col) for x in run]
+                rows.append({"role": role, "space": SHARE_SPACE.get(role, "input"), "first_layer": run[0].layer,
+                             "last_layer": run[-1].layer_next, "pairs": len(run), f"mean_{col}": float(np.mean(vals)),
+                             f"min_{col}": float(np.min(vals)), f"{col}_rand": float(getattr(run[0], col + "_rand")),
+                             "advised": role != "V"})
+            run = [r] if ok else []
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    order = {r: i for i, r in enumerate(dict.fromkeys(pairs["role"]))}
+    out["_o"] = out["role"].map(order)
+    return out.sort_values(["_o", f"mean_{col}"], ascending=[True, False]).drop(columns="_o").reset_index(drop=True)
+
+
+def format_suggestions(runs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -> str:
+    """The screen text of :func:`shared_basis_runs`: one line per run."""
+    head = (f"shared-basis runs (layer l's top-{k} basis keeps ≥ {min_share:.0%} of W_l+1's energy in the role's "
+            "space):")
+    if runs.empty:
+        return head + "\n  none"
+    col = f"share_k{k}"
+    lines = [head]
+    for r in runs.itertuples():
+        adv = "" if r.advised else "  (V: sharing not advised)"
+        lines.append(f"  {r.role:5s} {r.space:6s} layers {r.first_layer}-{r.last_layer} ({r.pairs} pairs): keeps "
+                     f"{getattr(r, 'mean_' + col):.3f} mean, {getattr(r, 'min_' + col):.3f} min (random "
+                     f"{getattr(r, col + '_rand'):.3f}){adv}")
     return "\n".join(lines)
 
 
@@ -165,15 +220,27 @@ def plot_heatmaps(mats: dict[str, np.ndarray], path: str | Path, which: str = "v
     return Path(path)
 
 
+def _atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename ``tmp`` onto ``path``: a reader (or an interrupt) never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True, title: str = "") -> list[Path]:
-    """Write CSV, JSON and (optionally) PNG files for ``result`` into ``out_dir`` (created). Returns the paths."""
+    """Write CSV, JSON and (optionally) PNG files for ``result`` into ``out_dir`` (created). Returns the paths.
+
+    Each CSV/JSON file is written to a temporary name and renamed into place, so the files are always complete (the
+    CLI rewrites them after every role; after an interrupt they hold the finished roles, and ``analysis.json``'s
+    ``meta.roles_missing`` names the others).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    result.pairs.to_csv(out / "pairs.csv", index=False)
-    result.layers.to_csv(out / "layers.csv", index=False)
+    _atomic(out / "pairs.csv", lambda p: result.pairs.to_csv(p, index=False))
+    _atomic(out / "layers.csv", lambda p: result.layers.to_csv(p, index=False))
     s = summary_table(result.pairs)
-    s.to_csv(out / "summary.csv")
+    _atomic(out / "summary.csv", s.to_csv)
     paths += [out / "pairs.csv", out / "layers.csv", out / "summary.csv"]
     doc = {
         "meta": result.meta,
@@ -183,8 +250,19 @@ def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True
         "v1_cos": {k: v.tolist() for k, v in result.v1_cos.items()},
         "u1_cos": {k: v.tolist() for k, v in result.u1_cos.items()},
     }
-    (out / "analysis.json").write_text(json.dumps(_json_safe(doc), indent=1))
+    text = json.dumps(_json_safe(doc), indent=1)
+    _atomic(out / "analysis.json", lambda p: Path(p).write_text(text))
     paths.append(out / "analysis.json")
+    share = [c for c in result.pairs.columns if c.startswith("share_k")]
+    if share:
+        runs = shared_basis_runs(result.pairs)
+        _atomic(out / "suggest.csv", lambda p: runs.to_csv(p, index=False))
+        paths.append(out / "suggest.csv")
+        if plots:
+            sp = plot_continuity(result.pairs[["role", "layer", "layer_next", *share]], out / "suggest.png",
+                                 "Energy of W_l+1 kept by layer l's top-k basis (role's space); dashed = random k/d")
+            if sp is not None:
+                paths.append(sp)
     if plots:
         for p in (plot_continuity(result.pairs, out / "continuity.png", title),
                   plot_heatmaps(result.v1_cos, out / "v1_heatmap.png", "v1"),

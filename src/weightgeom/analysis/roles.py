@@ -107,7 +107,9 @@ def parse_role_map(roles: Mapping[str, str] | str) -> list[tuple[re.Pattern, str
 
 
 def _is_matrix(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()
+    """A 2-D floating-point tensor, or a not-yet-read :class:`~weightgeom.analysis.loaders.TensorRef` of one."""
+    lazy = hasattr(t, "materialize") and hasattr(t, "shape")
+    return (isinstance(t, torch.Tensor) or lazy) and t.ndim == 2 and t.is_floating_point()
 
 
 def assign_roles(
@@ -116,7 +118,9 @@ def assign_roles(
     """Group the 2-D tensors of a state dict by projection role.
 
     Args:
-        tensors: name → tensor (a state dict; non-matrix entries are ignored).
+        tensors: name → tensor (a state dict; non-matrix entries are ignored) or name →
+            :class:`~weightgeom.analysis.loaders.TensorRef` (nothing is read: names and shapes suffice; the
+            transpose / QKV split are recorded on the reference).
         roles: optional user role map (see module docstring); replaces the built-in naming rules.
 
     Returns:
