@@ -28,14 +28,14 @@ PKG = ROOT / "src" / "weightgeom"
 # Every subcommand's --help, and a few options each must keep listing.
 HELP_CASES: dict[tuple[str, ...], tuple[str, ...]] = {
     (): ("--version", "demo", "train", "sweep", "report", "analyze", "bench", "data"),
-    ("demo",): ("--quick", "--out", "--only", "--verbose", "--jobs"),
+    ("demo",): ("--quick", "--out", "--only", "--verbose", "--jobs", "--set"),
     ("train",): ("--set", "--resume", "--out", "--fresh", "--no-progress", "--list", "--print-config"),
     ("sweep",): ("manifolds", "continuity", "md", "--seeds", "--steps", "--out", "--only", "--set", "--no-resume",
                  "--no-report", "--list", "--quiet", "--jobs", "--threads"),
     ("report",): ("RUN_DIR", "--out", "--title"),
     ("analyze",): ("--out", "--roles", "--metrics", "--method", "--reference", "--check-svd", "--no-plots",
                    "--gguf-keep-permutation", "--threads", "--quiet", "cv", "gram", "idx"),
-    ("bench",): ("optimizer_step", "md_overhead", "train_throughput", "analysis_speed"),
+    ("bench",): ("optimizer_step", "md_overhead", "train_throughput", "analysis_speed", "analysis_scale"),
     ("data",): ("prepare", "info"),
     ("data", "prepare"): ("--out", "--tokenizer"),
     ("data", "info"): (),
@@ -154,7 +154,8 @@ def test_trainer_configs_and_benchmarks_are_found_in_the_package(tmp_path, monke
     assert bundled_configs() == shipped and "tiny-shakespeare" in shipped
     for name in shipped:
         assert Path(resolve_config_path(name)).resolve().parent == Path(str(configs)).resolve()
-    assert benchmarks_cli.available() == ["analysis_speed", "md_overhead", "optimizer_step", "train_throughput"]
+    assert benchmarks_cli.available() == ["analysis_scale", "analysis_speed", "md_overhead", "optimizer_step",
+                                          "train_throughput"]
     assert cli.main(["bench"]) == 0
     assert "optimizer_step" in capsys.readouterr().out
     assert not (ROOT / "benchmarks").exists(), "benchmarks live in src/weightgeom/benchmarks (shipped in the wheel)"

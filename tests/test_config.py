@@ -105,7 +105,7 @@ def test_overrides_are_toml_literals_coerced_to_the_field_type():
     ("schedule.kind=cosin", "schedule.kind='cosin': must be one of 'cosine', 'linear', 'constant'; did you mean "
                             "'cosine'"),
     ("train.max_steps=0", "train.max_steps=0: must be > 0"),
-    ("data.val_fraction=nan", "data.val_fraction=nan: must be between 0 and 1 (> 0, < 1)"),
+    ("data.val_fraction=nan", "data.val_fraction=nan: must be finite and between 0 and 1 (> 0, < 1)"),
     ("schedule.min_lr_ratio=2", "schedule.min_lr_ratio=2.0: must be between 0 and 1 (>= 0, <= 1)"),
     ("max_steps=3", "must be section.key"),
     ("train.max_steps", "expected section.key=value"),
@@ -291,3 +291,66 @@ def test_apply_lr_scales_every_group_including_muon_keys():
     assert opt.param_groups[1]["lr"] == pytest.approx(3e-4)
     apply_lr(opt, 1.0)  # always relative to the peak, never compounding
     assert opt.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+# ------------------------------------------------------------------------------------- hostile config inputs
+@pytest.mark.parametrize("override, fragment", [
+    ('optim.rules={"attn"={nesterov="no"}}', "optim.rules['attn'].nesterov: expected true or false"),
+    ('optim.rules={"attn"={ns_steps=2.5}}', "optim.rules['attn'].ns_steps: expected an integer"),
+    ('optim.rules={"attn"={lr=[1]}}', "optim.rules['attn'].lr: expected a number"),
+    ('optim.rules={"attn"={lr="fast"}}', "optim.rules['attn'].lr: expected a number, got 'fast'"),
+    ('optim.rules={"attn"={lrr=1}}', "unknown config key optim.rules['attn'].lrr; did you mean 'lr'"),
+    ('optim.rules={"("="stiefel"}', "not a valid regex"),
+    ('optim.rules={"attn"=3}', "expected 'adamw', 'muon', a manifold name or a table"),
+    ("optim.muon.lr=inf", "optim.muon.lr=inf: must be finite and >= 0"),
+    ("optim.adamw.eps=inf", "must be finite"),
+    ("train.grad_clip=inf", "must be finite"),
+    ("optim.muon.dual_steps=0", "optim.muon.dual_steps=0: must be > 0"),
+    ("run.seed=18446744073709551616", "run.seed="),
+    ("model.block_size=8", "model.block_size=8: shorter than data.block_size="),
+    ("run.name=2024-01-01", "quote it"),
+    ("optim.muon.msign_method=SVD", "did you mean 'svd'"),
+])
+def test_hostile_overrides_are_one_line(override, fragment):
+    with pytest.raises(ValueError) as e:
+        load_config("tiny-shakespeare", [override])
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_rule_group_keys_are_coerced_like_their_fields():
+    cfg = load_config(None, ['optim.rules={"attn"={manifold="stiefel", lr=1, nesterov=false}, "lm_head"="adamw"}'])
+    assert cfg.optim.rules == {"attn": {"manifold": "stiefel", "lr": 1.0, "nesterov": False}, "lm_head": "adamw"}
+    assert isinstance(cfg.optim.rules["attn"]["lr"], float)
+
+
+def test_deep_or_exploding_configs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="nested deeper than"):
+        load_config(None, ["optim.rules=" + "{a=" * 600 + "1" + "}" * 600])  # tomllib recursion or our depth cap
+    (tmp_path / "deep.toml").write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ValueError, match="deep.toml: nested deeper than"):
+        load_config(tmp_path / "deep.toml")
+    (tmp_path / "loop.yaml").write_text("optim:\n  rules: &r {x: *r}\n")
+    with pytest.raises(ValueError, match="loop.yaml"):
+        load_config(tmp_path / "loop.yaml")
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{c}: &{c} [{', '.join(['*' + p] * 9)}]" for p, c in zip("abcdefg", "bcdefgh")]
+    (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    with pytest.raises(ValueError, match="more than 100000 values"):
+        load_config(tmp_path / "bomb.yaml")
+
+
+def test_odd_but_valid_inputs(tmp_path):
+    import numpy as np
+
+    (tmp_path / "bom.toml").write_bytes("\ufeff[train]\nmax_steps = 3\n".encode())
+    assert load_config(tmp_path / "bom.toml").train.max_steps == 3
+    assert load_config(None, [" train . max_steps =4"]).train.max_steps == 4
+    with pytest.raises(ValueError, match="--set train.max_steps: value .* must be one value on one line"):
+        load_config(None, ["train.max_steps=2\ntrain.eval_every=5"])
+    cfg = load_config(None, ["data.path=a\x7fb", "data.kind=text"])
+    (tmp_path / "del.toml").write_text(dump_toml(cfg))
+    assert load_config(tmp_path / "del.toml") == cfg  # DEL escaped in the dump
+    assert MuonConfig(lr=np.float32(0.5), dual_steps=np.int64(3)).dual_steps == 3
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, rules={"weight": "muon"}, msign_dtype=torch.float32)
+    assert next(g for g in opt.param_groups if g["algorithm"] == "muon")["msign_dtype"] is torch.float32

@@ -766,3 +766,16 @@ def test_cuda_matches_cpu_and_muon_runs():
     for p, r in zip(md._decoupled, r0):
         assert torch.isfinite(p).all()
         assert torch.allclose(md.direction(p).norm(), r.reshape(()), rtol=SPHERE_TOL)
+
+
+def test_exclude_pattern_matching_nothing_is_refused():
+    """``exclude`` takes names or fnmatch globs over the whole name: a regex-looking or misspelt pattern that matches
+    no parameter is an error, never a silent no-op."""
+    from weightgeom.models import build_model
+
+    model = build_model("gpt", n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"exclude pattern 'attn' matches no parameter name"):
+        MagnitudeDirection(base, model=model, exclude=["attn"])
+    md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, exclude=["*attn*"])
+    assert md is not None

@@ -184,3 +184,79 @@ def test_start_step_continues_the_iteration(method, dtype, shape):
     assert torch.equal(msign(full, method, steps=10, start_step=10), full)
     with pytest.raises(ValueError, match="start_step must be in"):
         msign(G, method, steps=5, start_step=6)
+
+
+# ---- per-device dtype / step choice (weightgeom.linalg.autotune) -----------------------------------------------------
+import weightgeom.linalg.autotune as autotune  # noqa: E402
+from weightgeom.linalg import msign_choice, orthogonality_error  # noqa: E402
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    """No forced choice, an empty disk cache, nothing remembered in this process."""
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    autotune.clear_msign_choices()
+    yield tmp_path
+    autotune.clear_msign_choices()
+
+
+def test_msign_choice_env_forces_without_measuring(monkeypatch):
+    monkeypatch.setattr(autotune, "_measure", lambda device: pytest.fail("measured despite the env var"))
+    monkeypatch.setenv(autotune.ENV_VAR, "bfloat16:6")
+    c = msign_choice("cpu")
+    assert (c.dtype, c.steps, c.source) == (torch.bfloat16, 6, "env")
+    monkeypatch.setenv(autotune.ENV_VAR, "float32")
+    c = msign_choice("cpu")
+    assert (c.dtype, c.steps) == (torch.float32, MSIGN_PRESETS["polar_express"].steps)
+    for bad in ("fp8", "float32:0", "bfloat16:x"):
+        monkeypatch.setenv(autotune.ENV_VAR, bad)
+        with pytest.raises(ValueError, match="WEIGHTGEOM_MSIGN"):
+            msign_choice("cpu")
+
+
+def test_msign_choice_measures_once_then_caches_on_disk(fresh_choice):
+    c = msign_choice("cpu")
+    assert c.source == "benchmark" and c.dtype in (torch.float32, torch.bfloat16)
+    name = str(c.dtype).replace("torch.", "")
+    # as orthogonal as torch.optim.Muon's iteration on the probe, with fewer steps than the accurate preset default
+    assert c.errors[name] <= c.errors["torch_muon"]
+    assert 3 <= c.steps <= MSIGN_PRESETS["polar_express"].steps
+    assert msign_choice("cpu") is c  # remembered in this process
+    files = list((fresh_choice / "msign").glob("cpu-*.json"))
+    assert len(files) == 1
+    autotune.clear_msign_choices()
+    again = msign_choice("cpu")
+    assert again.source == "cache" and (again.dtype, again.steps) == (c.dtype, c.steps)
+
+
+@pytest.mark.parametrize("bf16_faster", [False, True])
+def test_msign_choice_takes_bf16_only_where_faster(fresh_choice, monkeypatch, bf16_faster):
+    fast, slow = 0.001, 0.02
+    speeds = {torch.float32: slow if bf16_faster else fast, torch.bfloat16: fast if bf16_faster else slow}
+    monkeypatch.setattr(autotune, "_step_seconds", lambda dt, device, budget: speeds[dt])
+    c = msign_choice("cpu")
+    assert c.dtype == (torch.bfloat16 if bf16_faster else torch.float32)
+    name = str(c.dtype).replace("torch.", "")
+    assert c.errors[name] <= c.errors["torch_muon"]
+    if not bf16_faster:
+        assert "bfloat16" not in c.errors  # the slower dtype's accuracy probe is skipped
+
+
+def test_msign_choice_steps_meet_torch_muon_orthogonality(fresh_choice):
+    """The chosen (dtype, steps) on a gradient-like input: at least as orthogonal as Keller Jordan's 5-step quintic
+    (torch.optim.Muon's iteration) in float32, and strictly less so with one step fewer (the fewest steps)."""
+    c = msign_choice("cpu")
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(96, 256, generator=g) @ torch.diag(torch.logspace(-2, 0, 256)) @ torch.randn(256, 256, generator=g)
+    ours = orthogonality_error(msign(G, dtype=c.dtype, steps=c.steps))
+    theirs = orthogonality_error(msign(G, method="muon", steps=5, dtype=torch.float32))
+    assert ours <= theirs
+
+
+def test_orthogonality_error_matches_svd():
+    G = torch.randn(40, 70, dtype=torch.float64)
+    S = torch.linalg.svdvals(G)
+    assert orthogonality_error(G) == pytest.approx(float((S / S.max() - 1).abs().max()), rel=1e-9)
+    assert orthogonality_error(G.mT) == pytest.approx(orthogonality_error(G), rel=1e-9)
+    assert orthogonality_error(msign_reference(G)) < 1e-10

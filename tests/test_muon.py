@@ -547,3 +547,100 @@ def test_finetuning_pretrained_minilm(minilm, init):
     else:  # one step of "retract" rewrites the pretrained matrices (measured: cos 0.81), and says so
         assert len(far) == 1 and "encoder.layer.0." in far[0]
         assert cos < 0.95
+
+
+# ---- per-device msign choice in plain Muon groups --------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _fixed_msign_choice(monkeypatch):
+    """Every test here runs with the static choice (float32, the preset's 10 steps) unless it sets its own."""
+    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32")
+
+
+def _one_step_direction(**kw) -> tuple[Muon, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(0.02 * torch.randn(48, 80, generator=g))
+    G = torch.randn(48, 80, generator=g)
+    w0 = p.detach().clone()
+    opt = Muon([p], lr=0.02, momentum=0.0, nesterov=False, **kw)
+    p.grad = G
+    opt.step()
+    return opt, (w0 - p.detach()) / (0.02 * shape_scale(p.shape, "original")), G
+
+
+def test_default_muon_uses_the_per_device_msign_choice(monkeypatch):
+    from weightgeom.linalg import msign
+
+    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:4")
+    opt, D, G = _one_step_direction()
+    torch.testing.assert_close(D, msign(G, steps=4, dtype=torch.float32), atol=1e-5, rtol=0)
+    assert opt.msign_auto["cpu"]["steps"] == 4 and opt.msign_auto["cpu"]["dtype"] == "float32"
+    assert "4 Polar Express steps" in opt.summary()
+    # not the preset's 10 steps: the choice really changed the direction
+    assert (D - msign(G, steps=10, dtype=torch.float32)).abs().max() > 1e-3
+
+
+def test_explicit_msign_dtype_and_steps_win_over_the_choice(monkeypatch):
+    from weightgeom.linalg import msign
+
+    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "bfloat16:3")
+    opt, D, G = _one_step_direction(msign_dtype=torch.float32)
+    torch.testing.assert_close(D, msign(G, steps=10, dtype=torch.float32), atol=1e-5, rtol=0)
+    opt, D, G = _one_step_direction(ns_steps=7)  # dtype from the choice, the user's steps
+    torch.testing.assert_close(D, msign(G, steps=7, dtype=torch.bfloat16), atol=1e-5, rtol=0)
+    assert opt.msign_auto["cpu"]["dtype"] == "bfloat16"
+    opt, D, G = _one_step_direction(ns_steps=7, msign_dtype=torch.float32)
+    assert opt.msign_auto == {}
+
+
+def test_default_muon_direction_as_orthogonal_as_torch_muon(tmp_path, monkeypatch):
+    """With the measured choice (no env var): our first update is at least as orthogonal as torch.optim.Muon's on
+    the same gradient (max |σ/σ_max − 1| of the update)."""
+    import weightgeom.linalg.autotune as autotune
+    from weightgeom.linalg import orthogonality_error
+
+    monkeypatch.delenv("WEIGHTGEOM_MSIGN")
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    autotune.clear_msign_choices()
+    try:
+        opt, D, G = _one_step_direction()
+        assert opt.msign_auto["cpu"]["source"] == "benchmark"
+        p = torch.nn.Parameter(torch.zeros(48, 80))
+        p.grad = G
+        torch.optim.Muon([p], lr=0.02, momentum=0.0, nesterov=False, weight_decay=0.0).step()
+        assert orthogonality_error(D) <= orthogonality_error(p.detach())
+    finally:
+        autotune.clear_msign_choices()
+
+
+@pytest.mark.parametrize("kw", [{}, {"msign_method": "muon"}, {"split": 2, "layout": "in_out"},
+                                {"momentum_form": "sum", "weight_decay": 0.1}])
+def test_same_shape_matrices_batched_equal_one_at_a_time(kw, monkeypatch):
+    """A plain-Muon group's same-shape matrices go through one batched msign call per step; the parameters and
+    momentum buffers after 3 steps equal those of one optimizer per matrix (the unbatched 2-D path)."""
+    import weightgeom.optim.muon as muon_mod
+
+    calls = []
+    real = muon_mod.msign
+    monkeypatch.setattr(muon_mod, "msign", lambda G, **k: calls.append(tuple(G.shape)) or real(G, **k))
+    g = torch.Generator().manual_seed(11)
+    shapes = [(32, 48), (32, 48), (24, 40), (32, 48)]
+    init = [0.02 * torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    batched = [torch.nn.Parameter(w.clone()) for w in init]
+    single = [torch.nn.Parameter(w.clone()) for w in init]
+    opt = Muon(batched, lr=0.05, **kw)
+    opts = [Muon([p], lr=0.05, **kw) for p in single]
+    for step in range(3):
+        calls.clear()
+        for p, gr in zip(batched, grads[step]):
+            p.grad = gr.clone()
+        opt.step()
+        batch_calls = list(calls)
+        for o, p, gr in zip(opts, single, grads[step]):
+            p.grad = gr.clone()
+            o.step()
+        assert len(batch_calls) == 2 and batch_calls[0][0] == 3  # one call for the three 32×48, one for 24×40
+    for pb, ps, o in zip(batched, single, opts):
+        torch.testing.assert_close(pb, ps, atol=1e-6, rtol=0)
+        assert torch.equal(opt.state[pb]["momentum_buffer"], o.state[ps]["momentum_buffer"])
+        assert opt.state[pb]["step"] == o.state[ps]["step"] == 3

@@ -14,7 +14,10 @@ a list, ``"a b"`` a string; text that is not a TOML literal (``cosine``, ``all-d
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import math
+import numbers
 import sys
 import types
 import typing
@@ -36,7 +39,18 @@ __all__ = [
     "suggest",
     "field_docs",
     "replace",
+    "check_plain_data",
+    "coerce",
+    "field_types",
+    "check_bounds",
+    "MAX_DEPTH",
+    "MAX_NODES",
 ]
+
+MAX_DEPTH = 32
+"""Deepest nesting of tables/lists a config may have (a deeper one is refused, never a RecursionError)."""
+MAX_NODES = 100_000
+"""Most values a config may hold (YAML aliases can expand a small file exponentially: refused past this)."""
 
 
 class ConfigError(ValueError):
@@ -45,7 +59,11 @@ class ConfigError(ValueError):
 
 def suggest(name: str, options: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the closest of ``options`` to ``name``, or ``""``."""
-    m = difflib.get_close_matches(str(name), list(options), n=3, cutoff=0.5)
+    opts = list(dict.fromkeys(str(o) for o in options))
+    m = difflib.get_close_matches(str(name), opts, n=3, cutoff=0.5)
+    if not m:  # a case slip ("SVD") is the commonest typo
+        low = {o.lower(): o for o in opts}
+        m = [low[x] for x in difflib.get_close_matches(str(name).lower(), list(low), n=3, cutoff=0.5)]
     return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
 
 
@@ -75,15 +93,39 @@ def parse_value(text: str) -> Any:
     """An override's value with TOML literal semantics; text that is not a TOML literal is returned as a string."""
     s = text.strip()
     try:
-        return tomllib.loads(f"v = {s}")["v"]
+        doc = tomllib.loads(f"v = {s}")
     except tomllib.TOMLDecodeError:
         return s
+    except RecursionError:
+        raise ConfigError(f"value nested deeper than {MAX_DEPTH} levels") from None
+    if set(doc) != {"v"}:  # "2\ntrain.eval_every=5" would smuggle in a second key
+        raise ConfigError(f"value {s!r} must be one value on one line (give each key its own --set)")
+    value = doc["v"]
+    check_plain_data(value, "value")
+    return value
+
+
+def check_plain_data(data: Any, where: str) -> None:
+    """ConfigError unless ``data`` nests at most :data:`MAX_DEPTH` deep and holds at most :data:`MAX_NODES` values
+    (walked without recursion, so a self-referencing YAML alias or a bomb of aliases is refused, not followed)."""
+    stack, nodes = [(data, 0)], 0
+    while stack:
+        obj, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise ConfigError(f"{where}: more than {MAX_NODES} values (YAML aliases expanding?)")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(obj, Mapping):
+            stack.extend((v, depth + 1) for v in obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend((v, depth + 1) for v in obj)
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     """Resolved field annotations of a dataclass (cached)."""
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
@@ -106,7 +148,7 @@ def _type_name(tp: Any) -> str:
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
+def coerce(key: str, value: Any, tp: Any) -> Any:
     """``value`` converted to the annotated type ``tp``; ConfigError naming ``key`` when it does not fit."""
     def bad() -> ConfigError:
         return ConfigError(f"config key {key}: expected {_type_name(tp)}, got {value!r}")
@@ -120,10 +162,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         real = [a for a in args if a is not type(None)]
         if len(real) == 1:
-            return _coerce(key, value, real[0])
+            return coerce(key, value, real[0])
         for a in real:
             try:
-                return _coerce(key, value, a)
+                return coerce(key, value, a)
             except ConfigError:
                 pass
         raise bad()
@@ -140,18 +182,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
             return int(value)
         raise bad()
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise bad()
         return float(value)
     if tp is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            raise ConfigError(f"config key {key}: expected a string, got the number {value!r} "
+        if isinstance(value, (int, float, datetime.date, datetime.time)) and not isinstance(value, bool):
+            raise ConfigError(f"config key {key}: expected a string, got {value!r} "
                               f"(on the command line quote it: {key.rsplit('.', 1)[-1]}='{value}')")
         if not isinstance(value, str):
             raise bad()
@@ -163,9 +205,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"config key {key}: expected {len(args)} values, got {value!r}")
-            return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+            return tuple(coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
         elem = args[0] if args else Any
-        out = [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+        out = [coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
@@ -180,7 +222,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+def check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     """ConfigError naming ``key`` when ``value`` (or an element of it) is NaN or outside the field's bounds."""
     lower = [(sym, meta[b]) for b, sym in (("gt", ">"), ("ge", ">=")) if meta.get(b) is not None]
     upper = [(sym, meta[b]) for b, sym in (("lt", "<"), ("le", "<=")) if meta.get(b) is not None]
@@ -193,10 +235,10 @@ def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     for v in vals:
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
-        ok = all(v > b if sym == ">" else v >= b for sym, b in lower) and all(
+        ok = math.isfinite(v) and all(v > b if sym == ">" else v >= b for sym, b in lower) and all(
             v < b if sym == "<" else v <= b for sym, b in upper)
-        if not ok:  # NaN fails every comparison
-            raise ConfigError(f"config key {key}={value!r}: must be {rule}")
+        if not ok:  # NaN and ±inf are refused too
+            raise ConfigError(f"config key {key}={value!r}: must be {'' if math.isfinite(v) else 'finite and '}{rule}")
 
 
 class Section:
@@ -207,11 +249,11 @@ class Section:
     _moved: typing.ClassVar[Mapping[str, str]] = {}  # old key → where it moved (for the unknown-key message)
 
     def __post_init__(self) -> None:
-        hints = _hints(type(self))
+        hints = field_types(type(self))
         for f in dataclasses.fields(self):
             key = f"{self._prefix}.{f.name}" if self._prefix else f.name
-            v = _coerce(key, getattr(self, f.name), hints[f.name])
-            _check_bounds(key, v, f.metadata)
+            v = coerce(key, getattr(self, f.name), hints[f.name])
+            check_bounds(key, v, f.metadata)
             object.__setattr__(self, f.name, v)
         self.check()
 
@@ -243,14 +285,14 @@ def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str | None = None, 
         raise ConfigError(f"config section {prefix or cls.__name__}: expected a table, got {data!r}")
     prefix = getattr(cls, "_prefix", "") if prefix is None else prefix
     names = {f.name for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
+    hints = field_types(cls)
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
             hint = (moved or getattr(cls, "_moved", {})).get(str(k))
             raise ConfigError(f"unknown config key {key}" + (f": {hint}" if hint else suggest(str(k), sorted(names))))
-        kwargs[k] = _coerce(key, v, hints[k])
+        kwargs[k] = coerce(key, v, hints[k])
     return cls(**kwargs)
 
 

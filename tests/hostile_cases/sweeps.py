@@ -341,6 +341,8 @@ def _bad_input(tmp: Path) -> None:
         (("sweep", "md", cfg, "--only", "nope"), "--only nope matches no variant"),
         (("sweep", "md", cfg, "--set", "train.nope=1"), "train.nope"),
         (("sweep", "md", cfg, "--set", "optim.adamw.lr=-1"), "optim.adamw.lr"),
+        (("sweep", "md", cfg, "--set", "optim.name=muon"), "--set optim.name: recipe 'md' sets this key itself"),
+        (("sweep", "md", cfg, "--set", "run.seed=3"), "--set run.seed: the sweep sets run.seed"),
         (("sweep", "md", cfg, "--steps", "0"), "--steps"),
     ]
     for args, expect in cases:

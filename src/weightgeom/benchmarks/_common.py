@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops"]
+__all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops", "cpu_kind",
+           "hardware_tag"]
 
 # GPT-2 small block matrices in PyTorch (out, in) layout, per layer.
 GPT2_SMALL_SHAPES: dict[str, tuple[int, int]] = {
@@ -39,23 +40,32 @@ def time_call(fn: Callable[[], object], device: str | torch.device = "cpu") -> f
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], iters: int, warmup: int = 1, device: str | torch.device = "cpu"
+    fns: dict[str, Callable[[], object]], iters: int, warmup: int = 1, device: str | torch.device = "cpu",
+    cpu_seconds: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round-robin so load drift hits all alike.
+    """Median wall-clock seconds per call of each function, calls interleaved round-robin so load drift hits all
+    alike.
 
     Args:
         fns: name → zero-argument callable.
         iters: timed rounds (each calls every function once).
         warmup: untimed rounds first.
         device: synchronised around each call.
+        cpu_seconds: if given, filled with each function's median process CPU seconds per call (all threads; on a
+            CPU shared with other jobs this measures the work done, while wall clock also counts the waiting).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(iters):
         for k, fn in fns.items():
+            c = time.process_time()
             times[k].append(time_call(fn, device))
+            cpu[k].append(time.process_time() - c)
+    if cpu_seconds is not None:
+        cpu_seconds.update({k: statistics.median(v) for k, v in cpu.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -68,6 +78,41 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, de
     return 2.0 * m * k * n / secs / 1e9
 
 
+def cpu_kind() -> str:
+    """The CPU's matrix-unit class, which decides how fast a bf16 matmul is: ``"AMX"`` (AMX-BF16 tiles),
+    ``"AVX512-BF16"`` (AVX-512 with bf16 dot products), ``"AVX512"``, ``"AVX2"``, or torch's capability string
+    (e.g. ``"NEON"``/``"DEFAULT"``) where ``/proc/cpuinfo`` is missing or lists none of these.
+
+    Only the first two have bf16 units; on the others a bf16 matmul is emulated and typically 10–40× slower than fp32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[-1].split())
+    except OSError:
+        flags = set()
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    if "avx512f" in flags:
+        return "AVX512"
+    if "avx2" in flags:
+        return "AVX2"
+    return str(torch.backends.cpu.get_cpu_capability()).upper()
+
+
+def hardware_tag(device: str | torch.device = "cpu") -> str:
+    """One short label for the hardware a figure was measured on, printed next to every figure: ``"CPU AVX2, 2
+    threads"``, or the GPU's name on CUDA."""
+    if torch.device(device).type == "cuda":
+        return f"GPU {torch.cuda.get_device_name()}"
+    n = torch.get_num_threads()
+    return f"CPU {cpu_kind()}, {n} thread{'s' if n != 1 else ''}"
+
+
 def machine_info(device: str | torch.device = "cpu") -> dict[str, object]:
     """Torch version, device name, thread count and CPU capability (bf16 matmul speed depends on it)."""
     info: dict[str, object] = {
@@ -76,6 +121,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kind": cpu_kind(),
         "platform": platform.platform(),
     }
     try:

@@ -16,6 +16,7 @@ MD always wraps eagerly. On CUDA the fused path does not apply (MD runs eagerly 
 Usage::
 
     python -m weightgeom.benchmarks.md_overhead  # all rows, 1 layer, CPU
+    python -m weightgeom.benchmarks.md_overhead --quick  # the same rows, 3 timed steps each
     python -m weightgeom.benchmarks.md_overhead --base adamw --adamw-impl default --md-path fused
     python -m weightgeom.benchmarks.md_overhead --device cuda --layers 12 --iters 50 --json md_overhead.json
 """
@@ -31,6 +32,7 @@ import time
 
 import torch
 
+from weightgeom.benchmarks._common import hardware_tag
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
@@ -110,13 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md-path", default="fused,eager",
                     help="comma list of MD paths for AdamW: fused (MD's default) and/or eager (fused=False)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 timed steps after 1 warm-up per row (about a minute on a 2-core CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     layers = args.layers or (12 if cuda else 1)
-    iters = args.iters or (50 if cuda else 10)
+    iters = args.iters or (3 if args.quick else 50 if cuda else 10)
+    if args.quick:
+        args.warmup = min(args.warmup, 1)
+    if iters < 1 or layers < 1 or args.warmup < 0:
+        ap.error("--iters and --layers must be ≥ 1, --warmup ≥ 0")
     dtype = getattr(torch, args.dtype)
     impls = [k.strip() for k in args.adamw_impl.split(",") if k.strip()]
     md_paths = [k.strip() for k in args.md_path.split(",") if k.strip()]
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(kind, impl, path) for impl in impls for path in md_paths]
         else:
             rows.append((kind, "default", "eager"))
+    tag = hardware_tag(args.device)
+    print(f"hardware: {tag}; {layers} layer(s), median of {iters} steps after {args.warmup} warm-up")
     print(f"{'base':16s} {'MD path':8s} {'matrices':>8s} {'params':>8s} {'base ms':>9s} {'MD ms':>9s} {'ratio':>7s}")
     results = []
     for kind, impl, path in rows:
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:16s} {r['md_path']:8s} {r['matrices']:8d} {r['params'] / 1e6:7.1f}M {r['base_ms']:9.2f} "
               f"{r['md_ms']:9.2f} {r['ratio']:7.3f}  {flag}", flush=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
+            "machine": platform.machine(), "hardware": tag,
             "gpu": torch.cuda.get_device_name() if cuda else None}
     if args.json:
         with open(args.json, "w") as f:

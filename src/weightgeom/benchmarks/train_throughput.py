@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightgeom.benchmarks._common import hardware_tag
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
 from weightgeom.train.config import load_config
@@ -209,7 +210,8 @@ def main(argv=None) -> dict:
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     tok = B * T
     out = {
-        "preset": args.preset, "device": str(dev), "config": P, "threads": torch.get_num_threads(),
+        "preset": args.preset, "device": str(dev), "hardware": hardware_tag(dev), "config": P,
+        "threads": torch.get_num_threads(),
         "tokens_per_s_ours": tok / med["ours"], "tokens_per_s_ref": tok / med["ref"],
         "ratio": med["ref"] / med["ours"],
         # process CPU time per step: robust to other jobs on a shared CPU machine (meaningless on CUDA)

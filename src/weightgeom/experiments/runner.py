@@ -550,6 +550,16 @@ def plan(
         if not chosen:
             names = ", ".join(v.name for v in variants)
             raise ValueError(f"--only {','.join(only)} matches no variant; variants: {names}")
+    for key in sets or {}:
+        if key in ("run.seed", "run.name"):
+            raise ValueError(f"--set {key}: the sweep sets {key} for every run (use --seeds for seeds, --out for "
+                             "where the runs go)")
+        varying = sorted({v.name for v in chosen if any(key == k or k.startswith(key + ".") or key.startswith(k + ".")
+                                                        for k in v.overrides)})
+        if varying:
+            raise ValueError(f"--set {key}: recipe {recipe!r} sets this key itself in variant(s) "
+                             f"{', '.join(varying[:4])}{' …' if len(varying) > 4 else ''}; a --set would make them "
+                             f"train the same thing (choose variants with --only, or edit a copy of the preset)")
     runs: list[RunSpec] = []
     for v in chosen:
         if v.part not in parts:

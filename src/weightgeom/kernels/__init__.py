@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._cache import cache_root
+
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "any_nonfinite", "kernel_cache_dir"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
@@ -49,10 +51,7 @@ _SIGNATURES = {
 
 def kernel_cache_dir() -> Path:
     """Where compiled kernels are kept (``$WEIGHTGEOM_CACHE_DIR``, else ``$XDG_CACHE_HOME/weightgeom``)."""
-    root = os.environ.get("WEIGHTGEOM_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "weightgeom")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:

@@ -1,6 +1,8 @@
-"""Linear-algebra kernels: msign (polar factor) presets and top singular vectors."""
+"""Linear-algebra kernels: msign (polar factor) presets, its per-device dtype/step choice, top singular vectors."""
 
+from weightgeom.linalg.autotune import MsignChoice, msign_choice, orthogonality_error
 from weightgeom.linalg.msign import MSIGN_PRESETS, NSPreset, default_dtype, msign, msign_reference
 from weightgeom.linalg.topsv import top_singular
 
-__all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype", "top_singular"]
+__all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype", "top_singular", "MsignChoice",
+           "msign_choice", "orthogonality_error"]

@@ -107,6 +107,8 @@ def resolve_config(
     a_wd = adamw_weight_decay if adamw_weight_decay is not None else (weight_decay if adamw_name else None)
     adamw = {k: v for k, v in (("lr", a_lr), ("weight_decay", a_wd), ("betas", betas), ("eps", eps)) if v is not None}
     muon = {k: v for k, v in hp.items() if k in _MUON_FIELDS}
+    if isinstance(muon.get("msign_dtype"), torch.dtype):  # Muon(msign_dtype=torch.bfloat16) spelling
+        muon["msign_dtype"] = str(muon["msign_dtype"]).removeprefix("torch.")
     if not adamw_name:
         muon.update({k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None})
     top = {k: v for k, v in hp.items() if k in _GROUP_KEYS}

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -27,7 +28,7 @@ from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.manifold_muon import DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
 from weightgeom.optim.param_groups import STRATEGIES
-from weightgeom.schema import ConfigError, Section, from_dict, setting, suggest
+from weightgeom.schema import ConfigError, Section, check_bounds, coerce, field_types, from_dict, setting, suggest
 
 __all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS"]
 
@@ -60,13 +61,13 @@ class MuonConfig(Section):
                                   ge=0)
     ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default)", gt=0)
     msign_method: str = setting("polar_express", "msign polynomial: polar_express | muon | svd")
-    msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: fp32 on CPU, bf16 on CUDA; "
-                                                   "manifold groups fp32)")
+    msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: chosen per device by a cached "
+                                                   "micro-benchmark, bf16 only where faster; manifold groups fp32)")
     adjust_lr_fn: AdjustLr | None = setting(None, "shape scale s: original sqrt(max(1, rows/cols)) | "
                                                   "match_rms_adamw | none (unset: original without a manifold, "
                                                   "none with one, so a manifold step is ‖ΔW‖₂ = lr)")
     momentum_form: MomentumForm = setting("ema", "ema M ← βM + (1−β)G (torch.optim.Muon) | sum M ← βM + G")
-    dual_steps: int = setting(20, "manifold Muon: maximum dual-ascent iterations per step (one msign each)", ge=0)
+    dual_steps: int = setting(20, "manifold Muon: maximum dual-ascent iterations per step (one msign each)", gt=0)
     dual_lr: float = setting(0.1, "manifold Muon: dual step α (momentum normalised to unit RMS singular value)",
                              gt=0)
     dual_tol: float = setting(1e-4, "manifold Muon: stop once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol",
@@ -119,8 +120,10 @@ class MDConfig(Section):
     gain_lr: float = setting(1e-3, "Adam step size of the gain parameters", ge=0)
     gain_betas: tuple[float, float] = setting((0.9, 0.95), "Adam (β1, β2) of the gains", ge=0, lt=1)
     gain_eps: float = setting(1e-8, "Adam ε of the gains", gt=0)
-    params: list[str] | None = setting(None, "regexes of the matrices to decouple (unset: every hidden matrix)")
-    exclude: list[str] = setting([], "regexes of matrices never decoupled")
+    params: list[str] | None = setting(None, "names or fnmatch globs (whole name, e.g. '*.mlp.*') of the "
+                                                   "matrices to decouple (unset: every hidden matrix)")
+    exclude: list[str] = setting([], "names or fnmatch globs (whole name) of matrices never decoupled; each must "
+                                         "match a parameter")
     embeddings: Embeddings = setting("exclude", "embeddings: exclude | unit_rows | decouple")
     embedding_radius: float = setting(1.0, "row norm of unit_rows embeddings", gt=0)
     fused: bool | None = setting(None, "use the fused C kernel (unset: when it is built and faster)")
@@ -131,6 +134,46 @@ class MDConfig(Section):
         if kw["params"] is None:
             del kw["params"]
         return kw
+
+
+_RULE_GROUP_KEYS = ("manifold", "algorithm")
+
+
+def _check_rules(rules: dict[str, Any]) -> dict[str, Any]:
+    """``optim.rules`` with every pattern a valid regex, every target a string or a table of group keys, and every
+    group key checked and coerced like the field of the same name (MuonConfig's, or AdamWConfig's for an AdamW rule)."""
+    out: dict[str, Any] = {}
+    muon_types, adamw_types = field_types(MuonConfig), field_types(AdamWConfig)
+    for pat, target in rules.items():
+        key = f"optim.rules[{pat!r}]"
+        if not isinstance(pat, str):
+            raise ConfigError(f"config key optim.rules: a pattern must be a string (a regex), got {pat!r}")
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ConfigError(f"config key {key}: not a valid regex ({e})") from None
+        if isinstance(target, str):
+            out[pat] = target
+            continue
+        if not isinstance(target, dict):
+            raise ConfigError(f"config key {key}: expected 'adamw', 'muon', a manifold name or a table of group "
+                              f"keys, got {target!r}")
+        group: dict[str, Any] = {}
+        adamw = target.get("algorithm") == "adamw"
+        types, meta = (adamw_types, AdamWConfig) if adamw else (muon_types, MuonConfig)
+        fields = {f.name: f for f in dataclasses.fields(meta)}
+        for k, v in target.items():
+            if k in _RULE_GROUP_KEYS:
+                if not isinstance(v, str):
+                    raise ConfigError(f"config key {key}.{k}: expected a string, got {v!r}")
+                group[k] = v
+            elif k in fields:
+                group[k] = coerce(f"{key}.{k}", v, types[k])
+                check_bounds(f"{key}.{k}", group[k], fields[k].metadata)
+            else:
+                raise ConfigError(f"unknown config key {key}.{k}{suggest(k, [*fields, *_RULE_GROUP_KEYS])}")
+        out[pat] = group
+    return out
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -165,6 +208,7 @@ class OptimConfig(Section):
     md: MDConfig = setting(MDConfig(), "magnitude–direction wrapper settings (for the -md names)")
 
     def check(self) -> None:
+        object.__setattr__(self, "rules", _check_rules(self.rules))
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: must be one of {', '.join(STRATEGIES)}"
                               f"{suggest(self.strategy, STRATEGIES)}")

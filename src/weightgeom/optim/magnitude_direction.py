@@ -717,6 +717,10 @@ class MagnitudeDirection(Optimizer):
             return any(name == pat or fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
         exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+        unused = [pat for pat in exclude if not any(matches(names[q], [pat]) for q in base_params)]
+        if unused:  # a pattern that excludes nothing is a typo (or a regex where a glob is meant), never silent
+            raise ValueError(f"MagnitudeDirection: exclude pattern {unused[0]!r} matches no parameter name (names or "
+                             "fnmatch globs over the whole name, e.g. 'transformer.h.*.attn.*')")
         if params is None:
             chosen = [q for q in base_params if q.ndim == 2 and not matches(names[q], exclude)
                       and (embeddings == "decouple" or not is_embedding(q))]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from weightgeom import manifolds
-from weightgeom.linalg import MSIGN_PRESETS, msign
+from weightgeom.linalg import MSIGN_PRESETS, msign, msign_choice
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
@@ -65,11 +65,17 @@ class Muon(torch.optim.Optimizer):
         momentum: β of the momentum buffer, in [0, 1).
         nesterov: use the Nesterov look-ahead U = (1−β)G + βM (EMA) / G + βM (sum).
         weight_decay: decoupled decay coefficient; W ← W(1 − lr·wd) before the step.
-        ns_steps: msign polynomial steps (None: the preset's default).
+        ns_steps: msign polynomial steps (None: the preset's default; plain Muon with msign_dtype None: the
+            per-device choice, see msign_dtype).
         msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
             torch.optim.Muon uses) or ``"svd"`` (exact, slow).
-        msign_dtype: msign compute dtype (None: msign's default, fp32 on CPU / bf16 on CUDA; manifold groups use
-            fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach ``dual_tol``).
+        msign_dtype: msign compute dtype. None (plain Muon, Polar Express): chosen per device at the first step by
+            a sub-second micro-benchmark cached on disk (``weightgeom.linalg.msign_choice``): bf16 only where it is
+            faster than fp32, with the fewest Polar Express steps (when ``ns_steps`` is None too) whose direction is
+            at least as orthogonal as torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
+            ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold
+            groups use fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach
+            ``dual_tol``. An explicit dtype always wins (with the preset's steps unless ``ns_steps`` is set).
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
             (the manifold-assignment paper steps W − lr·A with ‖A‖₂ = 1).
@@ -109,6 +115,9 @@ class Muon(torch.optim.Optimizer):
             the manifold. Details: docs/manifolds.md, "Fine-tuning a pretrained model".
 
     Attributes:
+        msign_auto: {device: the per-device msign choice (``MsignChoice.as_dict()``: dtype, steps, source, measured
+            step seconds and probe errors)} for every device a plain-Muon group used it on; empty before the first
+            step and when every group sets ``msign_dtype`` and ``ns_steps``.
         last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int,
             "dual_residual": float}} for every manifold-constrained parameter that had a gradient (tangent_residual
             is that of the direction actually used; dual_residual the dual ascent's before any projection).
@@ -157,6 +166,7 @@ class Muon(torch.optim.Optimizer):
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
         self.last_stats: dict[str, dict[str, float]] = {}
+        self.msign_auto: dict[str, dict[str, Any]] = {}
         self._far_retractions: dict[str, tuple[float, str]] = {}  # name -> (distance, manifold) since last warning
         self._warned_far_retraction = False
         _validate_values(defaults, where="Muon()")
@@ -259,6 +269,8 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "adamw":
                 for _, p in items:
                     self._adamw_step(group, p)
+            elif group["manifold"] is None:
+                self._muon_group_batched(group, [p for _, p in items])
             else:
                 for i, p in items:
                     self._muon_step(group, p, self._name(group, i, gi))
@@ -300,6 +312,40 @@ class Muon(torch.optim.Optimizer):
             f"{manifold}); expected from a random initialisation, but it discards pretrained weights: pass "
             f"init='keep' to fine-tune them", FarRetractionWarning, stacklevel=2)
 
+    def _msign_settings(self, group: dict[str, Any], U: torch.Tensor) -> tuple[int | None, torch.dtype | None]:
+        """(steps, dtype) of a plain-Muon msign: the group's ``ns_steps``/``msign_dtype`` where set; where unset (and
+        the method is Polar Express, the input not float64) the per-device choice of ``msign_choice`` (recorded in
+        ``msign_auto``). An explicit ``msign_dtype`` keeps the preset's step count unless ``ns_steps`` is set."""
+        steps, dtype = group["ns_steps"], group["msign_dtype"]
+        if group["msign_method"] != "polar_express" or U.dtype == torch.float64 or (
+                steps is not None and dtype is not None):
+            return steps, dtype
+        choice = msign_choice(U.device)
+        self.msign_auto.setdefault(str(U.device), choice.as_dict())
+        if dtype is None:
+            dtype = choice.dtype
+            steps = choice.steps if steps is None else steps
+        return steps, dtype
+
+    def summary(self) -> str:
+        """One line per parameter group (algorithm, size, manifold, msign settings) plus the per-device msign choice
+        made at the first step (``msign_auto``; empty before it)."""
+        lines = []
+        for gi, group in enumerate(self.param_groups):
+            n = sum(p.numel() for p in group["params"])
+            if group["algorithm"] == "adamw":
+                lines.append(f"group {gi}: adamw, {len(group['params'])} params ({n:,} weights), lr {group['lr']:g}")
+                continue
+            dt = group["msign_dtype"]
+            ms = (f"msign {group['msign_method']}, steps {group['ns_steps'] or 'auto'}, dtype "
+                  f"{str(dt).replace('torch.', '') if dt is not None else 'auto'}")
+            where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
+            lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
+                         f"{where}, {ms}")
+        for dev, c in self.msign_auto.items():
+            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})")
+        return "\n".join(lines)
+
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
         state = self.state[p]
         if not state:
@@ -312,20 +358,54 @@ class Muon(torch.optim.Optimizer):
             group["betas"], group["eps"], group["weight_decay"],
         )
 
-    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str) -> None:
+    def _muon_group_batched(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """Plain-Muon step of one group: matrices of the same (out, in) view shape, dtype and device are stacked and
+        orthogonalised by one batched msign call (msign normalises and iterates each matrix of a batch on its own,
+        so the result equals one call per matrix up to rounding); a bucket of one takes the 2-D path."""
+        buckets: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for p in params:
+            shape = tuple(_matrices(p, group["layout"], group["split"]).shape)
+            buckets.setdefault((shape, p.dtype, p.device), []).append(p)
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        adjust = group["adjust_lr_fn"] or "original"
+        for (shape, _, _), ps in buckets.items():
+            if len(ps) == 1:
+                self._muon_step(group, ps[0], "")
+                continue
+            U = None  # (len(ps), *shape): the momentum directions, filled one matrix at a time
+            for j, p in enumerate(ps):
+                u = _matrices(self._momentum(group, p), group["layout"], group["split"])
+                if U is None:
+                    U = torch.empty((len(ps), *shape), dtype=u.dtype, device=u.device)
+                U[j].copy_(u)
+            steps, dtype = self._msign_settings(group, U)
+            D = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
+            del U
+            for p, d in zip(ps, D.unbind(0)):
+                W = _matrices(p, group["layout"], group["split"])
+                apply_update(W, d, lr, shape_scale(W.shape, adjust), wd)
+                self.state[p]["step"] += 1
+
+    def _momentum(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """Update p's momentum buffer (created at the first step) with its gradient; return the direction input U."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["step"] = 0
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
+                                  group["momentum_form"])
+
+    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str) -> None:
+        state = self.state[p]
         lr = float(group["lr"])
-        U = momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
-                               group["momentum_form"])
+        U = self._momentum(group, p)
         W = _matrices(p, group["layout"], group["split"])  # (out, in) view, or (k, out/k, in) blocks
         U = _matrices(U, group["layout"], group["split"])
         manifold = self._manifold(group) if group["manifold"] is not None else None
         adjust = group["adjust_lr_fn"] or ("none" if manifold is not None else "original")
         if manifold is None:
-            direction = msign(U, method=group["msign_method"], steps=group["ns_steps"], dtype=group["msign_dtype"])
+            steps, dtype = self._msign_settings(group, U)
+            direction = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
         else:
             if state["step"] == 0 and group.get("init", "retract") == "retract":  # start on the manifold
                 R = _retract(manifold, W)

@@ -167,9 +167,15 @@ class CallbackList:
         TypeError: an entry has none of the hook methods.
     """
 
-    def __init__(self, callbacks: Iterable[Any] = ()) -> None:
-        self.callbacks = list(callbacks or ())
+    def __init__(self, callbacks: Iterable[Any] | Any = ()) -> None:
+        if callbacks is None:
+            callbacks = ()
+        elif isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+            callbacks = (callbacks,)  # one callback given on its own
+        self.callbacks = list(callbacks)
         for cb in self.callbacks:
+            if isinstance(cb, type):
+                raise TypeError(f"callbacks: {cb.__name__} is a class; pass an instance, e.g. {cb.__name__}()")
             if not any(callable(getattr(cb, h, None)) for h in HOOKS):
                 raise TypeError(f"callbacks: {cb!r} has none of the hook methods ({', '.join(HOOKS)})")
         self.keys = _unique_keys(self.callbacks)

@@ -34,11 +34,13 @@ import yaml
 from weightgeom.models import GPTConfig, LlamaConfig, ResMLPConfig, available_presets
 from weightgeom.optim.config import OptimConfig
 from weightgeom.schema import (
+    MAX_DEPTH,
     ConfigError,
     Section,
-    _coerce,
-    _hints,
+    check_plain_data,
+    coerce,
     field_docs,
+    field_types,
     from_dict,
     parse_value,
     setting,
@@ -105,7 +107,7 @@ class RunConfig(Section):
 
     name: str = setting("run", "run directory name under out_dir (may contain '/': sweep/run)")
     out_dir: str = setting("runs", "parent of run directories")
-    seed: int = setting(0, "random seed (model init, data order)", ge=0)
+    seed: int = setting(0, "random seed (model init, data order)", ge=0, le=2**63 - 1)
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto | cpu | cuda")
     dtype: Literal["float32", "bfloat16", "float16"] = setting("float32", "autocast dtype of the forward on CUDA")
     parallel: Literal["ddp", "fsdp"] = setting("ddp", "data parallelism under torchrun with WORLD_SIZE > 1")
@@ -193,6 +195,11 @@ class Config(Section):
 
     def check(self) -> None:
         object.__setattr__(self, "model", _check_model(self.model))
+        ctx_key = {"gpt": "block_size", "llama": "max_seq_len"}.get(self.model["kind"])
+        ctx = self.model.get(ctx_key) if ctx_key else None
+        if ctx is not None and self.data.kind != "mnist" and ctx < self.data.block_size:
+            raise ConfigError(f"config key model.{ctx_key}={ctx}: shorter than data.block_size={self.data.block_size} "
+                              f"(the model's context must hold a training sequence)")
 
 
 def _model_fields(kind: str) -> dict[str, dataclasses.Field]:
@@ -201,7 +208,7 @@ def _model_fields(kind: str) -> dict[str, dataclasses.Field]:
 
 def _check_model(table: Mapping[str, Any]) -> dict[str, Any]:
     """The ``[model]`` table with ``kind`` / ``preset`` checked and every other key checked and coerced against the
-    kind's model config dataclass (schema's ``_coerce``: the same coercion as every other section)."""
+    kind's model config dataclass (schema's ``coerce``: the same coercion as every other section)."""
     out = dict(table)
     kind = out.setdefault("kind", "gpt")
     if kind not in MODEL_CONFIGS:
@@ -214,14 +221,14 @@ def _check_model(table: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config key model.preset={preset!r}: not a {kind} preset (available: "
                           f"{', '.join(available_presets(kind))}){suggest(preset, available_presets(kind))}")
     fields = _model_fields(kind)
-    hints = _hints(MODEL_CONFIGS[kind])
+    hints = field_types(MODEL_CONFIGS[kind])
     for k, v in list(out.items()):
         if k in ("kind", "preset"):
             continue
         if k not in fields:
             raise ConfigError(f"unknown config key model.{k} for model.kind={kind!r}"
                               f"{suggest(k, [*fields, 'kind', 'preset'])}")
-        out[k] = _coerce(f"model.{k}", v, hints[k])
+        out[k] = coerce(f"model.{k}", v, hints[k])
     return out
 
 
@@ -280,13 +287,19 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if path.suffix not in (".toml", ".yaml", ".yml"):
         raise ValueError(f"config {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .yml)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (some Windows editors) is not an error
     except UnicodeDecodeError as e:
         raise ValueError(f"config {path}: not UTF-8 text ({e.reason})") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else (yaml.safe_load(text) or {})
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"config {path}: cannot parse: {e}".replace("\n", " ")) from e
+    except RecursionError:
+        raise ValueError(f"config {path}: nested deeper than {MAX_DEPTH} levels") from None
+    try:
+        check_plain_data(data, f"config {path}")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path}: top level must be a table/mapping, got {type(data).__name__}")
     return data
@@ -305,11 +318,14 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.key=value")
         key, raw = item.split("=", 1)
-        key = key.strip()
+        key = ".".join(part.strip() for part in key.split("."))
         parts = key.split(".")
         if len(parts) < 2 or not all(parts):
             raise ValueError(f"--set {item!r}: the key must be section.key (e.g. train.max_steps=100)")
-        out[key] = parse_value(raw)
+        try:
+            out[key] = parse_value(raw)
+        except ConfigError as e:
+            raise ValueError(f"--set {key}: {e}") from None
     return out
 
 
@@ -444,8 +460,8 @@ def _toml_value(v: Any) -> str:
         if isinstance(v, float) and v in (float("inf"), float("-inf")):
             return "inf" if v > 0 else "-inf"
         return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, str):  # TOML basic string; DEL is not allowed raw (JSON leaves it)
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):

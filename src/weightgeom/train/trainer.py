@@ -42,6 +42,7 @@ from torch import nn
 from weightgeom import __version__
 from weightgeom.diagnostics.monitors import _clean, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
+from weightgeom.linalg import msign_choice
 from weightgeom.models import GPT, Llama, build_model
 from weightgeom.optim import MagnitudeDirection
 from weightgeom.optim.build import from_config as optimizer_from_config
@@ -370,7 +371,9 @@ class _Trainer:
         else:  # a fresh start: an earlier run's meta.json was moved to previous/ by _archive_previous_run
             meta = {"seed": self.cfg.run.seed, "config_hash": self.hash, "versions": _versions(),
                     "git_commit": _git_commit(), "data": self.batches.meta,
-                    "num_params": sum(p.numel() for p in self.model.parameters()), **session}
+                    "num_params": sum(p.numel() for p in self.model.parameters()),
+                    # what plain Muon groups without msign_dtype / ns_steps use on this device (chosen per machine)
+                    "msign_default": msign_choice(self.device).as_dict(), **session}
         write_json_atomic(meta_path, meta)
 
     def _status(self, state: str, reason: str | None = None) -> None:

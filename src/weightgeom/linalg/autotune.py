@@ -1,0 +1,268 @@
+"""Per-device choice of msign's compute dtype and Polar Express step count, by a micro-benchmark at first use.
+
+Why: a bf16 matmul is 2–4× faster than fp32 on a GPU or a CPU with bf16 units (AVX512-BF16, AMX) but 10–40×
+slower on one without (AVX2, plain AVX512), so no fixed default dtype is right everywhere. The choice is made once
+per device kind and cached on disk next to the compiled kernels (``weightgeom.kernels.kernel_cache_dir``'s parent,
+``msign/``), keyed by the torch version, the device's name and the CPU's flags and thread count.
+
+What is measured (well under a second on a 2-core CPU):
+
+1. Accuracy, on a fixed probe matrix (128×384, singular values log-spaced in [1e-2, 1]): the orthogonality error
+   e(D) = max |σᵢ/σ_max − 1| of the direction D after each Polar Express step, in each candidate dtype, and the same
+   error of torch.optim.Muon's iteration (Keller Jordan's quintic, 5 steps, computed in float32 — at least as accurate
+   as torch's bf16, so the bar is not lowered). Per dtype, ``steps`` is the fewest steps with e ≤ torch's.
+2. Speed: the seconds of one polynomial step (3 matmuls) on a 192×768 matrix in each dtype.
+
+The dtype with the smallest ``steps × seconds per step`` wins; bf16 is only measured for accuracy where its step is
+faster than fp32's. ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
+``"bfloat16:6"``) forces a choice without measuring (tests use it; without ``:STEPS`` the preset's default, 10).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from weightgeom._cache import cache_root
+from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
+
+__all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices"]
+
+ENV_VAR = "WEIGHTGEOM_MSIGN"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_PROBE_SHAPE = (128, 384)
+_SPEED_SHAPE = (192, 768)
+_REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
+_CACHE_VERSION = 1
+
+_lock = threading.Lock()
+_choices: dict[str, MsignChoice] = {}
+
+
+@dataclass(frozen=True)
+class MsignChoice:
+    """The msign settings Muon uses on one device kind when the user sets neither ``msign_dtype`` nor ``ns_steps``.
+
+    Attributes:
+        device: device kind the choice is for (``"cpu"``, ``"cuda:0"``, ...).
+        dtype: compute dtype.
+        steps: Polar Express steps.
+        source: ``"benchmark"`` (measured now), ``"cache"`` (measured earlier on this machine), ``"env"`` (forced by
+            ``WEIGHTGEOM_MSIGN``) or ``"fallback"`` (measuring failed: msign's static default).
+        step_seconds: measured seconds of one polynomial step per dtype name (192×768 matrix).
+        errors: orthogonality error of the probe direction per dtype name at the chosen steps, and ``"torch_muon"``
+            (the bar).
+    """
+
+    device: str
+    dtype: torch.dtype
+    steps: int
+    source: str
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: dtype, steps, where the choice came from and the measured figures."""
+        name = str(self.dtype).replace("torch.", "")
+        parts = [f"{name}, {self.steps} Polar Express steps ({self.source})"]
+        if self.step_seconds:
+            parts.append("step " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in self.step_seconds.items()))
+        if self.errors:
+            parts.append("probe max|σ/σ_max − 1| " + ", ".join(f"{k} {v:.1e}" for k, v in self.errors.items()))
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form (dtype as its name)."""
+        d = asdict(self)
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        return d
+
+
+def orthogonality_error(D: torch.Tensor) -> float:
+    """max |σᵢ/σ_max − 1| over the min(m, n) singular values of the 2-D matrix D (0 for a semi-orthogonal D;
+    scale-free). Computed in float64 from the eigenvalues of the smaller Gram matrix."""
+    X = D.double()
+    X = X if X.shape[-2] <= X.shape[-1] else X.mT
+    S = torch.linalg.eigvalsh(X @ X.mT).clamp_min(0).sqrt()
+    return float((S / S.max().clamp_min(1e-300)).sub(1).abs().max())
+
+
+def clear_msign_choices() -> None:
+    """Forget the choices made in this process (the disk cache stays); the next ``msign_choice`` looks again."""
+    with _lock:
+        _choices.clear()
+
+
+def _forced(device: torch.device) -> MsignChoice | None:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw or raw == "auto":
+        return None
+    name, _, steps = raw.partition(":")
+    if name not in _DTYPES or (steps and not (steps.isdigit() and int(steps) >= 1)):
+        raise ValueError(f"{ENV_VAR}={raw!r} is invalid: use auto, float32, bfloat16 or float64, optionally "
+                         f"followed by :STEPS (an int ≥ 1), e.g. bfloat16:6")
+    n = int(steps) if steps else MSIGN_PRESETS["polar_express"].steps
+    return MsignChoice(str(device), _DTYPES[name], n, "env")
+
+
+def _device_key(device: torch.device) -> str:
+    parts = [torch.__version__, str(device), f"v{_CACHE_VERSION}"]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    else:
+        parts.append(str(torch.get_num_threads()))
+        try:
+            with open("/proc/cpuinfo") as f:
+                parts += sorted({ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))})
+        except OSError:
+            parts.append(str(torch.backends.cpu.get_cpu_capability()))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def _cache_file(device: torch.device) -> Path:
+    return cache_root() / "msign" / f"{device.type}-{_device_key(device)}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step_seconds(dtype: torch.dtype, device: torch.device, budget: float) -> float:
+    """Median seconds of one polynomial step (XXᵀ, then two fused multiply-adds) on a 192×768 matrix; at most 3
+    timed calls (after one untimed call on CUDA), fewer once ``budget`` seconds are spent."""
+    g = torch.Generator().manual_seed(0)
+    X = (torch.randn(*_SPEED_SHAPE, generator=g) / 32).to(device=device, dtype=dtype)
+    a, b, c = MSIGN_PRESETS["polar_express"].coeffs[3]
+    times = []
+    start = time.perf_counter()
+    for i in range(4 if device.type == "cuda" else 3):
+        _sync(device)
+        t = time.perf_counter()
+        A = X @ X.mT
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        torch.addmm(X, B, X, beta=a)
+        _sync(device)
+        if i > 0 or device.type == "cpu":  # CPU: no warm-up needed (and bf16 may be very slow)
+            times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget and times:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _probe(device: torch.device) -> torch.Tensor:
+    """128×384 matrix with singular values log-spaced in [1e-2, 1] and random singular vectors (fixed seed)."""
+    g = torch.Generator().manual_seed(1234)
+    m, n = _PROBE_SHAPE
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))
+    S = torch.logspace(-2, 0, m, dtype=torch.float64)
+    return ((U * S) @ V.mT).float().to(device)
+
+
+def _steps_to_reach(P: torch.Tensor, dtype: torch.dtype, max_steps: int, bar: float) -> tuple[int, float] | None:
+    """Fewest Polar Express steps (≤ max_steps) whose direction has orthogonality error ≤ bar, and that error; None
+    if none does. The iteration is continued step by step (``start_step``), so it costs max_steps steps at most."""
+    X = P
+    for k in range(max_steps):
+        X = msign(X, steps=k + 1, start_step=k, dtype=dtype) if k else msign(P, steps=1, dtype=dtype)
+        if k >= 2:  # the first steps only lift the small singular values; never within the bar
+            e = orthogonality_error(X)
+            if e <= bar:
+                return k + 1, e
+    return None
+
+
+def _measure(device: torch.device) -> MsignChoice:
+    max_steps = MSIGN_PRESETS["polar_express"].steps
+    P = _probe(device)
+    bar = orthogonality_error(msign(P, method="muon", steps=_REFERENCE_STEPS, dtype=torch.float32))
+    candidates = [torch.float32, torch.bfloat16]
+    seconds: dict[str, float] = {}
+    for dt in candidates:
+        seconds[str(dt).replace("torch.", "")] = _step_seconds(dt, device, budget=0.1)
+    best: tuple[float, torch.dtype, int] | None = None
+    errors: dict[str, float] = {"torch_muon": bar}
+    for dt in candidates:
+        name = str(dt).replace("torch.", "")
+        if dt != torch.float32 and seconds[name] >= seconds["float32"]:
+            continue  # slower per step and never fewer steps than fp32: cannot win, skip its accuracy probe
+        reached = _steps_to_reach(P, dt, max_steps, bar)
+        if reached is None:
+            continue
+        steps, errors[name] = reached
+        cost = steps * seconds[name]
+        if best is None or cost < best[0]:
+            best = (cost, dt, steps)
+    if best is None:  # no dtype reached the bar within the preset's steps: the static default, all steps
+        return MsignChoice(str(device), default_dtype(device), max_steps, "fallback", seconds, errors)
+    return MsignChoice(str(device), best[1], best[2], "benchmark", seconds, errors)
+
+
+def _load(path: Path, device: torch.device) -> MsignChoice | None:
+    try:
+        d = json.loads(path.read_text())
+        if d.get("dtype") not in _DTYPES or not int(d.get("steps", 0)) >= 1:
+            return None
+        return MsignChoice(str(device), _DTYPES[d["dtype"]], int(d["steps"]), "cache",
+                           {k: float(v) for k, v in d.get("step_seconds", {}).items()},
+                           {k: float(v) for k, v in d.get("errors", {}).items() if math.isfinite(float(v))})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _save(path: Path, choice: MsignChoice) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choice.as_dict(), indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache: measure again next process
+
+
+def msign_choice(device: torch.device | str = "cpu") -> MsignChoice:
+    """The msign dtype and Polar Express step count for ``device``: forced by ``WEIGHTGEOM_MSIGN``, else cached in
+    this process, else read from the disk cache, else measured now (see the module docstring) and cached.
+
+    Args:
+        device: the device msign runs on.
+
+    Returns:
+        The choice; never raises for a failed measurement (falls back to msign's static default, 10 steps).
+
+    Raises:
+        ValueError: ``WEIGHTGEOM_MSIGN`` holds something other than auto / a dtype name [:steps].
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    forced = _forced(device)
+    if forced is not None:
+        return forced
+    key = str(device)
+    with _lock:
+        if key in _choices:
+            return _choices[key]
+        path = _cache_file(device)
+        choice = _load(path, device)
+        if choice is None:
+            try:
+                with torch.no_grad():
+                    choice = _measure(device)
+            except (RuntimeError, torch.linalg.LinAlgError) as e:  # an unsupported dtype on this device, ...
+                choice = MsignChoice(str(device), default_dtype(device), MSIGN_PRESETS["polar_express"].steps,
+                                     f"fallback ({str(e).splitlines()[0][:80]})")
+            if choice.source == "benchmark":
+                _save(path, choice)
+        _choices[key] = choice
+        return choice
