@@ -38,7 +38,6 @@ __all__ = [
     "parse_value",
     "suggest",
     "field_docs",
-    "replace",
     "check_plain_data",
     "coerce",
     "field_types",
@@ -266,15 +265,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
 
 
-def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str | None = None, moved: Mapping[str, str] | None = None
-              ) -> Any:
+def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str | None = None) -> Any:
     """An instance of the config dataclass ``cls`` from a (partial) nested dict; missing keys take defaults.
 
     Args:
         cls: a dataclass (normally a :class:`Section`).
         data: key → value; nested dataclass fields take nested dicts.
         prefix: dotted path of this section, for messages (default: the class's ``_prefix``).
-        moved: old key (dotted, relative to ``prefix``) → message, for keys that were renamed or moved.
 
     Raises:
         ConfigError: an unknown key (with the closest valid names, or where it moved) or a value that does not fit.
@@ -290,7 +287,7 @@ def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str | None = None, 
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
-            hint = (moved or getattr(cls, "_moved", {})).get(str(k))
+            hint = getattr(cls, "_moved", {}).get(str(k))  # a key that was renamed or moved: say where
             raise ConfigError(f"unknown config key {key}" + (f": {hint}" if hint else suggest(str(k), sorted(names))))
         kwargs[k] = coerce(key, v, hints[k])
     return cls(**kwargs)
@@ -312,7 +309,3 @@ def to_dict(obj: Any) -> Any:
         return [to_dict(v) for v in obj]
     return obj
 
-
-def replace(obj: Any, **changes: Any) -> Any:
-    """``dataclasses.replace`` (re-validated by the section's ``__post_init__``)."""
-    return dataclasses.replace(obj, **changes)

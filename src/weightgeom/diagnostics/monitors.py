@@ -51,9 +51,11 @@ __all__ = [
     "HFAttention",
     "collect",
     "SATURATION_THRESHOLD",
+    "MAX_SEQS",
 ]
 
 SATURATION_THRESHOLD = 0.99  # a softmax row counts as saturated when its max probability exceeds this
+MAX_SEQS = 8  # sequences of a batch the diagnostic forward uses (memory: one (B, H, T, T) layer at a time)
 
 
 def matrix_stats(W: torch.Tensor) -> dict[str, float]:
@@ -507,7 +509,7 @@ def _forward_inputs(model: nn.Module, batch, forward_kwargs: dict, max_seqs: int
     return args, kwargs, has_targets
 
 
-def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = 8, grads: bool = True,
+def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX_SEQS, grads: bool = True,
             threshold: float = SATURATION_THRESHOLD, **forward_kwargs) -> dict[str, float]:
     """All monitors at once, as flat ``{name: float}`` (see the module docstring for the names).
 

@@ -87,7 +87,7 @@ def resolve_config(
         TypeError: an unknown keyword argument.
     """
     cfg = OptimConfig() if config is None else (
-        config if isinstance(config, OptimConfig) else OptimConfig.from_dict(config))
+        config if isinstance(config, OptimConfig) else from_dict(OptimConfig, config))
     unknown = sorted(set(hp) - set(_MUON_FIELDS) - set(_GROUP_KEYS))
     if unknown:
         names = (*_MUON_FIELDS, *_GROUP_KEYS, "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "betas", "eps")

@@ -28,7 +28,7 @@ from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.manifold_muon import DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
 from weightgeom.optim.param_groups import STRATEGIES
-from weightgeom.schema import ConfigError, Section, check_bounds, coerce, field_types, from_dict, setting, suggest
+from weightgeom.schema import ConfigError, Section, check_bounds, coerce, field_types, setting, suggest
 
 __all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS"]
 
@@ -215,8 +215,3 @@ class OptimConfig(Section):
         if self.name.startswith("adamw") and self.strategy != "unconstrained":
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: needs a Muon name (manifold groups are "
                               f"Muon groups); optim.name={self.name!r} supports only 'unconstrained'")
-
-    @classmethod
-    def from_dict(cls, data: Any) -> OptimConfig:
-        """From a (partial) nested dict such as a file's ``[optim]`` table (older flat keys: where they moved)."""
-        return from_dict(cls, data)

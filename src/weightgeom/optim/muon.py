@@ -48,6 +48,14 @@ INIT_MODES = ("retract", "keep")
 FAR_RETRACTION = 0.1
 
 
+def uses_msign_choice(group: dict[str, Any]) -> bool:
+    """Whether a param group's plain-Muon msign takes the per-device choice of ``msign_choice`` (a Polar Express
+    group that leaves ``ns_steps`` or ``msign_dtype`` unset); the trainer records that choice in the run's meta."""
+    return (group.get("algorithm") == "muon" and group.get("manifold") is None
+            and group.get("msign_method") == "polar_express"
+            and (group.get("ns_steps") is None or group.get("msign_dtype") is None))
+
+
 class FarRetractionWarning(UserWarning):
     """An ``init="retract"`` first step moved a matrix far onto its manifold (pretrained weights discarded).
     Training from a random initialisation expects it; the trainer, whose models always start random, ignores it."""
@@ -317,8 +325,7 @@ class Muon(torch.optim.Optimizer):
         the method is Polar Express, the input not float64) the per-device choice of ``msign_choice`` (recorded in
         ``msign_auto``). An explicit ``msign_dtype`` keeps the preset's step count unless ``ns_steps`` is set."""
         steps, dtype = group["ns_steps"], group["msign_dtype"]
-        if group["msign_method"] != "polar_express" or U.dtype == torch.float64 or (
-                steps is not None and dtype is not None):
+        if not uses_msign_choice(group) or U.dtype == torch.float64:
             return steps, dtype
         choice = msign_choice(U.device)
         self.msign_auto.setdefault(str(U.device), choice.as_dict())
@@ -407,7 +414,7 @@ class Muon(torch.optim.Optimizer):
             steps, dtype = self._msign_settings(group, U)
             direction = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
         else:
-            if state["step"] == 0 and group.get("init", "retract") == "retract":  # start on the manifold
+            if state["step"] == 0 and group["init"] == "retract":  # start on the manifold
                 R = _retract(manifold, W)
                 dist = float(torch.linalg.vector_norm(R - W) / torch.linalg.vector_norm(W).clamp_min(1e-30))
                 if dist > FAR_RETRACTION:

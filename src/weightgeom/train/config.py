@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from weightgeom.diagnostics.monitors import MAX_SEQS, SATURATION_THRESHOLD
 from weightgeom.models import GPTConfig, LlamaConfig, ResMLPConfig, available_presets
 from weightgeom.optim.config import OptimConfig
 from weightgeom.schema import (
@@ -175,9 +177,9 @@ class DiagnosticsConfig(Section):
     _prefix: ClassVar[str] = "diagnostics"
 
     every: int = setting(0, "steps between weightgeom.diagnostics.collect calls (0 = off)", ge=0)
-    max_seqs: int = setting(8, "sequences of the step's batch the diagnostics forward uses", gt=0)
-    saturation_threshold: float = setting(0.99, "a softmax row counts as saturated when its max probability exceeds "
-                                                "this", gt=0, lt=1)
+    max_seqs: int = setting(MAX_SEQS, "sequences of the step's batch the diagnostics forward uses", gt=0)
+    saturation_threshold: float = setting(SATURATION_THRESHOLD, "a softmax row counts as saturated when its max "
+                                                                "probability exceeds this", gt=0, lt=1)
 
 
 @dataclass
@@ -363,25 +365,26 @@ def with_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-def config_from_dict(data: Mapping[str, Any] | Config, where: str = "config") -> Config:
+def config_from_dict(data: Mapping[str, Any] | Config, where: str | None = "config") -> Config:
     """A checked :class:`Config` from a (partial) nested dict; missing keys take their defaults.
 
     Raises:
-        ValueError: one line, ``"<where>: <what is wrong with which key>"``.
+        ValueError: one line, ``"<where>: <what is wrong with which key>"`` (no prefix when ``where`` is None).
     """
     if isinstance(data, Config):
         return data
+    prefix = f"{where}: " if where else ""
     if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a table, got {type(data).__name__}")
+        raise ValueError(f"{prefix}expected a table, got {type(data).__name__}")
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key in data:
+        if key not in sections:
+            raise ValueError(f"{prefix}unknown config section [{key}]{suggest(str(key), sections)} "
+                             f"(sections: {', '.join(sections)})")
     try:
         return from_dict(Config, data)
     except ConfigError as e:
-        msg = str(e)
-        if msg.startswith("unknown config key ") and "." not in msg.split()[3].rstrip(":;"):
-            sections = [f.name for f in dataclasses.fields(Config)]
-            key = msg.split()[3].rstrip(":;")
-            msg = f"unknown config section [{key}]{suggest(key, sections)} (sections: {', '.join(sections)})"
-        raise ValueError(f"{where}: {msg}") from None
+        raise ValueError(f"{prefix}{e}") from None
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | Config | None = None,
@@ -412,11 +415,11 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | Config | None = 
     if not items:
         return cfg
     try:
-        return config_from_dict(with_overrides(data, items), "")
+        return config_from_dict(with_overrides(data, items), None)
     except ValueError as e:
-        msg = str(e).removeprefix(": ")
+        msg = str(e)
         # name the override the message is about (overrides apply together: data.kind=bin needs data.path too)
-        named = [k for k in items if k in msg.split(" ")[3:4] or f"{k}=" in msg or f"{k}:" in msg or f"{k};" in msg]
+        named = [k for k in items if re.search(rf"(?<![\w.]){re.escape(k)}(?=[=:;\s]|$)", msg)]
         where = f"--set {named[0]}={_show(items[named[0]])}" if named else "--set " + " ".join(
             f"{k}={_show(v)}" for k, v in items.items())
         raise ValueError(f"{where}: {msg}") from None

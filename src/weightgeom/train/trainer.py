@@ -46,7 +46,7 @@ from weightgeom.linalg import msign_choice
 from weightgeom.models import GPT, Llama, build_model
 from weightgeom.optim import MagnitudeDirection
 from weightgeom.optim.build import from_config as optimizer_from_config
-from weightgeom.optim.muon import FarRetractionWarning
+from weightgeom.optim.muon import FarRetractionWarning, uses_msign_choice
 from weightgeom.optim.sharded import is_dtensor
 from weightgeom.train import checkpoint as ckpt_mod
 from weightgeom.train.batches import Batches, build_batches
@@ -371,9 +371,9 @@ class _Trainer:
         else:  # a fresh start: an earlier run's meta.json was moved to previous/ by _archive_previous_run
             meta = {"seed": self.cfg.run.seed, "config_hash": self.hash, "versions": _versions(),
                     "git_commit": _git_commit(), "data": self.batches.meta,
-                    "num_params": sum(p.numel() for p in self.model.parameters()),
-                    # what plain Muon groups without msign_dtype / ns_steps use on this device (chosen per machine)
-                    "msign_default": msign_choice(self.device).as_dict(), **session}
+                    "num_params": sum(p.numel() for p in self.model.parameters()), **session}
+            if any(uses_msign_choice(g) for g in self.optimizer.param_groups):  # msign chosen per machine: record it
+                meta["msign_default"] = msign_choice(self.device).as_dict()
         write_json_atomic(meta_path, meta)
 
     def _status(self, state: str, reason: str | None = None) -> None:
