@@ -539,5 +539,5 @@ def test_failed_prepare_keeps_the_existing_dataset(tmp_path, monkeypatch, capsys
     argv = ["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "gpt2", "--quiet", "--force"]
     assert _run_cli(argv) == 2
     err = capsys.readouterr().err
-    assert err == f"weightgeom data prepare: error: {out / 'meta.json'}: No space left on device\n"
+    assert err == f"weightgeom data prepare: error: cannot use {out / 'meta.json'}: No space left on device (ENOSPC)\n"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new train.bin with the old meta.json

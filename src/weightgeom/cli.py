@@ -36,7 +36,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def os_error_line(e: OSError) -> str:
     """One line for an ``OSError``: the path(s) it names and the system's reason, e.g.
-    ``cannot use runs/x/checkpoints/ckpt_00000008.pt: No space left on device (ENOSPC)``."""
+    ``cannot use runs/x/checkpoints/ckpt_00000008.pt: No space left on device (ENOSPC)``. The one formatter every
+    command uses."""
     reason = e.strerror or str(e) or type(e).__name__
     code = errno.errorcode.get(e.errno) if isinstance(e.errno, int) else None
     if code:
@@ -44,6 +45,8 @@ def os_error_line(e: OSError) -> str:
     if e.filename is None:
         return reason
     where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    if isinstance(e, FileExistsError):  # os.makedirs on a path that is a regular file
+        reason = "exists and is not a directory"
     return f"cannot use {where}: {reason}"
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from weightgeom.cli import os_error_line
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``prepare`` and ``info`` sub-subcommands."""
@@ -90,11 +92,6 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _os_error_line(e: OSError) -> str:
-    """One line for an I/O error: the path and what failed (our own errors carry their message and no filename)."""
-    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``weightgeom data ACTION``; returns 0 on success, 2 on a usage or input error (one line on stderr)."""
     action = getattr(args, "data_command", None)
@@ -104,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _prepare(args) if action == "prepare" else _info(args)
     except OSError as e:  # a missing input, an unwritable or full output folder, an unreadable file
-        print(f"weightgeom data {action}: error: {_os_error_line(e)}", file=sys.stderr)
+        print(f"weightgeom data {action}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
     except (ValueError, ImportError) as e:
         print(f"weightgeom data {action}: error: {e}", file=sys.stderr)

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from weightgeom.cli import os_error_line
+
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import Recipe
 
@@ -60,14 +62,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def os_error_line(e: OSError) -> str:
-    """One line for an I/O error naming the file (``runs/x/sweep.json: No space left on device``)."""
-    name = e.filename if e.filename is not None else "?"
-    if isinstance(e, (FileExistsError, NotADirectoryError)):
-        return f"{name}: exists and is not a directory (choose another --out)"
-    return f"{name}: {e.strerror or e}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightgeom sweep: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"weightgeom sweep: {os_error_line(e)}", file=sys.stderr)
+        hint = " (choose another --out)" if isinstance(e, (FileExistsError, NotADirectoryError)) else ""
+        print(f"weightgeom sweep: {os_error_line(e)}{hint}", file=sys.stderr)
         return 2
     if args.list:
         return 0

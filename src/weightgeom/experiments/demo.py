@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run both sweeps and write the combined report; exit 2 with one line on bad input or an unusable directory."""
-    from weightgeom.experiments.cli import os_error_line
+    from weightgeom.cli import os_error_line
     from weightgeom.train.rundir import DirLock
 
     out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
