@@ -26,7 +26,7 @@ DOCS = ["First document.\nIt has two lines.", "Second: naïve café ✓ 1234", "
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("WEIGHTGEOM_CACHE", str(tmp_path_factory.getbasetemp() / "wg-cache"))
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "wg-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +352,7 @@ def test_mnist_never_unpickles_code(tmp_path, monkeypatch):
     evil = tmp_path / "mnist.pkl.gz"
     with gzip.open(evil, "wb") as f:
         pickle.dump(((np.zeros((2, 784), np.float32), np.zeros(2, np.int64)), _evil(marker), None), f, protocol=4)
-    monkeypatch.setenv("WEIGHTGEOM_CACHE", str(tmp_path / "cache"))  # no cached arrays: the pickle is read
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path / "cache"))  # no cached arrays: the pickle is read
     monkeypatch.setattr(wm, "mnist_pickle_path", lambda: evil)
     wm._load.cache_clear()
     try:

@@ -17,8 +17,9 @@ decoding train + val gives back ``separator.join(documents)`` exactly.
 Long documents are cut at BPE-safe points (a single newline between non-space characters, where GPT-2's
 pre-tokeniser always splits) and encoded in parallel threads; the ids equal those of encoding the whole text.
 
-Cache: ``cache_dir()`` is ``$WEIGHTGEOM_CACHE`` or ``~/.cache/weightgeom``. ``load_token_dataset("shakespeare",
-tokenizer="char")`` prepares the bundled corpus there once (atomically: concurrent runs are safe) and reuses it.
+Cache: ``cache_dir()`` is weightgeom's one cache root (``$WEIGHTGEOM_CACHE_DIR``, else ``~/.cache/weightgeom``).
+``load_token_dataset("shakespeare", tokenizer="char")`` prepares the bundled corpus there once (atomically:
+concurrent runs are safe) and reuses it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from weightgeom._cache import cache_root
+
 from .corpora import expand_inputs, iter_documents, shakespeare_text
 from .tokenizers import CharTokenizer, GPT2Tokenizer, Tokenizer, get_tokenizer
 from .tokens import TokenDataset, token_dtype
@@ -47,8 +50,9 @@ BATCH_CHARS = 16 << 20  # characters encoded per batch of pieces
 
 
 def cache_dir() -> Path:
-    """``$WEIGHTGEOM_CACHE`` or ``~/.cache/weightgeom`` (created on demand)."""
-    return Path(os.environ.get("WEIGHTGEOM_CACHE") or Path.home() / ".cache" / "weightgeom").expanduser()
+    """weightgeom's cache root, ``weightgeom._cache.cache_root()``: ``$WEIGHTGEOM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/weightgeom`` (``~/.cache/weightgeom``); created on demand."""
+    return cache_root().expanduser()
 
 
 def bpe_safe_pieces(text: str, target: int = CHUNK_CHARS) -> list[str]:
