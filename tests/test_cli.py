@@ -154,8 +154,8 @@ def test_trainer_configs_and_benchmarks_are_found_in_the_package(tmp_path, monke
     assert bundled_configs() == shipped and "tiny-shakespeare" in shipped
     for name in shipped:
         assert Path(resolve_config_path(name)).resolve().parent == Path(str(configs)).resolve()
-    assert benchmarks_cli.available() == ["analysis_scale", "analysis_speed", "md_overhead", "optimizer_step",
-                                          "train_throughput"]
+    assert benchmarks_cli.available() == ["analysis_scale", "analysis_speed", "gpu_check", "md_overhead",
+                                          "optimizer_step", "train_throughput"]
     assert cli.main(["bench"]) == 0
     assert "optimizer_step" in capsys.readouterr().out
     assert not (ROOT / "benchmarks").exists(), "benchmarks live in src/weightgeom/benchmarks (shipped in the wheel)"
@@ -259,3 +259,14 @@ def test_bench_runs_a_shipped_benchmark_from_another_directory(tmp_path, monkeyp
                      "--iters", "1", "--warmup", "0", "--layers", "1", "--device", "cpu", "--json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     assert json.loads(out_json.read_text())
+
+
+def test_gpu_check_refuses_without_cuda_and_names_the_cpu_smoke_run(capsys, monkeypatch):
+    """`weightgeom bench gpu_check` on a machine without CUDA: one line, exit 2 (the GPU script is not silently run on
+    the CPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "gpu_check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0] and "--device cpu" in err[0]

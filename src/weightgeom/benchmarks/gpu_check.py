@@ -1,0 +1,141 @@
+"""One prepared GPU check of weightgeom: CUDA tests, bf16 msign accuracy, Muon vs torch.optim.Muon, manifold Muon,
+MD overhead and tokens/s of the 124M config, in ≤ 5 minutes on one GPU.
+
+Sections (each runs as its own subprocess of this Python; its wall time and exit code are printed, a failure does not
+stop the others; the log is also written to ``--log``):
+
+1. machine: Python, torch, CUDA, GPU name and memory, CPU kind;
+2. the CUDA-marked tests (``pytest -m cuda``; only from a source checkout, where ``tests/`` exists);
+3. msign accuracy and speed: Polar Express in bf16 and fp32 and torch.optim.Muon's quintic in bf16 on GPT-2 shapes and
+   a 4096² matrix, max |σ/σ_max − 1| of the direction and ms per call;
+4. ``weightgeom bench optimizer_step``: our Muon vs torch.optim.Muon, manifold Muon (Stiefel, DGram), AdamW;
+5. ``weightgeom bench md_overhead``: the MD wrapper's overhead over AdamW and Muon;
+6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop).
+
+Usage::
+
+    weightgeom bench gpu_check                    # on a machine with a CUDA device
+    weightgeom bench gpu_check --device cpu       # smoke run of the same path on a CPU (quick settings)
+
+Exit code: 0 when every section passed, 1 when one failed, 2 without a CUDA device (unless ``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_MACHINE = r"""
+import platform, torch
+from weightgeom.benchmarks._common import hardware_tag
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print(hardware_tag(dev))
+if dev.type == "cuda":
+    p = torch.cuda.get_device_properties(0)
+    print(f"{p.name}: {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+          f"bf16 {torch.cuda.is_bf16_supported()}")
+"""
+
+_MSIGN = r"""
+import sys, time, torch
+from weightgeom.linalg import msign
+dev = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+
+def err(O):
+    s = torch.linalg.svdvals(O.double())
+    return float((s / s.max() - 1).abs().max())
+
+def ms_per_call(f, reps):
+    f()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+rows = [("polar_express", torch.bfloat16), ("polar_express", torch.float32), ("muon", torch.bfloat16)]
+shapes = [(768, 768), (768, 3072), (4096, 4096)]
+if dev.type == "cpu":  # smoke run: bf16 is emulated on most CPUs (a minute per call)
+    rows, shapes = rows[1:2], shapes[:1]
+print(f"{'shape':>12} {'method':>14} {'dtype':>9} {'max|σ/σmax−1|':>14} {'ms/call':>9}")
+for shape in shapes:
+    # momentum-like input: singular values spread over three decades
+    U, _ = torch.linalg.qr(torch.randn(shape[0], min(shape), generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(shape[1], min(shape), generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -3, min(shape), dtype=torch.float64)
+    G = ((U * s) @ V.T).float().to(dev)
+    for method, dtype in rows:
+        O = msign(G, method=method, dtype=dtype)
+        ms = ms_per_call(lambda: msign(G, method=method, dtype=dtype), 20 if dev.type == "cuda" else 1)
+        print(f"{str(shape):>12} {method:>14} {str(dtype)[6:]:>9} {err(O):14.3g} {ms:9.2f}")
+"""
+
+
+def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[str, list[str]]]:
+    py = sys.executable
+    quick = ["--quick"] if device == "cpu" else []
+    out: list[tuple[str, list[str]]] = [("machine", [py, "-c", _MACHINE])]
+    if device == "cuda" and source_tests is not None:
+        out.append(("CUDA tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                   str(source_tests)]))
+    out.append((f"msign accuracy and speed ({device})", [py, "-c", _MSIGN, device]))
+    bench = [py, "-m", "weightgeom.cli", "bench"]
+    out.append((f"optimizer step: Muon vs torch.optim.Muon, manifold Muon ({device})",
+                [*bench, "optimizer_step", "--device", device, *quick, *([] if quick else ["--iters", str(iters)])]))
+    out.append((f"MD overhead ({device})", [*bench, "md_overhead", "--device", device, *quick]))
+    if device == "cuda":
+        out.append(("tokens/s of the 124M config",
+                    [*bench, "train_throughput", "--device", "cuda", "--preset", "gpt2", "--rounds", "5"]))
+    else:
+        out.append(("tokens/s (CPU preset, quick)", [*bench, "train_throughput", "--device", "cpu", "--quick"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (default; exit 2 without one) or cpu (a quick smoke run of the same sections)")
+    ap.add_argument("--iters", type=int, default=10, help="timed steps of the optimizer benchmark on CUDA")
+    ap.add_argument("--log", default="gpu_check.log", help="also write everything printed to this file")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); --device cpu runs a smoke "
+              "version", file=sys.stderr)
+        return 2
+    tests = Path(__file__).resolve().parents[3] / "tests"
+    failures = []
+    with open(args.log, "w", encoding="utf-8") as log:
+        def say(line: str) -> None:
+            print(line, flush=True)
+            log.write(line + "\n")
+            log.flush()
+
+        t_all = time.perf_counter()
+        for name, cmd in _sections(args.device, args.iters, tests if tests.is_dir() else None):
+            say(f"== {name} ==")
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                say(line.rstrip("\n"))
+            rc = proc.wait()
+            say(f"-- {name}: exit {rc}, {time.perf_counter() - t0:.0f} s")
+            if rc != 0:
+                failures.append(name)
+        say(f"gpu_check: {len(failures)} section(s) failed{': ' + ', '.join(failures) if failures else ''}; "
+            f"{time.perf_counter() - t_all:.0f} s in all; log in {args.log}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
