@@ -11,6 +11,7 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import msign, msign_reference
 from weightgeom.optim import Muon, manifold_direction, manifold_direction_reference
+from weightgeom.optim.manifold_muon import PROJECT_NORM_TOL
 
 MANIFOLDS = ["stiefel", "dgram", "oblique", "euclidean"]
 
@@ -213,3 +214,84 @@ def test_final_msign_continuing_the_inner_one_changes_nothing(name):
     cont = manifold_direction(W, G, m, final_msign_fn=lambda X: msign(X, steps=10, start_step=5),
                               final_continues=True, **kw)
     assert torch.equal(fresh[0], cont[0]) and torch.equal(fresh[1], cont[1]) and fresh[2:] == cont[2:]
+
+
+# ---- numerics of our algorithm: projection norm, zero gradient, refused loose msign ------------------------------
+def _decaying(m: int, n: int, seed: int, d: float = 1.0) -> torch.Tensor:
+    """A momentum-like matrix: random singular vectors, singular values ∝ i^(−d)."""
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(m, min(m, n), generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, min(m, n), generator=g, dtype=torch.float64))
+    s = torch.arange(1, min(m, n) + 1, dtype=torch.float64) ** (-d)
+    return (U * s) @ V.T
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+def test_projected_direction_stays_in_the_unit_ball(name):
+    """dual_project: a 2-step dual ascent leaves a large residual, so the projection alone used to give ‖A‖₂ ≈ 1.1–1.25;
+    the rescaled direction has ‖A‖₂ ≤ 1 + PROJECT_NORM_TOL and is still exactly tangent."""
+    man = manifolds.get(name)
+    worst_unscaled = 0.0
+    for seed in range(3):
+        W, G = _point(name, 96, 32, seed=seed), _decaying(96, 32, seed=10 + seed)
+        stats: dict = {}
+        A, _, res, _ = manifold_direction(W, G, man, steps=2, lr=0.1, tol=0.0, project=True, stats=stats)
+        assert float(torch.linalg.matrix_norm(A, ord=2)) <= 1 + PROJECT_NORM_TOL
+        assert res <= 1e-10 and stats["dual_residual"] > 1e-3
+        worst_unscaled = max(worst_unscaled, stats["norm_before_rescale"])
+    if name != "dgram":  # the projection alone leaves the ball (what the rescaling fixes; measured 1.06–1.15)
+        assert worst_unscaled > 1.02
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("project", [False, True])
+def test_zero_gradient_gives_zero_step(name, project):
+    W0 = _point(name, 20, 8, seed=2, dtype=torch.float32)
+    p = torch.nn.Parameter(W0.clone())
+    opt = Muon([{"params": [p], "manifold": name}], lr=0.05, dual_project=project)
+    for seed in range(3):  # a few real steps build a warm-start multiplier
+        p.grad = _grad(20, 8, seed=seed, dtype=torch.float32)
+        opt.step()
+    before = p.detach().clone()
+    opt.state[p]["momentum_buffer"].zero_()
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.testing.assert_close(p.detach(), before, atol=1e-6, rtol=0)
+
+
+def test_loose_msign_refused_for_manifold_groups():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"msign_method='muon' is invalid: a manifold group \(manifold='dgram'\)"):
+        Muon([{"params": [p], "manifold": "dgram"}], msign_method="muon")
+    Muon([p], msign_method="muon")  # plain Muon keeps it
+
+
+def test_last_stats_report_residuals_per_matrix():
+    ps = [torch.nn.Parameter(_point("stiefel", 20, 8, seed=s, dtype=torch.float32)) for s in range(2)]
+    opt = Muon([{"params": ps, "names": ["a", "b"], "manifold": "stiefel"}], lr=0.05)
+    for p in ps:
+        p.grad = _grad(20, 8, dtype=torch.float32)
+    opt.step()
+    assert set(opt.last_stats) == {"a", "b"}
+    for s in opt.last_stats.values():
+        assert set(s) >= {"tangent_residual", "dual_iters", "dual_residual"} and 1 <= s["dual_iters"] <= 20
+
+
+def test_dual_keep_last_and_no_normalisation_follow_the_published_loop():
+    """keep="last" returns the last iterate (not the best), runs all K steps unless the residual drops below tol,
+    and normalize=False leaves α in the gradient's units (so scaling G changes the iterates)."""
+    W, G = _point("dgram", 40, 10, seed=1), 1e-2 * _decaying(40, 10, seed=2)
+    A_last, _, res_last, it = manifold_direction(W, G, manifold=manifolds.get("dgram"), steps=20, lr=0.1, tol=1e-12,
+                                                 msign_fn=_svd_msign, normalize=False, keep="last")
+    assert it == 20
+    # the same 20-step loop written out: cold start, α = 0.1(1 − k/20), last iterate
+    P = manifolds.get("dgram").P
+    Lam = -0.25 * P(W.T @ G + G.T @ W)
+    for k in range(20):
+        A = _svd_msign(G + 2 * W @ P(Lam))
+        H = P(W.T @ A + A.T @ W)
+        Lam = Lam - 0.1 * (1 - k / 20) * H
+    torch.testing.assert_close(A_last, A, atol=1e-8, rtol=0)  # float64, different operation order: 1e-10 measured
+    A_scaled, *_ = manifold_direction(W, 100 * G, manifold=manifolds.get("dgram"), steps=20, lr=0.1, tol=1e-12,
+                                      msign_fn=_svd_msign, normalize=False, keep="last")
+    assert float((A_scaled - A_last).abs().max()) > 1e-3

@@ -260,3 +260,30 @@ def test_orthogonality_error_matches_svd():
     assert orthogonality_error(G) == pytest.approx(float((S / S.max() - 1).abs().max()), rel=1e-9)
     assert orthogonality_error(G.mT) == pytest.approx(orthogonality_error(G), rel=1e-9)
     assert orthogonality_error(msign_reference(G)) < 1e-10
+
+
+def test_msign_choice_is_per_thread_count_in_process_as_on_disk(fresh_choice, monkeypatch):
+    """A process that changes its thread count looks again (the disk key holds the thread count, and so must the
+    in-process memo): a one-thread reference must not reuse the two-thread choice."""
+    picks = {1: torch.float32, 2: torch.bfloat16}
+    monkeypatch.setattr(autotune, "_measure", lambda device: autotune.MsignChoice(
+        str(device), picks[torch.get_num_threads()], 5, "benchmark"))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert msign_choice("cpu").dtype == torch.bfloat16
+        torch.set_num_threads(1)
+        assert msign_choice("cpu").dtype == torch.float32
+        assert len(list((fresh_choice / "msign").glob("cpu-*.json"))) == 2
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_adopted_choice_wins_in_this_process(fresh_choice, monkeypatch):
+    """rank 0's choice, adopted by another rank, is what that rank's msign_choice returns (no measuring)."""
+    monkeypatch.setattr(autotune, "_measure", lambda device: pytest.fail("measured despite an adopted choice"))
+    autotune.adopt_msign_choice("cpu", torch.bfloat16, 7)
+    c = msign_choice("cpu")
+    assert (c.dtype, c.steps, c.source) == (torch.bfloat16, 7, "rank0")
+    with pytest.raises(ValueError, match="steps=0"):
+        autotune.adopt_msign_choice("cpu", torch.float32, 0)

@@ -523,7 +523,7 @@ def test_finetuning_pretrained_minilm(minilm, init):
     model = copy.deepcopy(base)
     with torch.no_grad():
         e0 = _sentence_embeddings(model, batch)
-    groups = param_groups(model, "hetero", lr=1e-6, adamw_lr=1e-6, dual_steps=1, msign_method="muon", init=init,
+    groups = param_groups(model, "hetero", lr=1e-6, adamw_lr=1e-6, dual_steps=1, ns_steps=5, init=init,
                           verbose=False)
     assert sum(len(g["params"]) for g in groups if g["manifold"]) == 6  # 4 attention Stiefel + 2 MLP DGram
     opt = Muon(groups)

@@ -5,7 +5,7 @@ Sections (each runs as its own subprocess of this Python; its wall time and exit
 stop the others; the log is also written to ``--log``):
 
 1. machine: Python, torch, CUDA, GPU name and memory, CPU kind;
-2. the CUDA-marked tests (``pytest -m cuda``; only from a source checkout, where ``tests/`` exists);
+2. the CUDA-marked tests (``pytest -m cuda``; with ``--tests DIR``, a source checkout's ``tests/`` folder);
 3. msign accuracy and speed: Polar Express in bf16 and fp32 and torch.optim.Muon's quintic in bf16 on GPT-2 shapes and
    a 4096² matrix, max |σ/σ_max − 1| of the direction and ms per call;
 4. ``weightgeom bench optimizer_step``: our Muon vs torch.optim.Muon, manifold Muon (Stiefel, DGram), AdamW;
@@ -14,7 +14,7 @@ stop the others; the log is also written to ``--log``):
 
 Usage::
 
-    weightgeom bench gpu_check                    # on a machine with a CUDA device
+    weightgeom bench gpu_check --tests tests      # on a machine with a CUDA device, from a source checkout
     weightgeom bench gpu_check --device cpu       # smoke run of the same path on a CPU (quick settings)
 
 Exit code: 0 when every section passed, 1 when one failed, 2 without a CUDA device (unless ``--device cpu``).
@@ -105,14 +105,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda (default; exit 2 without one) or cpu (a quick smoke run of the same sections)")
     ap.add_argument("--iters", type=int, default=10, help="timed steps of the optimizer benchmark on CUDA")
     ap.add_argument("--log", default="gpu_check.log", help="also write everything printed to this file")
+    ap.add_argument("--tests", default=None, metavar="DIR",
+                    help="a source checkout's tests/ folder: run its CUDA-marked tests first (default: skip them)")
     args = ap.parse_args(argv)
+    tests = Path(args.tests) if args.tests else None
+    if tests is not None and not (tests / "conftest.py").is_file():
+        print(f"gpu_check: --tests {args.tests}: not a weightgeom tests folder (no conftest.py)", file=sys.stderr)
+        return 2
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); --device cpu runs a smoke "
               "version", file=sys.stderr)
         return 2
-    tests = Path(__file__).resolve().parents[3] / "tests"
     failures = []
     with open(args.log, "w", encoding="utf-8") as log:
         def say(line: str) -> None:
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
 
         t_all = time.perf_counter()
-        for name, cmd in _sections(args.device, args.iters, tests if tests.is_dir() else None):
+        for name, cmd in _sections(args.device, args.iters, tests):
             say(f"== {name} ==")
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -20,6 +20,7 @@ faster than fp32's. ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float6
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,7 +35,7 @@ import torch
 from weightgeom._cache import cache_root
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 
-__all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices"]
+__all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice"]
 
 ENV_VAR = "WEIGHTGEOM_MSIGN"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -56,7 +57,8 @@ class MsignChoice:
         dtype: compute dtype.
         steps: Polar Express steps.
         source: ``"benchmark"`` (measured now), ``"cache"`` (measured earlier on this machine), ``"env"`` (forced by
-            ``WEIGHTGEOM_MSIGN``) or ``"fallback"`` (measuring failed: msign's static default).
+            ``WEIGHTGEOM_MSIGN``), ``"rank0"`` (rank 0's choice, adopted by every rank of a distributed run) or
+            ``"fallback"`` (measuring failed: msign's static default).
         step_seconds: measured seconds of one polynomial step per dtype name (192×768 matrix).
         errors: orthogonality error of the probe direction per dtype name at the chosen steps, and ``"torch_muon"``
             (the bar).
@@ -93,6 +95,24 @@ def orthogonality_error(D: torch.Tensor) -> float:
     X = X if X.shape[-2] <= X.shape[-1] else X.mT
     S = torch.linalg.eigvalsh(X @ X.mT).clamp_min(0).sqrt()
     return float((S / S.max().clamp_min(1e-300)).sub(1).abs().max())
+
+
+def _memo_key(device: torch.device) -> str:
+    """In-process key of a choice: the device, and on a CPU the thread count (as the disk cache's key), so a process
+    that changes ``torch.set_num_threads`` looks again instead of reusing another thread count's choice."""
+    return f"{device}|threads={torch.get_num_threads()}" if device.type == "cpu" else str(device)
+
+
+def adopt_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: int) -> MsignChoice:
+    """Use (``dtype``, ``steps``) for ``device`` in this process from now on, e.g. rank 0's choice broadcast to every
+    rank so a distributed run computes every matrix's msign alike (``weightgeom.train.distributed``)."""
+    device = torch.device(device)
+    if dtype not in _DTYPES.values() or int(steps) < 1:
+        raise ValueError(f"adopt_msign_choice: dtype={dtype} steps={steps!r} is invalid")
+    choice = MsignChoice(str(device), dtype, int(steps), "rank0")
+    with _lock:
+        _choices[_memo_key(device)] = choice
+    return choice
 
 
 def clear_msign_choices() -> None:
@@ -249,20 +269,40 @@ def msign_choice(device: torch.device | str = "cpu") -> MsignChoice:
     forced = _forced(device)
     if forced is not None:
         return forced
-    key = str(device)
+    key = _memo_key(device)
     with _lock:
         if key in _choices:
             return _choices[key]
         path = _cache_file(device)
-        choice = _load(path, device)
-        if choice is None:
-            try:
-                with torch.no_grad():
-                    choice = _measure(device)
-            except (RuntimeError, torch.linalg.LinAlgError) as e:  # an unsupported dtype on this device, ...
-                choice = MsignChoice(str(device), default_dtype(device), MSIGN_PRESETS["polar_express"].steps,
-                                     f"fallback ({str(e).splitlines()[0][:80]})")
-            if choice.source == "benchmark":
-                _save(path, choice)
+        with _file_lock(path):  # processes starting together (torchrun ranks) share one measurement
+            choice = _load(path, device)
+            if choice is None:
+                try:
+                    with torch.no_grad():
+                        choice = _measure(device)
+                except (RuntimeError, torch.linalg.LinAlgError) as e:  # an unsupported dtype on this device, ...
+                    choice = MsignChoice(str(device), default_dtype(device), MSIGN_PRESETS["polar_express"].steps,
+                                         f"fallback ({str(e).splitlines()[0][:80]})")
+                if choice.source == "benchmark":
+                    _save(path, choice)
         _choices[key] = choice
         return choice
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive ``flock`` on ``path``'s ``.lock`` sibling while held; nothing (measure unlocked) where the cache
+    directory cannot be written or the platform has no ``fcntl``."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 -- closed below
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        f.close()

@@ -24,12 +24,17 @@ class NSPreset:
         safety: the input is divided by ‖X‖_F·safety; all triples but the last are rescaled as
             (a/s, b/s³, c/s⁵) so that singular values slightly above 1 (rounding) are still mapped into range.
         source: where the coefficients come from.
+        published: run the iteration with the Polar Express reference code's arithmetic instead of ours: the input
+            cast to ``dtype`` (bfloat16 unless given) first, then divided by ‖X‖_F·safety + 1e-7 computed in that
+            dtype, each step as separate (unfused) products and sums, ``nan_to_num`` on the result. Ours normalises in
+            float32 and fuses each step into two matrix multiply-adds (one rounding fewer per step).
     """
 
     coeffs: tuple[tuple[float, float, float], ...]
     steps: int
     safety: float = 1.0
     source: str = ""
+    published: bool = False
 
     def triples(self, steps: int) -> list[tuple[float, float, float]]:
         """The (a, b, c) used at each of ``steps`` steps, safety scaling applied."""
@@ -67,6 +72,15 @@ MSIGN_PRESETS: dict[str, NSPreset] = {
         source="Amsel et al. 2025, The Polar Express, arXiv:2505.16932",
     ),
 }
+# The same coefficients with the reference code's arithmetic in bfloat16 (``NSPreset.published``): the msign of the
+# manifold-assignment paper's published code (Polar Express, 10 steps, bf16 after dividing by ‖X‖_F·1.01,
+# nan_to_num, returned as float32). Selected by ``msign_method="polar_express_paper"``.
+MSIGN_PRESETS["polar_express_paper"] = NSPreset(
+    coeffs=MSIGN_PRESETS["polar_express"].coeffs, steps=10, safety=1.01, published=True,
+    source="Amsel et al. 2025 reference code, as called by the manifold-assignment paper's code")
+
+# Denominator offset of the published normalisation X / (‖X‖_F·1.01 + 1e-7).
+_PUBLISHED_EPS = 1e-7
 
 # Added to the Frobenius norm before dividing: keeps a zero input at exactly zero output (never 0/0 = NaN).
 _NORM_EPS = 1e-30
@@ -105,10 +119,13 @@ def msign(
 
     Args:
         G: tensor of shape (..., m, n), m and n ≥ 1; leading dims are batched.
-        method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's 5-step quintic, loose) or
-            ``"svd"`` (exact, float64 SVD; the slow reference).
+        method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's 5-step quintic, loose),
+            ``"polar_express_paper"`` (Polar Express with the reference code's bf16 arithmetic, as the
+            manifold-assignment paper's code runs it; see ``NSPreset.published``) or ``"svd"`` (exact, float64 SVD;
+            the slow reference).
         steps: number of polynomial steps; the preset's default when None.
-        dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU (float64 input stays float64).
+        dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU (float64 input stays float64);
+            ``"polar_express_paper"``: bfloat16 everywhere unless given.
         start_step: continue an iteration: G is the output of ``msign(G0, method, steps=start_step, dtype)`` and
             only steps ``start_step … steps − 1`` are applied (no new normalisation), so
             ``msign(msign(G0, steps=k), steps=n, start_step=k)`` equals ``msign(G0, steps=n)``. Used to refine a
@@ -135,6 +152,8 @@ def msign(
     if not 0 <= int(start_step) <= steps:
         raise ValueError(f"msign: start_step must be in [0, steps={steps}], got {start_step}")
     start_step = int(start_step)
+    if preset.published:
+        return _msign_published(G, preset, steps, torch.bfloat16 if dtype is None else dtype, start_step)
     if dtype is None:
         dtype = torch.float64 if (G.dtype == torch.float64 and G.device.type != "cuda") else default_dtype(G.device)
 
@@ -156,6 +175,24 @@ def msign(
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _msign_published(G: torch.Tensor, preset: NSPreset, steps: int, dtype: torch.dtype,
+                     start_step: int) -> torch.Tensor:
+    """The Polar Express reference code's arithmetic (see ``NSPreset.published``), differentiable, G's dtype out."""
+    X = G.to(dtype)
+    tall = G.shape[-2] > G.shape[-1]
+    if tall:
+        X = X.mT
+    if start_step == 0:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * preset.safety + _PUBLISHED_EPS)
+    for a, b, c in preset.triples(steps)[start_step:]:
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return torch.nan_to_num(X).to(G.dtype)
 
 
 def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:

@@ -4,8 +4,18 @@ Tangent space at W with WᵀW = D = diag(d): {A : Off(WᵀA + AᵀW) = 0}. Its n
 zero diagonal}, so the orthogonal projection is A − W·Λ with Λ_ij = (WᵀA + AᵀW)_ij / (d_i + d_j) for i ≠ j.
 
 Retractions:
-- ``"polar"`` (default): msign(W)·diag(‖w_j‖). On the manifold W = Q·diag(‖w_j‖) with Q orthonormal, so
-  msign(W) = Q and the map returns W: idempotent, and it keeps each column's norm.
+- ``"column_polar"`` (default): polar(W·D⁻¹)·D with D = diag(‖w_j‖): orthonormalise the column-normalised matrix, then
+  give every column its norm back. On the manifold W·D⁻¹ = Q is orthonormal, so the map returns W (idempotent), and
+  it keeps each column's norm. It agrees with W + ξ to first order for every tangent ξ: the tangent condition
+  d_i(Qᵀξ)_ij + d_j(Qᵀξ)_ji = 0 makes the off-diagonal of Qᵀ·ξD⁻¹ skew, and the diagonal cancels against the new
+  norms, so W·D⁻¹ moves along Stiefel's tangent space (derivation in docs/manifolds.md). Near the manifold (after an
+  optimizer step) the column-normalised matrix is within ``stiefel.NEAR_TOL`` of orthonormal and its polar factor
+  takes one or two cheap ``polar_near`` iterations instead of a 10-step Polar Express: measured on a 768×768 point
+  after a step of 0.02, 43 ms against 541 ms for ``"polar"`` (2-core AVX2 CPU). All columns have unit norm before
+  the polar factor, so small columns are resolved as well as large ones.
+- ``"polar"``: msign(W)·diag(‖w_j‖). On the manifold W = Q·diag(‖w_j‖) with Q orthonormal, so msign(W) = Q and the
+  map returns W: idempotent, and it keeps each column's norm. Differs from ``"column_polar"`` at second order in the
+  distance to the manifold.
 - ``"paper"``: the manifold-assignment paper's published code, (U Vᵀ)·diag(σ) with W = U diag(σ) Vᵀ and σ
   sorted descending. On a manifold point the singular values are the column norms, but sorted: column j receives
   the j-th largest norm, so the map is NOT idempotent unless the column norms are already in descending order.
@@ -32,10 +42,17 @@ from weightgeom.manifolds.base import (
 )
 from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near
 
-__all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_polar", "dgram_retract_paper", "polar_near_columns"]
+__all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_column_polar", "dgram_retract_polar",
+           "dgram_retract_paper", "polar_near_columns",
+           "complete_small_columns", "SMALL_COLUMN", "UNRESOLVED_TOL"]
 
-_RETRACTIONS = ("polar", "paper")
+_RETRACTIONS = ("column_polar", "polar", "paper")
 _METHODS = ("polar_express", "svd")
+# Columns of the "polar" retraction completed exactly instead of by Polar Express (``complete_small_columns``): norm
+# below SMALL_COLUMN·‖W‖_F (Polar Express resolves down to ~3e-4, measured), or a polar column off unit norm by more
+# than UNRESOLVED_TOL (float32 rounding leaves ≤ 1e-6).
+SMALL_COLUMN = 1e-3
+UNRESOLVED_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 
 
 def off(S: torch.Tensor) -> torch.Tensor:
@@ -76,12 +93,69 @@ def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None =
 
 
 def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: int | None = None) -> torch.Tensor:
-    """msign(X)·diag(‖x_j‖) on the tall view. A zero column stays zero (it is orthogonal to everything)."""
+    """msign(X)·diag(‖x_j‖) on the tall view. A zero column stays zero (it is orthogonal to everything).
+
+    Columns Polar Express cannot resolve (norm below ``SMALL_COLUMN``·‖X‖_F, or a polar column whose norm is off 1 by
+    more than ``UNRESOLVED_TOL``) are completed exactly: ``complete_small_columns``.
+    """
     Z = X.to(compute_dtype(X))
     norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
     Q = polar_near_columns(Z, norms, steps) if method == "polar_express" else None
     if Q is None:
         Q = polar(Z, method, steps)
+    if method == "polar_express":
+        Q = complete_small_columns(Z, Q, norms)
+    return (Q * norms).to(X.dtype)
+
+
+def complete_small_columns(Z: torch.Tensor, Q: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Q with the columns Polar Express left unresolved replaced by their exact completion (tall views).
+
+    Polar Express starts from Z/‖Z‖_F, and a singular value below ~3e-4 of ‖Z‖_F is not driven to 1 in 10 steps
+    (measured: a column at 1e-4·‖Z‖_F comes back ×0.994, at 1e-6 ×0.022), so the retraction msign(Z)·diag(‖z_j‖)
+    would shrink such a column on every call and small columns would decay to zero. A nonzero column j is
+    unresolved when ‖z_j‖ < SMALL_COLUMN·‖Z‖_F or |‖q_j‖ − 1| > UNRESOLVED_TOL[dtype]; those columns S are
+    replaced, per matrix, by the exact polar factor (float64 SVD) of (I − Q_R Q_Rᵀ)·Z_S, Q_R the resolved columns
+    (Gram–Schmidt, applied twice). On a manifold point this gives z_j/‖z_j‖, so the retraction stays idempotent;
+    it costs an m×|S|² SVD only when some column is small.
+    """
+    qn = torch.linalg.vector_norm(Q, dim=-2, keepdim=True)
+    fro = torch.linalg.vector_norm(Z, dim=(-2, -1), keepdim=True)
+    tol = UNRESOLVED_TOL.get(Q.dtype, UNRESOLVED_TOL[torch.float32])
+    bad = (norms > 0) & ((norms < SMALL_COLUMN * fro) | ((qn - 1).abs() > tol))
+    if not bool(bad.any()):
+        return Q
+    m, n = Z.shape[-2:]
+    Zf, Qf, badf = Z.reshape(-1, m, n), Q.reshape(-1, m, n).clone(), bad.reshape(-1, n)
+    for b in torch.nonzero(badf.any(dim=-1)).flatten().tolist():
+        s = badf[b]
+        good = (norms.reshape(-1, n)[b] > 0) & ~s
+        Qg = Qf[b][:, good].to(torch.float64)
+        R = Zf[b][:, s].to(torch.float64)
+        for _ in range(2):
+            R = R - Qg @ (Qg.mT @ R)
+        U, _, Vh = torch.linalg.svd(R, full_matrices=False)
+        Qf[b][:, s] = (U @ Vh).to(Q.dtype)
+    return Qf.reshape(Q.shape)
+
+
+def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
+                               steps: int | None = None) -> torch.Tensor:
+    """polar(X·D⁻¹)·D on the tall view, D = diag(‖x_j‖); a zero column stays zero.
+
+    The polar factor is ``stiefel.polar_near`` when the column-normalised X is near orthonormal (every column nonzero),
+    else ``polar`` with ``method``; with Polar Express, columns it leaves unresolved (nearly parallel columns) are
+    completed exactly (``complete_small_columns``).
+    """
+    Z = X.to(compute_dtype(X))
+    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    nonzero = norms > 0
+    Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
+    Q = polar_near(Zn) if method == "polar_express" and bool(nonzero.all()) else None
+    if Q is None:
+        Q = polar(Zn, method, steps)
+        if method == "polar_express":
+            Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
     return (Q * norms).to(X.dtype)
 
 
@@ -98,14 +172,15 @@ class DGram(Manifold):
     """Matrices whose columns (tall view; rows of a wide matrix) are mutually orthogonal, with free norms.
 
     Args:
-        retraction: ``"polar"`` (default, idempotent, keeps column norms) or ``"paper"`` (the
-            manifold-assignment paper's
-            (U Vᵀ)·diag(σ sorted); re-assigns norms by index, not idempotent — see the module docstring).
-        method: how the polar factor of the ``"polar"`` retraction is computed: ``"polar_express"`` (default,
-            float64/float32 following W) or ``"svd"`` (exact).
+        retraction: ``"column_polar"`` (default: polar factor of the column-normalised W times the column norms;
+            idempotent, keeps column norms, cheap near the manifold), ``"polar"`` (msign(W)·diag(‖w_j‖); idempotent,
+            keeps column norms) or ``"paper"`` (the manifold-assignment paper's (U Vᵀ)·diag(σ sorted); re-assigns
+            norms by index, not idempotent) — see the module docstring.
+        method: how the polar factor of the ``"column_polar"`` and ``"polar"`` retractions is computed:
+            ``"polar_express"`` (default, float64/float32 following W) or ``"svd"`` (exact).
         steps: Polar Express steps (default 10).
 
-    Zero columns: both retractions keep a zero column at zero (``"paper"`` moves the zero norm to the last
+    Zero columns: every retraction keeps a zero column at zero (``"paper"`` moves the zero norm to the last
     index); a zero column is orthogonal to all others, so it is a valid point. Never NaN. A rank-deficient W
     with nonzero parallel columns is not mapped onto the manifold by ``"polar"`` with Polar Express
     (partial isometry); ``check`` reports it.
@@ -113,7 +188,8 @@ class DGram(Manifold):
 
     name = "dgram"
 
-    def __init__(self, retraction: str = "polar", method: str = "polar_express", steps: int | None = None) -> None:
+    def __init__(self, retraction: str = "column_polar", method: str = "polar_express",
+                 steps: int | None = None) -> None:
         if retraction not in _RETRACTIONS:
             raise ValueError(f"dgram: unknown retraction {retraction!r}; choose one of {list(_RETRACTIONS)}")
         if method not in _METHODS:
@@ -129,10 +205,13 @@ class DGram(Manifold):
         return off(S)
 
     def retract(self, W: torch.Tensor) -> torch.Tensor:
-        """``"polar"``: msign(W)·diag(‖w_j‖); ``"paper"``: (U Vᵀ)·diag(σ descending). Tall view, W's dtype."""
+        """``"column_polar"``: polar(W·D⁻¹)·D; ``"polar"``: msign(W)·diag(‖w_j‖); ``"paper"``: (U Vᵀ)·diag(σ
+        descending). Tall view, W's dtype."""
         X, t = tall(W)
         if self.retraction == "paper":
             return untall(dgram_retract_paper(X), t)
+        if self.retraction == "column_polar":
+            return untall(dgram_retract_column_polar(X, self.method, self.steps), t)
         return untall(dgram_retract_polar(X, self.method, self.steps), t)
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ import torch
 
 from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, tall, tall_pair, untall
 
-__all__ = ["Oblique", "normalize_columns", "oblique_proj_tangent"]
+__all__ = ["Oblique", "normalize_columns", "normalize_columns_paper", "oblique_proj_tangent", "PAPER_NORM_FLOOR"]
+
+_RETRACTIONS = ("normalize", "paper")
+# The published code divides each column by max(‖w_j‖, PAPER_NORM_FLOOR).
+PAPER_NORM_FLOOR = 1e-8
 
 
 def normalize_columns(X: torch.Tensor) -> torch.Tensor:
@@ -26,6 +30,14 @@ def normalize_columns(X: torch.Tensor) -> torch.Tensor:
     return out.to(X.dtype)
 
 
+def normalize_columns_paper(X: torch.Tensor) -> torch.Tensor:
+    """The manifold-assignment paper's published retraction: each column of tall X divided by max(‖x_j‖, 1e-8)
+    (a zero column stays zero, so it is not on the manifold). Computed in float32/float64, returned in X's dtype."""
+    Z = X.to(compute_dtype(X))
+    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    return (Z / norms.clamp_min(PAPER_NORM_FLOOR)).to(X.dtype)
+
+
 def oblique_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
     """Y − X·diag(⟨x_j, y_j⟩/‖x_j‖²) on the tall view: exact orthogonal projection for any X without zero
     columns (zero columns: nothing is subtracted)."""
@@ -36,18 +48,29 @@ def oblique_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
 
 
 class Oblique(Manifold):
-    """Matrices with unit-norm columns (tall view; rows of a wide matrix). No orthogonality constraint."""
+    """Matrices with unit-norm columns (tall view; rows of a wide matrix). No orthogonality constraint.
+
+    Args:
+        retraction: ``"normalize"`` (default: unit columns, a zero column becomes e_j) or ``"paper"`` (the
+            manifold-assignment paper's published code: columns divided by max(‖w_j‖, 1e-8); a zero column stays
+            zero).
+    """
 
     name = "oblique"
+
+    def __init__(self, retraction: str = "normalize") -> None:
+        if retraction not in _RETRACTIONS:
+            raise ValueError(f"oblique: unknown retraction {retraction!r}; choose one of {list(_RETRACTIONS)}")
+        self.retraction = retraction
 
     def P(self, S: torch.Tensor) -> torch.Tensor:
         """Diagonal part: only the column norms are constrained."""
         return torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
 
     def retract(self, W: torch.Tensor) -> torch.Tensor:
-        """Normalise each column of the tall view (zero column → e_j)."""
+        """Normalise each column of the tall view (zero column → e_j; ``"paper"``: ÷ max(‖w_j‖, 1e-8))."""
         X, t = tall(W)
-        return untall(normalize_columns(X), t)
+        return untall(normalize_columns_paper(X) if self.retraction == "paper" else normalize_columns(X), t)
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·diag(diag(WᵀA)/diag(WᵀW)) on the tall view."""

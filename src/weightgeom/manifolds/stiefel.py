@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom.linalg.msign import msign
 from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, polar, tall, tall_pair, untall
 
 __all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "polar_near", "NEAR_TOL", "NEAR_DONE"]
 
 _METHODS = ("polar_express", "svd")
+_RETRACTIONS = ("polar", "paper")
 
 # ``polar_near`` iterates X ← X·p(E), E = XᵀX − I, p(E) = I − E/2 + 3E²/8 − 5E³/16 (the Taylor series of
 # (I + E)^{-1/2} cut after E³). For a singular value s of X with x = s² − 1 the new deviation is
@@ -80,6 +82,10 @@ class Stiefel(Manifold):
             ``"svd"`` (exact polar factor by float64 SVD; rank-deficient W gets an arbitrary orthonormal
             completion, so it always lands on the manifold).
         steps: Polar Express steps (default 10).
+        retraction: ``"polar"`` (default: the polar factor computed as ``method`` says) or ``"paper"`` (the
+            manifold-assignment paper's published code: msign(W) by Polar Express, 10 steps, in bfloat16 with the
+            reference code's arithmetic — ``msign(W, "polar_express_paper")`` — returned in W's dtype; ``method``
+            and ``steps`` are then unused). Both are the polar factor; "paper" is accurate to bf16 only.
 
     A rank-deficient W retracted with ``"polar_express"`` gives a partial isometry (zero singular values stay
     zero; a zero W stays zero): never NaN, but not on the manifold — ``check`` reports it.
@@ -87,13 +93,16 @@ class Stiefel(Manifold):
 
     name = "stiefel"
 
-    def __init__(self, method: str = "polar_express", steps: int | None = None) -> None:
+    def __init__(self, method: str = "polar_express", steps: int | None = None, retraction: str = "polar") -> None:
         if method not in _METHODS:
             raise ValueError(f"stiefel: unknown retraction method {method!r}; choose one of {list(_METHODS)}")
         if steps is not None and int(steps) < 1:
             raise ValueError(f"stiefel: steps must be ≥ 1, got {steps}")
+        if retraction not in _RETRACTIONS:
+            raise ValueError(f"stiefel: unknown retraction {retraction!r}; choose one of {list(_RETRACTIONS)}")
         self.method = method
         self.steps = None if steps is None else int(steps)
+        self.retraction = retraction
 
     def P(self, S: torch.Tensor) -> torch.Tensor:
         """Identity: every Gram entry is constrained."""
@@ -106,6 +115,8 @@ class Stiefel(Manifold):
         retracted by ``polar_near`` instead: same result to float32 rounding, a fraction of the cost.
         """
         X, t = tall(W)  # validates the shape
+        if self.retraction == "paper":
+            return msign(W, method="polar_express_paper").to(W.dtype)
         if self.method == "polar_express" and X.numel() > 0:
             R = polar_near(X)
             if R is not None:

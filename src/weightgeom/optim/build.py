@@ -184,6 +184,13 @@ def from_config(model: nn.Module, cfg: OptimConfig, verbose: bool = False) -> to
         adamw_hp = {"lr": a.lr, "weight_decay": a.weight_decay, "betas": tuple(a.betas), "eps": a.eps}
         groups = param_groups(model, cfg.strategy, rules=cfg.rules or None, split_qkv=cfg.split_qkv, verbose=verbose,
                               adamw_hparams=adamw_hp)
+        if cfg.preset == "paper":  # the published code decays only unconstrained matrices (a rule's value wins)
+            for g in groups:
+                if g.get("algorithm") == "muon" and g.get("manifold") is not None:
+                    g.setdefault("weight_decay", 0.0)
+            if verbose and cfg.preset_overrides():
+                kept = ", ".join(f"{k}={v!r} (preset: {p!r})" for k, (v, p) in cfg.preset_overrides().items())
+                print(f"optim.preset='paper' with these [optim.muon] keys set otherwise: {kept}")
         base = Muon(groups, **cfg.muon.kwargs(), betas=tuple(a.betas), eps=a.eps, adamw_lr=a.lr)
     if not cfg.name.endswith("-md"):
         return base

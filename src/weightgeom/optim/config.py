@@ -25,14 +25,16 @@ from typing import Any, ClassVar, Literal
 
 from weightgeom.linalg.msign import MSIGN_PRESETS
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
-from weightgeom.optim.manifold_muon import DUAL_SCHEDULES
+from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.schema import ConfigError, Section, check_bounds, coerce, field_types, setting, suggest
 
-__all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS"]
+__all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS",
+           "PRESETS", "PAPER_MUON"]
 
 OPTIMIZER_NAMES = ("adamw", "muon", "adamw-md", "muon-md")
+PRESETS = ("ours", "paper")
 MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
 MSIGN_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -40,12 +42,15 @@ MsignDtype = Literal[MSIGN_DTYPES]  # type: ignore[valid-type]
 AdjustLr = Literal[ADJUST_LR_FNS]  # type: ignore[valid-type]
 MomentumForm = Literal[MOMENTUM_FORMS]  # type: ignore[valid-type]
 DualSchedule = Literal[DUAL_SCHEDULES]  # type: ignore[valid-type]
+DualKeep = Literal[DUAL_KEEP]  # type: ignore[valid-type]
+Preset = Literal[PRESETS]  # type: ignore[valid-type]
 Gains = Literal[GAINS]  # type: ignore[valid-type]
 Parameterization = Literal[PARAMETERIZATIONS]  # type: ignore[valid-type]
 Sphere = Literal[SPHERES]  # type: ignore[valid-type]
 Embeddings = Literal[EMBEDDINGS]  # type: ignore[valid-type]
 OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 Init = Literal["retract", "keep"]
+OnNonfinite = Literal["raise", "skip"]
 
 
 @dataclass
@@ -67,7 +72,9 @@ class MuonConfig(Section):
                                                   "match_rms_adamw | none (unset: original without a manifold, "
                                                   "none with one, so a manifold step is ‖ΔW‖₂ = lr)")
     momentum_form: MomentumForm = setting("ema", "ema M ← βM + (1−β)G (torch.optim.Muon) | sum M ← βM + G")
-    dual_steps: int = setting(20, "manifold Muon: maximum dual-ascent iterations per step (one msign each)", gt=0)
+    dual_steps: int = setting(1, "manifold Muon: maximum dual-ascent iterations per step (one msign each; "
+                                     "default 1 with dual_project: tangent residual ~1e-8 at ≤ 2.5× a Muon step)",
+                             gt=0)
     dual_lr: float = setting(0.1, "manifold Muon: dual step α (momentum normalised to unit RMS singular value)",
                              gt=0)
     dual_tol: float = setting(1e-4, "manifold Muon: stop once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol",
@@ -75,10 +82,21 @@ class MuonConfig(Section):
     dual_schedule: DualSchedule = setting("linear", "manifold Muon: α_k = α(1 − k/K) (linear) or α (constant)")
     dual_ns_steps: int | None = setting(None, "manifold Muon: msign steps inside the dual loop (unset: ns_steps)",
                                         gt=0)
-    dual_project: bool = setting(False, "manifold Muon: project the final direction onto the tangent space")
-    retraction: str | None = setting(None, "manifold retraction variant (unset: the manifold's default)")
+    dual_project: bool = setting(True, "manifold Muon: project the final direction onto the tangent space and "
+                                        "rescale it into the unit spectral ball")
+    dual_normalize: bool = setting(True, "manifold Muon: divide the momentum by its RMS singular value before the "
+                                         "dual ascent (false: the published code, no normalisation)")
+    dual_warm_start: bool = setting(True, "manifold Muon: start the dual ascent from the previous step's multiplier "
+                                          "(false: cold start every step, as published)")
+    dual_keep: DualKeep = setting("best", "manifold Muon: best (halve α when the residual grows, keep the "
+                                          "smallest-residual iterate) | last (the published loop's last iterate)")
+    retraction: str | None = setting(None, "manifold retraction variant (unset: the manifold's default; paper: the "
+                                           "published retraction of every manifold)")
     init: Init = setting("retract", "first step of a constrained matrix: retract onto the manifold, or keep the "
                                     "given (e.g. pretrained) weights")
+    on_nonfinite: OnNonfinite = setting("raise", "a NaN/Inf gradient: raise (naming the parameter; one host sync per "
+                                                 "step) | skip (the whole step becomes a no-op on the device, counted "
+                                                 "in skipped_steps; no host sync)")
 
     def check(self) -> None:
         if self.msign_method not in MSIGN_METHODS:
@@ -176,6 +194,43 @@ def _check_rules(rules: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PAPER_MUON: dict[str, Any] = {
+    "momentum": 0.95,
+    "nesterov": True,
+    "momentum_form": "sum",
+    "weight_decay": 0.1,
+    "adjust_lr_fn": "none",
+    "msign_method": "polar_express_paper",
+    "ns_steps": 10,
+    "msign_dtype": "bfloat16",
+    "dual_steps": 20,
+    "dual_lr": 0.1,
+    "dual_tol": 1e-6,
+    "dual_schedule": "linear",
+    "dual_ns_steps": None,
+    "dual_project": False,
+    "dual_normalize": False,
+    "dual_warm_start": False,
+    "dual_keep": "last",
+    "retraction": "paper",
+    "init": "retract",
+}
+"""``optim.preset = "paper"``: the [optim.muon] values of the manifold-assignment paper's published code. Constrained
+matrices: SGD-sum momentum 0.95 with Nesterov, no normalisation, cold-started dual ascent of 20 steps with α = 0.1
+decaying linearly, early stop below 1e-6, the last iterate; Polar Express (10 steps, bf16, the reference arithmetic);
+the published retractions; no shape scale (η = lr·schedule); no weight decay (``build.from_config`` gives manifold
+groups weight_decay 0 unless a rule sets it). Unconstrained Muon matrices: W ← W(1 − lr·0.1) − lr·msign(U). ``lr``
+is not part of the preset."""
+
+
+def apply_preset(muon: MuonConfig) -> MuonConfig:
+    """``muon`` with every key of ``PAPER_MUON`` that is at its default (``MuonConfig()``'s value) set to the preset's
+    value; keys set to anything else are kept (reported by ``OptimConfig.preset_overrides``). Idempotent."""
+    default = MuonConfig()
+    changes = {k: v for k, v in PAPER_MUON.items() if getattr(muon, k) == getattr(default, k)}
+    return dataclasses.replace(muon, **changes) if changes else muon
+
+
 MOVED_KEYS: dict[str, str] = {
     "lr": "moved to optim.muon.lr (Muon matrices); AdamW's is optim.adamw.lr",
     "adamw_lr": "moved to optim.adamw.lr",
@@ -199,6 +254,9 @@ class OptimConfig(Section):
     _moved: ClassVar[dict[str, str]] = MOVED_KEYS
 
     name: OptimizerName = setting("muon", "adamw | muon | adamw-md | muon-md")
+    preset: Preset = setting("ours", "ours | paper: paper fills every [optim.muon] key left at its default with "
+                                     "the manifold-assignment paper's published algorithm (keys set to other values "
+                                     "win)")
     strategy: str = setting("unconstrained", "manifold assignment for Muon names (weightgeom.optim.STRATEGIES)")
     split_qkv: bool = setting(False, "treat a fused QKV weight as three matrices (Q, K, V each constrained)")
     rules: dict[str, Any] = setting({}, "extra name rules {regex: adamw | muon | manifold | {group keys}} applied "
@@ -209,9 +267,22 @@ class OptimConfig(Section):
 
     def check(self) -> None:
         object.__setattr__(self, "rules", _check_rules(self.rules))
+        if self.preset == "paper":
+            object.__setattr__(self, "muon", apply_preset(self.muon))
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: must be one of {', '.join(STRATEGIES)}"
                               f"{suggest(self.strategy, STRATEGIES)}")
         if self.name.startswith("adamw") and self.strategy != "unconstrained":
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: needs a Muon name (manifold groups are "
                               f"Muon groups); optim.name={self.name!r} supports only 'unconstrained'")
+        if self.strategy not in ("unconstrained", "adamw") and self.muon.msign_method == "muon":
+            raise ConfigError(f"config key optim.muon.msign_method='muon': strategy {self.strategy!r} has manifold "
+                              f"groups, which need a direction inside the unit spectral ball, but the Muon quintic "
+                              f"leaves singular values up to ≈1.13; use 'polar_express'")
+
+    def preset_overrides(self) -> dict[str, tuple[Any, Any]]:
+        """{key: (value used, the preset's value)} for every [optim.muon] key the preset sets but the config overrides
+        (empty for preset "ours")."""
+        if self.preset != "paper":
+            return {}
+        return {k: (getattr(self.muon, k), v) for k, v in PAPER_MUON.items() if getattr(self.muon, k) != v}

@@ -18,6 +18,7 @@ __all__ = [
     "ADJUST_LR_FNS",
     "NonFiniteGradientError",
     "first_nonfinite",
+    "all_finite",
     "momentum_direction",
     "shape_scale",
     "apply_update",
@@ -56,13 +57,53 @@ class NonFiniteGradientError(ValueError):
         return (type(self), (str(self), self.param_name, self.shape))
 
 
+def _finite_flags(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """{device: 0-dim bool tensor on that device, True iff the norms of all of its tensors are finite}: one fused norm
+    reduction per (device, dtype) bucket (``torch._foreach_norm``), no host sync. Empty tensors are left out."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            buckets.setdefault((t.device, t.dtype), []).append(t)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for (device, dtype), group in buckets.items():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
+        flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
+    return {d: f[0] if len(f) == 1 else torch.stack(f).all() for d, f in flags.items()}
+
+
+def all_finite(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """A 0-dim bool tensor, True iff every tensor holds only finite values — computed on the device, never read back.
+
+    Cost: one fused norm reduction per (device, dtype) bucket (``torch._foreach_norm``) and no host sync, so a step
+    can be made conditional on it (``torch.where``) without waiting for the GPU. Sparse tensors are checked through
+    their stored values; float16/bfloat16 norms are accumulated in float32. A finite tensor whose 2-norm overflows
+    (float32: entries ≳ 1e19) counts as non-finite — a gradient that large is itself a divergence.
+
+    Args:
+        tensors: any floating dtype, any devices.
+        device: where the flag lives (default: the first tensor's device; CPU for an empty list). Flags of other
+            devices are copied there (a device-to-host copy, hence a sync, only when mixing a GPU with the CPU).
+
+    Returns:
+        0-dim bool tensor on ``device``.
+    """
+    dense = [t._values() if t.is_sparse else t for t in tensors]
+    if device is None:
+        device = dense[0].device if dense else torch.device("cpu")
+    flag = torch.ones((), dtype=torch.bool, device=device)
+    for d, f in _finite_flags(dense).items():
+        flag = flag & (f if d == device else f.to(device, non_blocking=True))
+    return flag
+
+
 def first_nonfinite(tensors: Sequence[torch.Tensor],
                     cpu_scan: Callable[[torch.Tensor], bool] | None = None) -> int | None:
     """Index of a tensor holding a NaN or Inf — the first one, except that a tensor ``cpu_scan`` finds bad is returned
     at once, before earlier unscanned ones are looked at — or None when all are finite.
 
     The common case (all finite) costs one fused norm reduction per (device, dtype) bucket — one
-    ``torch._foreach_norm`` call over all tensors when they share device and dtype — and one host sync per device.
+    ``torch._foreach_norm`` call over all tensors when they share device and dtype — and one host sync per device
+    (``all_finite`` is the same reduction without the sync).
     Only when a norm is not finite are the tensors scanned one by one to find the culprit (a huge but finite tensor can
     overflow its norm; the scan then finds nothing and None is returned). Sparse tensors are checked through their
     stored values; float16/bfloat16 norms are accumulated and returned in float32 so they do not overflow early.
@@ -77,7 +118,7 @@ def first_nonfinite(tensors: Sequence[torch.Tensor],
         The index into ``tensors`` of the first non-finite one, or None.
     """
     dense = [t._values() if t.is_sparse else t for t in tensors]
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    rest = []
     for i, t in enumerate(dense):
         if not t.numel():
             continue
@@ -85,12 +126,8 @@ def first_nonfinite(tensors: Sequence[torch.Tensor],
             if cpu_scan(t):
                 return i
             continue
-        buckets.setdefault((t.device, t.dtype), []).append(t)
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for (device, dtype), group in buckets.items():
-        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
-        flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
-    if all(bool(torch.stack(f).all()) for f in flags.values()):  # one host sync per device
+        rest.append(t)
+    if all(bool(f) for f in _finite_flags(rest).values()):  # one host sync per device
         return None
     for i, t in enumerate(dense):  # slow path, only on failure: locate the offending tensor
         if t.numel() and not bool(torch.isfinite(t).all()):
@@ -104,7 +141,8 @@ def _scannable(t: torch.Tensor) -> bool:
 
 
 def momentum_direction(
-    buf: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool = True, form: str = "ema"
+    buf: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool = True, form: str = "ema",
+    ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Update the momentum buffer in place and return the vector to orthogonalise.
 
@@ -121,17 +159,25 @@ def momentum_direction(
         beta: momentum coefficient in [0, 1).
         nesterov: use the Nesterov look-ahead.
         form: ``"ema"`` or ``"sum"``.
+        ok: optional 0-dim bool tensor (``all_finite``): the new M is written only where it is True
+            (``torch.where``, so a NaN in G never reaches M when it is False); M's values are bitwise those of the
+            unconditional update when True. The returned U is then always a new tensor (NaN when G is).
 
     Returns:
-        U (a new tensor, or ``buf`` itself when not Nesterov — do not modify it).
+        U (a new tensor, or ``buf`` itself when not Nesterov and ``ok`` is None — do not modify it).
     """
-    if form == "ema":
-        buf.lerp_(grad, 1.0 - beta)
-        return grad.lerp(buf, beta) if nesterov else buf
-    if form == "sum":
+    if form not in MOMENTUM_FORMS:
+        raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
+    if ok is None:
+        if form == "ema":
+            buf.lerp_(grad, 1.0 - beta)
+            return grad.lerp(buf, beta) if nesterov else buf
         buf.mul_(beta).add_(grad)
         return grad.add(buf, alpha=beta) if nesterov else buf
-    raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
+    new = buf.lerp(grad, 1.0 - beta) if form == "ema" else buf.mul(beta).add_(grad)
+    U = (grad.lerp(new, beta) if form == "ema" else grad.add(new, alpha=beta)) if nesterov else new
+    buf.copy_(torch.where(ok, new, buf))
+    return U
 
 
 def shape_scale(shape: tuple[int, ...] | torch.Size, adjust_lr_fn: str | None = "original") -> float:
@@ -156,7 +202,8 @@ def shape_scale(shape: tuple[int, ...] | torch.Size, adjust_lr_fn: str | None = 
     raise ValueError(f"adjust_lr_fn: unknown value {adjust_lr_fn!r}; choose one of {ADJUST_LR_FNS}")
 
 
-def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, scale: float, weight_decay: float) -> None:
+def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, scale: float, weight_decay: float,
+                 ok: torch.Tensor | None = None) -> None:
     """W ← W·(1 − lr·wd) − lr·s·O, in place (decoupled weight decay, then the step).
 
     Args:
@@ -165,10 +212,17 @@ def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, scale:
         lr: learning rate (spectral-norm units per step for Muon).
         scale: shape scale s from ``shape_scale``.
         weight_decay: decoupled decay coefficient (multiplied by lr).
+        ok: optional 0-dim bool tensor: W is written only where it is True (``torch.where``: W stays bitwise
+            unchanged when False, whatever O holds; bitwise the unconditional result when True).
     """
-    if weight_decay != 0.0:
-        param.mul_(1.0 - lr * weight_decay)
-    param.add_(direction.to(param.dtype), alpha=-lr * scale)
+    if ok is None:
+        if weight_decay != 0.0:
+            param.mul_(1.0 - lr * weight_decay)
+        param.add_(direction.to(param.dtype), alpha=-lr * scale)
+        return
+    new = param.mul(1.0 - lr * weight_decay) if weight_decay != 0.0 else param
+    new = new.add(direction.to(param.dtype), alpha=-lr * scale)
+    param.copy_(torch.where(ok, new, param))
 
 
 def adamw_update(
@@ -176,11 +230,12 @@ def adamw_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    step: int,
+    step: int | torch.Tensor,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step in place (Loshchilov & Hutter; same arithmetic as torch.optim.AdamW, bias-corrected).
 
@@ -188,18 +243,42 @@ def adamw_update(
         param: parameter, modified in place.
         grad: its gradient.
         exp_avg, exp_avg_sq: first and second moment buffers, modified in place.
-        step: 1-based step count after this update (for bias correction).
+        step: 1-based step count after this update (for bias correction): a Python int, or a 0-dim tensor (as
+            ``Muon`` keeps it, on the parameter's device), whose bias corrections are then computed on the device
+            in float64 (float32 where the device has no float64) — never read back to the host.
         lr: learning rate (parameter units per step, as in AdamW).
         betas: (β1, β2).
         eps: added to sqrt(v̂).
         weight_decay: decoupled decay coefficient (multiplied by lr).
+        ok: optional 0-dim bool tensor: parameter and moments are written only where it is True (``torch.where``:
+            bitwise unchanged when False, whatever ``grad`` holds). The caller advances ``step`` by ``ok``.
     """
     beta1, beta2 = betas
-    if weight_decay != 0.0:
-        param.mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bc1 = 1.0 - beta1**step
-    bc2 = 1.0 - beta2**step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    if torch.is_tensor(step):
+        t = step.to(torch.float32 if step.device.type == "mps" else torch.float64)
+        bc1 = 1.0 - torch.pow(beta1, t)
+        neg_step_size = (-lr / bc1).to(param.dtype)
+        inv_bc2_sqrt = (1.0 - torch.pow(beta2, t)).rsqrt().to(param.dtype)
+    else:
+        bc1 = 1.0 - beta1**step
+        bc2 = 1.0 - beta2**step
+    if ok is None:
+        if weight_decay != 0.0:
+            param.mul_(1.0 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        m, v, p = exp_avg, exp_avg_sq, param
+    else:
+        m = exp_avg.lerp(grad, 1.0 - beta1)
+        v = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        p = param.mul(1.0 - lr * weight_decay) if weight_decay != 0.0 else param.clone()
+    if torch.is_tensor(step):
+        denom = (v.sqrt() * inv_bc2_sqrt).add_(eps)
+        p.add_(m / denom * neg_step_size)
+    else:
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+    if ok is not None:
+        exp_avg.copy_(torch.where(ok, m, exp_avg))
+        exp_avg_sq.copy_(torch.where(ok, v, exp_avg_sq))
+        param.copy_(torch.where(ok, p, param))

@@ -26,34 +26,44 @@ from weightgeom.optim.functional import (
     MOMENTUM_FORMS,
     NonFiniteGradientError,
     adamw_update,
+    all_finite,
     apply_update,
     first_nonfinite,
     momentum_direction,
     shape_scale,
 )
-from weightgeom.optim.manifold_muon import DUAL_SCHEDULES, manifold_direction
+from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, manifold_direction
 from weightgeom.optim.sharded import holds_dtensors, step_on_owners
 
-__all__ = ["Muon", "ALGORITHMS", "FarRetractionWarning"]
+__all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
 ALGORITHMS = ("muon", "adamw")
+# msign presets whose singular values do not converge to 1 (Keller Jordan's quintic: ≈ [0.7, 1.2]); refused for manifold
+# groups, whose step must stay in the unit spectral ball.
+_LOOSE_MSIGN = ("muon",)
 _MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
 # Group keys that are not hyperparameters: the params themselves, their names (ours, and torch's named-params key),
 # and keys LR schedulers / torch add to groups.
 _BOOKKEEPING_KEYS = frozenset({"params", "names", "param_names", "initial_lr", "name"})
 # ``init``: what the first step does with a constrained matrix (see the class docstring).
 INIT_MODES = ("retract", "keep")
+# ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
+ON_NONFINITE = ("raise", "skip")
 # A first-step retraction that moves a matrix by more than this relative Frobenius distance ‖R(W) − W‖_F / ‖W‖_F
 # triggers one warning per optimizer (weights given to the optimizer, e.g. pretrained ones, are being replaced).
 FAR_RETRACTION = 0.1
 
 
 def uses_msign_choice(group: dict[str, Any]) -> bool:
-    """Whether a param group's plain-Muon msign takes the per-device choice of ``msign_choice`` (a Polar Express
-    group that leaves ``ns_steps`` or ``msign_dtype`` unset); the trainer records that choice in the run's meta."""
-    return (group.get("algorithm") == "muon" and group.get("manifold") is None
-            and group.get("msign_method") == "polar_express"
-            and (group.get("ns_steps") is None or group.get("msign_dtype") is None))
+    """Whether a param group's msign takes the per-device choice of ``msign_choice``: a plain-Muon Polar Express group
+    that leaves ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold Polar Express group that leaves
+    ``ns_steps`` unset (steps only: the dual ascent computes in float32/float64); the trainer records the choice in
+    the run's meta."""
+    if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express":
+        return False
+    if group.get("manifold") is not None:
+        return group.get("ns_steps") is None
+    return group.get("ns_steps") is None or group.get("msign_dtype") is None
 
 
 class FarRetractionWarning(UserWarning):
@@ -62,7 +72,7 @@ class FarRetractionWarning(UserWarning):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon / manifold Muon / AdamW in one optimizer; every keyword is also a per-group key.
+    """Muon / manifold Muon / AdamW in one optimizer; every keyword but ``on_nonfinite`` is also a per-group key.
 
     Args:
         params: parameters or groups (dicts). A group may carry ``"names": [...]`` (one per param, as
@@ -73,14 +83,17 @@ class Muon(torch.optim.Optimizer):
         momentum: β of the momentum buffer, in [0, 1).
         nesterov: use the Nesterov look-ahead U = (1−β)G + βM (EMA) / G + βM (sum).
         weight_decay: decoupled decay coefficient; W ← W(1 − lr·wd) before the step.
-        ns_steps: msign polynomial steps (None: the preset's default; plain Muon with msign_dtype None: the
-            per-device choice, see msign_dtype).
+        ns_steps: msign polynomial steps (None: the preset's default, except with Polar Express below float64: the
+            per-device choice's step count, see msign_dtype — for plain Muon and manifold groups alike).
         msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
-            torch.optim.Muon uses) or ``"svd"`` (exact, slow).
-        msign_dtype: msign compute dtype. None (plain Muon, Polar Express): chosen per device at the first step by
-            a sub-second micro-benchmark cached on disk (``weightgeom.linalg.msign_choice``): bf16 only where it is
-            faster than fp32, with the fewest Polar Express steps (when ``ns_steps`` is None too) whose direction is
-            at least as orthogonal as torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
+            torch.optim.Muon uses; refused for manifold groups, whose step must stay in the unit spectral ball),
+            ``"polar_express_paper"`` (Polar Express with the reference code's bf16 arithmetic, as the
+            manifold-assignment paper's code runs it) or ``"svd"`` (exact, slow).
+        msign_dtype: msign compute dtype. None (plain Muon, Polar Express): chosen per device when the group is
+            added (so the step only looks it up) by a sub-second micro-benchmark cached on disk
+            (``weightgeom.linalg.msign_choice``): bf16 only where it is faster than fp32, with the fewest Polar
+            Express steps (when ``ns_steps`` is None too) whose direction is at least as orthogonal as
+            torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
             ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold
             groups use fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach
             ``dual_tol``. An explicit dtype always wins (with the preset's steps unless ``ns_steps`` is set).
@@ -93,16 +106,28 @@ class Muon(torch.optim.Optimizer):
         manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
             Constrained matrices are retracted onto the manifold at their first step, then after every step
             (``init="retract"``); ``init="keep"`` leaves pretrained weights where they are (see ``init``).
-        dual_steps: maximum dual-ascent iterations per step (each costs one msign).
+        dual_steps: maximum dual-ascent iterations per step (each costs one msign). Default 1 with ``dual_project``:
+            the warm-started (predicted) multiplier's direction, projected onto the tangent space — tangent residual
+            ~1e-8 at 2.0× (Stiefel) / 2.2× (DGram) our plain Muon step on 768×768 (2-core AVX2 CPU,
+            ``weightgeom bench optimizer_step --quick``); the published 20 steps stay available (``preset="paper"``).
         dual_lr: dual step α (units of the momentum normalised to unit RMS singular value); halved automatically
             whenever the residual grows.
         dual_tol: stop the dual ascent once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol.
         dual_schedule: ``"linear"`` (α_k = α(1 − k/K), the manifold-assignment paper) or ``"constant"``.
         dual_ns_steps: msign steps inside the dual loop (None: ``ns_steps``); when set, one accurate msign
             (``ns_steps``) recomputes the direction at the best Λ.
-        dual_project: project the final direction onto the tangent space (exactly tangent; ‖A‖₂ = 1 + O(dual
-            residual)); ``last_stats`` then also reports the dual residual before projection.
-        retraction: passed to the manifold's constructor when not None (e.g. DGram ``"paper"``).
+        dual_project: (default True) project the final direction onto the tangent space (exactly tangent) and
+            rescale it into the unit spectral ball (‖A‖₂ estimated by power iteration); ``last_stats`` then also
+            reports the dual residual before projection.
+        dual_normalize: divide the momentum by its RMS singular value before the dual ascent (scale-free α and Λ).
+            False: the manifold-assignment paper's published code, which does not normalise.
+        dual_warm_start: start the dual ascent from the previous step's multiplier (predicted, see docs/muon.md).
+            False: cold start Λ₀ = −¼·P(WᵀU + UᵀW) every step, as published.
+        dual_keep: ``"best"`` (step halving when the residual grows; the smallest-residual iterate is used) or
+            ``"last"`` (the published loop exactly: fixed schedule, the last iterate's direction).
+        retraction: passed to the manifold's constructor when not None. ``"paper"`` is accepted by every manifold
+            and selects the manifold-assignment paper's published retraction (Stiefel: msign(W) with this group's
+            msign settings; DGram: (U Vᵀ)·diag(σ sorted); Oblique: columns / max(‖w_j‖, 1e-8)).
         betas: AdamW (β1, β2).
         eps: AdamW denominator epsilon.
         adamw_lr: lr given to ``algorithm="adamw"`` groups that set no ``"lr"`` themselves (None: ``lr``).
@@ -121,19 +146,32 @@ class Muon(torch.optim.Optimizer):
             changes it by lr²·P(AᵀA) plus lr times the dual residual, and weight decay scales it by (1 − lr·wd)²;
             nothing pulls it back. ``dual_project=True`` uses the manifold's closed-form projection, exact only on
             the manifold. Details: docs/manifolds.md, "Fine-tuning a pretrained model".
+        on_nonfinite: what ``step`` does when a gradient holds NaN/Inf (optimizer-wide, not a group key).
+            ``"raise"`` (default): raise ``NonFiniteGradientError`` naming the parameter, nothing changed; the check
+            costs one fused reduction and one host sync per device. ``"skip"``: the check is one fused reduction
+            whose 0/1 result stays on the device, and the whole step becomes a no-op when it fails — parameters,
+            momentum buffers, AdamW moments and step counters bitwise unchanged (``torch.where``, so NaN never
+            leaks) — counted in ``skipped_steps``. Plain-Muon and AdamW groups then step with no host
+            synchronisation at all, and ``torch.compile(opt.step, fullgraph=True)`` traces without graph breaks.
+            When a manifold group has a gradient, the skip decision is read on the host (one sync; the dual
+            ascent syncs anyway, see ``step``).
 
     Attributes:
         msign_auto: {device: the per-device msign choice (``MsignChoice.as_dict()``: dtype, steps, source, measured
-            step seconds and probe errors)} for every device a plain-Muon group used it on; empty before the first
-            step and when every group sets ``msign_dtype`` and ``ns_steps``.
+            step seconds and probe errors)} for every device a plain-Muon group uses it on, filled when the group is
+            added; empty when every group sets ``msign_dtype`` and ``ns_steps``.
+        skipped_steps: 0-dim int64 tensor on the parameters' device: the steps ``on_nonfinite="skip"`` skipped.
+            Reading it (``int(opt.skipped_steps)``) is a host sync on a GPU: do it when you need the number. Not
+            part of ``state_dict()``.
         last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int,
             "dual_residual": float}} for every manifold-constrained parameter that had a gradient (tangent_residual
             is that of the direction actually used; dual_residual the dual ascent's before any projection).
 
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group (naming it), and, in ``step``,
-            a sparse gradient or (``NonFiniteGradientError``) a NaN/Inf gradient, naming the parameter. ``step`` is
-            all or nothing: every group's gradients are checked before any parameter or state changes.
+            a sparse gradient or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient,
+            naming the parameter. ``step`` is all or nothing: every group's gradients are checked before any
+            parameter or state changes.
     """
 
     def __init__(
@@ -150,12 +188,15 @@ class Muon(torch.optim.Optimizer):
         momentum_form: str = "ema",
         algorithm: str = "muon",
         manifold: str | None = None,
-        dual_steps: int = 20,
+        dual_steps: int = 1,
         dual_lr: float = 0.1,
         dual_tol: float = 1e-4,
         dual_schedule: str = "linear",
         dual_ns_steps: int | None = None,
-        dual_project: bool = False,
+        dual_project: bool = True,
+        dual_normalize: bool = True,
+        dual_warm_start: bool = True,
+        dual_keep: str = "best",
         retraction: str | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -163,13 +204,15 @@ class Muon(torch.optim.Optimizer):
         layout: str = "out_in",
         split: int | None = None,
         init: str = "retract",
+        on_nonfinite: str = "raise",
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
             momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
             dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, dual_ns_steps=dual_ns_steps,
-            dual_project=dual_project, retraction=retraction,
+            dual_project=dual_project, dual_normalize=dual_normalize, dual_warm_start=dual_warm_start,
+            dual_keep=dual_keep, retraction=retraction,
             betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split, init=init,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
@@ -177,8 +220,30 @@ class Muon(torch.optim.Optimizer):
         self.msign_auto: dict[str, dict[str, Any]] = {}
         self._far_retractions: dict[str, tuple[float, str]] = {}  # name -> (distance, manifold) since last warning
         self._warned_far_retraction = False
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"Muon(): on_nonfinite={on_nonfinite!r} is invalid: choose one of {list(ON_NONFINITE)}")
+        self.on_nonfinite = on_nonfinite
+        # msign settings per device for the groups that take the per-device choice (resolved when a group is added,
+        # so the step only looks them up: no benchmark, lock or environment read inside a compiled step).
+        self._msign_choices: dict[str, tuple[torch.dtype, int]] = {}
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=first.device if first is not None else "cpu")
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped for a NaN/Inf gradient (``on_nonfinite="skip"``): a 0-dim int64 tensor on the device (read
+        it with ``int()`` only when needed — that is a host sync on a GPU)."""
+        return self._skipped
+
+    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "msign_auto", "_manifolds", "last_stats",
+                  "_far_retractions", "_warned_far_retraction")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param_groups) plus Muon's own attributes, so ``copy.deepcopy`` and pickling
+        keep ``on_nonfinite`` and the rest."""
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in self._OWN_ATTRS if k in self.__dict__}}
 
     # ---- groups ----------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -220,6 +285,20 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
         if group["manifold"] is not None:
             self._manifold(group)  # resolve now so an unknown name fails at construction
+        if uses_msign_choice(group):
+            for p in group["params"]:
+                if p.dtype != torch.float64:
+                    self._msign_choice_for(p.device)
+
+    def _msign_choice_for(self, device: torch.device) -> tuple[torch.dtype, int]:
+        """(dtype, steps) of ``msign_choice`` on ``device``, looked up once per optimizer and device (recorded in
+        ``msign_auto``)."""
+        key = str(device)
+        if key not in self._msign_choices:
+            choice = msign_choice(device)
+            self._msign_choices[key] = (choice.dtype, choice.steps)
+            self.msign_auto.setdefault(key, choice.as_dict())
+        return self._msign_choices[key]
 
     @staticmethod
     def _name(group: dict[str, Any], i: int, gi: int) -> str:
@@ -246,7 +325,16 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimisation step over all groups; returns the closure's loss when one is given.
 
-        All or nothing: every gradient of every group is checked before any parameter or state changes.
+        All or nothing: every gradient of every group is checked before any parameter or state changes
+        (``on_nonfinite``: raise, or skip the whole step on the device).
+
+        Host synchronisation: with ``on_nonfinite="skip"``, plain-Muon and AdamW groups step without any (no
+        ``.item()``, no tensor-to-bool, step counters and AdamW bias corrections kept as device tensors), so a GPU
+        step is queued without waiting and ``torch.compile(opt.step, fullgraph=True)`` traces it whole; with
+        ``"raise"`` the check costs one sync per device. Manifold groups sync: the first step's retraction distance
+        (``init="retract"``), the dual ascent's early stop and step halving (its residual, read every iteration) and
+        ``last_stats`` are host numbers, and with ``"skip"`` the skip decision is read once when such a group has
+        a gradient.
 
         DTensor parameters (FSDP2 ``fully_shard``; every rank calls ``step``): each Muon matrix is gathered whole onto
         one owner rank, stepped there by this same code and scattered back; AdamW groups are stepped on each rank's
@@ -262,8 +350,13 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if holds_dtensors(self.param_groups):  # FSDP2: Muon matrices whole on owner ranks, AdamW on local shards
-            step_on_owners(self, self._update, whole=lambda g, p: g["algorithm"] == "muon",
-                           name=lambda gi, g, i: self._name(g, i, gi), who="Muon", merge_stats=[self])
+            try:  # a NaN/Inf shard on any rank raises on every rank before anything changed
+                step_on_owners(self, self._update, whole=lambda g, p: g["algorithm"] == "muon",
+                               name=lambda gi, g, i: self._name(g, i, gi), who="Muon", merge_stats=[self])
+            except NonFiniteGradientError:
+                if self.on_nonfinite == "raise":
+                    raise
+                self._skipped += 1
         else:
             self._update()
         return loss
@@ -271,14 +364,27 @@ class Muon(torch.optim.Optimizer):
     def _update(self) -> None:
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         work = self._with_grads()
-        self._check_finite(work)
+        ok = None  # "skip": 0-dim bool device tensor, True when every gradient is finite
+        if self.on_nonfinite == "raise":
+            self._check_finite(work)
+        else:
+            grads = [p.grad for _, _, items in work for _, p in items]
+            device = grads[0].device if grads else self._skipped.device
+            if self._skipped.device != device:
+                self._skipped = self._skipped.to(device)
+            ok = all_finite(grads, device=device)
+            self._skipped.add_(~ok)
+            if any(g["algorithm"] == "muon" and g["manifold"] is not None for _, g, _ in work):
+                if not bool(ok):  # manifold groups read their dual ascent on the host anyway: one sync here
+                    return
+                ok = None
         self.last_stats = {}
         for gi, group, items in work:
             if group["algorithm"] == "adamw":
                 for _, p in items:
-                    self._adamw_step(group, p)
+                    self._adamw_step(group, p, ok)
             elif group["manifold"] is None:
-                self._muon_group_batched(group, [p for _, p in items])
+                self._muon_group_batched(group, [p for _, p in items], ok)
             else:
                 for i, p in items:
                     self._muon_step(group, p, self._name(group, i, gi))
@@ -327,16 +433,16 @@ class Muon(torch.optim.Optimizer):
         steps, dtype = group["ns_steps"], group["msign_dtype"]
         if not uses_msign_choice(group) or U.dtype == torch.float64:
             return steps, dtype
-        choice = msign_choice(U.device)
-        self.msign_auto.setdefault(str(U.device), choice.as_dict())
+        key = str(U.device)  # resolved when the group was added; a parameter moved since is looked up here
+        choice_dtype, choice_steps = self._msign_choices.get(key) or self._msign_choice_for(U.device)
         if dtype is None:
-            dtype = choice.dtype
-            steps = choice.steps if steps is None else steps
+            dtype = choice_dtype
+            steps = choice_steps if steps is None else steps
         return steps, dtype
 
     def summary(self) -> str:
         """One line per parameter group (algorithm, size, manifold, msign settings) plus the per-device msign choice
-        made at the first step (``msign_auto``; empty before it)."""
+        (``msign_auto``, made when the groups were added)."""
         lines = []
         for gi, group in enumerate(self.param_groups):
             n = sum(p.numel() for p in group["params"])
@@ -353,19 +459,20 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})")
         return "\n".join(lines)
 
-    def _adamw_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
+    def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
         state = self.state[p]
         if not state:
-            state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        step = _step_counter(state, p)
+        step.add_(1 if ok is None else ok)
         adamw_update(
-            p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], float(group["lr"]),
-            group["betas"], group["eps"], group["weight_decay"],
+            p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, float(group["lr"]),
+            group["betas"], group["eps"], group["weight_decay"], ok=ok,
         )
 
-    def _muon_group_batched(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _muon_group_batched(self, group: dict[str, Any], params: list[torch.Tensor],
+                            ok: torch.Tensor | None = None) -> None:
         """Plain-Muon step of one group: matrices of the same (out, in) view shape, dtype and device are stacked and
         orthogonalised by one batched msign call (msign normalises and iterates each matrix of a batch on its own,
         so the result equals one call per matrix up to rounding); a bucket of one takes the 2-D path."""
@@ -377,11 +484,11 @@ class Muon(torch.optim.Optimizer):
         adjust = group["adjust_lr_fn"] or "original"
         for (shape, _, _), ps in buckets.items():
             if len(ps) == 1:
-                self._muon_step(group, ps[0], "")
+                self._muon_step(group, ps[0], "", ok)
                 continue
             U = None  # (len(ps), *shape): the momentum directions, filled one matrix at a time
             for j, p in enumerate(ps):
-                u = _matrices(self._momentum(group, p), group["layout"], group["split"])
+                u = _matrices(self._momentum(group, p, ok), group["layout"], group["split"])
                 if U is None:
                     U = torch.empty((len(ps), *shape), dtype=u.dtype, device=u.device)
                 U[j].copy_(u)
@@ -390,22 +497,23 @@ class Muon(torch.optim.Optimizer):
             del U
             for p, d in zip(ps, D.unbind(0)):
                 W = _matrices(p, group["layout"], group["split"])
-                apply_update(W, d, lr, shape_scale(W.shape, adjust), wd)
-                self.state[p]["step"] += 1
+                apply_update(W, d, lr, shape_scale(W.shape, adjust), wd, ok=ok)
+                _step_counter(self.state[p], p).add_(1 if ok is None else ok)
 
-    def _momentum(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+    def _momentum(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
         """Update p's momentum buffer (created at the first step) with its gradient; return the direction input U."""
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["step"] = 0
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
-                                  group["momentum_form"])
+                                  group["momentum_form"], ok=ok)
 
-    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str) -> None:
+    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str, ok: torch.Tensor | None = None) -> None:
+        """One matrix's step; ``ok`` (plain Muon only, ``on_nonfinite="skip"``) masks every write."""
         state = self.state[p]
         lr = float(group["lr"])
-        U = self._momentum(group, p)
+        first = "momentum_buffer" not in state  # host-side: no step counter is read
+        U = self._momentum(group, p, ok)
         W = _matrices(p, group["layout"], group["split"])  # (out, in) view, or (k, out/k, in) blocks
         U = _matrices(U, group["layout"], group["split"])
         manifold = self._manifold(group) if group["manifold"] is not None else None
@@ -414,14 +522,17 @@ class Muon(torch.optim.Optimizer):
             steps, dtype = self._msign_settings(group, U)
             direction = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
         else:
-            if state["step"] == 0 and group["init"] == "retract":  # start on the manifold
+            if first and group["init"] == "retract":  # start on the manifold
                 R = _retract(manifold, W)
                 dist = float(torch.linalg.vector_norm(R - W) / torch.linalg.vector_norm(W).clamp_min(1e-30))
                 if dist > FAR_RETRACTION:
                     self._far_retractions[name] = (dist, manifold.name)
                 W.copy_(R)
             dtype = group["msign_dtype"] or (torch.float64 if p.dtype == torch.float64 else torch.float32)
-            ms = partial(msign, method=group["msign_method"], steps=group["ns_steps"], dtype=dtype)
+            steps = group["ns_steps"]
+            if steps is None and uses_msign_choice(group) and p.dtype != torch.float64:  # per-device step count
+                steps = (self._msign_choices.get(str(W.device)) or self._msign_choice_for(W.device))[1]
+            ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
             G32 = U.to(W32.dtype)
             inner, final, continues = ms, None, False
@@ -430,25 +541,40 @@ class Muon(torch.optim.Optimizer):
                 inner = partial(msign, method=group["msign_method"], steps=k, dtype=dtype)
                 final = ms
                 preset = MSIGN_PRESETS.get(group["msign_method"])
-                n_final = group["ns_steps"] if group["ns_steps"] is not None else (preset.steps if preset else 0)
+                n_final = steps if steps is not None else (preset.steps if preset else 0)
                 if preset is not None and k < n_final:  # the accurate msign continues the inner one from step k
                     final = partial(msign, method=group["msign_method"], steps=n_final, dtype=dtype, start_step=k)
                     continues = True
-            lam0 = state.get("dual_multiplier")
+            warm = group["dual_warm_start"]
+            lam0 = state.get("dual_multiplier") if warm else None
             info: dict[str, Any] = {}
             direction, lam, residual, iters = manifold_direction(
                 W32, G32, manifold, lam0, steps=group["dual_steps"], lr=group["dual_lr"], tol=group["dual_tol"],
                 msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
-                final_msign_fn=final, stats=info, cold0=state.get("dual_cold"), final_continues=continues,
+                final_msign_fn=final, stats=info, cold0=state.get("dual_cold") if warm else None,
+                final_continues=continues, normalize=group["dual_normalize"], keep=group["dual_keep"],
             )
             state["dual_multiplier"] = lam
             state["dual_cold"] = info["cold_multiplier"]
             self.last_stats[name] = {"tangent_residual": residual, "dual_iters": iters,
                                      "dual_residual": info["dual_residual"]}
-        apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"])
+        apply_update(W, direction, lr, shape_scale(W.shape, adjust), group["weight_decay"], ok=ok)
         if manifold is not None and group.get("init", "retract") == "retract":
             W.copy_(_retract(manifold, W))
-        state["step"] += 1
+        _step_counter(state, p).add_(1 if ok is None else ok)
+
+
+def _step_counter(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+    """p's step count: a 0-dim float32 tensor on p's device (as torch.optim keeps it for capturable steps), so a step
+    neither reads it on the host nor makes torch.compile specialise on its value. Created at 0; a Python number (a
+    checkpoint from an earlier version) or a tensor on another device (torch's ``load_state_dict`` leaves "step"
+    where it was saved) is converted in place."""
+    st = state.get("step", 0)
+    if not torch.is_tensor(st):  # a fill on the device: no host-to-device copy
+        st = state["step"] = torch.full((), float(st), dtype=torch.float32, device=p.device)
+    elif st.device != p.device or st.dtype != torch.float32:
+        st = state["step"] = st.to(device=p.device, dtype=torch.float32)
+    return st
 
 
 def _matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
@@ -474,6 +600,7 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         "momentum_form": MOMENTUM_FORMS,
         "msign_method": _MSIGN_METHODS,
         "dual_schedule": DUAL_SCHEDULES,
+        "dual_keep": DUAL_KEEP,
         "layout": ("out_in", "in_out"),
         "init": INIT_MODES,
     }
@@ -510,7 +637,15 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
     if "msign_dtype" in group and group["msign_dtype"] is not None and not isinstance(group["msign_dtype"],
                                                                                        torch.dtype):
         raise bad("msign_dtype", "must be a torch.dtype or None")
+    for key in ("dual_normalize", "dual_warm_start"):
+        if key in group and not isinstance(group[key], bool):
+            raise bad(key, "must be True or False")
     if "split" in group and group["split"] is not None and int(group["split"]) < 1:
         raise bad("split", "must be None or an int ≥ 1")
     if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
         raise bad("manifold", "manifold constraints need algorithm='muon'")
+    if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon" and (
+            group.get("msign_method") in _LOOSE_MSIGN):
+        raise bad("msign_method", f"a manifold group (manifold={group['manifold']!r}) needs a direction inside the "
+                                  "unit spectral ball, but the Muon quintic leaves singular values up to ≈1.13 "
+                                  "(a step ≈13% above lr); use 'polar_express' (or 'svd')")

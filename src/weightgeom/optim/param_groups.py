@@ -19,7 +19,9 @@ other      any other parameter (e.g. BERT's pooler, ResMLP's ``inp``): AdamW
 
 Strategies map roles to (algorithm, manifold): ``unconstrained`` (Muon on attn + mlp), ``all-stiefel``,
 ``all-dgram``, ``hetero`` (attn Stiefel, mlp DGram), ``hetero-inv`` (attn DGram, mlp Stiefel), ``adamw``
-(everything AdamW). Embeddings, head, norms, biases and other → AdamW, weight decay only on ≥2-D tensors.
+(everything AdamW), ``auto`` (ALL-DGRAM with each attention matrix in its own group, for the trainer callback
+:class:`weightgeom.train.auto_assign.AutoAssign` that moves a layer to Stiefel when its logit bound grows).
+Embeddings, head, norms, biases and other → AdamW, weight decay only on ≥2-D tensors.
 
 Hyperparameters go to the groups whose algorithm reads them (one rule, checked: a key nobody reads is an error
 with a "did you mean"):
@@ -62,6 +64,9 @@ STRATEGIES: dict[str, dict[str, str | None]] = {
     "hetero": {"attn": "stiefel", "mlp": "dgram"},
     "hetero-inv": {"attn": "dgram", "mlp": "stiefel"},
     "adamw": {"attn": "adamw", "mlp": "adamw"},
+    # starts as ALL-DGRAM with each attention matrix in its own group, so that the trainer callback
+    # weightgeom.train.auto_assign.AutoAssign can move one layer's Q/K weights to Stiefel during training
+    "auto": {"attn": "dgram", "mlp": "dgram"},
 }
 
 ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -269,6 +274,8 @@ def param_groups(
         if spec is None:
             target = role_map.get(role, "adamw") if role not in _ADAMW_ROLES else "adamw"
             spec = _spec_from_rule(target if target is not None else "muon", f"strategy {strategy!r}")
+            if strategy == "auto" and role == "attn":  # a group of its own: AutoAssign may change its manifold
+                spec["name"] = f"auto:{name}"
         if spec["algorithm"] == "muon":
             if p.ndim != 2:
                 raise ValueError(f"param_groups: parameter {name!r} has shape {tuple(p.shape)}; {source} assigns "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightgeom.linalg.autotune import adopt_msign_choice, msign_choice
 from weightgeom.optim.sharded import assign_owners, broadcast_from_owners, is_dtensor, local_part
 
 __all__ = ["DistInfo", "init_distributed", "cleanup", "wrap_model", "ShardedStep", "all_reduce_mean", "barrier",
@@ -76,8 +77,20 @@ def init_distributed(device: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    _agree_msign_choice(dev)
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, device=dev,
                     enabled=True)
+
+
+def _agree_msign_choice(device: torch.device) -> None:
+    """Every rank adopts rank 0's per-device msign choice (dtype, Polar Express steps), so which rank owns a matrix
+    never changes how its direction is computed (each node would otherwise measure its own, and a close timing can
+    pick bf16 on one and fp32 on another)."""
+    mine = msign_choice(device) if dist.get_rank() == 0 else None
+    box = [None if mine is None else (str(mine.dtype).replace("torch.", ""), mine.steps)]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    dtype_name, steps = box[0]
+    adopt_msign_choice(device, getattr(torch, dtype_name), steps)
 
 
 def cleanup(info: DistInfo) -> None:
