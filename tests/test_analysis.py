@@ -485,3 +485,94 @@ def test_cli_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, exc):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "m.safetensors: not enough memory" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def _drifting_stack(L, m, n, seed=0, tail=0.7):
+    """L matrices (m, n) with a heavy-tailed spectrum whose singular bases drift slowly from layer to layer."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    s = torch.arange(1, k + 1, dtype=torch.float64) ** -tail
+    U = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))[0]
+    out = []
+    for _ in range(L):
+        U = torch.linalg.qr(U + 0.3 * torch.randn(m, k, generator=g, dtype=torch.float64) / m**0.5)[0]
+        V = torch.linalg.qr(V + 0.3 * torch.randn(n, k, generator=g, dtype=torch.float64) / n**0.5)[0]
+        out.append(((U * s) @ V.T + 0.02 * torch.randn(m, n, generator=g, dtype=torch.float64)).float())
+    return out
+
+
+@pytest.mark.parametrize("shape", [(600, 200), (200, 600), (300, 300)])
+def test_gram_sketch_within_its_tolerance_of_exact(shape):
+    """The sketched Gram alignment (and its random level) equals the exact one within its named tolerance for spaces
+    of a few hundred dimensions, both spaces."""
+    from weightgeom.analysis.continuity import SKETCH_TOL_SMALL as SKETCH_TOL
+    from weightgeom.analysis.continuity import gram_random_level, sketch_layer, sketch_pair
+
+    Ws = _drifting_stack(4, *shape)
+    prev = None
+    for a, b in zip(Ws, Ws[1:]):
+        sa = prev or sketch_layer(a)
+        sb = sketch_layer(b, prev=sa)
+        got = sketch_pair(sa, sb)
+        for space in ("input", "output"):
+            assert got[space][0] == pytest.approx(gram_alignment(a, b, space), abs=SKETCH_TOL), space
+            assert got[space][1] == pytest.approx(gram_random_level(a, b, space), abs=SKETCH_TOL), space
+        prev = sb
+
+
+def test_gram_sketch_is_exact_when_the_bases_span_the_space_and_errors():
+    from weightgeom.analysis.continuity import gram_alignment_sketch, sketch_layer, sketch_pair
+
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(200, 24, generator=g, dtype=torch.float64)
+    b = a + 0.7 * torch.randn(200, 24, generator=g, dtype=torch.float64)
+    # input space R^24: the two top-12 bases span it, nothing is left to estimate
+    assert gram_alignment_sketch(a, b, "input", rank=12) == pytest.approx(gram_alignment(a, b, "input"), abs=1e-10)
+    # identical layers (rank-deficient joint basis) give exactly 1
+    assert gram_alignment_sketch(a, a, "output") == pytest.approx(1.0, abs=1e-9)
+    # this layer's side computed in its own passes (prev=) equals the separate products
+    sa = sketch_layer(a.float())
+    p1, p2 = sketch_pair(sa, sketch_layer(b.float(), prev=sa)), sketch_pair(sa, sketch_layer(b.float()))
+    for sp in ("input", "output"):
+        assert p1[sp][0] == pytest.approx(p2[sp][0], abs=1e-6)
+    assert sketch_pair(sketch_layer(torch.zeros(30, 20)), sketch_layer(torch.zeros(30, 20)))["input"] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="shapes differ"):
+        gram_alignment_sketch(a, b[:, :20])
+    with pytest.raises(ValueError, match="unknown space"):
+        gram_alignment_sketch(a, b, "sideways")
+
+
+def test_gram_sketch_error_falls_with_rank_and_probes():
+    """Deflation rank and probe count are the sketch's accuracy knobs: r=2, p=4 is clearly worse than r=32, p=128."""
+    from weightgeom.analysis.continuity import gram_alignment_sketch
+
+    Ws = _drifting_stack(6, 400, 160, seed=3, tail=0.4)
+    exact = [gram_alignment(a, b, "output") for a, b in zip(Ws, Ws[1:])]
+
+    def err(r, p):
+        return np.mean([abs(gram_alignment_sketch(a, b, "output", rank=r, probes=p, seed=s) - e)
+                        for s in range(3) for (a, b), e in zip(zip(Ws, Ws[1:]), exact)])
+
+    coarse, fine = err(2, 4), err(32, 128)
+    assert fine < coarse / 3, (coarse, fine)
+
+
+def test_gram_sketch_within_tolerance_at_a_large_width():
+    """At the widths where gram="auto" sketches (here 2048×1024, heavy-tailed, drifting), the tighter SKETCH_TOL."""
+    from weightgeom.analysis.continuity import SKETCH_TOL, gram_random_level, sketch_layer, sketch_pair
+
+    g = torch.Generator().manual_seed(5)
+    m, n = 2048, 1024
+    U = torch.linalg.qr(torch.randn(m, n, generator=g))[0]
+    V = torch.linalg.qr(torch.randn(n, n, generator=g))[0]
+    base = (U * torch.arange(1, n + 1).float() ** -0.6) @ V.T
+    Ws = [base + 0.01 * torch.randn(m, n, generator=g) * (i + 1) for i in range(3)]
+    prev = sketch_layer(Ws[0])
+    for a, b in zip(Ws, Ws[1:]):
+        cur = sketch_layer(b, prev=prev)
+        got = sketch_pair(prev, cur)
+        for space in ("input", "output"):
+            assert got[space][0] == pytest.approx(gram_alignment(a, b, space), abs=SKETCH_TOL), space
+            assert got[space][1] == pytest.approx(gram_random_level(a, b, space), abs=SKETCH_TOL), space
+        prev = cur

@@ -379,3 +379,50 @@ def test_suggest_finds_a_planted_shared_basis(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Q     input  layers 0-3 (3 pairs)" in text and "Down  output layers 2-5 (3 pairs)" in text
     assert (out / "suggest.csv").is_file() and (out / "suggest.png").is_file()
+
+
+def test_sketched_gram_streamed_equals_in_memory_and_exact(tmp_path):
+    """gram="sketch": streamed = in-memory (same operations), and within the named tolerance of the exact path; the
+    default "auto" leaves a small model exact; spectra still come from the exact eigenvalues."""
+    from weightgeom.analysis.continuity import SKETCH_TOL_SMALL
+
+    sd = _llama(L=4, dtype=torch.bfloat16)
+    _write_sharded_safetensors(tmp_path / "st", sd)
+    streamed = analyze_full(tmp_path / "st", gram="sketch", spectra=True)
+    in_memory = analyze_full(sd, gram="sketch", spectra=True)
+    np.testing.assert_allclose(_num(streamed.pairs), _num(in_memory.pairs), atol=SAME_TOL)
+    exact = analyze_full(sd, gram="exact", spectra=True)
+    for c in ("gram_in", "gram_out", "gram_in_rand", "gram_out_rand"):
+        np.testing.assert_allclose(streamed.pairs[c], exact.pairs[c], atol=SKETCH_TOL_SMALL, err_msg=c)
+    # top vectors from the sketch's randomised top-r subspace: as accurate as the Gram-based ones here
+    for c in ("cv", "cu"):
+        np.testing.assert_allclose(streamed.pairs[c], exact.pairs[c], atol=RAND_TOL, err_msg=c)
+    np.testing.assert_allclose(streamed.layers.alpha, exact.layers.alpha, rtol=1e-5)
+    assert streamed.meta["gram_sketched_roles"] == list(HF) and exact.meta["gram_sketched_roles"] == []
+    assert any("Gram alignment sketched" in n for n in streamed.meta["notes"])
+    auto = analyze_full(sd)
+    assert auto.meta["gram_sketched_roles"] == []
+    np.testing.assert_allclose(_num(auto.pairs), _num(analyze_full(sd, gram="exact").pairs), atol=0)
+    with pytest.raises(ValueError, match="unknown gram mode 'fast'"):
+        analyze_full(sd, gram="fast")
+
+
+def test_auto_sketches_only_matrices_with_long_sides(monkeypatch, capsys):
+    """gram="auto" sketches where min(m, n) ≥ SKETCH_MIN_DIM and forms no k×k Gram there; the CLI flag reaches it."""
+    from weightgeom.analysis import api
+    from weightgeom.cli import main
+
+    monkeypatch.setattr(api, "SKETCH_MIN_DIM", 64)
+    sd = _llama(L=3)  # Q, O 64×64; Gate, Up 96×64; Down 64×96; K, V 32×64
+    res = analyze_full(sd)
+    assert res.meta["gram_sketched_roles"] == ["Q", "O", "Gate", "Up", "Down"]
+    st = api._PairStream(("cv", "cu", "gram"), "randomized", None, gram="auto")
+    st.push(sd["model.layers.0.mlp.up_proj.weight"])
+    assert "G" not in st.prev and "sk" in st.prev
+    st.reset()
+    st.push(sd["model.layers.0.self_attn.k_proj.weight"])  # a 32×64 matrix: exact, with its 32×32 Gram
+    assert st.prev["G"].shape == (32, 32)
+    assert main(["analyze", "--gram", "exact", "--quiet", "--no-plots", "--out", "/nonexistent/x", "/nonexistent"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", "--gram", "fast", "x"])
+    assert e.value.code == 2 and "--gram" in capsys.readouterr().err

@@ -10,7 +10,7 @@ __all__ = [
     "analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS", "stack_continuity", "gram_alignment",
     "gram_alignment_svd", "gram_random_level", "index_matched_alignment", "random_level_cos", "top_cos",
     "dominance_ratio", "load", "load_gguf", "Loaded", "assign_roles", "ROLES", "write_report", "summary_table",
-    "open_lazy", "TensorRef", "powerlaw_alpha", "shared_basis_runs",
+    "open_lazy", "TensorRef", "powerlaw_alpha", "shared_basis_runs", "topk_spread", "gram_alignment_sketch",
 ]
 
 
@@ -19,7 +19,8 @@ __all__ = [
 lazy_exports(__name__, {
     **dict.fromkeys(["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS"], ".api"),
     **dict.fromkeys(["dominance_ratio", "gram_alignment", "gram_alignment_svd", "gram_random_level",
-                     "index_matched_alignment", "random_level_cos", "stack_continuity", "top_cos", "powerlaw_alpha"],
+                     "index_matched_alignment", "random_level_cos", "stack_continuity", "top_cos", "powerlaw_alpha",
+                     "topk_spread", "gram_alignment_sketch"],
                     ".continuity"),
     **dict.fromkeys(["Loaded", "load", "load_gguf", "open_lazy", "TensorRef"], ".loaders"),
     **dict.fromkeys(["ROLES", "assign_roles"], ".roles"),

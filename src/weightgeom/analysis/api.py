@@ -27,13 +27,26 @@ import numpy as np
 import pandas as pd
 import torch
 
-from weightgeom.analysis.continuity import powerlaw_alpha, random_level_cos
+from weightgeom.analysis.continuity import (
+    SKETCH_TOL,
+    SKETCH_TOL_SMALL,
+    powerlaw_alpha,
+    random_level_cos,
+    sketch_layer,
+    sketch_pair,
+)
 from weightgeom.analysis.loaders import Loaded, materialize, open_lazy
 from weightgeom.analysis.metric_names import DEFAULT_METRICS, METRICS
 from weightgeom.analysis.roles import RoleWeight, assign_roles
 from weightgeom.linalg.topsv import top_singular
 
-__all__ = ["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS"]
+__all__ = ["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS", "GRAM_MODES", "SKETCH_MIN_DIM"]
+
+GRAM_MODES = ("auto", "exact", "sketch")
+# gram="auto" sketches the Gram alignment of matrices whose smaller side is at least this long: there the exact form's
+# k×k products (≈ 3·m·n·k multiply-adds, k = min(m, n)) cost ≥ 8× the sketch (≈ 750·m·n with the default rank 16
+# and 32 probes), and the sketch's error (≤ SKETCH_TOL, measured) is far below the layer-to-layer spread.
+SKETCH_MIN_DIM = 2048
 
 
 @dataclass
@@ -95,15 +108,23 @@ class _PairStream:
     :func:`~weightgeom.analysis.continuity.stack_continuity`: the same columns, computed holding only the previous
     matrix and its Gram).
 
-    Only the Gram of the smaller side is formed (k×k, k = min(m, n)); in the other space the alignment's numerator is
-    the squared Frobenius norm of the k×k cross product (e.g. ‖W_aᵀW_b‖_F² for tall W), never a max(m, n)² matrix.
+    Exact Gram alignment (``gram="exact"``): only the Gram of the smaller side is formed (k×k, k = min(m, n)); in the
+    other space the alignment's numerator is the squared Frobenius norm of the k×k cross product (e.g. ‖W_aᵀW_b‖_F²
+    for tall W), never a max(m, n)² matrix. Sketched (``gram="sketch"``, or ``"auto"`` for min(m, n) ≥
+    :data:`SKETCH_MIN_DIM`): no k×k product at all (:func:`~weightgeom.analysis.continuity.sketch_layer`), the top
+    vectors come from the same randomised top-r subspace.
     """
 
     def __init__(self, metrics: Sequence[str], method: str, idx_k: int | None, prefix: str = "",
-                 want_top: bool = False):
-        self.metrics, self.method, self.idx_k, self.p = metrics, method, idx_k, prefix
+                 want_top: bool = False, gram: str = "auto"):
+        self.metrics, self.method, self.idx_k, self.p, self.gram = metrics, method, idx_k, prefix, gram
         self.want_top = want_top or "cv" in metrics or "cu" in metrics
         self.prev: dict | None = None
+        self.sketched = False  # True once a matrix of this stream had its Gram alignment sketched
+
+    def uses_sketch(self, m: int, n: int) -> bool:
+        """Whether an (m, n) matrix gets the sketched Gram alignment (and Gram-free top vectors)."""
+        return self.gram == "sketch" or (self.gram == "auto" and min(m, n) >= SKETCH_MIN_DIM)
 
     def reset(self) -> None:
         """Start a new run (the next matrix has no predecessor)."""
@@ -120,11 +141,21 @@ class _PairStream:
         m, n = W.shape
         tall = n <= m
         cur: dict = {"W": W}
-        if "gram" in self.metrics or self.method != "svd":
+        sketch = self.uses_sketch(m, n)
+        vecs: dict = {}
+        if sketch:
+            self.sketched = True
+            if "gram" in self.metrics:
+                before = self.prev.get("sk") if self.prev is not None else None
+                sk = cur["sk"] = sketch_layer(W, method=self.method, prev=before)
+                vecs = {"v1": sk.v[:, 0], "u1": sk.u[:, 0], "sigma1": sk.s[0]}
+            elif self.want_top:
+                u, s, v = top_singular(W, 1, method=self.method)
+                vecs = {"v1": v[:, 0], "u1": u[:, 0], "sigma1": s[0]}
+        elif "gram" in self.metrics or self.method != "svd":
             G = W.mT @ W if tall else W @ W.mT
             cur.update(G=G, sq=(G * G).sum(), tr=torch.diagonal(G).sum())
-        vecs: dict = {}
-        if self.want_top:
+        if self.want_top and not vecs:
             g = cur["G"][None] if "G" in cur else None
             u, s, v = top_singular(W[None], 1, method=self.method, gram=g)
             vecs = {"v1": v[0, :, 0], "u1": u[0, :, 0], "sigma1": s[0, 0]}
@@ -140,7 +171,12 @@ class _PairStream:
             if "cu" in self.metrics:
                 cols[p + "cu"] = float((prev["u1"] * vecs["u1"]).sum().abs())
                 cols[p + "cu_rand"] = random_level_cos(m)
-            if "gram" in self.metrics:
+            if "gram" in self.metrics and sketch:
+                for space, (val, rnd) in sketch_pair(prev["sk"], cur["sk"]).items():
+                    tag = "in" if space == "input" else "out"
+                    cols[f"{p}gram_{tag}"] = val
+                    cols[f"{p}gram_{tag}_rand"] = rnd
+            elif "gram" in self.metrics:
                 den = torch.sqrt(prev["sq"] * cur["sq"])
                 for space, tag, d in (("input", "in", n), ("output", "out", m)):
                     if den <= 0:
@@ -191,9 +227,11 @@ class _RoleAnalysis:
         self.ctx, self.role = ctx, role
         self.runs: list[tuple[list[RoleWeight], torch.Tensor, torch.Tensor]] = []
         self.cur: dict | None = None
-        self.main = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, want_top=True)
-        self.grad = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, "grad_") if ctx.has_grads else None
-        self.delta = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, "delta_") if ctx.has_ref else None
+        self.main = _PairStream(ctx.metrics, ctx.method, ctx.idx_k, want_top=True, gram=ctx.gram)
+        self.grad = (_PairStream(ctx.metrics, ctx.method, ctx.idx_k, "grad_", gram=ctx.gram) if ctx.has_grads
+                     else None)
+        self.delta = (_PairStream(ctx.metrics, ctx.method, ctx.idx_k, "delta_", gram=ctx.gram) if ctx.has_ref
+                      else None)
         self.grad_by_layer = _by_layer(ctx.grad_roles, role)
         self.ref_by_layer = _by_layer(ctx.ref_roles, role)
 
@@ -341,6 +379,9 @@ class _RoleAnalysis:
     def finish(self) -> None:
         """Close the last run and store each run's all-pairs |cos| matrices of the top vectors."""
         self.end_run()
+        if "gram" in self.ctx.metrics and any(st is not None and st.sketched for st in (self.main, self.grad,
+                                                                                          self.delta)):
+            self.ctx.sketched_roles.append(self.role)
         runs = [r[0] for r in self.runs]
         for items, v1, u1 in self.runs:
             key = _run_key(self.role, items, runs)
@@ -368,8 +409,14 @@ def _result(ctx: _RunContext, src: Loaded, by_role: dict[str, list[RoleWeight]],
             "time_total_s": time.perf_counter() - t_start, "time_metrics_s": ctx.timing["fast"],
             "time_svd_check_s": ctx.timing["svd_check"], "skipped": list(skipped),
             **({"time_spectra_s": ctx.timing["spectra"]} if "spectra" in ctx.timing else {}),
-            "source_meta": {k: v for k, v in src.meta.items() if k != "config"}}
+            "source_meta": {k: v for k, v in src.meta.items() if k != "config"},
+            "gram": ctx.gram, "gram_sketched_roles": list(ctx.sketched_roles)}
     meta["notes"] += sorted({rw.note for r in done for rw in by_role[r] if rw.note}) + ctx.notes
+    if ctx.sketched_roles:
+        meta["notes"].append(f"Gram alignment sketched for {', '.join(ctx.sketched_roles)} (within {SKETCH_TOL:g} "
+                             f"of the exact value for spaces of ≥ 1024 dimensions, {SKETCH_TOL_SMALL:g} for a few "
+                             "hundred" + (f"; min(m, n) ≥ {SKETCH_MIN_DIM}; gram='exact' computes it exactly)"
+                                          if ctx.gram == "auto" else ")"))
     missing = [r for r in by_role if r not in done]
     meta["roles_done"] = list(done)
     if missing:
@@ -393,6 +440,7 @@ def analyze_full(
     on_role_done: Callable[[AnalysisResult], None] | None = None,
     spectra: bool = False,
     suggest: bool = False,
+    gram: str = "auto",
 ) -> AnalysisResult:
     """Continuity analysis with per-layer details and the all-pairs top-vector cosine matrices.
 
@@ -422,6 +470,14 @@ def analyze_full(
             ‖P_l W_{l+1}‖_F²/‖W_{l+1}‖_F² of layer l+1's energy that layer l's top-k singular basis captures in the
             role's space (input for Q, K, Gate, Up and V, output for O and Down; V is not advised for sharing). See
             :func:`~weightgeom.analysis.report.shared_basis_runs`.
+        gram: how ``gram_in`` / ``gram_out`` are computed: ``"exact"`` (the smaller-side Gram and the cross product
+            with the previous layer, ≈ 3·m·n·min(m, n) multiply-adds per matrix), ``"sketch"``
+            (:func:`~weightgeom.analysis.continuity.gram_alignment_sketch`: exact on both layers' top-16 singular
+            subspace plus a 32-probe estimate of the rest, ≈ 750·m·n, within
+            :data:`~weightgeom.analysis.continuity.SKETCH_TOL` of exact; the top vectors then come from the same
+            randomised subspace, so no k×k Gram is formed unless ``spectra``) or ``"auto"`` (sketch for matrices with
+            min(m, n) ≥ :data:`SKETCH_MIN_DIM`, e.g. the 4096-wide projections of an 8B model; exact below).
+            ``meta["gram_sketched_roles"]`` and a note name the roles that were sketched.
 
     Returns:
         :class:`AnalysisResult`.
@@ -435,13 +491,15 @@ def analyze_full(
     bad = set(metrics) - set(METRICS)
     if bad:
         raise ValueError(f"unknown metrics {sorted(bad)}; choose from {', '.join(METRICS)}")
+    if gram not in GRAM_MODES:
+        raise ValueError(f"unknown gram mode {gram!r}; choose from {', '.join(GRAM_MODES)}")
     t_start = time.perf_counter()
     src = _as_loaded(source)
     grads = grads if grads is not None else (src.grads or None)
     ref = _as_loaded(reference).tensors if reference is not None else None
     by_role = assign_roles(src.tensors, roles)
     ctx = _RunContext(metrics, method, idx_k, check_svd, _roles_or_none(grads, roles), _roles_or_none(ref, roles),
-                      grads is not None, ref is not None, spectra, suggest)
+                      grads is not None, ref is not None, spectra, suggest, gram=gram)
     skipped: list[dict] = []
     total = sum(len(items) for items in by_role.values())
     units = sum(rw.weight.numel() for items in by_role.values() for rw in items) or 1
@@ -511,6 +569,8 @@ class _RunContext:
     has_ref: bool
     spectra: bool = False
     suggest: bool = False
+    gram: str = "auto"
+    sketched_roles: list[str] = field(default_factory=list)
     pair_rows: list[dict] = field(default_factory=list)
     layer_rows: list[dict] = field(default_factory=list)
     v1_cos: dict[str, np.ndarray] = field(default_factory=dict)

@@ -24,6 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "idx (index-matched, full SVD: slow). Default: %(default)s")
     p.add_argument("--method", choices=("randomized", "power", "svd"), default="randomized",
                    help="top-singular-vector method (default: %(default)s)")
+    p.add_argument("--gram", choices=("auto", "exact", "sketch"), default="auto",
+                   help="Gram alignment: exact (k×k products, k = min(m, n): ≈ 3·m·n·k multiply-adds per matrix), "
+                        "sketch (exact on the top-16 singular subspaces of both layers plus a 32-probe estimate of "
+                        "the rest, ≈ 750·m·n, within 5e-3 of exact) or auto (sketch where min(m, n) ≥ 2048, e.g. an "
+                        "8B model's projections). Default: %(default)s")
     p.add_argument("--reference", default=None, help="initial weights W0 (same kinds as PATH): adds accumulated-"
                                                      "update continuity delta_* and the dominance ratio")
     p.add_argument("--check-svd", action="store_true", help="also compute v1/u1 by full SVD and report the error")
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = analyze_full(src, roles, reference=ref, metrics=args.metrics, method=args.method,
                            check_svd=args.check_svd, progress=not args.quiet, on_role_done=save_partial,
-                           spectra=args.spectra, suggest=args.suggest)
+                           spectra=args.spectra, suggest=args.suggest, gram=args.gram)
     except KeyboardInterrupt:
         _report_interrupt(partial.get("res"), out)
         raise

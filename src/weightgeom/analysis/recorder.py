@@ -12,7 +12,14 @@ step::
      "cv", "cu",                # |cos| of the top right (input) / left (output) singular vectors of W_l, W_l+1
      "align_in", "align_out",   # σ²-weighted Gram alignment in the input (S = WᵀW) / output (S = WWᵀ) space
      "cv_rand", "cu_rand", "align_in_rand", "align_out_rand",   # their random levels
-     "dominance"}               # delta rows only: ‖ΔW_l‖_F / ‖W_0,l‖_F of the pair's first layer
+     "dominance",               # delta rows only: ‖ΔW_l‖_F / ‖W_0,l‖_F of the pair's first layer
+     "cv_dir1" … "cv_dirK", "v1_share", "cv_rest", "topk_overlap", "topk_overlap_rand"}   # weight rows, topk ≥ 2
+
+The last group (weight rows of the first and the last recorded step only — it costs a top-K decomposition per
+layer —, K = ``topk``, default :data:`TOPK`) says how continuity spreads over the top K
+input-space singular directions (:func:`weightgeom.analysis.continuity.topk_spread`): C_v of each v_i
+(index-matched), v1's share of Σ_i C_v(i)², the mean C_v of v2..vK, and the overlap of the two top-K subspaces
+with its random level K/d.
 
 ``weight`` rows measure W_t, ``grad`` rows the gradient the optimizer used at step t (minibatch mean, after clipping;
 step 0 = the first step's gradient, before any update), ``delta`` rows the accumulated update ΔW = W_t − W_0. All
@@ -32,11 +39,12 @@ from typing import Any
 
 import torch
 
-from weightgeom.analysis.continuity import dominance_ratio, stack_continuity
+from weightgeom.analysis.continuity import dominance_ratio, stack_continuity, topk_spread
 from weightgeom.analysis.roles import assign_roles
 from weightgeom.train.callbacks import Callback, TrainContext
 
-__all__ = ["ContinuityRecorder", "continuity_rows", "role_stacks", "CONTINUITY_FILE", "W0_FILE", "ROW_METRICS"]
+__all__ = ["ContinuityRecorder", "continuity_rows", "role_stacks", "spread_columns", "CONTINUITY_FILE", "W0_FILE",
+           "ROW_METRICS", "TOPK"]
 
 CONTINUITY_FILE = "continuity.jsonl"
 """Rows of a continuity record, one JSON object per line (in the run directory)."""
@@ -80,9 +88,35 @@ ITERS = 32
 (σ1/σ2 ≈ 1.004 for 256×256) they still reach the SVD's vector to 1 − |⟨v1, v1_svd⟩| ≈ 2e-8."""
 
 
+TOPK = 8
+"""Top singular directions whose continuity :func:`spread_columns` measures on weight rows (0 or 1: none)."""
+
+
+def spread_columns(stack: torch.Tensor, topk: int = TOPK, method: str = "randomized",
+                   iters: int | None = ITERS) -> dict[str, list[float]]:
+    """The top-k spread columns of weight rows (module docstring) for a stack (L, m, n), one value per pair.
+
+    Args:
+        stack: L ≥ 2 same-shape matrices (out, in); computed in float64 for float64 input, else float32.
+        topk: directions (≥ 2; clipped to min(m, n); below 2: no columns).
+        method: top-singular-vector method of :func:`~weightgeom.analysis.continuity.topk_spread`.
+        iters: its power steps.
+    """
+    if topk < 2:
+        return {}
+    sp = topk_spread(stack, k=topk, method=method, iters=iters)
+    cols: dict[str, list[float]] = {f"cv_dir{i + 1}": [row[i] for row in sp["cv_dirs"]] for i in range(sp["k"][0])}
+    cols.update({"v1_share": sp["v1_share"], "cv_rest": sp["cv_rest"], "topk_overlap": sp["overlap"],
+                 "topk_overlap_rand": sp["overlap_rand"]})
+    return cols
+
+
 def _rows(stack: torch.Tensor, step: int, kind: str, role: str, method: str,
-          extra: dict[str, list[float]] | None = None, iters: int | None = ITERS) -> list[dict[str, Any]]:
+          extra: dict[str, list[float]] | None = None, iters: int | None = ITERS,
+          topk: int = 0) -> list[dict[str, Any]]:
     cols, _ = stack_continuity(stack.double(), metrics=("cv", "cu", "gram"), method=method, iters=iters)
+    if kind == "weight" and topk >= 2:
+        extra = {**(extra or {}), **spread_columns(stack, topk, method, iters)}
     rows = []
     for layer in range(stack.shape[0] - 1):
         row: dict[str, Any] = {"step": int(step), "kind": kind, "role": role, "layer": layer}
@@ -94,7 +128,8 @@ def _rows(stack: torch.Tensor, step: int, kind: str, role: str, method: str,
 
 
 def continuity_rows(tensors: Mapping[str, torch.Tensor], step: int = -1, kind: str = "weight",
-                    roles: Mapping[str, str] | str | None = None, method: str = "randomized") -> list[dict[str, Any]]:
+                    roles: Mapping[str, str] | str | None = None, method: str = "randomized",
+                    topk: int = TOPK) -> list[dict[str, Any]]:
     """Rows (module docstring) for every role stack of one set of tensors, e.g. a final checkpoint's weights.
 
     Args:
@@ -103,13 +138,14 @@ def continuity_rows(tensors: Mapping[str, torch.Tensor], step: int = -1, kind: s
         kind: the ``kind`` field (``"weight"``, ``"grad"`` …).
         roles: user role map (None: built-in naming).
         method: top-singular-vector method of :func:`~weightgeom.analysis.continuity.stack_continuity`.
+        topk: top-k spread columns on weight rows (:func:`spread_columns`; below 2: none).
 
     Raises:
         ValueError: no role recognised.
     """
     rows = []
     for role, mats in role_stacks(tensors, roles).items():
-        rows += _rows(_stack(mats), step, kind, role, method)
+        rows += _rows(_stack(mats), step, kind, role, method, topk=topk)
     return rows
 
 
@@ -152,18 +188,24 @@ class ContinuityRecorder(Callback):
         roles: a user role map (None: every role :func:`~weightgeom.analysis.roles.assign_roles` recognises among
             the model's parameters; for the residual MLP that is ``blocks.{i}.fc``, role ``mlp``).
         method: top-singular-vector method for ``cv``/``cu`` (``"randomized"`` | ``"power"`` | ``"svd"``).
+        topk: top singular directions of the spread columns on the weight rows of step 0 and the last step
+            (:func:`spread_columns`; 0 or 1: none).
 
     Raises:
-        ValueError: ``every`` < 1 (at construction); no role found in the model, or FSDP-sharded parameters (at the
-            start of training).
+        ValueError: ``every`` < 1 or ``topk`` < 0 (at construction); no role found in the model, or FSDP-sharded
+            parameters (at the start of training).
     """
 
     state_key = "continuity"
 
-    def __init__(self, every: int, roles: Mapping[str, str] | str | None = None, method: str = "randomized") -> None:
+    def __init__(self, every: int, roles: Mapping[str, str] | str | None = None, method: str = "randomized",
+                 topk: int = TOPK) -> None:
         if int(every) < 1:
             raise ValueError(f"continuity recording interval must be >= 1, got {every}")
+        if int(topk) < 0:
+            raise ValueError(f"continuity top-k spread: topk must be >= 0, got {topk}")
         self.every = int(every)
+        self.topk = int(topk)
         self.roles = roles
         self.method = method
         self.rows: list[dict[str, Any]] = []  # this session's rows
@@ -201,7 +243,7 @@ class ContinuityRecorder(Callback):
         if not ctx.resumed:
             self._w0 = {role: w.clone() for role, w in W.items()}
             for role, w in W.items():
-                self.rows += _rows(w, ctx.step, "weight", role, self.method)
+                self.rows += _rows(w, ctx.step, "weight", role, self.method, topk=self.topk)
             self._grad0_due = True
             _write_rows(self.path, [])
         else:
@@ -253,7 +295,8 @@ class ContinuityRecorder(Callback):
         grads = self._grad_stacks(ctx.model)
         for role, mats in self._params.items():
             W = _stack(mats)
-            self.rows += _rows(W, ctx.step, "weight", role, self.method)
+            last = ctx.step == self.max_steps
+            self.rows += _rows(W, ctx.step, "weight", role, self.method, topk=self.topk if last else 0)
             g = grads.get(role)
             if g is not None and float(g.abs().sum()) > 0:
                 self.rows += _rows(g, ctx.step, "grad", role, self.method)

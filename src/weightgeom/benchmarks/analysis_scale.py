@@ -14,14 +14,17 @@ Measured in one run:
         child process: wall time, peak RSS (the child's VmHWM), GB/s over the bytes of the role matrices read and
         over the checkpoint's size. Targets for the 8B shape: ≤ 10 min and ≤ 3 GB RSS on 2 cores.
 
-Measured (2026-12-03, x86_64 AVX2, 2 cores shared with other jobs at load ≈ 5, torch 2.13, one thread):
-    ``--quick`` (0.35 GB, 0.22 GB of role matrices): analysis 14.2 s, peak RSS 0.40 GB; plain read 0.47 s.
-    ``--layers 2`` (8B widths, 2.97 GB with the 1 GB embeddings and LM head, 0.87 GB of role matrices): analysis
-    302 s, peak RSS 1.22 GB (the peak does not grow with the layer count); plain read 2.4 s. The analysis is compute
-    bound: the Gram alignment in both spaces needs two k×k·max(m, n) products per matrix (the smaller-side Gram and
-    the cross product with the previous layer), ≈ 3.5 TFLOP per 8B layer, 112 TFLOP for 32 layers; at the ≈ 25
-    GFLOP/s reached here that is ≈ 75 min, not the 10 min goal (which needs ≈ 190 GFLOP/s: a quiet many-core CPU
-    or a GPU). The full 32-layer run was not made on this machine.
+Measured (2026-12-03, AMD EPYC, AVX2, 2 cores shared with other jobs, torch 2.13, one thread; default
+``gram="auto"``, i.e. the sketched Gram alignment for every projection but K and V):
+    8B shape, 32 layers (16.06 GB, 13.96 GB of role matrices), at load 12–18: analysis 1291 s (40 s per layer),
+    peak RSS 1.07 GB; plain read 114 s (0.14 GB/s, not served from the page cache). Per role over the 32 layers:
+    Q 85 s, K 29 s, V 35 s, O 133 s, Gate 406 s, Up 309 s, Down 294 s.
+    One layer pair per role, exact (``gram="exact"``) vs sketched, same files, load 11–14: 165 s vs 23 s per layer
+    (the exact form's k×k products, ≈ 3.5 TFLOP per layer, ran at ≈ 25 GFLOP/s; the sketch is ≈ 0.33 TFLOP but its
+    thin products run at 3–10 GFLOP/s). At the load ≈ 5 of the earlier exact measurement (150 s per layer) the same
+    7× gives ≈ 21 s per layer, ≈ 11 min for 32 layers: the 10-minute goal needs a quieter machine or two free cores.
+    Sketch error there: |sketch − exact| Gram alignment ≤ 2.4e-3 over the seven roles.
+    Earlier, with the exact form only: ``--quick`` 14.2 s, peak RSS 0.40 GB; ``--layers 2`` 302 s, 1.22 GB.
 
 Both passes read files the generation just wrote, so the page cache may serve them (the script cannot drop it without
 root); the read figure is then a memory-bandwidth figure, and the analysis is compute bound either way.
@@ -207,11 +210,13 @@ from weightgeom.analysis.roles import assign_roles
 t0 = time.perf_counter()
 src = open_lazy(sys.argv[1])
 role_bytes = sum(rw.weight.nbytes for items in assign_roles(src.tensors).values() for rw in items)
-res = analyze_full(src, metrics=("cv", "cu", "gram"), method="randomized", progress=sys.argv[3] == "1")
+res = analyze_full(src, metrics=("cv", "cu", "gram"), method="randomized", progress=sys.argv[3] == "1",
+                   gram=sys.argv[4])
 wall = time.perf_counter() - t0
 peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 s = res.pairs.groupby("role", sort=False)[["cv", "cv_rand", "gram_in", "gram_in_rand"]].mean()
 print(json.dumps({"wall_s": wall, "peak_rss_bytes": peak, "role_bytes": role_bytes, "pairs": len(res.pairs),
+                  "sketched": res.meta.get("gram_sketched_roles", []),
                   "summary": s.reset_index().to_dict(orient="records")}))
 """
 
@@ -228,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                          "OpenMP threads spin-wait on each other and small products run 15× slower; 0: torch's "
                          "default)")
     ap.add_argument("--progress", action="store_true", help="show the analysis's per-matrix progress lines")
+    ap.add_argument("--gram", choices=("auto", "exact", "sketch"), default="auto",
+                    help="Gram alignment mode of the analysis (default %(default)s: sketched where min(m, n) ≥ 2048, "
+                         "i.e. every 8B projection but K and V; exact: the k×k products, ≈ 10× slower at 8B widths)")
     ap.add_argument("--layers", type=int, default=None,
                     help="override the layer count (e.g. 2: the 8B widths, hence the same peak memory, in a fraction "
                          "of the disk and time; the peak does not depend on the number of layers)")
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     d = generate(shape, root, log=lambda m: print(m, flush=True))
     gen = json.loads((d / "complete.json").read_text())
     nbytes, t_read = sequential_read(d)
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(d), str(args.threads), "1" if args.progress else "0"],
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(d), str(args.threads), "1" if args.progress else "0",
+                          args.gram],
                          stdout=subprocess.PIPE, stderr=None if args.progress else subprocess.PIPE, text=True)
     if out.returncode != 0:
         print(f"analysis_scale: the analysis failed (exit {out.returncode}): {(out.stderr or '').strip()[-2000:]}",
@@ -264,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"analysis     {r['wall_s']:8.1f} s   {gbs_file:6.2f} GB/s of checkpoint, {gbs_roles:.2f} GB/s of role "
           f"matrices ({r['role_bytes'] / 1e9:.2f} GB), {r['wall_s'] / t_read:.1f}× the plain read")
     print(f"peak RSS     {r['peak_rss_bytes'] / 1e9:8.2f} GB  (analysis process, Python and torch included)")
+    print(f"Gram         {args.gram}: sketched for {', '.join(r['sketched']) or 'no role'}")
     if not args.quick and args.layers is None:
         print(f"targets      ≤ {TIME_TARGET_S / 60:.0f} min, ≤ {RSS_TARGET_GB:.0f} GB RSS on 2 cores: "
               f"time {'met' if r['wall_s'] <= TIME_TARGET_S else 'MISSED'}, "
@@ -275,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                       "bytes": nbytes, "read_s": t_read, "read_gbps": gbs_read, "analysis_s": r["wall_s"],
                       "analysis_gbps_file": gbs_file, "analysis_gbps_roles": gbs_roles,
                       "peak_rss_bytes": r["peak_rss_bytes"], "pairs": r["pairs"], "cpu_kind": cpu_kind(),
+                      "gram": args.gram, "gram_sketched_roles": r["sketched"],
                       "hardware": hw}))
     return 0
 
