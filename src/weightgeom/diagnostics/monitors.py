@@ -123,12 +123,14 @@ def qk_sigma_prod(W_Q: torch.Tensor, W_K: torch.Tensor, n_head: int | None = Non
     return out
 
 
-def logit_stats(logits: torch.Tensor, threshold: float = SATURATION_THRESHOLD) -> dict[str, float]:
+def logit_stats(logits: torch.Tensor, threshold: float = SATURATION_THRESHOLD,
+                per_head: bool = False) -> dict[str, float]:
     """Statistics of pre-softmax attention logits (B, H, T, S) with masked entries at -inf.
 
     Returns:
         {"logit_max": max |finite logit|, "entropy": mean softmax entropy (nats) over rows with ≥ 2 visible keys,
-        "saturation": fraction of those rows whose max probability > ``threshold``}.
+        "saturation": fraction of those rows whose max probability > ``threshold``}; with ``per_head`` also
+        ``logit_max_h<j>``, ``entropy_h<j>``, ``saturation_h<j>`` for each head j (the same over head j's rows).
     """
     z = logits.detach().float()
     finite = torch.isfinite(z)
@@ -140,7 +142,15 @@ def logit_stats(logits: torch.Tensor, threshold: float = SATURATION_THRESHOLD) -
     nv = int(valid.sum())
     if nv == 0:
         return {"logit_max": lmax, "entropy": float("nan"), "saturation": float("nan")}
-    return {"logit_max": lmax, "entropy": float(ent[valid].mean()), "saturation": float(sat[valid].float().mean())}
+    out = {"logit_max": lmax, "entropy": float(ent[valid].mean()), "saturation": float(sat[valid].float().mean())}
+    if per_head and z.ndim == 4:
+        absz = z.abs().where(finite, torch.zeros_like(z))
+        for j in range(z.shape[1]):
+            v = valid[:, j]
+            out[f"logit_max_h{j}"] = float(absz[:, j].amax())
+            out[f"entropy_h{j}"] = float(ent[:, j][v].mean()) if bool(v.any()) else float("nan")
+            out[f"saturation_h{j}"] = float(sat[:, j][v].float().mean()) if bool(v.any()) else float("nan")
+    return out
 
 
 def grad_norms(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str, float]:
@@ -510,7 +520,7 @@ def _forward_inputs(model: nn.Module, batch, forward_kwargs: dict, max_seqs: int
 
 
 def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX_SEQS, grads: bool = True,
-            threshold: float = SATURATION_THRESHOLD, **forward_kwargs) -> dict[str, float]:
+            threshold: float = SATURATION_THRESHOLD, per_head: bool = False, **forward_kwargs) -> dict[str, float]:
     """All monitors at once, as flat ``{name: float}`` (see the module docstring for the names).
 
     Args:
@@ -526,6 +536,7 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX
         max_seqs: cap on the sequences of the diagnostic forward (memory: one (B, H, T, T) layer at a time).
         grads: compute the gradient norms.
         threshold: saturation threshold on the max softmax probability.
+        per_head: also report ``attn.<i>.{logit_max,entropy,saturation}_h<j>`` per head j (see :func:`logit_stats`).
         **forward_kwargs: extra keyword arguments for the model's forward (e.g. ``attention_mask``); batched
             tensors among them are cut to ``max_seqs`` sequences like the batch.
 
@@ -556,7 +567,7 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX
     if batch is not None:
         want_grad = grads and not have_grads
         args, kwargs, has_targets = _forward_inputs(model, batch, forward_kwargs, max_seqs, want_grad)
-        out.update(_forward_stats(model, attn, args, kwargs, want_grad and has_targets, threshold))
+        out.update(_forward_stats(model, attn, args, kwargs, want_grad and has_targets, threshold, per_head))
     out["diag.time_ms"] = (time.perf_counter() - t0) * 1e3
     return out
 
@@ -572,7 +583,8 @@ def _visible(mask: torch.Tensor | None, B: int, T: int, causal: bool, device) ->
     return vis
 
 
-def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, threshold: float) -> dict[str, float]:
+def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, threshold: float,
+                   per_head: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     own = [(i, m) for i, (_, m) in enumerate(attn) if not isinstance(m, HFAttention)]
     hf = [(i, m) for i, (_, m) in enumerate(attn) if isinstance(m, HFAttention)]
@@ -588,7 +600,7 @@ def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, thre
     def own_hook(mod, _inp, _out):
         z = getattr(mod, "last_logits", None)
         if z is not None:
-            for k, v in logit_stats(z, threshold).items():
+            for k, v in logit_stats(z, threshold, per_head).items():
                 out[f"attn.{index[id(mod)]}.{k}"] = v
             mod.last_logits = None  # free (B, H, T, T) before the next layer
 
@@ -603,7 +615,7 @@ def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, thre
                     raise ValueError(f"diagnostics.collect: attention_mask has shape {tuple(pad.shape)}, the "
                                      f"attention layer sees (batch, seq) = ({B}, {S})")
                 vis = _visible(pad, B, T, site.causal, z.device)
-                for k, v in logit_stats(z.masked_fill(~vis[:, None], float("-inf")), threshold).items():
+                for k, v in logit_stats(z.masked_fill(~vis[:, None], float("-inf")), threshold, per_head).items():
                     out[f"attn.{i}.{k}"] = v
         return pre_hook
 

@@ -83,13 +83,82 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs trained in parallel, one process each (CPU: 2 jobs × 1 thread on 2 cores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: PyTorch's)")
+    c = p.add_argument_group("clusters (--launcher slurm | ray; docs/experiments.md: Running at paper scale)")
+    c.add_argument("--launcher", choices=("local", "slurm", "ray"), default="local",
+                   help="where the runs train: local (this machine, default), slurm (a job array through submitit; "
+                        "pip install 'weightgeom[slurm]'), ray (Ray tasks; pip install 'weightgeom[ray]')")
+    c.add_argument("--dry-run", action="store_true",
+                   help="print per run the command and resources that would be submitted, and exit")
+    c.add_argument("--gpus-per-run", type=_nonneg_int, default=None,
+                   help="GPUs per run (default 0; more than 1 trains under torchrun on one node)")
+    c.add_argument("--cpus-per-run", type=positive_int, default=None, help="CPU cores per run (default 1)")
+    c.add_argument("--mem-per-run", type=float, default=None, metavar="GB", help="memory per run in GB (slurm)")
+    c.add_argument("--time-limit", default=None, metavar="MIN|H:MM:SS",
+                   help="time limit per job (slurm, default 240 min); longer runs are requeued from their checkpoint")
+    c.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
+    c.add_argument("--slurm-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra sbatch option, e.g. account=myproj, qos=high, constraint=a100 (repeatable)")
+    c.add_argument("--slurm-setup", action="append", default=[], metavar="LINE",
+                   help="shell line run in each job before training, e.g. 'module load cuda' (repeatable)")
+    c.add_argument("--array-parallelism", type=positive_int, default=None,
+                   help="most array tasks running at once (slurm; default: the cluster's limit)")
+    c.add_argument("--submitit-cluster", choices=("slurm", "local"), default=None,
+                   help="slurm (default), or local: the same submitit jobs as processes on this machine")
+    c.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (auto, ray://head:10001, head:6379; default: a local Ray instance)")
+    c.add_argument("--max-retries", type=_nonneg_int, default=None,
+                   help="Ray: retries of a run whose worker or node died (default 3); each resumes from its checkpoint")
+
+
+def _nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+CLUSTER_OPTIONS = {
+    "gpus_per_run": ("--gpus-per-run", ("slurm", "ray")), "cpus_per_run": ("--cpus-per-run", ("slurm", "ray")),
+    "mem_per_run": ("--mem-per-run", ("slurm",)), "time_limit": ("--time-limit", ("slurm",)),
+    "partition": ("--partition", ("slurm",)), "slurm_opt": ("--slurm-opt", ("slurm",)),
+    "slurm_setup": ("--slurm-setup", ("slurm",)), "array_parallelism": ("--array-parallelism", ("slurm",)),
+    "submitit_cluster": ("--submitit-cluster", ("slurm",)), "ray_address": ("--ray-address", ("ray",)),
+    "max_retries": ("--max-retries", ("ray",)),
+}
+"""Option (argparse dest) → (flag, the launchers that use it): a flag given for another launcher is refused."""
+
+
+def cluster_options(args: argparse.Namespace) -> dict:
+    """The cluster options given on the command line (``{dest: value}``), checked against ``--launcher``.
+
+    Raises:
+        ValueError: an option of another launcher, ``--jobs`` with a cluster launcher, or a bad ``--slurm-opt``.
+    """
+    given = {k: getattr(args, k, None) for k in CLUSTER_OPTIONS}
+    given = {k: v for k, v in given.items() if v not in (None, [])}
+    for k in given:
+        flag, users = CLUSTER_OPTIONS[k]
+        if args.launcher not in users:
+            raise ValueError(f"{flag} is an option of --launcher {' / '.join(users)}, not {args.launcher}")
+    if args.launcher != "local" and args.jobs != 1:
+        raise ValueError(f"--jobs {args.jobs} applies to --launcher local; with --launcher {args.launcher} as many "
+                         "runs train at once as the cluster's resources allow")
+    for item in given.get("slurm_opt", []):
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ValueError(f"--slurm-opt {item!r}: expected KEY=VALUE (an sbatch option without the dashes)")
+    return given
 
 
 def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int | None = None,
             out: str | Path | None = None, only=None, sets=(), resume: bool = True, report: bool = True,
             progress: bool = True, list_only: bool = False, train_fn=None,
             quiet_trainer: bool = False, jobs: int = 1, threads: int | None = None,
-            lock: bool = True) -> tuple[dict, Path | None]:
+            lock: bool = True, launcher: str = "local", cluster: dict | None = None,
+            dry_run: bool = False) -> tuple[dict, Path | None]:
     """Plan, run and report a sweep (the body of ``weightgeom sweep``; also used by ``weightgeom demo``).
 
     ``progress`` prints one line per run; the trainer's own progress bar is shown too unless ``quiet_trainer``.
@@ -98,6 +167,9 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
 
     Args:
         lock: take ``out``'s lock (False: the caller holds it).
+        launcher: ``local`` | ``slurm`` | ``ray`` (:mod:`weightgeom.experiments.launchers`).
+        cluster: the launcher's options (:func:`cluster_options`: ``gpus_per_run``, ``partition`` ...).
+        dry_run: print per run the command and resources that would be submitted; nothing is written.
 
     Returns:
         ``(manifest, report_path)``; ``report_path`` is None with ``report=False`` or ``list_only``.
@@ -127,6 +199,23 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
     set_values = parse_overrides(sets)
     runs = plan(recipe.name, variants, parts, seeds, steps=steps, only=only_list, sets=set_values)
     out = Path(out or Path("runs") / "sweeps" / f"{recipe.name}-{label}")
+    from weightgeom.experiments import launchers
+
+    cl = dict(cluster or {})
+    resources = launchers.Resources(
+        gpus=cl.get("gpus_per_run", 0), cpus=cl.get("cpus_per_run", 1), mem_gb=cl.get("mem_per_run"),
+        time_min=launchers.parse_time_limit(str(cl["time_limit"])) if cl.get("time_limit") else 240,
+        partition=cl.get("partition") or "")
+    runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
+        launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
+        array_parallelism=cl.get("array_parallelism") or 0,
+        extra=dict(item.split("=", 1) for item in cl.get("slurm_opt", [])), setup=cl.get("slurm_setup", []),
+        cluster=cl.get("submitit_cluster") or "slurm")
+    if dry_run:
+        launchers.dry_run(runs, out, launcher, resources)
+        return {"runs": [r.record() for r in runs]}, None
+    if runner_launcher is not None:
+        runner_launcher.check()
     if list_only:
         for r in runs:
             ov = " ".join(f"{k}={v}" for k, v in r.overrides.items())
@@ -143,7 +232,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
                 SWEEP_SETTINGS_KEY: sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values)}
         manifest = run_sweep(runs, out, train_fn=train_fn, resume=resume, progress=progress,
                              trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta,
-                             jobs=jobs, threads=threads, lock=False)
+                             jobs=jobs, threads=threads, lock=False, launcher=runner_launcher)
         path = None
         if report:
             from weightgeom.experiments.report import make_report
@@ -158,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         manifest, path = execute(args.recipe, args.config, seeds=args.seeds, steps=args.steps, out=args.out,
                                  only=args.only, sets=args.sets, resume=not args.no_resume,
                                  report=not args.no_report, progress=True, list_only=args.list,
-                                 quiet_trainer=args.quiet, jobs=args.jobs, threads=args.threads)
+                                 quiet_trainer=args.quiet, jobs=args.jobs, threads=args.threads,
+                                 launcher=args.launcher, cluster=cluster_options(args), dry_run=args.dry_run)
     except (ValueError, FileNotFoundError) as e:
         print(f"weightgeom sweep: {e}", file=sys.stderr)
         return 2
@@ -166,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         hint = " (choose another --out)" if isinstance(e, (FileExistsError, NotADirectoryError)) else ""
         print(f"weightgeom sweep: {os_error_line(e)}{hint}", file=sys.stderr)
         return 2
-    if args.list:
+    if args.list or args.dry_run:
         return 0
     runs = manifest["runs"]
     counts: dict[str, int] = {}

@@ -2,7 +2,9 @@
 then a report.
 
 1. ``weightgeom sweep manifolds tiny-shakespeare``: the five manifold assignments + ALL-DGRAM with a σ cap +
-   HETERO+MD on a character-level GPT (Shakespeare, bundled), two seeds, with σ/logit/saturation diagnostics.
+   HETERO+MD + the automatic assignment (AUTO) on a character-level GPT (Shakespeare, bundled), two seeds, with
+   σ/logit/saturation diagnostics; then ``weightgeom sweep manifolds boundary``: the stability boundary (an LR ladder
+   per strategy and algorithm, ours and the published one, three seeds) on a smaller GPT.
 2. ``weightgeom sweep continuity cpu``: the residual-MLP MNIST ablations at the paper's size (16 × 256) with
    continuity recorded over training, and the Llama activation ablation with per-projection continuity.
 3. One combined report (markdown + PNGs) of both sweeps; its path is printed at the end.
@@ -21,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-QUICK = {"manifolds": {"steps": 30, "seeds": [0]}, "continuity": {"steps": 30, "seeds": [0]}}
+QUICK = {"tiny-shakespeare": {"steps": 30, "seeds": [0]}, "cpu": {"steps": 30, "seeds": [0]},
+         "boundary": {"seeds": [0], "only": ["all-dgram-ours", "hetero-ours"]}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,20 +64,21 @@ def _run_locked(args: argparse.Namespace, out: Path) -> int:
     from weightgeom.experiments.cli import execute
     from weightgeom.experiments.report import make_report
 
-    plan = [("manifolds", "tiny-shakespeare"), ("continuity", "cpu")]
+    plan = [("manifolds", "tiny-shakespeare", "manifolds"), ("manifolds", "boundary", "boundary"),
+            ("continuity", "cpu", "continuity")]
     if args.only:
         plan = [p for p in plan if p[0] == args.only]
     t0 = time.perf_counter()
     dirs, failed = [], 0
-    for recipe, preset in plan:
-        kw = QUICK[recipe] if args.quick else {}
+    for recipe, preset, sub in plan:
+        kw = QUICK[preset] if args.quick else {}
         print(f"== weightgeom demo: {recipe} sweep on preset {preset!r}"
               f"{' (quick)' if args.quick else ''} ==", flush=True)
-        manifest, _ = execute(recipe, preset, seeds=kw.get("seeds"), steps=kw.get("steps"), out=out / recipe,
-                              sets=args.sets, report=False, progress=True, quiet_trainer=not args.verbose,
-                              jobs=args.jobs, threads=1 if args.jobs > 1 else None)
+        manifest, _ = execute(recipe, preset, seeds=kw.get("seeds"), steps=kw.get("steps"), out=out / sub,
+                              only=kw.get("only"), sets=args.sets, report=False, progress=True,
+                              quiet_trainer=not args.verbose, jobs=args.jobs, threads=1 if args.jobs > 1 else None)
         failed += sum(r.get("status") == "failed" for r in manifest["runs"])
-        dirs.append(out / recipe)
+        dirs.append(out / sub)
     path = make_report(dirs, out=out, title="weightgeom demo" + (" (quick)" if args.quick else ""))
     print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min; {failed} failed runs")
     print(f"report: {path}")

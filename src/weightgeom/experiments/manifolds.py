@@ -1,28 +1,47 @@
-"""Recipe ``manifolds`` (the manifold-assignment paper, arXiv:2606.13276): which manifold for which module, plus
-two arms the paper did not run.
+"""Recipe ``manifolds`` (the manifold-assignment paper, arXiv:2606.13276): which manifold for which module, where
+it stops training, which element of the published algorithm causes that, and an assignment chosen from measured
+geometry.
 
-Variants (identical model, data, schedule and hyperparameters; only the assignment changes):
+The recipe's variants depend on the parts of the preset (each part a trainer config; a plain trainer config is the
+part ``main``):
 
-* the paper's five strategies ``unconstrained``, ``all-stiefel``, ``all-dgram``, ``hetero`` (attention Stiefel,
-  MLP DGram), ``hetero-inv`` (attention DGram, MLP Stiefel) — Muon (manifold Muon on the hidden matrices, AdamW on
-  the rest);
-* ``all-dgram-capped`` — ALL-DGRAM with an explicit scale control: σ_max(W_Q)·σ_max(W_K) ≤ ``sigma_cap`` per layer,
-  enforced by scalar rescaling after each step (the trainer callback :class:`weightgeom.train.callbacks.SigmaCap`,
-  declared as the control ``sigma_cap``). The paper says DGram attention is unstable *without additional scale
-  control*; this arm tests that sentence;
-* ``hetero-md`` — HETERO inside the magnitude–direction wrapper (``optim.name = "muon-md"``): the
-  manifold-assignment paper × the MD paper.
+* ``main`` — the paper's comparison. Identical model, data, schedule and hyperparameters; only the assignment
+  changes: the five strategies ``unconstrained``, ``all-stiefel``, ``all-dgram``, ``hetero`` (attention Stiefel, MLP
+  DGram), ``hetero-inv`` (attention DGram, MLP Stiefel); ``all-dgram-capped`` (ALL-DGRAM with σ_max(W_Q)·σ_max(W_K)
+  ≤ ``sigma_cap`` per layer by scalar rescaling, the control ``sigma_cap``: the paper calls DGram attention unstable
+  *without additional scale control*); ``hetero-md`` (HETERO inside the magnitude–direction wrapper); with
+  ``[sweep] auto = true``, ``auto`` (strategy ``auto``: ALL-DGRAM, and an attention layer moves to Stiefel once its
+  logit bound σ_max(W_Q)·σ_max(W_K)·max‖x‖²/√d_head exceeds ``auto_threshold``, the control ``auto_assign``;
+  :mod:`weightgeom.train.auto_assign`).
+* ``boundary`` — the stability boundary: every strategy of ``strategies`` × every algorithm of ``algorithms``
+  (``ours``: ``optim.preset = "ours"``; ``paper``: ``optim.preset = "paper"``, the published code's algorithm; with
+  ``paper_msign_dtype`` its msign arithmetic in that dtype instead of bfloat16) × the Muon learning rates of
+  ``ladder`` (default 0.005 × 2^k up to 0.64). Each rung runs after the rung below it
+  with the same seed and is skipped once that one diverged (``stop_at_divergence``, default true), so a ladder
+  stops at its first diverged rung.
+* ``attribution`` — on ``attribution_strategies`` (default ALL-DGRAM and HETERO-INV) at Muon lr
+  ``attribution_lr``: our algorithm, our algorithm with one element of the published one switched on
+  (:data:`ATTRIBUTION_ARMS`), and the published algorithm as a whole.
+* ``mechanism`` — long runs of ``mechanism_algorithms`` (default ``paper``; ``paper_msign_dtype`` as for the
+  boundary) on ``mechanism_strategies`` with the
+  softmax entropy and saturation of every attention head recorded every ``head_stats_every`` steps (the control
+  ``head_stats_every``; :mod:`weightgeom.train.head_stats`).
 
-The preset's ``[sweep]`` table may set ``seeds`` and ``sigma_cap`` (default 2.0: twice the Stiefel bound of 1 for
-a fused c_attn). The base config must switch diagnostics on (``[diagnostics] every``) for the mechanism curves.
+An arm whose config keys this installation does not have (e.g. ``optim.preset``) is left out with one line on
+stderr naming the key, so a preset keeps working while the published-algorithm keys are missing.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
+from weightgeom import manifolds
 from weightgeom.experiments.runner import Recipe, Variant
+from weightgeom.optim.config import PAPER_MUON
 from weightgeom.optim.param_groups import STRATEGIES
+from weightgeom.train.config import load_config, with_overrides
 
 PAPER_STRATEGIES = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")
 """The paper's five arms; their manifolds per role are :data:`weightgeom.optim.param_groups.STRATEGIES`."""
@@ -33,6 +52,8 @@ _LABEL = {"stiefel": "Stiefel", "dgram": "DGram", "oblique": "Oblique"}
 def describe_strategy(name: str) -> str:
     """One line for a strategy, from its manifolds in ``param_groups.STRATEGIES`` (e.g. ``"attention Stiefel, MLP
     DGram (HETERO)"``)."""
+    if name == "auto":
+        return "DGram everywhere; an attention layer moves to Stiefel when its logit bound crosses a threshold (AUTO)"
     attn, mlp = STRATEGIES[name]["attn"], STRATEGIES[name]["mlp"]
     if attn is None and mlp is None:
         what = "Muon, no manifold"
@@ -47,12 +68,114 @@ STRATEGY_DESCRIPTIONS = {s: describe_strategy(s) for s in PAPER_STRATEGIES}
 """Strategy → description of the paper's five arms."""
 
 DEFAULT_SIGMA_CAP = 2.0
+DEFAULT_AUTO_THRESHOLD = 10.0
+"""Logit-bound threshold of the ``auto`` arm (logit units; :class:`weightgeom.train.auto_assign.AutoAssignConfig`)."""
+DEFAULT_LADDER = tuple(0.005 * 2 ** k for k in range(8))
+"""Muon learning rates of the stability boundary: 0.005, 0.01, …, 0.64."""
+DEFAULT_ALGORITHMS = ("ours", "paper")
+DEFAULT_ATTRIBUTION_STRATEGIES = ("all-dgram", "hetero-inv")
+DEFAULT_ATTRIBUTION_LR = 0.16
+DEFAULT_MECHANISM_STRATEGIES = ("all-dgram", "hetero-inv", "hetero", "all-stiefel", "unconstrained")
+DEFAULT_HEAD_STATS_EVERY = 50
+
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "ours": {"optim.preset": "ours"},
+    "paper": {"optim.preset": "paper", **{f"optim.muon.{k}": v for k, v in PAPER_MUON.items()}},
+}
+"""Algorithm name → config overrides: our manifold Muon (the preset's ``[optim.muon]``), or the manifold-assignment
+paper's published code — every ``[optim.muon]`` value of the published algorithm set explicitly, so a preset's own
+``[optim.muon]`` settings (e.g. fewer dual steps for ours) cannot leak into it; ``lr`` stays the rung's."""
+
+ATTRIBUTION_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "no-g-normalisation": ("the momentum is not normalised before the dual ascent",
+                           {"optim.muon.dual_normalize": False}),
+    "sum-momentum": ("SGD-sum momentum B ← βB + g (Nesterov U = g + βB)", {"optim.muon.momentum_form": "sum"}),
+    "sorted-sigma-retraction": ("retraction (UVᵀ)·diag(sorted σ), column norms handed out by index",
+                                {"optim.muon.retraction": "paper"}),
+    "bf16-msign": ("10-step Polar Express in bfloat16 with the published arithmetic",
+                   {"optim.muon.msign_method": "polar_express_paper", "optim.muon.msign_dtype": "bfloat16",
+                    "optim.muon.ns_steps": 10}),
+    "dual-no-convergence": ("20 cold-started dual steps, stop only below 1e-6, last iterate kept (not projected)",
+                            {"optim.muon.dual_keep": "last", "optim.muon.dual_warm_start": False,
+                             "optim.muon.dual_tol": 1e-6, "optim.muon.dual_steps": 20,
+                             "optim.muon.dual_project": False}),
+}
+"""Element of the published algorithm → (description, overrides switching on just that element on top of ours)."""
 
 
-def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
-    """The seven arms as override dicts on the base config (part ``main``)."""
-    base_name = str(parts["main"].get("optim", {}).get("name", "muon"))
-    name = base_name if base_name.startswith("muon") and not base_name.endswith("-md") else "muon"
+_NOTED: set[str] = set()
+
+
+def _note(line: str) -> None:
+    """One line on stderr (once per process) about an arm left out."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(f"weightgeom sweep manifolds: {line}", file=sys.stderr)
+
+
+def unsupported(base: dict[str, Any], overrides: dict[str, Any], strategy: str | None = None) -> str | None:
+    """Why ``overrides`` cannot run on this installation (a config key it does not have, or a retraction variant a
+    manifold of ``strategy`` does not offer), or None.
+
+    Raises:
+        ValueError: any other problem of the config (it is the preset's, and must not be hidden).
+    """
+    try:
+        load_config(with_overrides(base, overrides))
+    except ValueError as e:  # ConfigError, or the loader's one-line ValueError
+        if "unknown config key" in str(e):
+            return str(e).splitlines()[0]
+        raise
+    retraction = overrides.get("optim.muon.retraction")
+    if retraction is not None and strategy in STRATEGIES:
+        for m in {v for v in STRATEGIES[strategy].values() if v not in (None, "adamw")}:
+            try:
+                manifolds.get(str(m), retraction=retraction)
+            except (TypeError, ValueError):
+                return f"the {m} manifold has no retraction={retraction!r} in this installation"
+    return None
+
+
+def _algorithm(base: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """Overrides of algorithm ``name``; ``ours`` without ``optim.preset`` is the plain config; None if unavailable."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    ov = dict(ALGORITHMS[name])
+    why = unsupported(base, ov)
+    if why is None:
+        return ov
+    if name == "ours":
+        return {}
+    _note(f"algorithm {name!r} left out: {why}")
+    return None
+
+
+def _strategies(values: Sequence[str], key: str) -> list[str]:
+    out = [str(s) for s in values]
+    for s in out:
+        if s not in STRATEGIES or s == "adamw":
+            choices = ", ".join(k for k in STRATEGIES if k != "adamw")
+            raise ValueError(f"{key}: unknown strategy {s!r}; choose from {choices}")
+    return out
+
+
+def _muon_name(part: dict[str, Any]) -> str:
+    base_name = str(part.get("optim", {}).get("name", "muon"))
+    return base_name if base_name.startswith("muon") and not base_name.endswith("-md") else "muon"
+
+
+def _auto_variant(name: str, sweep: dict[str, Any], vname: str = "auto", extra: dict[str, Any] | None = None,
+                  controls: dict[str, Any] | None = None, **kw: Any) -> Variant:
+    """The ``auto`` arm: strategy ``auto`` with the ``auto_assign`` control (threshold ``[sweep] auto_threshold``)."""
+    thr = float(sweep.get("auto_threshold", DEFAULT_AUTO_THRESHOLD))
+    return Variant(vname, {"optim.name": name, "optim.strategy": "auto", **(extra or {})},
+                   f"ALL-DGRAM; attention → Stiefel once its logit bound > {thr:g} (not in the paper)",
+                   controls={"auto_assign": {"threshold": thr}, **(controls or {})}, **kw)
+
+
+def main_variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any]) -> list[Variant]:
+    """The paper's five arms, the σ-capped and MD arms and ``auto`` on part ``main``."""
+    name = _muon_name(parts["main"])
     cap = float(sweep.get("sigma_cap", DEFAULT_SIGMA_CAP))
     out = [Variant(s, {"optim.name": name, "optim.strategy": s}, d, group=s) for s, d in STRATEGY_DESCRIPTIONS.items()]
     out.append(Variant("all-dgram-capped", {"optim.name": name, "optim.strategy": "all-dgram"},
@@ -60,6 +183,115 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
                        controls={"sigma_cap": cap}, group="all-dgram"))
     out.append(Variant("hetero-md", {"optim.name": f"{name}-md", "optim.strategy": "hetero"},
                        "HETERO inside the magnitude–direction wrapper (not in the paper)", group="hetero"))
+    if sweep.get("auto", False):
+        out.append(_auto_variant(name, sweep, group="auto"))
+    return out
+
+
+def boundary_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "boundary") -> list[Variant]:
+    """The LR ladder of every (strategy, algorithm) on part ``boundary``; each rung comes after the one below it."""
+    ladder = sorted(float(x) for x in sweep.get("ladder", DEFAULT_LADDER))
+    if not ladder or any(not x > 0 for x in ladder):
+        raise ValueError(f"ladder must be a list of learning rates > 0, got {sweep.get('ladder')!r}")
+    strategies = _strategies(sweep.get("strategies", PAPER_STRATEGIES), "strategies")
+    stop = bool(sweep.get("stop_at_divergence", True))
+    name = _muon_name(base)
+    out = []
+    for alg in [str(a) for a in sweep.get("algorithms", DEFAULT_ALGORITHMS)]:
+        alg_ov = _algorithm(base, alg)
+        if alg_ov is None:
+            continue
+        dtype = sweep.get("paper_msign_dtype")
+        if alg == "paper" and dtype:  # CPU presets: the published algorithm with another msign arithmetic
+            alg_ov = {**alg_ov, "optim.muon.msign_dtype": str(dtype)}
+        for s in strategies:
+            prev = ""
+            for k, lr in enumerate(ladder):
+                vname = f"{s}-{alg}-lr{lr:g}"
+                tags = {"study": "boundary", "strategy": s, "algorithm": alg, "lr": lr, "rung": k}
+                common = {"part": part, "group": f"{s}-{alg}", "tags": tags, "after": prev if stop else ""}
+                if s == "auto":
+                    v = _auto_variant(name, sweep, vname=vname, extra={"optim.muon.lr": lr, **alg_ov}, **common)
+                else:
+                    v = Variant(vname, {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **alg_ov},
+                                f"{describe_strategy(s)}, {alg} algorithm, Muon lr {lr:g}", **common)
+                out.append(v)
+                prev = vname
+    return out
+
+
+def attribution_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "attribution") -> list[Variant]:
+    """Ours, ours + one element of the published algorithm, and the published algorithm, on part ``attribution``."""
+    lr = float(sweep.get("attribution_lr", DEFAULT_ATTRIBUTION_LR))
+    strategies = _strategies(sweep.get("attribution_strategies", DEFAULT_ATTRIBUTION_STRATEGIES),
+                             "attribution_strategies")
+    name = _muon_name(base)
+    ours = _algorithm(base, "ours") or {}
+    arms: list[tuple[str, str, dict[str, Any] | None]] = [("ours", "our manifold Muon", ours)]
+    arms += [(arm, desc, {**ours, **ov}) for arm, (desc, ov) in ATTRIBUTION_ARMS.items()]
+    arms.append(("paper", "the published algorithm (every element)", _algorithm(base, "paper")))
+    out = []
+    for s in strategies:
+        for arm, desc, ov in arms:
+            if ov is None:
+                continue
+            full = {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **ov}
+            why = unsupported(base, full, s)
+            if why is not None:
+                _note(f"attribution arm {arm!r} on {s} left out: {why}")
+                continue
+            out.append(Variant(f"attr-{s}-{arm}", full, f"{s.upper()}, lr {lr:g}: {desc}", part=part,
+                               group=f"attr-{s}", tags={"study": "attribution", "strategy": s, "arm": arm, "lr": lr}))
+    return out
+
+
+def mechanism_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "mechanism") -> list[Variant]:
+    """Long runs with per-head entropy and saturation recorded, on part ``mechanism``."""
+    strategies = _strategies(sweep.get("mechanism_strategies", DEFAULT_MECHANISM_STRATEGIES),
+                             "mechanism_strategies")
+    every = int(sweep.get("head_stats_every", DEFAULT_HEAD_STATS_EVERY))
+    name = _muon_name(base)
+    out = []
+    for alg in [str(a) for a in sweep.get("mechanism_algorithms", ("paper",))]:
+        ov = _algorithm(base, alg)
+        if ov is None:
+            continue
+        if alg == "paper" and sweep.get("paper_msign_dtype"):
+            ov = {**ov, "optim.muon.msign_dtype": str(sweep["paper_msign_dtype"])}
+        for s in strategies:
+            tags = {"study": "mechanism", "strategy": s, "algorithm": alg}
+            if s == "auto":
+                out.append(_auto_variant(name, sweep, vname=f"mech-auto-{alg}", extra=ov, part=part, group="mech-auto",
+                                         tags=tags, controls={"head_stats_every": every}))
+                continue
+            out.append(Variant(f"mech-{s}-{alg}", {"optim.name": name, "optim.strategy": s, **ov},
+                               f"{describe_strategy(s)}, {alg} algorithm, per-head statistics every {every} steps",
+                               part=part, controls={"head_stats_every": every}, group=f"mech-{s}", tags=tags))
+    return out
+
+
+def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
+    """The variants of every part the preset has (module docstring): ``main``, ``boundary``, ``attribution``,
+    ``mechanism``.
+
+    Raises:
+        ValueError: a preset with none of these parts, or a ``[sweep]`` value that does not fit (naming it).
+    """
+    out: list[Variant] = []
+    if "main" in parts:
+        out += main_variants(parts, sweep)
+    if "boundary" in parts:
+        out += boundary_variants(parts["boundary"], sweep)
+    if "attribution" in parts:
+        out += attribution_variants(parts["attribution"], sweep)
+    if "mechanism" in parts:
+        out += mechanism_variants(parts["mechanism"], sweep)
+    if not any(k in parts for k in ("main", "boundary", "attribution", "mechanism")):
+        raise ValueError(f"the manifolds recipe needs a trainer config or the parts main, boundary, attribution or "
+                         f"mechanism; the preset has {', '.join(sorted(parts))}")
+    if not out:
+        raise ValueError("every arm of this preset needs config keys this installation does not have (see the lines "
+                         "above)")
     return out
 
 
@@ -68,5 +300,6 @@ RECIPE = Recipe(
     default_config="tiny-shakespeare",
     default_seeds=(0, 1, 2),
     variants=variants,
-    doc="manifold-assignment paper: UNCONSTRAINED/ALL-STIEFEL/ALL-DGRAM/HETERO/HETERO-INV, σ-capped DGram, HETERO+MD",
+    doc="manifold-assignment paper: UNCONSTRAINED/ALL-STIEFEL/ALL-DGRAM/HETERO/HETERO-INV, σ-capped DGram, HETERO+MD, "
+        "AUTO; presets boundary (stability boundary + attribution) and mechanism (long runs, per-head statistics)",
 )

@@ -71,6 +71,9 @@ RUN_OUTPUTS = (*TRAINER_FILES, "controls.json")
 only after the trainer has written its own)."""
 IGNORED_SETTINGS = ("run.out_dir",)
 """Config keys left out of a run's settings: the sweep chooses the run directory itself."""
+IGNORED_SETTING_PREFIXES = ("logging.",)
+"""Config sections left out of a run's and a sweep's settings: experiment tracking does not change what a run
+computes, so it may be turned on or off when a sweep is re-run."""
 
 
 class SweepSettingsError(ValueError):
@@ -92,6 +95,9 @@ class Variant:
             ``controls.<name>``, in the settings.
         group: optional grouping key for reports (e.g. the optimizer in the MD sweep).
         tags: free-form numbers/strings the report uses (e.g. ``{"width": 128, "lr": 0.02}``).
+        after: name of another variant whose run with the same seed must finish first; when that run diverged (or
+            was skipped itself), this one is not trained but recorded as ``skipped`` (an LR ladder stops at its
+            first diverged rung). Ignored when that variant is not among the planned ones (``--only``).
     """
 
     name: str
@@ -101,6 +107,7 @@ class Variant:
     controls: dict[str, Any] = field(default_factory=dict)
     group: str = ""
     tags: dict[str, Any] = field(default_factory=dict)
+    after: str = ""
 
 
 @dataclass
@@ -118,6 +125,7 @@ class RunSpec:
     controls: dict[str, Any] = field(default_factory=dict)
     group: str = ""
     tags: dict[str, Any] = field(default_factory=dict)
+    after: str = ""  # run name (same seed) that must finish first; its divergence skips this run (Variant.after)
     fresh: bool = False  # start over instead of resuming from the run's checkpoint (--no-resume)
     settings: dict[str, Any] = field(default_factory=dict)  # see resolved_settings(); filled by plan()
 
@@ -283,7 +291,8 @@ def resolved_settings(spec: RunSpec) -> dict[str, Any]:
         cfg = load_config(spec.config)
     except ValueError as e:
         raise ValueError(f"{e} (run {spec.name})") from None
-    flat = {k: v for k, v in flatten(config_to_dict(cfg)).items() if k not in IGNORED_SETTINGS}
+    flat = {k: v for k, v in flatten(config_to_dict(cfg)).items()
+            if k not in IGNORED_SETTINGS and not k.startswith(IGNORED_SETTING_PREFIXES)}
     flat.update({f"controls.{k}": v for k, v in sorted(spec.controls.items())})
     return _jsonable(flat)
 
@@ -424,12 +433,15 @@ def sweep_settings(recipe: str, config_path: str | Path, parts: dict[str, dict[s
         recipe: recipe name.
         config_path: the config file the CONFIG argument resolved to (recorded as an absolute path, for messages).
         parts: its trainer configs (:func:`load_parts`); recorded as a hash, which is what is compared, so an
-            edited file is noticed and a copy elsewhere is the same config.
+            edited file is noticed and a copy elsewhere is the same config (its ``[logging]`` tables left out, as
+            ``--set logging.*`` is: tracking does not change what the runs compute).
         steps: the effective ``--steps`` (the ``[sweep] steps`` of the file when not given), or None.
         sets: the parsed ``--set`` overrides.
     """
     return {"recipe": recipe, "config": str(Path(config_path).resolve()),
-            "config_hash": settings_hash(_jsonable(parts)), "steps": steps, "sets": _jsonable(dict(sets or {}))}
+            "config_hash": settings_hash(_jsonable({k: {s: t for s, t in v.items() if s != "logging"}
+                                                    for k, v in parts.items()})), "steps": steps,
+            "sets": _jsonable({k: v for k, v in (sets or {}).items() if not k.startswith(IGNORED_SETTING_PREFIXES)})}
 
 
 def _describe_sweep_difference(key: str, old: Any, new: Any) -> str:
@@ -561,6 +573,7 @@ def plan(
                              f"{', '.join(varying[:4])}{' …' if len(varying) > 4 else ''}; a --set would make them "
                              f"train the same thing (choose variants with --only, or edit a copy of the preset)")
     runs: list[RunSpec] = []
+    planned_variants = {v.name for v in chosen}
     for v in chosen:
         if v.part not in parts:
             raise ValueError(f"variant {v.name!r} needs config part {v.part!r}; the config has {sorted(parts)}")
@@ -581,7 +594,8 @@ def plan(
             controls = dict(v.controls)
             spec = RunSpec(name=name, recipe=recipe, variant=v.name, seed=int(seed), part=v.part, config=cfg,
                            overrides=dict(v.overrides), description=v.description,
-                           controls=controls, group=v.group, tags=dict(v.tags))
+                           controls=controls, group=v.group, tags=dict(v.tags),
+                           after=run_name(v.after, seed) if v.after in planned_variants else "")
             spec.resolved()  # validates the config now: a bad --set is one line before anything runs
             runs.append(spec)
     return runs
@@ -746,8 +760,9 @@ class _Sweep:
 
     def __init__(self, runs: Sequence[RunSpec], out: Path, train_fn: TrainFn, resume: bool, progress: bool,
                  trainer_progress: bool, post_run: Callable[[RunSpec, Path], None] | None,
-                 meta: dict[str, Any] | None, jobs: int, threads: int | None) -> None:
+                 meta: dict[str, Any] | None, jobs: int, threads: int | None, launcher: Any = None) -> None:
         self.runs, self.out, self.train_fn = list(runs), out, train_fn
+        self.launcher = launcher  # None: this machine (jobs/threads); else launchers.SlurmLauncher / RayLauncher
         self.resume, self.progress, self.tp, self.post_run = resume, progress, trainer_progress, post_run
         self.jobs, self.threads = jobs, threads
         self.manifest_path = out / MANIFEST
@@ -756,6 +771,7 @@ class _Sweep:
         self.invocation: dict[str, Any] = {
             "time": now, "command": " ".join(sys.argv), "only": meta.pop("only", None), "seeds": meta.get("seeds"),
             "resume": resume, "jobs": jobs, "threads": threads, "planned": len(self.runs),
+            **(launcher.record() if launcher is not None else {"launcher": "local"}),
         }
         self.manifest: dict[str, Any] = {
             "created": now,
@@ -767,6 +783,7 @@ class _Sweep:
             "runs": [],
         }
         self.records: list[dict[str, Any]] = []
+        self._index = {spec.name: i for i, spec in enumerate(self.runs)}
         self.t0 = time.perf_counter()
         self.done_count = 0
 
@@ -819,6 +836,9 @@ class _Sweep:
             if not self.resume or rec.get("settings_hash") != by_name.get(spec.name, {}).get("settings_hash"):
                 for k in ("status", "step", "final", "reason", "wall_s", "post_error"):
                     rec.pop(k, None)  # a record of other settings (or a run to be re-trained) says nothing now
+            if rec.get("status") == "skipped":  # decided again when the run it comes after has finished
+                rec.pop("reason", None)
+                rec["status"] = "pending"
             rec.setdefault("status", "pending")
             self.records.append(rec)
         # keep runs of earlier invocations (e.g. other --only subsets) in the manifest
@@ -856,6 +876,32 @@ class _Sweep:
             self._post(i)
             self.write_manifest()
         return todo
+
+    def blocked(self, i: int) -> tuple[str, str]:
+        """Whether run ``i`` may start: ``("run", "")``, ``("wait", "")`` while the run it comes after is pending or
+        running, or ``("skip", reason)`` when that run diverged or was skipped (:attr:`Variant.after`)."""
+        dep = self.runs[i].after
+        j = self._index.get(dep) if dep else None
+        if j is None:
+            return "run", ""
+        rec = self.records[j]
+        state = rec.get("status")
+        if state in ("pending", "running"):
+            return "wait", ""
+        if state == "diverged":
+            return "skip", f"not trained: {dep} diverged at step {rec.get('step')}"
+        if state == "skipped":
+            return "skip", str(rec.get("reason") or f"not trained: {dep} was skipped")
+        return "run", ""
+
+    def skip(self, i: int, reason: str) -> None:
+        """Record run ``i`` as ``skipped`` (nothing is trained or written in its directory)."""
+        self.records[i].update(status="skipped", reason=reason)
+        for k in ("step", "final", "wall_s"):
+            self.records[i].pop(k, None)
+        self.write_manifest()
+        if self.progress:
+            print(f"{self.tag(i)}: skipped ({reason})", flush=True)
 
     def mark_started(self, i: int) -> None:
         """Before training run ``i``: its record says ``running`` and its directory holds ``experiment.json``.
@@ -916,6 +962,10 @@ class _Sweep:
             torch.set_num_threads(int(self.threads))
         try:
             for i in todo:
+                state, why = self.blocked(i)
+                if state == "skip":
+                    self.skip(i, why)
+                    continue
                 if self.progress:
                     print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ...", flush=True)
                 self.mark_started(i)
@@ -947,13 +997,28 @@ class _Sweep:
         queue = list(todo)
         while queue or pending:
             while queue and len(pending) < self.jobs:
-                i = queue.pop(0)
+                i = None
+                for k, cand in enumerate(queue):  # the first queued run not waiting for the run it comes after
+                    state, why = self.blocked(cand)
+                    if state == "skip":
+                        queue.pop(k)
+                        self.skip(cand, why)
+                        break
+                    if state == "run" or not pending:
+                        i = queue.pop(k)
+                        break
+                else:
+                    break  # every queued run waits for a run in flight
+                if i is None:
+                    continue
                 if self.progress:
                     print(f"{self.tag(i)}: {self.runs[i].description or self.runs[i].variant} ... (started)",
                           flush=True)
                 self.mark_started(i)
                 pending[ex.submit(_worker_call, self.train_fn, self.runs[i], self.out / self.runs[i].name,
                                   False)] = i
+            if not pending:
+                continue
             finished, _ = wait(list(pending), return_when=first_completed)
             for fut in finished:
                 i = pending.pop(fut)
@@ -967,7 +1032,10 @@ class _Sweep:
         """Start, train what is left, and return the final manifest."""
         self.start()
         todo = self.skip_finished()
-        if self.jobs <= 1 or len(todo) <= 1:
+        if self.launcher is not None:
+            if todo:
+                self.launcher.run(self, todo)
+        elif self.jobs <= 1 or len(todo) <= 1:
             self.run_sequential(todo)
         else:
             self.run_parallel(todo)
@@ -990,6 +1058,7 @@ def run_sweep(
     jobs: int = 1,
     threads: int | None = None,
     lock: bool = True,
+    launcher: Any = None,
 ) -> dict[str, Any]:
     """Run ``runs`` into ``out/<name>/`` and return the manifest (also written to ``out/sweep.json``).
 
@@ -1018,6 +1087,9 @@ def run_sweep(
             2 cores beats one 2-thread run, whose tiny matmuls spend their time synchronising threads).
         threads: ``torch.set_num_threads`` for the training (None: leave PyTorch's default).
         lock: hold ``out``'s :class:`~weightgeom.train.rundir.DirLock` while running (False: the caller holds it).
+        launcher: where the runs train: None on this machine (``jobs``, ``threads``), or a
+            :class:`weightgeom.experiments.launchers.SlurmLauncher` / ``RayLauncher`` (the directory, manifest,
+            resume rules and report are the same; ``train_fn`` is not used: the job trains with the trainer).
 
     Raises:
         LockError: another live process runs a sweep in ``out`` (one line naming its pid and host).
@@ -1027,7 +1099,8 @@ def run_sweep(
     """
     out = Path(out)
     sweep = _Sweep(runs, out, train_fn or default_train_fn, resume, progress,
-                   progress if trainer_progress is None else trainer_progress, post_run, meta, jobs, threads)
+                   progress if trainer_progress is None else trainer_progress, post_run, meta, jobs, threads,
+                   launcher)
     guard = DirLock(out, what="sweep directory") if lock else contextlib.nullcontext()
     with guard:
         return sweep.run()

@@ -5,9 +5,15 @@ Structure (names ``inp``, ``blocks.{i}.fc``, ``head``)::
 
     h = inp(x)                                     # in_dim → width
     for i in range(depth):
-        h = h + act(blocks[i].fc(h))    (residual=True)
-        h = act(blocks[i].fc(h))        (residual=False, "NoRes")
+        h = h + act(blocks[i].fc(n(h)))    (residual=True)
+        h = act(blocks[i].fc(n(h)))        (residual=False, "NoRes")
     logits = head(h)                               # width → out_dim
+
+``n`` is the identity (``norm="none"``, the default) or a per-block pre-norm ``blocks.{i}.norm`` (``norm="layernorm"``:
+``nn.LayerNorm(width)`` with its learned per-coordinate gain and bias, ε = 1e-5). LayerNorm subtracts the mean over
+the coordinates and scales each coordinate by its own gain, so it breaks the SO(width) symmetry of a linear residual
+network differently from an element-wise activation; ``activation="none", norm="layernorm"`` is the continuity
+paper's Res+LN arm and ``activation="relu", norm="layernorm"`` its Res+ReLU+LN arm.
 
 Activations: relu (baseline), gelu, none (a linear residual network: "Res+None"), radial σ(x) = x·tanh(‖x‖) (norm over
 the width; rotation-equivariant: "Res+Radial"). Biases are off by default: a bias breaks the SO(width) symmetry that
@@ -20,6 +26,7 @@ then multiplied by ``init_scale``.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +49,10 @@ class ResMLPConfig(ConfigBase):
         activation: relu | gelu | silu | none | radial.
         init_scale: multiplier on the default nn.Linear initialisation.
         bias: biases in the Linear layers.
+        norm: pre-norm of each block's input: none | layernorm (nn.LayerNorm(width), learned gain and bias, ε 1e-5).
     """
+
+    NORMS: ClassVar[tuple[str, ...]] = ("none", "layernorm")
 
     depth: int = 16
     width: int = 256
@@ -52,6 +62,7 @@ class ResMLPConfig(ConfigBase):
     activation: str = "relu"
     init_scale: float = 1.0
     bias: bool = False
+    norm: Literal["none", "layernorm"] = "none"
 
     def __post_init__(self) -> None:
         for name in ("width", "in_dim", "out_dim"):
@@ -62,19 +73,25 @@ class ResMLPConfig(ConfigBase):
         if self.init_scale <= 0:
             raise ValueError(f"ResMLPConfig.init_scale must be > 0, got {self.init_scale}")
         get_activation(self.activation)
+        if str(self.norm).lower() not in self.NORMS:
+            raise ValueError(f"ResMLPConfig.norm must be one of {', '.join(self.NORMS)}, got {self.norm!r}")
+        self.norm = str(self.norm).lower()
 
 
 class ResBlock(nn.Module):
-    """One block: ``fc`` (width × width) + activation, with or without the skip connection."""
+    """One block: optional pre-norm, ``fc`` (width × width) + activation, with or without the skip connection."""
 
-    def __init__(self, width: int, residual: bool, activation: str, bias: bool) -> None:
+    def __init__(self, width: int, residual: bool, activation: str, bias: bool, norm: str = "none") -> None:
         super().__init__()
+        if norm == "layernorm":
+            self.norm = nn.LayerNorm(width)
         self.fc = nn.Linear(width, width, bias=bias)
         self.residual = residual
         self.act = get_activation(activation)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        y = self.act(self.fc(h))
+        x = self.norm(h) if hasattr(self, "norm") else h
+        y = self.act(self.fc(x))
         return h + y if self.residual else y
 
 
@@ -92,7 +109,8 @@ class ResMLP(ModelBase):
         self.config = config
         c = config
         self.inp = nn.Linear(c.in_dim, c.width, bias=c.bias)
-        self.blocks = nn.ModuleList([ResBlock(c.width, c.residual, c.activation, c.bias) for _ in range(c.depth)])
+        self.blocks = nn.ModuleList([ResBlock(c.width, c.residual, c.activation, c.bias, c.norm)
+                                     for _ in range(c.depth)])
         self.head = nn.Linear(c.width, c.out_dim, bias=c.bias)
         if c.init_scale != 1.0:
             with torch.no_grad():

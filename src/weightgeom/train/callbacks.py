@@ -40,6 +40,10 @@ of keyword arguments); :func:`register_callback` adds names. Built in:
 * ``sigma_cap`` → :class:`SigmaCap` (``value`` = the cap): bound σ_max(W_Q)·σ_max(W_K) per attention layer.
 * ``continuity_every`` → :class:`weightgeom.analysis.recorder.ContinuityRecorder` (``value`` = the interval in
   steps): continuity of the layer stacks over training, into ``continuity.jsonl``.
+* ``auto_assign`` → :class:`weightgeom.train.auto_assign.AutoAssign` (``value`` = the logit-bound threshold, or a table
+  ``{threshold, action, every}``): strategy ``auto``, an attention layer moves to Stiefel when its logit bound grows.
+* ``head_stats_every`` → :class:`weightgeom.train.head_stats.HeadStats` (``value`` = the interval in steps): softmax
+  entropy, saturation and logit max per attention head, into ``heads.jsonl``.
 """
 
 from __future__ import annotations
@@ -365,6 +369,8 @@ CALLBACKS: dict[str, Callable[..., Any] | str] = {
     "sigma_cap": SigmaCap,
     # by name: the recorder module imports this one (Callback, TrainContext), so importing it here is a cycle
     "continuity_every": "weightgeom.analysis.recorder:ContinuityRecorder",
+    "auto_assign": "weightgeom.train.auto_assign:AutoAssign",
+    "head_stats_every": "weightgeom.train.head_stats:HeadStats",
 }
 """Name → callback factory (a callable, or ``"module:attribute"`` imported when first built)."""
 

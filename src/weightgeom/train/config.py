@@ -50,6 +50,7 @@ from weightgeom.schema import (
     to_dict,
 )
 from weightgeom.train.rundir import check_relative_name
+from weightgeom.train.tracking import LoggingConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +64,7 @@ __all__ = [
     "ScheduleConfig",
     "TrainConfig",
     "DiagnosticsConfig",
+    "LoggingConfig",
     "MODEL_CONFIGS",
     "load_config",
     "config_from_dict",
@@ -79,9 +81,11 @@ __all__ = [
     "RESUMABLE_KEYS",
 ]
 
-RESUMABLE_KEYS = ("train.max_steps", "run.name", "run.out_dir")
+RESUMABLE_KEYS = ("train.max_steps", "run.name", "run.out_dir", *(f"logging.{f.name}" for f in
+                                                                  dataclasses.fields(LoggingConfig)))
 """Keys a run may change when it resumes (``--set train.max_steps=...`` to continue, a moved or renamed run
-directory): :func:`config_hash` leaves them out, and a resume never refuses a checkpoint over them."""
+directory, experiment tracking turned on or off): :func:`config_hash` leaves them out, and a resume never refuses a
+checkpoint over them."""
 
 MODEL_CONFIGS: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "resmlp": ResMLPConfig}
 """``model.kind`` → the model config dataclass whose fields the ``[model]`` table may set."""
@@ -194,6 +198,7 @@ class Config(Section):
     schedule: ScheduleConfig = setting(ScheduleConfig(), "learning-rate schedule")
     train: TrainConfig = setting(TrainConfig(), "training loop")
     diagnostics: DiagnosticsConfig = setting(DiagnosticsConfig(), "diagnostics")
+    logging: LoggingConfig = setting(LoggingConfig(), "experiment tracking (Weights & Biases, MLflow)")
 
     def check(self) -> None:
         object.__setattr__(self, "model", _check_model(self.model))
@@ -449,6 +454,8 @@ def config_hash(cfg: Config | Mapping[str, Any], ignore: Iterable[str] = RESUMAB
         s, k = full.split(".", 1)
         if isinstance(c.get(s), dict):
             c[s] = {kk: vv for kk, vv in c[s].items() if kk != k}
+            if not c[s]:  # a section of resumable keys only (logging): hashes like a config without it
+                del c[s]
     blob = json.dumps(c, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

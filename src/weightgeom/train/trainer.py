@@ -49,6 +49,7 @@ from weightgeom.optim.build import from_config as optimizer_from_config
 from weightgeom.optim.muon import FarRetractionWarning, uses_msign_choice
 from weightgeom.optim.sharded import is_dtensor
 from weightgeom.train import checkpoint as ckpt_mod
+from weightgeom.train.auto_assign import AutoAssign
 from weightgeom.train.batches import Batches, build_batches
 from weightgeom.train.callbacks import CallbackList, TrainContext
 from weightgeom.train.config import Config, config_hash, config_to_dict, dump_toml, load_config
@@ -75,6 +76,7 @@ from weightgeom.train.rundir import (
     safe_child,
 )
 from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
+from weightgeom.train.tracking import trackers_from_config
 
 __all__ = ["train", "model_from_config", "build_optimizer_from_config", "explosion"]
 
@@ -227,7 +229,8 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
         its final numbers and has ``"already_done": True``.
 
     Raises:
-        ValueError: bad config (one line naming the key, e.g. a ``run.name`` that leaves ``run.out_dir``);
+        ValueError: bad config (one line naming the key, e.g. a ``run.name`` that leaves ``run.out_dir``, or a
+            ``[logging]`` tracker whose package is not installed);
             CheckpointError (a ValueError) for an unusable checkpoint; LockError (a ValueError) when another live
             process writes ``run_dir``.
         OSError: the run directory cannot be written (not a directory, no permission, disk full); ``filename``
@@ -237,6 +240,9 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
     import torch.distributed as dist
 
     cfg = load_config(config, overrides)
+    callbacks = [*CallbackList(callbacks), *trackers_from_config(cfg.logging)]  # [logging] wandb / mlflow
+    if cfg.optim.strategy == "auto" and not any(isinstance(c, AutoAssign) for c in callbacks):
+        callbacks.append(AutoAssign())  # strategy "auto" means the rule runs (default settings unless one is given)
     preexisting = dist.is_available() and dist.is_initialized()
     info = init_distributed(cfg.run.device)
     try:

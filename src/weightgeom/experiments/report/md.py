@@ -1,4 +1,6 @@
-"""Report section for the magnitude–direction LR sweep (the MD paper): LR transfer, warmup, loss vs compute."""
+"""Report section for the magnitude–direction LR sweep (the MD paper): LR transfer (with every optimum at a grid edge
+flagged), warmup, the gains' LR, the paper's ablations (one table per axis, with a verdict per claim), loss vs
+compute."""
 
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append("")
         lines.append(md_table(["optimizer", "width", "optimal LR", "final val loss at optimum", "LRs tried"], rows))
         lines.append("")
+        lines.append(edge_line(grid_edge_optima(best, table)))
+        lines.append("")
         lines.append(transfer_verdict(best, table))
         lines.append("")
         lines += image_lines(plot_lr_sweep(table, out / "md_lr_sweep.png"), "loss vs LR")
@@ -105,6 +109,8 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append(md_table(["optimizer", "width", "lr", "final val loss, no warmup", "warmup steps",
                                "final val loss, warmup", "Δ (warmup − none)", "verdict"], rows))
         lines.append("")
+    lines += gain_lr_lines(runs, lr_runs)
+    lines += ablation_lines(runs, lr_runs, out)
     p = plot_loss_vs_compute(runs, out / "md_loss_vs_compute.png")
     if p:
         lines.append("### Loss vs compute")
@@ -115,6 +121,195 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append(f"![loss vs compute]({p.name})")
         lines.append("")
     return "\n".join(lines)
+
+
+def grid_edge_optima(best: dict[tuple[str, int], tuple[float, float]],
+                     table: dict[tuple[str, int, float], list[float]]) -> list[tuple[str, int, float, str]]:
+    """(optimizer, width, optimal LR, "lowest" | "highest") for every optimum at an end of its LR grid (grids of two
+    or more LRs; an optimizer whose every LR diverged is left out)."""
+    out = []
+    for (o, w), (lr, m) in sorted(best.items()):
+        grid = sorted(lr_ for (o2, w2, lr_) in table if o2 == o and w2 == w)
+        if len(grid) < 2 or not math.isfinite(m):
+            continue
+        if lr == grid[0]:
+            out.append((o, w, lr, "lowest"))
+        elif lr == grid[-1]:
+            out.append((o, w, lr, "highest"))
+    return out
+
+
+def edge_line(edges: Sequence[tuple[str, int, float, str]]) -> str:
+    """One paragraph: no optimum at a grid edge, or which ones are (the grid should then be extended that way)."""
+    if not edges:
+        return "No optimum sits at an edge of its LR grid."
+    items = "; ".join(f"{o} width {w}: {lr:g} (the {side} LR tried)" for o, w, lr, side in edges)
+    return (f"**{len(edges)} optimum/optima at a grid edge** — the true optimum may lie outside the grid, so the "
+            f"transfer verdict for these optimizers is uncertain: {items}.")
+
+
+def _final_loss(rs: Sequence[RunData]) -> float:
+    """Mean final val loss over runs (inf if any diverged, NaN if none)."""
+    if not rs:
+        return float("nan")
+    if any(r.diverged for r in rs):
+        return float("inf")
+    xs = [final_value(loss_series(r, "val")) for r in rs]
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def _point_runs(lr_runs: Sequence[RunData], opt: str, width: Any, lr: Any) -> list[RunData]:
+    return [r for r in lr_runs if (str(_tag(r, "optimizer")), _tag(r, "width"), _tag(r, "lr")) == (opt, width, lr)]
+
+
+def _base_setting(runs: Sequence[RunData], key: str, default: Any) -> Any:
+    """``optim.md.<key>`` of the LR-sweep runs (their resolved config)."""
+    for r in runs:
+        v = ((r.config.get("optim") or {}).get("md") or {}).get(key)
+        if v is not None:
+            return v
+    return default
+
+
+def gain_lr_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData]) -> list[str]:
+    """Table: final val loss per gain LR for each MD optimizer at its ablation point (best marked, edge flagged)."""
+    glr = [r for r in runs if _tag(r, "kind") == "gain_lr"]
+    if not glr:
+        return []
+    rows = []
+    points = sorted({(str(_tag(r, "optimizer")), _tag(r, "width"), _tag(r, "lr")) for r in glr}, key=str)
+    for o, w, lr in points:
+        base = _point_runs(lr_runs, o, w, lr)
+        vals: dict[float, float] = {}
+        for r in glr:
+            if (str(_tag(r, "optimizer")), _tag(r, "width"), _tag(r, "lr")) == (o, w, lr):
+                vals.setdefault(float(_tag(r, "gain_lr")), float("nan"))
+        for g in list(vals):
+            vals[g] = _final_loss([r for r in glr if (str(_tag(r, "optimizer")), _tag(r, "width"), _tag(r, "lr"),
+                                                      float(_tag(r, "gain_lr"))) == (o, w, lr, g)])
+        if base:
+            vals[float(_base_setting(base, "gain_lr", 1e-3))] = _final_loss(base)
+        finite = {g: v for g, v in vals.items() if math.isfinite(v)}
+        grid = sorted(vals)
+        bg = min(finite, key=finite.get) if finite else None
+        cells = []
+        for g in grid:
+            mark = " **best**" if g == bg else ""
+            cells.append(f"{g:g}: {fmt(vals[g], 4)}{mark}")
+        edge = "—" if bg is None else ("at the grid edge" if bg in (grid[0], grid[-1]) and len(grid) > 1
+                                       else "inside the grid")
+        spread = (max(finite.values()) - min(finite.values())) if len(finite) > 1 else float("nan")
+        rows.append([o, w, f"{lr:g}", "; ".join(cells), edge, fmt(spread, 4)])
+    return ["### Gain learning rate (`optim.md.gain_lr`)", "",
+            "Each MD optimizer at the middle width and centre LR of its grid; final val loss per gain LR (the run at "
+            "the base config's gain LR is the LR-sweep run).", "",
+            md_table(["optimizer", "width", "lr", "final val loss by gain LR", "best gain LR", "max − min"], rows), ""]
+
+
+# the MD paper's ablation claims: axis -> (paper's preferred value, the claim, kind of test)
+ABLATION_CLAIMS = {
+    "gains": ("row+col", "row+col gains beat scalar and single-axis gains", "best"),
+    "parameterization": ("softplus", "softplus is slightly more consistent than exp or direct gains", "best"),
+    "sphere": ("frobenius", "the Frobenius sphere is about as good as row / col spheres (within 0.02)", "tie"),
+    "embeddings": ("unit_rows", "unit-L2-norm embeddings are slightly better than unconstrained ones", "best"),
+}
+ABLATION_DEFAULTS = {"gains": "row+col", "parameterization": "softplus", "sphere": "frobenius",
+                     "embeddings": "exclude"}
+TIE = 0.02
+"""Val-loss difference (nats) within which the sphere claim ("about as good") counts as reproduced."""
+MARGIN = 0.005
+"""Val-loss difference (nats) below which a "better" claim counts as no difference (not reproduced)."""
+
+
+def ablation_verdict(axis: str, vals: dict[str, float]) -> str:
+    """reproduced / not reproduced / reversed for one axis's claim from {value: final val loss}."""
+    pref, _, how = ABLATION_CLAIMS[axis]
+    finite = {k: v for k, v in vals.items() if math.isfinite(v)}
+    if pref not in finite or len(finite) < 2:
+        return "—"
+    others = [v for k, v in finite.items() if k != pref]
+    if how == "tie":
+        gap = max(abs(finite[pref] - v) for v in others)
+        return "reproduced" if gap <= TIE else ("reversed" if finite[pref] > max(others) else "not reproduced")
+    d = finite[pref] - min(others)
+    if d < -MARGIN:
+        return "reproduced"
+    if abs(d) <= MARGIN:
+        return "not reproduced (no difference)"
+    return "reversed" if finite[pref] >= max(others) else "not reproduced"
+
+
+def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Path) -> list[str]:
+    """One table per ablation axis (rows: settings, columns: MD optimizers; the default is the LR-sweep run at the
+    same point), a verdict per claim, and a bar plot."""
+    abl = [r for r in runs if _tag(r, "kind") == "ablation"]
+    if not abl:
+        return []
+    lines = ["### The MD paper's ablations", "",
+             "One setting of `[optim.md]` changed at a time, each MD optimizer at the middle width and centre LR of "
+             "its grid (the default row is the LR-sweep run there). Final val loss; Δ = setting − default. A "
+             f"'better' claim is reproduced when the paper's choice beats every other setting by more than {MARGIN} "
+             f"nats and reversed when it is the worst; the sphere claim is reproduced when all settings lie within "
+             f"{TIE} nats.", ""]
+    axes = [a for a in ABLATION_CLAIMS if any(_tag(r, "axis") == a for r in abl)]
+    opts = sorted({str(_tag(r, "optimizer")) for r in abl})
+    data: dict[str, dict[str, dict[str, float]]] = {}
+    for axis in axes:
+        default = ABLATION_DEFAULTS[axis]
+        values = [default] + sorted({str(_tag(r, "value")) for r in abl if _tag(r, "axis") == axis})
+        per_opt: dict[str, dict[str, float]] = {}
+        for o in opts:
+            mine = [r for r in abl if _tag(r, "axis") == axis and str(_tag(r, "optimizer")) == o]
+            if not mine:
+                continue
+            w, lr = _tag(mine[0], "width"), _tag(mine[0], "lr")
+            vals = {default: _final_loss(_point_runs(lr_runs, o, w, lr))}
+            for v in values[1:]:
+                vals[v] = _final_loss([r for r in mine if str(_tag(r, "value")) == v])
+            per_opt[o] = vals
+        data[axis] = per_opt
+        rows = []
+        for v in values:
+            cells = []
+            for o in per_opt:
+                x, d = per_opt[o].get(v, float("nan")), per_opt[o].get(default, float("nan"))
+                delta = "" if v == default or not (math.isfinite(x) and math.isfinite(d)) else f" (Δ {x - d:+.4f})"
+                cells.append(("diverged" if x == float("inf") else fmt(x, 4)) + delta)
+            rows.append([f"`{v}`" + (" (default)" if v == default else "")] + cells)
+        pref, claim, _ = ABLATION_CLAIMS[axis]
+        verdicts = ", ".join(f"{o}: **{ablation_verdict(axis, per_opt[o])}**" for o in per_opt)
+        lines += [f"#### `optim.md.{axis}`", "", md_table([axis] + list(per_opt), rows), "",
+                  f"The paper: {claim} — {verdicts}.", ""]
+    lines += image_lines(plot_ablations(data, out / "md_ablations.png"), "MD ablations")
+    return lines
+
+
+def plot_ablations(data: dict[str, dict[str, dict[str, float]]], path: Path) -> Path | None:
+    """One panel per ablation axis: final val loss per setting, one bar colour per MD optimizer."""
+    if not data:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(data), figsize=(4.5 * len(data), 4.2), squeeze=False)
+    finite = [v for per in data.values() for vals in per.values() for v in vals.values() if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    pad = max(0.02, 0.15 * (hi - lo))
+    for ax, (axis, per) in zip(axes[0], data.items()):
+        opts = list(per)
+        values = list(dict.fromkeys(v for vals in per.values() for v in vals))
+        x = np.arange(len(values))
+        wbar = 0.8 / max(1, len(opts))
+        for i, (o, c) in enumerate(zip(opts, _colors(len(opts)))):
+            ys = [per[o].get(v, float("nan")) for v in values]
+            ys = [y if math.isfinite(y) else np.nan for y in ys]
+            ax.bar(x + (i - (len(opts) - 1) / 2) * wbar, ys, wbar, color=c, label=o)
+        ax.set_xticks(x, values, rotation=20)
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.set_title(f"optim.md.{axis}")
+    axes[0][0].set_ylabel("final val loss (missing bar: diverged)")
+    axes[0][0].legend()
+    fig.suptitle("MD ablations (default = first bar group)")
+    return _savefig(fig, path)
 
 
 def transfer_verdict(best: dict[tuple[str, int], tuple[float, float]], table) -> str:

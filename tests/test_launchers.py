@@ -1,0 +1,230 @@
+"""Sweeps on clusters: ``weightgeom sweep --launcher slurm | ray`` (weightgeom.experiments.launchers).
+
+The SLURM path runs through submitit's local executor (the same jobs, checkpointing hook and requeue, as local
+processes); the Ray path through a local Ray instance (marked ``ray``). Both packages are test dependencies
+(``setup.sh`` installs the ``slurm`` and ``ray`` extras), so these tests never skip for a missing package.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weightgeom.cli import main
+from weightgeom.experiments import launchers
+from weightgeom.experiments.cli import get_recipe
+from weightgeom.experiments.runner import load_parts, plan
+from weightgeom.train.checkpoint import checkpoint_name
+from weightgeom.train.rundir import LOCK_NAME, read_status
+
+LOCAL_SLURM = ["--launcher", "slurm", "--submitit-cluster", "local", "--cpus-per-run", "1", "--no-report"]
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "sweep.json").read_text())
+
+
+def _records(out: Path) -> dict:
+    return {r["name"]: r for r in _manifest(out)["runs"]}
+
+
+def test_slurm_dry_run_prints_commands_and_resources_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "sw"
+    rc = main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+               "all-stiefel,unconstrained", "--gpus-per-run", "4", "--cpus-per-run", "16", "--mem-per-run", "64",
+               "--partition", "gpu", "--time-limit", "12:00:00"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert not out.exists()  # nothing written, nothing submitted
+    lines = [ln for ln in text.splitlines() if ln.startswith(("all-stiefel-s0:", "unconstrained-s0:"))]
+    assert len(lines) == 2
+    for ln in lines:
+        assert "torch.distributed.run --standalone --nproc_per_node=4 -m weightgeom.experiments.launchers" in ln
+        assert "gpus=4 cpus=16 mem=64GB time=720min partition=gpu" in ln
+        assert str(out.resolve() / ".launch") in ln
+    assert "2 of 2 runs would be submitted as one SLURM job array" in text
+    # one GPU: no torchrun; a finished run is listed as not submitted
+    (out / "all-stiefel-s0").mkdir(parents=True)
+    (out / "all-stiefel-s0" / "status.json").write_text(json.dumps({"state": "done", "step": 4}))
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+                 "all-stiefel,unconstrained", "--gpus-per-run", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "all-stiefel-s0: already done (not submitted)" in text
+    assert [ln for ln in text.splitlines() if ln.startswith("unconstrained-s0:")][0].split("  [")[0].endswith(
+        f"-m weightgeom.experiments.launchers {out.resolve() / '.launch' / 'unconstrained-s0.json'}")
+    assert "1 of 2 runs would be submitted" in text
+
+
+@pytest.mark.parametrize("launcher,module,extra", [("slurm", "submitit", "slurm"), ("ray", "ray", "ray")])
+def test_missing_launcher_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch, launcher, module,
+                                                               extra):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", launcher, "--only", "hetero"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"pip install 'weightgeom[{extra}]'" in err[0] and f"--launcher {launcher}" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--partition", "gpu"], "--partition is an option of --launcher slurm, not local"),
+    (["--launcher", "ray", "--time-limit", "60"], "--time-limit is an option of --launcher slurm, not ray"),
+    (["--launcher", "slurm", "--jobs", "2"], "--jobs 2 applies to --launcher local"),
+    (["--launcher", "slurm", "--time-limit", "1:xx"], "--time-limit '1:xx'"),
+    (["--launcher", "slurm", "--slurm-opt", "account"], "--slurm-opt 'account': expected KEY=VALUE"),
+])
+def test_bad_cluster_options_are_one_line(tmp_path, capsys, args, needle):
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "hetero", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()
+
+
+def test_slurm_without_sbatch_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch / srun here
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "hetero", "--launcher", "slurm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sbatch and srun are not found" in err[0] and "--submitit-cluster local" in err[0]
+    assert not out.exists()
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_submitit_sweep_failure_kill_and_resume(tmp_path, capsys):
+    """The CI preset through submitit's local executor: a run failing by its own error is recorded with its reason
+    and the others finish; a sweep process killed with kill -9 takes its jobs with it; re-running the command skips
+    the finished runs (never submitted again) and finishes the rest."""
+    out = tmp_path / "sw"
+    common = ["sweep", "manifolds", "ci", "--out", str(out), "--steps", "2", *LOCAL_SLURM]
+    # 1. unconstrained trains; all-dgram-capped has a corrupt checkpoint: its own error, recorded, the sweep goes on
+    bad = out / "all-dgram-capped-s0" / "checkpoints"
+    bad.mkdir(parents=True)
+    (bad / checkpoint_name(1)).write_bytes(b"not a checkpoint")
+    assert main([*common, "--only", "unconstrained,all-dgram-capped"]) == 1
+    recs = _records(out)
+    assert recs["unconstrained-s0"]["status"] == "done"
+    assert recs["all-dgram-capped-s0"]["status"] == "failed"
+    reason = recs["all-dgram-capped-s0"]["reason"]
+    assert "\n" not in reason and checkpoint_name(1) in reason, reason
+    assert recs["unconstrained-s0"]["job"]["launcher"] == "slurm"
+    first_job = recs["unconstrained-s0"]["job"]["id"]
+    metrics = (out / "unconstrained-s0" / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+
+    # 2. a sweep process killed with kill -9 while its job trains: the job dies with it
+    cmd = [sys.executable, "-m", "weightgeom", *common, "--only", "unconstrained,all-stiefel"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    attempt = out / ".launch" / "all-stiefel-s0.attempt.json"
+    try:
+        _wait_for(lambda: attempt.exists(), 120, "the all-stiefel job to start")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    pid = json.loads(attempt.read_text())["pid"]
+    _wait_for(lambda: not Path(f"/proc/{pid}").exists() or
+              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 30,
+              "the job to die with its sweep process")
+    assert read_status(out / "all-stiefel-s0").get("state") != "done"
+
+    # 3. re-running the same command: unconstrained is skipped (not submitted), all-stiefel trains to the end
+    assert main([*common, "--only", "unconstrained,all-stiefel"]) == 1  # step 1's failed run is still failed
+    text = capsys.readouterr().out
+    assert "unconstrained-s0: already done at step 2 (skipped)" in text
+    recs = _records(out)
+    assert recs["unconstrained-s0"]["job"]["id"] == first_job  # never submitted again
+    assert (out / "unconstrained-s0" / "metrics.jsonl").read_bytes() == metrics
+    assert recs["all-stiefel-s0"]["status"] == "done" and recs["all-stiefel-s0"]["step"] == 2
+    m = _manifest(out)
+    assert [inv["launcher"] for inv in m["invocations"]] == ["slurm"] * 3
+    assert not (out / "all-stiefel-s0" / ".weightgeom.lock").exists()
+
+
+def test_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
+    """submitit's checkpointing hook: SIGUSR2 (SLURM's preemption / time-limit signal) stops the training cleanly,
+    the same job is requeued and continues from the newest checkpoint; every step is logged once."""
+    recipe = get_recipe("manifolds")
+    _, parts, sweep = load_parts("ci", "manifolds")
+    steps = 24
+    spec = plan("manifolds", recipe.variants(parts, sweep, steps), parts, [0], steps=steps, only=["unconstrained"],
+                sets={"train.ckpt_every": 2})[0]
+    spec.fresh = True  # as under --no-resume: the first attempt starts over, the requeued one must still resume
+    out = (tmp_path / "sw").resolve()
+    path = launchers.write_job(out, spec, 1)
+    ex = launchers.SlurmLauncher(cluster="local").executor(out / ".launch" / "submitit")
+    job = ex.submit(launchers.SubmititRun(str(path), 0))
+    ckpts = out / spec.name / "checkpoints"
+    _wait_for(lambda: ckpts.exists() and any(ckpts.glob("ckpt_*.pt")), 120, "a first checkpoint")
+    attempt = json.loads((out / ".launch" / f"{spec.name}.attempt.json").read_text())
+    task_pid = int(Path(f"/proc/{attempt['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(task_pid, signal.SIGUSR2)  # what SLURM sends before preempting or at the time limit
+    kind, result, _ = job.result()
+    assert kind == "ok" and result["status"] == "done" and result["step"] == steps
+    log = (out / ".launch" / f"{spec.name}.log").read_text()
+    assert log.count("--- ") == 2 and "stopped by SIGTERM" in log  # two attempts, the first stopped cleanly
+    rows = [json.loads(ln) for ln in (out / spec.name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, steps + 1))
+    assert not (out / spec.name / "previous").exists()  # resumed, not started over
+
+
+@pytest.mark.ray
+def test_ray_local_instance_sweep_and_rerun(tmp_path, capsys):
+    """The CI preset as Ray tasks on a local Ray instance; re-running skips every finished run (no task)."""
+    out = tmp_path / "sw"
+    cmd = ["sweep", "manifolds", "ci", "--out", str(out), "--steps", "2", "--only", "unconstrained,all-stiefel",
+           "--launcher", "ray", "--cpus-per-run", "1"]
+    assert main(cmd) == 0
+    text = capsys.readouterr().out
+    assert "submitted 2 Ray tasks" in text
+    recs = _records(out)
+    assert {recs[n]["status"] for n in ("unconstrained-s0", "all-stiefel-s0")} == {"done"}
+    assert (out / "report.md").exists()
+    assert _manifest(out)["invocations"][-1]["launcher"] == "ray"
+    assert main(cmd) == 0
+    text = capsys.readouterr().out
+    assert "Ray tasks" not in text and text.count("(skipped)") == 2
+
+
+def test_job_wrapper_starts_without_torch():
+    """submitit's job process and Ray's worker unpickle this module only to start the training process: importing
+    it must not import torch (seconds, tens on a loaded node, per job attempt)."""
+    code = "import sys, weightgeom.experiments.launchers as l; print('torch' in sys.modules, l.LOCK_NAME)"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert got == ["False", LOCK_NAME]
+
+
+def test_cluster_launchers_hold_back_runs_that_wait_for_another():
+    """A run declared to come after another (an LR ladder's next rung) is submitted only once that run finished, and
+    recorded as skipped when the sweep says so; with nothing in flight, what still waits is released."""
+    class Sweep:
+        def __init__(self):
+            self.state = {0: ("run", ""), 1: ("wait", ""), 2: ("skip", "not trained: a diverged")}
+            self.skipped = []
+
+        def blocked(self, i):
+            return self.state[i]
+
+        def skip(self, i, why):
+            self.skipped.append((i, why))
+
+    sweep, queue = Sweep(), [0, 1, 2]
+    ray = launchers.RayLauncher()
+    assert ray._ready(sweep, queue, in_flight=False) == [0]
+    assert queue == [1] and sweep.skipped == [(2, "not trained: a diverged")]
+    assert ray._ready(sweep, queue, in_flight=True) == [] and queue == [1]  # run 0 in flight: 1 waits
+    sweep.state[1] = ("run", "")
+    assert ray._ready(sweep, queue, in_flight=True) == [1] and queue == []
+    sweep.state = {3: ("wait", "")}
+    queue = [3]
+    assert ray._ready(sweep, queue, in_flight=False) == [3]  # nothing can release it any more
