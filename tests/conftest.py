@@ -20,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (restored after): on tiny matrices two threads spend their time synchronising,
+    ~10× slower on the shared, oversubscribed 2-core CI machine. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

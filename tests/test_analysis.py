@@ -38,13 +38,7 @@ RAND_GRAM_TOL = 0.02
 METRIC_COLS = ["cv", "cu", "gram_in", "gram_out", "idx_in", "idx_out"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one torch thread is ~10x faster than two on the shared, oversubscribed 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_identical_layers_give_one():

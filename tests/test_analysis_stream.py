@@ -27,12 +27,7 @@ HF = {"Q": "self_attn.q_proj", "K": "self_attn.k_proj", "V": "self_attn.v_proj",
       "Gate": "mlp.gate_proj", "Up": "mlp.up_proj", "Down": "mlp.down_proj"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _llama(L=4, d=64, f=96, kv=32, vocab=200, seed=0, dtype=torch.float32) -> dict[str, torch.Tensor]:

@@ -26,13 +26,7 @@ SIGMA_TOL = 1e-8
 LOGIT_TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one torch thread is ~10x faster than two on the shared, oversubscribed 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_matrix_stats_against_svd():

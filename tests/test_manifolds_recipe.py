@@ -30,7 +30,8 @@ from weightgeom.train.callbacks import TrainContext, build_callbacks
 from weightgeom.train.head_stats import HEADS_FILE, HeadStats
 
 # the tests start from random weights: their retraction onto the manifold at the first step is expected
-pytestmark = pytest.mark.filterwarnings("ignore::weightgeom.optim.muon.FarRetractionWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::weightgeom.optim.muon.FarRetractionWarning"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 TINY = {
     "run": {"device": "cpu"},
@@ -40,15 +41,6 @@ TINY = {
     "schedule": {"kind": "constant"},
     "train": {"max_steps": 4, "eval_every": 0, "eval_iters": 1, "log_every": 1},
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one torch thread (two spend their time synchronising, the more so on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _preset(name: str) -> Path:

@@ -11,13 +11,7 @@ VEC_TOL = 1e-4
 SIG_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one torch thread is ~10x faster than two on the shared, oversubscribed 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gapped(*shape, k=3):

@@ -465,3 +465,18 @@ def test_callback_state_survives_resume(tmp_path, monkeypatch):
     assert second.n == 12 and late.resumed_without_state
     payload = ck.load_checkpoint(tmp_path / "r" / "checkpoints" / "ckpt_00000012.pt")
     assert payload["callbacks"]["Counter"]["n"] == 12
+
+
+def test_truncate_jsonl_moves_later_rows_aside_and_deletes_nothing(tmp_path):
+    """On resume a callback's JSON-lines file keeps the rows up to the resumed step; the later ones (and a torn last
+    line) move to <name>.dropped.jsonl, so nothing written is lost."""
+    from weightgeom.train.logging import truncate_jsonl
+
+    path = tmp_path / "heads.jsonl"
+    rows = [json.dumps({"step": s, "x": s}) for s in (2, 4, 6, 8)]
+    path.write_text("\n".join(rows) + "\n" + '{"step": 10, "x"')
+    assert truncate_jsonl(path, 4) == 3
+    assert path.read_text().splitlines() == rows[:2]
+    dropped = (tmp_path / "heads.dropped.jsonl").read_text().splitlines()
+    assert dropped == rows[2:] + ['{"step": 10, "x"']
+    assert truncate_jsonl(tmp_path / "missing.jsonl", 4) == 0

@@ -45,6 +45,7 @@ from weightgeom import manifolds
 from weightgeom.diagnostics.monitors import HFAttention, attention_modules, qk_sigma_prod
 from weightgeom.schema import ConfigError, Section, from_dict, setting
 from weightgeom.train.callbacks import Callback, TrainContext
+from weightgeom.train.logging import truncate_jsonl
 
 __all__ = ["AutoAssignConfig", "AutoAssign", "AUTO_FILE", "logit_bound"]
 
@@ -202,16 +203,10 @@ class AutoAssign(Callback):
         self._log_every = max(1, int(getattr(getattr(ctx.config, "train", None), "log_every", 1) or 1))
         if ctx.is_main:
             self._path = Path(ctx.run_dir) / AUTO_FILE
-            keep = []
-            if ctx.resumed and self._path.exists():
-                for line in self._path.read_text().splitlines():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(row, dict) and int(row.get("step", 0)) <= ctx.step:
-                        keep.append(line)
-            self._path.write_text("".join(line + "\n" for line in keep))
+            if ctx.resumed:  # the rows of steps this session redoes move to the .dropped file
+                truncate_jsonl(self._path, ctx.step)
+            else:
+                self._path.write_text("")
 
     def _x_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from weightgeom.diagnostics.monitors import MAX_SEQS, SATURATION_THRESHOLD, collect
 from weightgeom.train.callbacks import Callback, TrainContext
+from weightgeom.train.logging import truncate_jsonl
 
 __all__ = ["HeadStats", "HEADS_FILE"]
 
@@ -63,16 +64,10 @@ class HeadStats(Callback):
         if not ctx.is_main:
             return
         self._path = Path(ctx.run_dir) / HEADS_FILE
-        keep = []
-        if ctx.resumed and self._path.exists():  # drop the rows of steps this session redoes
-            for line in self._path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and int(row.get("step", 0)) <= ctx.step:
-                    keep.append(line)
-        self._path.write_text("".join(line + "\n" for line in keep))
+        if ctx.resumed:  # the rows of steps this session redoes move to the .dropped file
+            truncate_jsonl(self._path, ctx.step)
+        else:
+            self._path.write_text("")
 
     def on_step_end(self, ctx: TrainContext) -> None:
         if self._path is None or ctx.batch is None or (ctx.step % self.every and ctx.step != ctx.max_steps):

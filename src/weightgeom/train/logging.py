@@ -104,20 +104,33 @@ class MetricsLogger:
         path = self.run_dir / "metrics.jsonl"
         if self._f is not None:
             self._f.close()
-        keep, drop = [], []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    s = json.loads(line).get("step", 0)
-                except json.JSONDecodeError:
-                    s = math.inf
-                (keep if s <= step else drop).append(line)
-        if drop:
-            with open(self.run_dir / "metrics.dropped.jsonl", "a") as f:
-                f.write("\n".join(drop) + "\n")
-            atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
+        dropped = truncate_jsonl(path, step)
         self._f = open(path, "a", buffering=1)
-        return len(drop)
+        return dropped
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """On resume at ``step``: move the lines of the JSON-lines file ``path`` whose ``step`` is later (or that do not
+    parse) to ``<name>.dropped.jsonl`` beside it — kept, never deleted — and keep the rest in place (atomically).
+
+    Returns:
+        The number of lines moved (0 when ``path`` does not exist).
+    """
+    keep, drop = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                s = row.get("step", 0) if isinstance(row, dict) else math.inf
+                s = float(s) if isinstance(s, (int, float)) else math.inf
+            except json.JSONDecodeError:
+                s = math.inf
+            (keep if s <= step else drop).append(line)
+    if drop:
+        with open(path.with_name(path.name.removesuffix(".jsonl") + ".dropped.jsonl"), "a") as f:
+            f.write("\n".join(drop) + "\n")
+        atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
+    return len(drop)
 
 
 def read_metrics(run_dir: str | os.PathLike, split: str | None = None) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ on CPU, so the steps an interrupted session sent are the ones it would send agai
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from weightgeom._optional import import_extra
 from weightgeom.schema import ConfigError, Section, setting, to_dict
 from weightgeom.train.callbacks import Callback, TrainContext
 from weightgeom.train.checkpoint import atomic_write_bytes
@@ -80,11 +80,7 @@ def require_package(tracker: str) -> Any:
         ValueError: the package is not installed (one line naming the config key and the pip extra).
     """
     module, extra = EXTRAS[tracker]
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ValueError(f"config key logging.{tracker}=true needs the {module} package, which is not installed "
-                         f"({e.name or module}): pip install 'weightgeom[{extra}]'") from None
+    return import_extra(module, extra, f"config key logging.{tracker}=true")
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
