@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
-from weightgeom.cli import main
+import weightgeom.cli as wgcli
+from weightgeom.cli import Terminated, main
 from weightgeom.experiments import launchers
 from weightgeom.experiments.cli import get_recipe
 from weightgeom.experiments.runner import load_parts, plan
@@ -173,6 +175,7 @@ def test_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     assert kind == "ok" and result["status"] == "done" and result["step"] == steps
     log = (out / ".launch" / f"{spec.name}.log").read_text()
     assert log.count("--- ") == 2 and "stopped by SIGTERM" in log  # two attempts, the first stopped cleanly
+    assert "taking over the lock" not in log  # ... and released its run's lock itself (it was not killed unwinding)
     rows = [json.loads(ln) for ln in (out / spec.name / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, steps + 1))
     assert not (out / spec.name / "previous").exists()  # resumed, not started over
@@ -228,3 +231,34 @@ def test_cluster_launchers_hold_back_runs_that_wait_for_another():
     sweep.state = {3: ("wait", "")}
     queue = [3]
     assert ray._ready(sweep, queue, in_flight=False) == [3]  # nothing can release it any more
+
+
+def test_stop_request_waits_until_the_main_thread_leaves_threading_code(monkeypatch):
+    """A SIGTERM that lands while the training process is inside threading/queue code (handing TensorBoard's writer
+    thread its scalars) is raised a moment later, outside it: raised there, it can leave the writer thread never woken,
+    and the unwinding hangs until the job wrapper kills the process with the run's lock left and no reason logged."""
+    in_queue = types.SimpleNamespace(f_globals={"__name__": "queue"},
+                                     f_back=types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"},
+                                                                  f_back=None))
+    outside = types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"}, f_back=None)
+    monkeypatch.setattr(wgcli, "_STOP", {})
+    armed = []
+    monkeypatch.setattr(signal, "setitimer", lambda which, secs: armed.append((which, secs)))
+    launchers._raise_terminated(signal.SIGTERM, in_queue)  # deferred: nothing raised, a retry armed
+    assert armed == [(signal.ITIMER_REAL, wgcli._STOP_RETRY_S)]
+    launchers._raise_terminated(signal.SIGALRM, in_queue)  # still inside: retried again
+    assert len(armed) == 2
+    with pytest.raises(Terminated, match="stopped by SIGTERM"):
+        launchers._raise_terminated(signal.SIGALRM, outside)  # the retry, once outside: the original request
+    launchers._raise_terminated(signal.SIGALRM, outside)  # a late retry of a request already raised: nothing
+    with pytest.raises(Terminated, match="stopped by SIGUSR2"):
+        launchers._raise_terminated(signal.SIGUSR2, outside)  # outside threading code: raised at once
+    wgcli._STOP.update(reason="stopped by SIGTERM (preemption or time limit)",
+                           since=time.monotonic() - wgcli.STOP_DEFER_S)
+    with pytest.raises(Terminated, match="stopped by SIGTERM"):
+        launchers._raise_terminated(signal.SIGALRM, in_queue)  # deferred long enough: raised regardless
+    assert len(armed) == 2
+    # the plain CLI (weightgeom train under SIGTERM) installs the same deferring handler, SIGALRM included
+    with wgcli._sigterm_unwinds():
+        assert signal.getsignal(signal.SIGALRM) is signal.getsignal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM).__qualname__.startswith("stop_request_handler")

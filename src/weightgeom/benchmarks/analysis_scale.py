@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._cache import cache_root
 from weightgeom.benchmarks._common import cpu_kind, hardware_tag
 
 RSS_TARGET_GB = 3.0
@@ -226,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shape (8 layers, hidden 1024, ~0.3 GB): minutes")
     ap.add_argument("--cache-dir", default=None,
-                    help="where the generated checkpoint is kept (default: $XDG_CACHE_HOME or ~/.cache, "
-                         "weightgeom/analysis_scale)")
+                    help="where the generated checkpoint is kept (default: analysis_scale/ under weightgeom's "
+                         "cache root, $WEIGHTGEOM_CACHE_DIR or ~/.cache/weightgeom)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads in the analysis (default 1: on a shared, oversubscribed 2-core machine two "
                          "OpenMP threads spin-wait on each other and small products run 15× slower; 0: torch's "
@@ -245,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers < 1:
             ap.error(f"--layers must be ≥ 1, got {args.layers}")
         shape = Shape(**{**asdict(shape), "layers": args.layers})
-    root = Path(args.cache_dir) if args.cache_dir else (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightgeom" / "analysis_scale")
+    root = Path(args.cache_dir) if args.cache_dir else cache_root() / "analysis_scale"
     label = "QUICK shape (not the 8B one)" if args.quick else "8B shape"
     if args.layers is not None:
         label += f", {args.layers} layers instead of {(QUICK if args.quick else FULL).layers}"

@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightgeom.cli import Terminated
+from weightgeom._optional import import_extra
+from weightgeom.cli import Terminated, stop_request_handler
 
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import RunSpec
@@ -90,11 +91,7 @@ def require_package(launcher: str) -> Any:
         ValueError: it is not installed (one line naming the launcher and the pip extra).
     """
     module, extra = EXTRAS[launcher]
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ValueError(f"--launcher {launcher} needs the {module} package, which is not installed "
-                         f"({e.name or module}): pip install 'weightgeom[{extra}]'") from None
+    return import_extra(module, extra, f"--launcher {launcher}")
 
 
 @dataclass(frozen=True)
@@ -346,8 +343,8 @@ def _watch_driver(value: str) -> None:
     threading.Thread(target=loop, daemon=True, name="weightgeom-driver-watch").start()
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(f"stopped by {signal.Signals(signum).name} (preemption or time limit)")
+_raise_terminated = stop_request_handler("stopped by {signal} (preemption or time limit)")
+"""Handler of SIGTERM/SIGUSR2 in the training process, and of SIGALRM, its retry (``weightgeom.cli``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get(DRIVER_ENV):
         _watch_driver(os.environ[DRIVER_ENV])
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGALRM):  # SIGALRM: a deferred stop request's retry
         signal.signal(sig, _raise_terminated)
     if job.get("threads"):
         import torch
