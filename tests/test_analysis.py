@@ -500,19 +500,24 @@ def _drifting_stack(L, m, n, seed=0, tail=0.7):
 def test_gram_sketch_within_its_tolerance_of_exact(shape):
     """The sketched Gram alignment (and its random level) equals the exact one within its named tolerance for spaces
     of a few hundred dimensions, both spaces."""
-    from weightgeom.analysis.continuity import SKETCH_TOL_SMALL as SKETCH_TOL
+    from weightgeom.analysis.continuity import SKETCH_TOL_SMALL
+
+    _assert_sketch_matches_exact(_drifting_stack(4, *shape), SKETCH_TOL_SMALL)
+
+
+def _assert_sketch_matches_exact(Ws: list[torch.Tensor], tol: float) -> None:
+    """Every adjacent pair of Ws: the streamed sketch (each layer sketched once, its predecessor's passes reused)
+    equals the exact Gram alignment and its random level within ``tol``, in both spaces."""
     from weightgeom.analysis.continuity import gram_random_level, sketch_layer, sketch_pair
 
-    Ws = _drifting_stack(4, *shape)
-    prev = None
+    prev = sketch_layer(Ws[0])
     for a, b in zip(Ws, Ws[1:]):
-        sa = prev or sketch_layer(a)
-        sb = sketch_layer(b, prev=sa)
-        got = sketch_pair(sa, sb)
+        cur = sketch_layer(b, prev=prev)
+        got = sketch_pair(prev, cur)
         for space in ("input", "output"):
-            assert got[space][0] == pytest.approx(gram_alignment(a, b, space), abs=SKETCH_TOL), space
-            assert got[space][1] == pytest.approx(gram_random_level(a, b, space), abs=SKETCH_TOL), space
-        prev = sb
+            assert got[space][0] == pytest.approx(gram_alignment(a, b, space), abs=tol), space
+            assert got[space][1] == pytest.approx(gram_random_level(a, b, space), abs=tol), space
+        prev = cur
 
 
 def test_gram_sketch_is_exact_when_the_bases_span_the_space_and_errors():
@@ -554,19 +559,11 @@ def test_gram_sketch_error_falls_with_rank_and_probes():
 
 def test_gram_sketch_within_tolerance_at_a_large_width():
     """At the widths where gram="auto" sketches (here 2048×1024, heavy-tailed, drifting), the tighter SKETCH_TOL."""
-    from weightgeom.analysis.continuity import SKETCH_TOL, gram_random_level, sketch_layer, sketch_pair
+    from weightgeom.analysis.continuity import SKETCH_TOL
 
     g = torch.Generator().manual_seed(5)
     m, n = 2048, 1024
     U = torch.linalg.qr(torch.randn(m, n, generator=g))[0]
     V = torch.linalg.qr(torch.randn(n, n, generator=g))[0]
     base = (U * torch.arange(1, n + 1).float() ** -0.6) @ V.T
-    Ws = [base + 0.01 * torch.randn(m, n, generator=g) * (i + 1) for i in range(3)]
-    prev = sketch_layer(Ws[0])
-    for a, b in zip(Ws, Ws[1:]):
-        cur = sketch_layer(b, prev=prev)
-        got = sketch_pair(prev, cur)
-        for space in ("input", "output"):
-            assert got[space][0] == pytest.approx(gram_alignment(a, b, space), abs=SKETCH_TOL), space
-            assert got[space][1] == pytest.approx(gram_random_level(a, b, space), abs=SKETCH_TOL), space
-        prev = cur
+    _assert_sketch_matches_exact([base + 0.01 * torch.randn(m, n, generator=g) * (i + 1) for i in range(3)], SKETCH_TOL)
