@@ -1,8 +1,10 @@
 """Continuity analysis: metric properties, random levels, Gram = SVD form, roles, loaders (safetensors / torch / GGUF),
 report and CLI."""
 
+import contextlib
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -567,3 +569,33 @@ def test_gram_sketch_within_tolerance_at_a_large_width():
     V = torch.linalg.qr(torch.randn(n, n, generator=g))[0]
     base = (U * torch.arange(1, n + 1).float() ** -0.6) @ V.T
     _assert_sketch_matches_exact([base + 0.01 * torch.randn(m, n, generator=g) * (i + 1) for i in range(3)], SKETCH_TOL)
+
+
+@pytest.mark.parametrize("case", ["file-in-the-way", "run-dir", "sweep-dir", "unwritable", "threads"])
+def test_cli_refuses_a_bad_out_or_threads_before_reading(tmp_path, capsys, monkeypatch, case):
+    """Hostile trial: --out naming a file, a training run or sweep directory (one writer), or an unwritable place
+    failed only after the whole analysis (or wrote CSVs into the run); --threads -1 was a traceback."""
+    from safetensors.torch import save_file
+
+    import weightgeom.analysis.api as api
+    from weightgeom.cli import main
+
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(8, 4) for i in range(3)},
+              str(tmp_path / "m.safetensors"))
+    monkeypatch.setattr(api, "analyze_full", lambda *a, **k: pytest.fail("analysed before checking --out"))
+    out, extra = tmp_path / "o", []
+    if case == "file-in-the-way":
+        out.write_text("x")
+    elif case in ("run-dir", "sweep-dir"):
+        out.mkdir()
+        (out / ("status.json" if case == "run-dir" else "sweep.json")).write_text("{}")
+    elif case == "unwritable":
+        out = Path("/proc/no/such/dir")
+    else:
+        extra = ["--threads", "-1"]
+    with pytest.raises(SystemExit) if case == "threads" else contextlib.nullcontext():
+        assert main(["analyze", str(tmp_path / "m.safetensors"), "--quiet", "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("--out" in err[0] or "--threads" in err[0]), err
+    if case in ("run-dir", "sweep-dir"):
+        assert sorted(p.name for p in out.iterdir()) == ["status.json" if case == "run-dir" else "sweep.json"]

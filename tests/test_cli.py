@@ -270,3 +270,19 @@ def test_gpu_check_refuses_without_cuda_and_names_the_cpu_smoke_run(capsys, monk
     assert cli.main(["bench", "gpu_check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0] and "--device cpu" in err[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["sweep", "manifolds", "ci", "--steps", "0"], "argument --steps: expected a positive integer"),
+    (["sweep", "manifolds", "ci", "--launcher", "bogus"], "argument --launcher: invalid choice"),
+    (["analyze", "x", "--gram", "bogus"], "argument --gram: invalid choice"),
+    (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_argument_errors_are_one_line_with_exit_2(argv, needle, capsys):
+    """A bad flag is one line naming it and pointing at --help (not argparse's usage block, then the error)."""
+    from weightgeom.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0] and "--help)" in err[0], err

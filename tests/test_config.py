@@ -125,6 +125,8 @@ def test_overrides_are_toml_literals_coerced_to_the_field_type():
     ("run.name=../../x", "run.name='../../x': must not contain '..'"),
     ("run.name=/tmp/x", "run.name='/tmp/x': must be relative to run.out_dir, not an absolute path"),
     ("run.name=", "run.name='': must be a non-empty name"),
+    ("optim.muon.retraction=bogus", "optim.muon.retraction='bogus': must be one of"),  # was found only mid-sweep
+    ("optim.muon.retraction=colum_polar", "did you mean 'column_polar'"),
 ])
 def test_override_errors_are_one_clear_line(override, fragment):
     with pytest.raises(ValueError) as e:
@@ -354,3 +356,15 @@ def test_odd_but_valid_inputs(tmp_path):
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, rules={"weight": "muon"}, msign_dtype=torch.float32)
     assert next(g for g in opt.param_groups if g["algorithm"] == "muon")["msign_dtype"] is torch.float32
+
+
+def test_retraction_names_are_the_manifolds_own():
+    """optim.muon.retraction accepts exactly the variants some manifold's constructor accepts (class attributes)."""
+    from weightgeom import manifolds
+
+    names = set(manifolds.retraction_names())
+    assert names == {"polar", "paper", "column_polar", "normalize"}
+    for name in ("stiefel", "dgram", "oblique"):
+        cls = type(manifolds.get(name))
+        for r in cls.retractions:
+            cls(retraction=r)  # each accepted

@@ -5,6 +5,7 @@ processes); the Ray path through a local Ray instance (marked ``ray``). Both pac
 (``setup.sh`` installs the ``slurm`` and ``ray`` extras), so these tests never skip for a missing package.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -262,3 +263,40 @@ def test_stop_request_waits_until_the_main_thread_leaves_threading_code(monkeypa
     with wgcli._sigterm_unwinds():
         assert signal.getsignal(signal.SIGALRM) is signal.getsignal(signal.SIGTERM)
         assert signal.getsignal(signal.SIGTERM).__qualname__.startswith("stop_request_handler")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--mem-per-run", "0"], "--mem-per-run 0: must be a positive number"),
+    (["--mem-per-run", "-1"], "--mem-per-run -1"),
+    (["--time-limit", "25:99:99"], "minutes and seconds run 0–59"),
+    (["--time-limit", "1-25:00:00"], "hours 0–23"),
+    (["--time-limit", "99999999"], "longer than 365 days"),
+    (["--slurm-opt", "partition=x"], "partition is set by --partition"),
+    (["--slurm-opt", "time=10"], "time is set by --time-limit"),
+    (["--slurm-opt", "gres=gpu:2"], "gres is set by --gpus-per-run"),
+    (["--slurm-opt", "a b=c"], "expected KEY=VALUE with an sbatch option name"),
+    (["--slurm-opt", "=x"], "expected KEY=VALUE"),
+    (["--gpus-per-run", "-1"], "argument --gpus-per-run: expected an integer >= 0"),
+])
+def test_bad_cluster_options_are_one_line_and_exit_2(tmp_path, capsys, flags, needle):
+    """Hostile trial: each of these used to be accepted (mem 0 means a whole node to SLURM, a --slurm-opt could
+    silently override --partition/--time-limit) or printed argparse's usage block before the error."""
+    out = tmp_path / "sw"
+    with pytest.raises(SystemExit) if flags[0] == "--gpus-per-run" else contextlib.nullcontext():
+        rc = main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", *flags])
+        assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_dry_run_shows_extra_sbatch_options_and_no_resume(tmp_path, capsys):
+    out = tmp_path / "sw"
+    (out / "unconstrained-s0").mkdir(parents=True)
+    (out / "unconstrained-s0" / "status.json").write_text(json.dumps({"state": "done", "step": 4}))
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+                 "unconstrained", "--slurm-opt", "account=me", "--slurm-opt", "qos=high", "--slurm-setup",
+                 "module load cuda", "--no-resume"]) == 0
+    text = capsys.readouterr().out
+    assert "  sbatch --account=me" in text and "  sbatch --qos=high" in text and "  setup: module load cuda" in text
+    assert "--no-resume trains it again" in text and "1 of 1 runs would be submitted" in text

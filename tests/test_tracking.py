@@ -148,3 +148,33 @@ def test_sweep_run_is_grouped_by_its_sweep_and_tracking_is_not_a_sweep_setting(t
     # re-running without tracking is the same sweep (tracking does not change what a run computes)
     assert main(cmd) == 0
     assert "already done at step 2 (skipped)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["logging.wandb=true", 'logging.project="a/b"'], "logging.project='a/b': W&B project names"),
+    (["logging.mlflow=true", 'logging.mlflow_uri="bogus://x"'], "logging.mlflow_uri='bogus://x': unknown scheme"),
+    (["logging.mlflow=true", 'logging.mlflow_uri="/proc/nowhere/m"'], "mlflow cannot start a run"),
+])
+def test_tracker_settings_that_cannot_work_are_one_line_exit_2(tmp_path, capsys, sets, needle):
+    """Hostile trial: these printed a 60-line CallbackError traceback (exit 1); a bad project or scheme is now
+    refused with the config, a store MLflow cannot open when the run starts, naming the key."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[data]\nkind = "shakespeare"\n[train]\nmax_steps = 1\n[model]\nn_layer = 1\nn_embd = 16\n'
+                   'n_head = 2\n')
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["train", str(cfg), "--out", str(tmp_path / "run"), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_plain_mlflow_path_is_a_file_store(tmp_path, monkeypatch):
+    """logging.mlflow_uri = a directory path works like file:<path> (it used to fail: MLflow's file store is behind
+    MLFLOW_ALLOW_FILE_STORE, set only for file: URIs)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "store"
+    cfg = {**CFG, "train": {**CFG["train"], "max_steps": 2}, "logging": {"mlflow": True, "mlflow_uri": str(store)}}
+    res = train(cfg, run_dir=tmp_path / "run", progress=False)
+    assert res["status"] == "done"
+    runs = MlflowClient(tracking_uri=store.as_uri()).search_runs(
+        [MlflowClient(tracking_uri=store.as_uri()).get_experiment_by_name("weightgeom").experiment_id])
+    assert len(runs) == 1

@@ -80,9 +80,28 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--steps``, ``--jobs``, ``--threads`` of sweep, demo and analyze)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``weightgeom sweep: error: argument --steps: ... (see weightgeom
+    sweep --help)``) with exit code 2, instead of the usage block followed by the error; subparsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per available subcommand."""
-    parser = argparse.ArgumentParser(prog="weightgeom", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="weightgeom", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action=_VersionAction, help="print the versions of weightgeom and torch and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from weightgeom.cli import positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--gguf-keep-permutation", action="store_true",
                    help="do not undo llama.cpp's Q/K row permutation (adjacent-layer metrics are invariant to it)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is much faster on an oversubscribed machine)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -106,6 +110,31 @@ def _out_of_memory(e: BaseException) -> bool:
                                                                     "Cannot allocate memory", "out of memory"))
 
 
+RUN_DIR_MARKERS = ("status.json", "metrics.jsonl", ".weightgeom.lock", "sweep.json")
+"""Files that make a directory a training run's or a sweep's (one writer: the analysis never writes into one)."""
+
+
+def _unusable_out(out: Path) -> str:
+    """Why ``--out`` cannot take the report ("" when it can): a file in the way, a run or sweep directory (its one
+    writer is the trainer), or a nearest existing directory that cannot be written. Creates nothing."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: exists and is not a directory"
+    marker = next((m for m in RUN_DIR_MARKERS if (out / m).exists()), None)
+    if marker:
+        return (f"--out {out}: is a training run or sweep directory ({marker}); the analysis writes only into its "
+                "own directory — choose another --out")
+    probe = out.absolute()
+    while not probe.exists():  # nothing is created before the analysis has something to write
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"--out {out}: {probe} exists and is not a directory"
+    try:  # a real write test (permissions alone say nothing for root, nor for /proc or a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".wg-out-check-", dir=probe))
+    except OSError as e:
+        return f"--out {out}: cannot create anything in {probe} ({e.strerror or e})"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the analysis, print the summary table, write the files.
 
@@ -131,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--roles {roles}: cannot read ({e})")
     path = Path(args.path)
     out = Path(args.out) if args.out else Path(f"analysis_{path.stem or path.name}")
+    problem = _unusable_out(out)  # before reading anything: a long analysis must not end in "cannot write"
+    if problem:
+        return _fail(problem)
     try:
         src, ref, t_load = _load_inputs(args, path)
     except (ValueError, FileNotFoundError) as e:  # the loaders' messages name the file

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightgeom.cli import os_error_line
+from weightgeom.cli import os_error_line, positive_int
 
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import Recipe
@@ -51,17 +52,6 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seeds expects e.g. 0,1,2 or 0-4, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--steps``, ``--jobs``, ``--threads``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,9 +137,14 @@ def cluster_options(args: argparse.Namespace) -> dict:
     if args.launcher != "local" and args.jobs != 1:
         raise ValueError(f"--jobs {args.jobs} applies to --launcher local; with --launcher {args.launcher} as many "
                          "runs train at once as the cluster's resources allow")
+    from weightgeom.experiments import launchers
+
     for item in given.get("slurm_opt", []):
-        if "=" not in item or not item.split("=", 1)[0].strip():
-            raise ValueError(f"--slurm-opt {item!r}: expected KEY=VALUE (an sbatch option without the dashes)")
+        launchers.check_slurm_opt(item)
+    mem = given.get("mem_per_run")
+    if mem is not None and not (mem > 0 and math.isfinite(mem)):
+        raise ValueError(f"--mem-per-run {mem:g}: must be a positive number of GB (SLURM reads 0 as all of a node's "
+                         "memory)")
     return given
 
 
@@ -209,10 +204,15 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
     runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
         launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
         array_parallelism=cl.get("array_parallelism") or 0,
-        extra=dict(item.split("=", 1) for item in cl.get("slurm_opt", [])), setup=cl.get("slurm_setup", []),
+        extra=dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", [])),
+        setup=cl.get("slurm_setup", []),
         cluster=cl.get("submitit_cluster") or "slurm")
     if dry_run:
-        launchers.dry_run(runs, out, launcher, resources)
+        extra = dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", []))
+        notes = ([f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
+                 + [f"setup: {line}" for line in cl.get("slurm_setup", [])]
+                 + ([f"array parallelism: {cl['array_parallelism']}"] if cl.get("array_parallelism") else []))
+        launchers.dry_run(runs, out, launcher, resources, notes=notes, resume=resume)
         return {"runs": [r.record() for r in runs]}, None
     if runner_launcher is not None:
         runner_launcher.check()

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,38 @@ class Resources:
         return " ".join(parts)
 
 
+MAX_TIME_LIMIT_MIN = 365 * 1440
+"""Longest ``--time-limit`` accepted (one year, in minutes)."""
+
+SLURM_OPT_RESERVED = {
+    "partition": "--partition", "p": "--partition", "time": "--time-limit", "t": "--time-limit",
+    "mem": "--mem-per-run", "mem_per_cpu": "--mem-per-run", "mem_per_gpu": "--mem-per-run",
+    "gpus": "--gpus-per-run", "gpus_per_node": "--gpus-per-run", "gres": "--gpus-per-run",
+    "gpus_per_task": "--gpus-per-run",
+    "cpus_per_task": "--cpus-per-run", "c": "--cpus-per-run", "array": "--array-parallelism",
+    "nodes": "(one node per run)", "N": "(one node per run)", "ntasks_per_node": "(one task per GPU)",
+    "job_name": "(the run's name)", "output": "(.launch/<run>.log)", "error": "(.launch/<run>.log)",
+    "signal": "(the requeue signal)", "open_mode": "(the job log)",
+}
+"""sbatch options that ``--slurm-opt`` may not set, and the flag (or the launcher's own choice) that sets them."""
+
+
+def check_slurm_opt(item: str) -> tuple[str, str]:
+    """(key, value) of one ``--slurm-opt KEY=VALUE`` (dashes and underscores alike).
+
+    Raises:
+        ValueError: not KEY=VALUE, a key that is not an sbatch option name, or one a dedicated flag sets.
+    """
+    key, sep, value = item.partition("=")
+    key = key.strip().lstrip("-")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key):
+        raise ValueError(f"--slurm-opt {item!r}: expected KEY=VALUE with an sbatch option name (e.g. account=myproj)")
+    norm = key.replace("-", "_")
+    if norm in SLURM_OPT_RESERVED:
+        raise ValueError(f"--slurm-opt {item!r}: {key} is set by {SLURM_OPT_RESERVED[norm]}; use that instead")
+    return norm, value.strip()
+
+
 def parse_time_limit(text: str) -> int:
     """Minutes from ``"90"``, ``"1:30:00"`` (H:MM:SS) or ``"2-00:00:00"`` (D-HH:MM:SS).
 
@@ -138,7 +171,12 @@ def parse_time_limit(text: str) -> int:
         minutes = int(m.group(5))
     else:
         d, h, mi, s = (int(g or 0) for g in m.groups()[:4])
+        if mi > 59 or s > 59 or (m.group(1) and h > 23):
+            raise ValueError(f"--time-limit {text!r}: minutes and seconds run 0–59 (hours 0–23 after a day count)")
         minutes = d * 1440 + h * 60 + mi + (1 if s else 0)
+    if minutes > MAX_TIME_LIMIT_MIN:
+        raise ValueError(f"--time-limit {text!r}: longer than {MAX_TIME_LIMIT_MIN // 1440} days; a run longer than "
+                         "one limit is requeued from its checkpoint anyway")
     if minutes < 1:
         raise ValueError(f"--time-limit {text!r}: must be at least one minute")
     return minutes
@@ -699,20 +737,28 @@ def make_launcher(name: str, resources: Resources, *, address: str = "", max_ret
     return RayLauncher(resources=resources, poll_s=poll_s or 2.0, address=address, max_retries=max_retries)
 
 
-def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources, file: Any = None) -> int:
+def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources, file: Any = None,
+            notes: Sequence[str] = (), resume: bool = True) -> int:
     """Print, per run, the command and resources that would be submitted (nothing is written or submitted).
 
-    Runs already finished in ``out`` are listed as skipped. Returns the number of runs that would be submitted.
+    Runs already finished in ``out`` are listed as skipped; ``notes`` (e.g. the extra sbatch options and setup lines)
+    are printed after the header. Returns the number of runs that would be submitted.
     """
     file = file or sys.stdout
     n = 0
-    print(f"dry run: --launcher {launcher}, per run {resources.describe(launcher)}; job files go to "
-          f"{Path(out) / LAUNCH_DIR}/", file=file)
+    where = (f"job files go to {Path(out) / LAUNCH_DIR}/" if launcher != "local"
+             else f"runs train on this machine into {out}/ (the command is what each run's process does)")
+    print(f"dry run: --launcher {launcher}, per run {resources.describe(launcher)}; {where}", file=file)
+    for line in notes:
+        print(f"  {line}", file=file)
     for spec in runs:
         state = _rundir().read_status(Path(out) / spec.name).get("state")
-        if state in ("done", "diverged"):
+        if state in ("done", "diverged") and resume:
             print(f"{spec.name}: already {state} (not submitted)", file=file)
             continue
+        if state is not None and not resume:
+            print(f"{spec.name}: {state} earlier; --no-resume trains it again (its files move to previous/)",
+                  file=file)
         n += 1
         cmd = run_command(job_file(Path(out).resolve(), spec.name), resources.gpus if launcher != "local" else 0)
         print(f"{spec.name}: {' '.join(cmd)}  [{resources.describe(launcher)}]", file=file)

@@ -15,7 +15,7 @@ from weightgeom.manifolds.stiefel import Stiefel
 __all__ = [
     "Manifold", "CheckResult", "tall", "untall",
     "Stiefel", "DGram", "Oblique", "Euclidean",
-    "get", "register", "available",
+    "get", "register", "available", "retraction_names",
 ]
 
 _REGISTRY: dict[str, type[Manifold]] = {}
@@ -66,3 +66,8 @@ register(Stiefel)
 register(DGram)
 register(Oblique)
 register(Euclidean)
+
+
+def retraction_names() -> tuple[str, ...]:
+    """Every retraction variant some registered manifold accepts (the values ``optim.muon.retraction`` may take)."""
+    return tuple(dict.fromkeys(r for cls in _REGISTRY.values() for r in cls.retractions))

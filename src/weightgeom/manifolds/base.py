@@ -145,9 +145,11 @@ class Manifold(ABC):
 
     Class attributes:
         name: registry name (``"stiefel"``, ``"dgram"``, ...).
+        retractions: the retraction variants the constructor's ``retraction`` accepts (first: the default).
     """
 
     name: str = "manifold"
+    retractions: tuple[str, ...] = ()
 
     # ---- the projector that defines the manifold -------------------------------------------------------------
     @abstractmethod

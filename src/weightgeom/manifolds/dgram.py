@@ -187,6 +187,7 @@ class DGram(Manifold):
     """
 
     name = "dgram"
+    retractions = _RETRACTIONS
 
     def __init__(self, retraction: str = "column_polar", method: str = "polar_express",
                  steps: int | None = None) -> None:

@@ -57,6 +57,7 @@ class Oblique(Manifold):
     """
 
     name = "oblique"
+    retractions = _RETRACTIONS
 
     def __init__(self, retraction: str = "normalize") -> None:
         if retraction not in _RETRACTIONS:

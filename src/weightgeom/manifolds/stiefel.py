@@ -92,6 +92,7 @@ class Stiefel(Manifold):
     """
 
     name = "stiefel"
+    retractions = _RETRACTIONS
 
     def __init__(self, method: str = "polar_express", steps: int | None = None, retraction: str = "polar") -> None:
         if method not in _METHODS:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from weightgeom.linalg.msign import MSIGN_PRESETS
+from weightgeom.manifolds import retraction_names
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
@@ -102,6 +103,11 @@ class MuonConfig(Section):
         if self.msign_method not in MSIGN_METHODS:
             raise ConfigError(f"config key optim.muon.msign_method={self.msign_method!r}: must be one of "
                               f"{', '.join(MSIGN_METHODS)}{suggest(self.msign_method, MSIGN_METHODS)}")
+        names = retraction_names()
+        if self.retraction is not None and self.retraction not in names:
+            raise ConfigError(f"config key optim.muon.retraction={self.retraction!r}: must be one of "
+                              f"{', '.join(names)} (or unset: each manifold's default)"
+                              f"{suggest(self.retraction, names)}")
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`weightgeom.optim.Muon` (``msign_dtype`` as a torch dtype)."""

@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad config / unusable checkpoint / directory in use: one clear line
         print(f"weightgeom train: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a callback refusing a setting (e.g. a tracker's store): its own line
+        if isinstance(e.__cause__, ValueError):
+            print(f"weightgeom train: error: {e.__cause__}", file=sys.stderr)
+            return 2
+        raise
     except OSError as e:  # unwritable or full run directory: one line naming the path and the reason
         from weightgeom.cli import os_error_line
 

@@ -71,6 +71,22 @@ class LoggingConfig(Section):
     def check(self) -> None:
         if (self.wandb or self.mlflow) and not self.project.strip():
             raise ConfigError("config key logging.project: must not be empty when a tracker is on")
+        bad = sorted(set(self.project) & set(WANDB_PROJECT_FORBIDDEN))
+        if self.wandb and (bad or len(self.project) > 128):
+            raise ConfigError(f"config key logging.project={self.project!r}: W&B project names are at most 128 "
+                              f"characters without any of {WANDB_PROJECT_FORBIDDEN!r}"
+                              + (f" (found {''.join(bad)!r})" if bad else ""))
+        uri = self.mlflow_uri.strip()
+        if self.mlflow and "://" in uri and uri.split("://", 1)[0].split("+", 1)[0] not in MLFLOW_SCHEMES:
+            raise ConfigError(f"config key logging.mlflow_uri={uri!r}: unknown scheme; use a server "
+                              f"(http://host:5000), sqlite:///file.db, file:/dir or a plain directory path")
+
+
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+"""Characters W&B refuses in a project name."""
+
+MLFLOW_SCHEMES = ("file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+"""Tracking-URI schemes MLflow stores understand (``postgresql+psycopg2`` counts as ``postgresql``)."""
 
 
 def require_package(tracker: str) -> Any:
@@ -203,7 +219,14 @@ class MetricsTracker(Callback):
         key = f"{self.name}_run_id"
         params = _flat(to_dict(ctx.config))
         tags = {**self._tags(self.run_dir), "group": self._group(self.run_dir)}
-        self._record[key] = self._open(ctx, self._record.get(key), params, tags)
+        try:
+            self._record[key] = self._open(ctx, self._record.get(key), params, tags)
+        except Exception as e:  # noqa: BLE001 - the tracker's own errors: one line naming the setting
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            where = (f"logging.mlflow_uri={self.tracking_uri(self.run_dir)!r}" if self.name == "mlflow"
+                     else f"logging.project={self.cfg.project!r}")
+            raise ValueError(f"config key logging.{self.name}=true: {self.name} cannot start a run ({where}): "
+                             f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}") from None
         self._active = True
         self._save_record()
         self._pump()
@@ -278,8 +301,11 @@ class MlflowTracker(MetricsTracker):
 
     def tracking_uri(self, run_dir: Path) -> str:
         """``logging.mlflow_uri``, or the file store ``mlruns/`` next to ``run_dir``."""
-        if self.cfg.mlflow_uri:
-            return self.cfg.mlflow_uri
+        uri = self.cfg.mlflow_uri.strip()
+        if uri and ":" not in uri.split("/", 1)[0]:  # a plain directory path: MLflow's file store there
+            return Path(uri).expanduser().resolve().as_uri()
+        if uri:
+            return uri
         return (run_dir.parent / "mlruns").resolve().as_uri()
 
     def _open(self, ctx: TrainContext, run_id: str | None, params: dict[str, Any], tags: dict[str, str]) -> str:
@@ -290,6 +316,9 @@ class MlflowTracker(MetricsTracker):
         if uri.startswith("file:"):
             # MLflow keeps its file store in maintenance mode behind this switch; it is what works without a server
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if uri.startswith(("http:", "https:")):  # a server that does not answer: fail in seconds, not minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._client = client = MlflowClient(tracking_uri=uri)
         if run_id:
             try:
