@@ -40,7 +40,7 @@ def test_slurm_dry_run_prints_commands_and_resources_and_writes_nothing(tmp_path
     out = tmp_path / "sw"
     rc = main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
                "all-stiefel,unconstrained", "--gpus-per-run", "4", "--cpus-per-run", "16", "--mem-per-run", "64",
-               "--partition", "gpu", "--time-limit", "12:00:00"])
+               "--partition", "gpu", "--time-limit", "12:00:00", "--set", "train.grad_accum=4"])
     text = capsys.readouterr().out
     assert rc == 0
     assert not out.exists()  # nothing written, nothing submitted
@@ -300,3 +300,14 @@ def test_dry_run_shows_extra_sbatch_options_and_no_resume(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "  sbatch --account=me" in text and "  sbatch --qos=high" in text and "  setup: module load cuda" in text
     assert "--no-resume trains it again" in text and "1 of 1 runs would be submitted" in text
+
+
+def test_gpus_per_run_that_the_trainer_would_refuse_is_refused_before_submitting(tmp_path, capsys):
+    """Hostile trial: --gpus-per-run 2 with train.grad_accum=1 used to be submitted and fail on the cluster."""
+    out = tmp_path / "sw"
+    common = ["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+              "unconstrained", "--gpus-per-run", "2"]
+    assert main(common) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.grad_accum=1" in err[0] and "--set train.grad_accum=2" in err[0], err
+    assert main([*common, "--set", "train.grad_accum=2"]) == 0

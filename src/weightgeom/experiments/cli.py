@@ -201,6 +201,13 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         gpus=cl.get("gpus_per_run", 0), cpus=cl.get("cpus_per_run", 1), mem_gb=cl.get("mem_per_run"),
         time_min=launchers.parse_time_limit(str(cl["time_limit"])) if cl.get("time_limit") else 240,
         partition=cl.get("partition") or "")
+    if resources.gpus > 1:  # torchrun with one process per GPU: what the trainer would refuse on the cluster
+        for spec in runs:
+            ga = int(spec.config.get("train", {}).get("grad_accum", 1) or 1)
+            if ga % resources.gpus:
+                raise ValueError(f"--gpus-per-run {resources.gpus}: run {spec.name} has train.grad_accum={ga}, which "
+                                 f"must be a multiple of the number of processes; add --set "
+                                 f"train.grad_accum={resources.gpus}")
     runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
         launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
         array_parallelism=cl.get("array_parallelism") or 0,
@@ -237,7 +244,15 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         if report:
             from weightgeom.experiments.report import make_report
 
-            path = make_report([out], out=out, title=f"weightgeom sweep {recipe.name} {label}")
+            try:
+                path = make_report([out], out=out, title=f"weightgeom sweep {recipe.name} {label}")
+            except FileNotFoundError:  # every run failed before writing its directory: sweep.json says why
+                failed = [r for r in manifest["runs"] if r.get("status") == "failed"]
+                if not failed:
+                    raise
+                print(f"no report: no run wrote a run directory ({len(failed)} failed before their first step; "
+                      f"reasons in {out / 'sweep.json'}), first: {failed[0].get('name')}: "
+                      f"{str(failed[0].get('reason') or failed[0].get('error') or '')[:300]}", flush=True)
     return manifest, path
 
 

@@ -948,7 +948,8 @@ class _Sweep:
         fin = rec.get("final") or {}
         val = fin.get("val_loss", fin.get("val/loss"))
         extra = f" val_loss {val:.4f}" if isinstance(val, float) else ""
-        print(f"{self.tag(i)}: {rec['status']} at step {rec.get('step')}{extra} in {_fmt_s(wall)}"
+        where = f"at step {rec['step']}" if rec.get("step") is not None else "before its first step"
+        print(f"{self.tag(i)}: {rec['status']} {where}{extra} in {_fmt_s(wall)}"
               f" (sweep {_fmt_s(elapsed)}, ~{_fmt_s(eta)} left)", flush=True)
 
     # -- all runs ------------------------------------------------------------------------------------------------
