@@ -110,7 +110,8 @@ def test_submitit_sweep_failure_kill_and_resume(tmp_path, capsys):
     and the others finish; a sweep process killed with kill -9 takes its jobs with it; re-running the command skips
     the finished runs (never submitted again) and finishes the rest."""
     out = tmp_path / "sw"
-    common = ["sweep", "manifolds", "ci", "--out", str(out), "--steps", "2", *LOCAL_SLURM]
+    steps = 200  # long enough (seconds) that the kill -9 below lands while all-stiefel trains, on a fast CPU too
+    common = ["sweep", "manifolds", "ci", "--out", str(out), "--steps", str(steps), *LOCAL_SLURM]
     # 1. unconstrained trains; all-dgram-capped has a corrupt checkpoint: its own error, recorded, the sweep goes on
     bad = out / "all-dgram-capped-s0" / "checkpoints"
     bad.mkdir(parents=True)
@@ -131,7 +132,9 @@ def test_submitit_sweep_failure_kill_and_resume(tmp_path, capsys):
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     attempt = out / ".launch" / "all-stiefel-s0.attempt.json"
     try:
-        _wait_for(lambda: attempt.exists(), 120, "the all-stiefel job to start")
+        metrics_file = out / "all-stiefel-s0" / "metrics.jsonl"
+        _wait_for(lambda: attempt.exists() and metrics_file.exists() and metrics_file.stat().st_size > 0, 120,
+                  "the all-stiefel job to train")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -144,11 +147,11 @@ def test_submitit_sweep_failure_kill_and_resume(tmp_path, capsys):
     # 3. re-running the same command: unconstrained is skipped (not submitted), all-stiefel trains to the end
     assert main([*common, "--only", "unconstrained,all-stiefel"]) == 1  # step 1's failed run is still failed
     text = capsys.readouterr().out
-    assert "unconstrained-s0: already done at step 2 (skipped)" in text
+    assert f"unconstrained-s0: already done at step {steps} (skipped)" in text
     recs = _records(out)
     assert recs["unconstrained-s0"]["job"]["id"] == first_job  # never submitted again
     assert (out / "unconstrained-s0" / "metrics.jsonl").read_bytes() == metrics
-    assert recs["all-stiefel-s0"]["status"] == "done" and recs["all-stiefel-s0"]["step"] == 2
+    assert recs["all-stiefel-s0"]["status"] == "done" and recs["all-stiefel-s0"]["step"] == steps
     m = _manifest(out)
     assert [inv["launcher"] for inv in m["invocations"]] == ["slurm"] * 3
     assert not (out / "all-stiefel-s0" / ".weightgeom.lock").exists()
@@ -311,3 +314,19 @@ def test_gpus_per_run_that_the_trainer_would_refuse_is_refused_before_submitting
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.grad_accum=1" in err[0] and "--set train.grad_accum=2" in err[0], err
     assert main([*common, "--set", "train.grad_accum=2"]) == 0
+
+
+def test_a_once_handler_raises_one_stop_and_ignores_the_next_signal(monkeypatch):
+    """A sweep worker's SIGINT handler (once=True): Ctrl-C reaches it from the terminal and from the sweep; the second
+    must not interrupt the unwinding that writes the run's status (hostile trial: runs left "running")."""
+    monkeypatch.setattr(wgcli, "_STOP", {})
+    outside = types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"}, f_back=None)
+    h = wgcli.stop_request_handler("interrupted ({signal})", exc_type=KeyboardInterrupt, once=True)
+    with pytest.raises(KeyboardInterrupt, match="interrupted"):
+        h(signal.SIGINT, outside)
+    h(signal.SIGINT, outside)  # ignored
+    again = wgcli.stop_request_handler("x", exc_type=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        again(signal.SIGINT, outside)
+    with pytest.raises(KeyboardInterrupt):  # without once, every signal raises
+        again(signal.SIGINT, outside)

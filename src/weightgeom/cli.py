@@ -144,18 +144,24 @@ def _in_sync_code(frame) -> bool:
     return False
 
 
-def stop_request_handler(reason: str):
+def stop_request_handler(reason: str, exc_type: type[BaseException] = Terminated, once: bool = False):
     """A signal handler that raises :class:`Terminated` (``reason``, with ``{signal}`` replaced by the signal's name)
     in the main thread, so a run unwinds: status failed with the reason, lock released, logs closed.
 
     Never while the main thread is inside ``threading``/``queue``/``logging`` code (e.g. handing TensorBoard's writer
     thread a batch of scalars, or waiting for it in a flush): there the request is kept and retried every
     ``_STOP_RETRY_S`` seconds through SIGALRM (``setitimer``: no lock is taken here), for at most
-    :data:`STOP_DEFER_S` seconds. Install the returned handler for SIGALRM too.
+    :data:`STOP_DEFER_S` seconds. Install the returned handler for SIGALRM too. ``exc_type`` is what is raised
+    (``KeyboardInterrupt`` for a sweep worker's SIGINT); with ``once``, signals after the first raise are ignored, so
+    a second Ctrl-C (the terminal's and the sweep's own) cannot interrupt the unwinding that writes the run's status.
     """
     import time
 
+    raised: list[bool] = []
+
     def handler(signum, frame) -> None:
+        if once and raised and signum != signal.SIGALRM:
+            return
         if signum != signal.SIGALRM:
             _STOP.setdefault("reason", reason.format(signal=signal.Signals(signum).name))
             _STOP.setdefault("since", time.monotonic())
@@ -166,7 +172,8 @@ def stop_request_handler(reason: str):
             return
         why = _STOP.pop("reason")
         _STOP.clear()
-        raise Terminated(why)
+        raised.append(True)
+        raise exc_type(why)
 
     return handler
 

@@ -47,6 +47,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from weightgeom.cli import stop_request_handler
 from weightgeom.train import train
 from weightgeom.train.callbacks import build_callbacks
 from weightgeom.train.config import (
@@ -700,6 +701,12 @@ def _worker_init(threads: int | None, parent_pid: int | None = None) -> None:
     """Initializer of a sweep worker process: die with the sweep process, set the torch thread count."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
+    # Ctrl-C reaches a worker twice (the terminal's SIGINT to the process group, then stop_workers'): raise once, and
+    # never inside threading/queue code, where it can hang the unwinding (TensorBoard's writer) until the sweep kills
+    # the worker with its run's status still "running"
+    handler = stop_request_handler("interrupted ({signal})", exc_type=KeyboardInterrupt, once=True)
+    for sig in (signal.SIGINT, signal.SIGALRM):
+        signal.signal(sig, handler)
     if threads:
         import torch
 
