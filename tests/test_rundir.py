@@ -170,3 +170,19 @@ def test_report_ignores_runs_moved_to_previous(tmp_path):
         (tmp_path / rel / "status.json").write_text('{"state": "done"}')
     found = discover([tmp_path / "sweep"])
     assert [p.name for p in found] == ["a", "b"]
+
+
+def test_train_cli_refuses_a_run_inside_a_directory_a_live_sweep_owns(tmp_path, capsys):
+    """Hostile trial: `weightgeom train --out SWEEP/run --fresh` while the sweep ran moved the sweep's finished run
+    aside. A directory whose lock a live process holds (a sweep, a demo) takes no `weightgeom train` run."""
+    from weightgeom.cli import main
+    from weightgeom.train.rundir import DirLock
+
+    sweep = tmp_path / "sw"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[data]\nkind = "shakespeare"\n[train]\nmax_steps = 1\n')
+    with DirLock(sweep, what="sweep directory"):
+        assert main(["train", str(cfg), "--out", str(sweep / "run"), "--fresh", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "a running sweep or demo owns" in err[0], err
+        assert not (sweep / "run").exists()

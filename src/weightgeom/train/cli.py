@@ -33,6 +33,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the resolved config (TOML, every key documented) and exit")
 
 
+def _live_parent_lock(run_dir: str) -> str:
+    """The enclosing directory of ``run_dir`` whose lock a live process holds (a sweep or demo directory), or "".
+    Only the command line checks this: a sweep's own workers train inside its locked directory."""
+    from weightgeom.train.rundir import LOCK_NAME, lock_is_stale, read_lock
+
+    for parent in list(Path(run_dir).absolute().parents)[:3]:
+        if not (parent / LOCK_NAME).is_file():
+            continue
+        rec = read_lock(parent)
+        if rec is not None and lock_is_stale(rec) is False:
+            return str(parent)
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``weightgeom train``; returns the exit code (0 done, 3 diverged, 2 error)."""
     from weightgeom.train.config import bundled_configs, dump_toml, load_config
@@ -55,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
             print("weightgeom train: --out and --resume name different directories", file=sys.stderr)
             return 2
         run_dir, resume = str(rd), True
+    owner = _live_parent_lock(run_dir) if run_dir else None
+    if owner:
+        print(f"weightgeom train: {run_dir} lies in {owner}, which a running sweep or demo owns (one writer); wait "
+              "for it, or choose another --out", file=sys.stderr)
+        return 2
     if config is None:
         print(f"weightgeom train: give a CONFIG (file or one of: {', '.join(bundled_configs())})", file=sys.stderr)
         return 2
