@@ -212,6 +212,21 @@ def test_nonfinite_matrix_is_skipped_and_named():
     assert np.allclose(up.gram_in.to_numpy(), ref_up.gram_in.to_numpy(), atol=SAME_TOL)
 
 
+def test_all_zero_matrix_is_skipped_not_called_perfectly_aligned():
+    """Hostile trial: an all-zero layer (pruned, never trained) reported C_v = C_u = 1.0 with its neighbours, an
+    alignment of arbitrary singular vectors. It is skipped like a non-finite one, with its reason."""
+    sd = _llama_sd(L=4)
+    bad = "model.layers.1.mlp.up_proj.weight"
+    sd[bad] = torch.zeros_like(sd[bad])
+    res = analyze_full(sd, metrics=("cv", "gram"))
+    why = "all zero: no singular direction"
+    assert res.meta["skipped"] == [{"role": "Up", "layer": 1, "tensor": bad, "reason": why}]
+    up = res.pairs[res.pairs.role == "Up"]
+    assert list(zip(up.layer, up.layer_next)) == [(2, 3)]
+    row = res.layers[(res.layers.role == "Up") & (res.layers.layer == 1)]
+    assert row.note.iloc[0] == f"skipped: {why}"
+
+
 def test_nonfinite_reference_or_everything():
     sd = _llama_sd()
     ref = {k: v.clone() for k, v in _llama_sd(seed=1).items()}

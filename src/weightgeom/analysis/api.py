@@ -12,7 +12,8 @@ random levels; ``dominance`` = ‖ΔW_l‖_F/‖W0_l‖_F for the first layer of
 A matrix holding NaN or Inf (e.g. one layer of a diverged checkpoint) is skipped, not fatal: it gets a row in
 ``layers`` whose note says so, a note in ``meta["notes"]`` naming the tensor, an entry in ``meta["skipped"]``, and the
 pairs it would form with its neighbours are left out (no pair spans it); the other matrices are analysed as usual. An
-empty matrix (a 0×n or m×0 tensor) is skipped the same way (its reason starts with ``"empty"``). Only when every matrix
+empty matrix (a 0×n or m×0 tensor) is skipped the same way (its reason starts with ``"empty"``), and so is an all-zero
+one (``"all zero"``: its singular vectors are arbitrary). Only when every matrix
 is skipped does the analysis refuse (``ValueError``). A non-finite gradient or reference matrix
 drops the ``grad_*`` / ``delta_*`` metrics of its run, with a note.
 """
@@ -83,6 +84,14 @@ def _empty(t: torch.Tensor) -> str | None:
     if t.numel():
         return None
     return f"empty: {'×'.join(str(d) for d in t.shape)}, no entries"
+
+
+def _zero(t: torch.Tensor) -> str | None:
+    """``"all zero: no singular direction"`` for an all-zero matrix (its singular vectors are arbitrary, so any
+    alignment with it would be meaningless; e.g. a pruned or never-trained layer), else None."""
+    if t.is_floating_point() and not bool(t.any()):
+        return "all zero: no singular direction"
+    return None
 
 
 def _run_key(role: str, run: list[RoleWeight], runs: list[list[RoleWeight]]) -> str:
@@ -509,9 +518,9 @@ def analyze_full(
         ra = _RoleAnalysis(ctx, role)
         for rw in items:
             W = materialize(rw.weight)
-            why = _empty(W) or _nonfinite(W)
+            why = _empty(W) or _nonfinite(W) or _zero(W)
             if why is not None:
-                kind = why if why.startswith("empty") else f"non-finite ({why})"
+                kind = why if why.startswith(("empty", "all zero")) else f"non-finite ({why})"
                 skipped.append({"role": role, "layer": rw.layer, "tensor": rw.name, "reason": why})
                 m, n = W.shape
                 ctx.layer_rows.append({"role": role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n,
