@@ -202,12 +202,15 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         time_min=launchers.parse_time_limit(str(cl["time_limit"])) if cl.get("time_limit") else 240,
         partition=cl.get("partition") or "")
     if resources.gpus > 1:  # torchrun with one process per GPU: what the trainer would refuse on the cluster
+        from weightgeom.schema import from_dict
+        from weightgeom.train.config import TrainConfig
+
         for spec in runs:
-            ga = int(spec.config.get("train", {}).get("grad_accum", 1) or 1)
-            if ga % resources.gpus:
-                raise ValueError(f"--gpus-per-run {resources.gpus}: run {spec.name} has train.grad_accum={ga}, which "
-                                 f"must be a multiple of the number of processes; add --set "
-                                 f"train.grad_accum={resources.gpus}")
+            try:
+                from_dict(TrainConfig, spec.config["train"]).check_processes(resources.gpus)
+            except ValueError as e:
+                raise ValueError(f"--gpus-per-run {resources.gpus}: run {spec.name}: {e}; add --set "
+                                 f"train.grad_accum={resources.gpus}") from None
     runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
         launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
         array_parallelism=cl.get("array_parallelism") or 0,

@@ -173,6 +173,17 @@ class TrainConfig(Section):
     diverge_warmup: int = setting(10, "steps before the loss-explosion check starts", ge=0)
     smoothing: float = setting(0.9, "EMA factor of the smoothed train loss", ge=0, lt=1)
 
+    def check_processes(self, world_size: int) -> None:
+        """Refuse a process count that does not divide ``grad_accum`` (each rank runs grad_accum / world_size
+        micro-batches). Used by the trainer at start and by a sweep before it submits multi-GPU runs.
+
+        Raises:
+            ValueError: one line naming the key, its value and the process count.
+        """
+        if self.grad_accum % world_size != 0:
+            raise ValueError(f"config key train.grad_accum={self.grad_accum}: must be a multiple of the number of "
+                             f"processes ({world_size})")
+
 
 @dataclass
 class DiagnosticsConfig(Section):

@@ -278,9 +278,7 @@ class _Trainer:
         _fill_model_config(cfg, self.batches)
         self.hash = config_hash(cfg)
         tr = cfg.train
-        if tr.grad_accum % info.world_size != 0:
-            raise ValueError(f"config key train.grad_accum={tr.grad_accum}: must be a multiple of the number of "
-                             f"processes ({info.world_size})")
+        tr.check_processes(info.world_size)
         self.accum_local = tr.grad_accum // info.world_size
 
         # checkpoint to resume from (and, on ranks > 0 of a sharded run, this rank's own optimizer shard)
