@@ -80,15 +80,25 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--steps``, ``--jobs``, ``--threads`` of sweep, demo and analyze)."""
+def _int_at_least(text: str, low: int, expected: str) -> int:
+    """``int(text)`` if it is ≥ ``low``, else an argparse error saying ``expected``."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--steps``, ``--jobs``, ``--threads`` of sweep, demo and analyze)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0 (``--gpus-per-run``, ``--max-retries``)."""
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 class OneLineParser(argparse.ArgumentParser):

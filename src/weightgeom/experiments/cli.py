@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightgeom.cli import os_error_line, positive_int
+from weightgeom.cli import nonneg_int, os_error_line, positive_int
 
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import Recipe
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pip install 'weightgeom[slurm]'), ray (Ray tasks; pip install 'weightgeom[ray]')")
     c.add_argument("--dry-run", action="store_true",
                    help="print per run the command and resources that would be submitted, and exit")
-    c.add_argument("--gpus-per-run", type=_nonneg_int, default=None,
+    c.add_argument("--gpus-per-run", type=nonneg_int, default=None,
                    help="GPUs per run (default 0; more than 1 trains under torchrun on one node)")
     c.add_argument("--cpus-per-run", type=positive_int, default=None, help="CPU cores per run (default 1)")
     c.add_argument("--mem-per-run", type=float, default=None, metavar="GB", help="memory per run in GB (slurm)")
@@ -96,19 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slurm (default), or local: the same submitit jobs as processes on this machine")
     c.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (auto, ray://head:10001, head:6379; default: a local Ray instance)")
-    c.add_argument("--max-retries", type=_nonneg_int, default=None,
+    c.add_argument("--max-retries", type=nonneg_int, default=None,
                    help="Ray: retries of a run whose worker or node died (default 3); each resumes from its checkpoint")
-
-
-def _nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 CLUSTER_OPTIONS = {
