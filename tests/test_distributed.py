@@ -195,14 +195,25 @@ def _user_loop_worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+GLOO_ABORT = "terminate called without an active exception"
+"""A C++ abort of one rank inside torch's gloo backend: 1 to 2 in 5 launches of the user-loop script under pytest on
+the 2-core machine (2026-12-03), with this project's code before and after that day's changes alike, and never in 6
+direct launches; the rank dies with SIGABRT and no Python frame. A launch that dies this way is relaunched (at most
+GLOO_ABORT_RETRIES times); any other failure, and every assertion on the results, stands."""
+GLOO_ABORT_RETRIES = 2
+
+
 @pytest.fixture(scope="module")
 def user_loop(tmp_path_factory):
     """One torchrun of 2 gloo processes running every user-loop case (the start-up is most of the time)."""
     out = tmp_path_factory.mktemp("user_loop")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", __file__, str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    for _attempt in range(GLOO_ABORT_RETRIES + 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", __file__, str(out)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        if p.returncode == 0 or GLOO_ABORT not in p.stderr:
+            break
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out
 
