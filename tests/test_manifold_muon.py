@@ -295,3 +295,97 @@ def test_dual_keep_last_and_no_normalisation_follow_the_published_loop():
     A_scaled, *_ = manifold_direction(W, 100 * G, manifold=manifolds.get("dgram"), steps=20, lr=0.1, tol=1e-12,
                                       msign_fn=_svd_msign, normalize=False, keep="last")
     assert float((A_scaled - A_last).abs().max()) > 1e-3
+
+
+# ---- the fast path: S reused by the projection, the sampled residual, the per-device msign dtype --------------
+@pytest.mark.parametrize("name", MANIFOLDS)
+def test_proj_tangent_given_S_equals_proj_tangent(name):
+    man = manifolds.get(name)
+    X, A = _point(name, 30, 12), _grad(30, 12, seed=5)
+    expected = man.proj_tangent(X, A)
+    torch.testing.assert_close(man.proj_tangent_tall(X, A, X.mT @ A), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(man.proj_tangent_tall(X, A), expected, atol=1e-12, rtol=0)
+    # a transposed (column-major) tall view, as a wide parameter gives, and a batch
+    Xc, Ac = X.mT.contiguous().mT, A.mT.contiguous().mT
+    torch.testing.assert_close(man.proj_tangent_tall(Xc, Ac, Xc.mT @ Ac), expected, atol=1e-12, rtol=0)
+    Xb, Ab = torch.stack([X, X.flip(0)]), torch.stack([A, A.flip(0)])
+    torch.testing.assert_close(man.proj_tangent_tall(Xb, Ab, Xb.mT @ Ab)[1], man.proj_tangent(X.flip(0), A.flip(0)),
+                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+def test_sampled_tangent_residual(name):
+    from weightgeom.optim.manifold_muon import sampled_tangent_residual
+
+    man = manifolds.get(name)
+    small_X, small_A = _point(name, 40, 16), _grad(40, 16)
+    exact = float(man.tangent_residual(small_X, small_A))
+    assert sampled_tangent_residual(small_X, small_A, man) == pytest.approx(exact, rel=1e-12)  # n ≤ RESIDUAL_SAMPLE_COLUMNS: exact
+    X = _point(name, 400, 200)
+    noise = 1e-6 * _grad(400, 200, seed=7)  # a residual spread over every entry, like rounding
+    for A in (man.proj_tangent(X, _grad(400, 200, seed=3)) + noise, _grad(400, 200, seed=4)):
+        exact = float(man.tangent_residual(X, A))
+        est = sampled_tangent_residual(X, A, man)
+        assert 0.75 * exact <= est <= 1.33 * exact, (exact, est)
+    assert sampled_tangent_residual(X, man.proj_tangent(X, _grad(400, 200, seed=3)), man) < 1e-12
+
+
+def _record_msign_dtypes(monkeypatch) -> list:
+    import weightgeom.optim.muon as muon_mod
+
+    seen = []
+
+    def spy(G, method="polar_express", steps=None, dtype=None, start_step=0):
+        seen.append(dtype)
+        return msign(G, method=method, steps=steps, dtype=dtype, start_step=start_step)
+
+    monkeypatch.setattr(muon_mod, "msign", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram"])
+def test_projected_manifold_groups_take_the_per_device_msign_choice(name, monkeypatch):
+    """With dual_project (default) the dual msign runs in the per-device choice (forced to bf16 here): the direction
+    is still exactly tangent (fp32 projection) and in the unit ball; without the projection the dual ascent stays
+    fp32; an explicit msign_dtype wins."""
+    import weightgeom.linalg.autotune as autotune
+
+    monkeypatch.setenv(autotune.ENV_VAR, "bfloat16:5")
+    autotune.clear_msign_choices()
+    man = manifolds.get(name)
+    seen = _record_msign_dtypes(monkeypatch)
+    try:
+        for kw, want in (({}, torch.bfloat16), ({"dual_project": False}, torch.float32),
+                         ({"msign_dtype": torch.float32}, torch.float32)):
+            seen.clear()
+            W = torch.nn.Parameter(_point(name, 96, 32, dtype=torch.float32))
+            opt = Muon([{"params": [W], "names": ["w"]}], lr=0.02, manifold=name, **kw)
+            for s in range(3):
+                W0 = W.detach().clone()
+                W.grad = _grad(96, 32, seed=10 + s, dtype=torch.float32)
+                opt.step()
+                assert man.check(W.detach(), tol=1e-5), man.check(W.detach(), tol=1e-5).reason
+                if kw.get("dual_project", True):
+                    D = (W0 - W.detach()) / 0.02  # retraction moves W by O(lr²): D ≈ the direction
+                    assert torch.linalg.matrix_norm(D, ord=2) <= 1 + 2 * PROJECT_NORM_TOL + 0.05
+                    assert opt.last_stats["w"]["tangent_residual"] < 1e-6
+            assert seen and set(seen) == {want}, (kw, seen)
+    finally:
+        autotune.clear_msign_choices()
+
+
+def test_feed_dtype_only_narrows_what_feeds_msign():
+    """feed_dtype=bf16 computes the cold start and the shifted input in bf16; with a bf16 msign the projected
+    direction matches the fp32-fed one to bf16 accuracy and stays exactly tangent."""
+    man = manifolds.get("stiefel")
+    W, G = _point("stiefel", 96, 32, dtype=torch.float32), _grad(96, 32, dtype=torch.float32)
+
+    def bf16_msign(Z):
+        return msign(Z, steps=8, dtype=torch.bfloat16)
+
+    A32, _, r32, _ = manifold_direction(W, G, man, steps=1, msign_fn=bf16_msign, project=True)
+    A16, L16, r16, _ = manifold_direction(W, G, man, steps=1, msign_fn=bf16_msign, project=True,
+                                          feed_dtype=torch.bfloat16)
+    assert L16.dtype == torch.float32 and A16.dtype == torch.float32
+    assert r16 < 1e-6 and r32 < 1e-6
+    assert float(torch.linalg.matrix_norm(A16 - A32) / torch.linalg.matrix_norm(A32)) < 5e-2

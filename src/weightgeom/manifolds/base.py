@@ -169,6 +169,12 @@ class Manifold(ABC):
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """Euclidean-orthogonal projection of A onto the tangent space at the manifold point W."""
 
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+        """``proj_tangent`` on tall views X, A (m ≥ n), given S = XᵀA when the caller has computed it already (the dual
+        ascent has: its residual is P(S + Sᵀ)). Manifolds whose projection is A − X·L(S) override this to skip that
+        m×n×n product; the default ignores S."""
+        return self.proj_tangent(X, A)
+
     def constraint_violation(self, W: torch.Tensor) -> torch.Tensor:
         """‖P(WᵀW) − P(I)‖_F / sqrt(n²) per matrix (batched), computed on the tall view."""
         X, _ = tall(W)

@@ -60,18 +60,19 @@ def off(S: torch.Tensor) -> torch.Tensor:
     return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
 
 
-def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
     """Y − X·Λ, Λ_ij = (XᵀY + YᵀX)_ij / (d_i + d_j) off the diagonal, d = diag(XᵀX), on the tall view.
 
     Exact orthogonal projection when XᵀX is diagonal (a manifold point); otherwise the off-diagonal of XᵀX is
     ignored. Pairs of zero columns (d_i + d_j = 0) get Λ_ij = 0: the constraint between them is vacuous.
+    ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
     """
-    d = torch.diagonal(X.mT @ X, dim1=-2, dim2=-1)
-    H = X.mT @ Y
+    d = (X * X).sum(dim=-2)
+    H = X.mT @ Y if S is None else S
     H = off(H + H.mT)
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     lam = torch.where(den > 0, H / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(H))
-    return Y - X @ lam
+    return torch.addmm(Y, X, lam, alpha=-1.0) if X.ndim == 2 else Y - X @ lam
 
 
 def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:
@@ -219,6 +220,10 @@ class DGram(Manifold):
         """A − W·Λ with Λ_ij = (WᵀA + AᵀW)_ij/(d_i + d_j) off-diagonal, d = diag(WᵀW) (tall view)."""
         X, Y, t = tall_pair(W, A)
         return untall(dgram_proj_tangent(X, Y), t)
+
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+        """A − X·Λ(S) on tall views, S = XᵀA (computed when None); see ``dgram_proj_tangent``."""
+        return dgram_proj_tangent(X, A, S)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """|cos θ_ij| ≤ tol between every pair of columns of the tall view; the reason names the worst pair."""

@@ -39,7 +39,9 @@ def sym(M: torch.Tensor) -> torch.Tensor:
 def gram_deviation(X: torch.Tensor) -> torch.Tensor:
     """E = XᵀX − I for a tall X, in ``compute_dtype(X)`` (float64 for float64 input, else float32)."""
     Xc = X.to(compute_dtype(X))
-    return Xc.mT @ Xc - torch.eye(Xc.shape[-1], dtype=Xc.dtype, device=Xc.device)
+    E = Xc.mT @ Xc
+    E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+    return E
 
 
 def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -60,17 +62,23 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
         e = float(torch.linalg.matrix_norm(E).max())
         if not e <= NEAR_TOL:  # also NaN
             return None
-        eye = torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)
-        Xc = Xc @ (eye + E @ (-0.5 * eye + E @ (0.375 * eye - 0.3125 * E)))
+        # X·p(E) = X + X·F with F = p(E) − I = E(−½I + E(⅜I − (5/16)E)): no identity matrices, one fused X + X·F
+        F = E * -0.3125
+        F.diagonal(dim1=-2, dim2=-1).add_(0.375)
+        F = E @ F
+        F.diagonal(dim1=-2, dim2=-1).add_(-0.5)
+        F = E @ F
+        Xc = torch.addmm(Xc, Xc, F) if Xc.ndim == 2 else Xc + Xc @ F
         if e <= NEAR_DONE[Xc.dtype]:
             return Xc
         E = None
     return None
 
 
-def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    """Tangent projection on the tall view: Y − X·sym(XᵀY). Exact (orthogonal) when XᵀX = I."""
-    return Y - X @ sym(X.mT @ Y)
+def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+    """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I."""
+    L = sym(X.mT @ Y if S is None else S)
+    return torch.addmm(Y, X, L, alpha=-1.0) if X.ndim == 2 else Y - X @ L
 
 
 class Stiefel(Manifold):
@@ -128,6 +136,10 @@ class Stiefel(Manifold):
         """A − W·sym(WᵀA) on the tall view (orthogonal projection when W is on the manifold)."""
         X, Y, t = tall_pair(W, A)
         return untall(stiefel_proj_tangent(X, Y), t)
+
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+        """A − X·sym(S) on tall views, S = XᵀA (computed when None)."""
+        return stiefel_proj_tangent(X, A, S)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """Unit column norms and pairwise |cos| ≤ tol on the tall view; the reason names the worst column pair."""

@@ -55,13 +55,14 @@ FAR_RETRACTION = 0.1
 
 
 def uses_msign_choice(group: dict[str, Any]) -> bool:
-    """Whether a param group's msign takes the per-device choice of ``msign_choice``: a plain-Muon Polar Express group
-    that leaves ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold Polar Express group that leaves
-    ``ns_steps`` unset (steps only: the dual ascent computes in float32/float64); the trainer records the choice in
-    the run's meta."""
+    """Whether a param group's msign takes the per-device choice of ``msign_choice``: a Polar Express group (plain
+    Muon, or a manifold group whose direction is projected onto the tangent space, ``dual_project``) that leaves
+    ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold group without the projection that leaves
+    ``ns_steps`` unset (steps only: a dual ascent that must itself reach ``dual_tol`` computes in float32/float64);
+    the trainer records the choice in the run's meta."""
     if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express":
         return False
-    if group.get("manifold") is not None:
+    if group.get("manifold") is not None and not group.get("dual_project", True):
         return group.get("ns_steps") is None
     return group.get("ns_steps") is None or group.get("msign_dtype") is None
 
@@ -95,8 +96,11 @@ class Muon(torch.optim.Optimizer):
             Express steps (when ``ns_steps`` is None too) whose direction is at least as orthogonal as
             torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
             ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold
-            groups use fp32 (fp64 for fp64 params) when None because the dual ascent needs it to reach
-            ``dual_tol``. An explicit dtype always wins (with the preset's steps unless ``ns_steps`` is set).
+            groups with ``dual_project`` (the default) take the same choice for the dual ascent's msign — the
+            projection, residual, multiplier and retraction stay float32 (float64 for float64 params), so the
+            direction is exactly tangent whatever the msign dtype; without ``dual_project`` they use float32 because
+            the dual ascent itself must reach ``dual_tol``. An explicit dtype always wins (with the preset's steps
+            unless ``ns_steps`` is set).
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
             (the manifold-assignment paper steps W − lr·A with ‖A‖₂ = 1).
@@ -528,12 +532,11 @@ class Muon(torch.optim.Optimizer):
                 if dist > FAR_RETRACTION:
                     self._far_retractions[name] = (dist, manifold.name)
                 W.copy_(R)
-            dtype = group["msign_dtype"] or (torch.float64 if p.dtype == torch.float64 else torch.float32)
-            steps = group["ns_steps"]
-            if steps is None and uses_msign_choice(group) and p.dtype != torch.float64:  # per-device step count
-                steps = (self._msign_choices.get(str(W.device)) or self._msign_choice_for(W.device))[1]
-            ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
             W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
+            steps, dtype = self._msign_settings(group, W32)  # the per-device choice where the group leaves it
+            if dtype is None or not group["dual_project"] and group["msign_dtype"] is None:
+                dtype = torch.float64 if W32.dtype == torch.float64 else torch.float32
+            ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
             G32 = U.to(W32.dtype)
             inner, final, continues = ms, None, False
             if group["dual_ns_steps"] is not None:
@@ -553,6 +556,7 @@ class Muon(torch.optim.Optimizer):
                 msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
                 final_msign_fn=final, stats=info, cold0=state.get("dual_cold") if warm else None,
                 final_continues=continues, normalize=group["dual_normalize"], keep=group["dual_keep"],
+                feed_dtype=dtype if dtype.itemsize < W32.dtype.itemsize else None,
             )
             state["dual_multiplier"] = lam
             state["dual_cold"] = info["cold_multiplier"]
