@@ -320,7 +320,7 @@ def test_sampled_tangent_residual(name):
     man = manifolds.get(name)
     small_X, small_A = _point(name, 40, 16), _grad(40, 16)
     exact = float(man.tangent_residual(small_X, small_A))
-    assert sampled_tangent_residual(small_X, small_A, man) == pytest.approx(exact, rel=1e-12)  # n ≤ RESIDUAL_SAMPLE_COLUMNS: exact
+    assert sampled_tangent_residual(small_X, small_A, man) == pytest.approx(exact, rel=1e-12)  # n ≤ 32: exact
     X = _point(name, 400, 200)
     noise = 1e-6 * _grad(400, 200, seed=7)  # a residual spread over every entry, like rounding
     for A in (man.proj_tangent(X, _grad(400, 200, seed=3)) + noise, _grad(400, 200, seed=4)):

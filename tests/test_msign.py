@@ -287,3 +287,18 @@ def test_adopted_choice_wins_in_this_process(fresh_choice, monkeypatch):
     assert (c.dtype, c.steps, c.source) == (torch.bfloat16, 7, "rank0")
     with pytest.raises(ValueError, match="steps=0"):
         autotune.adopt_msign_choice("cpu", torch.float32, 0)
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (16, 16), (3, 40, 12)])
+def test_msign_same_bits_for_any_memory_layout_and_transpose_consistent(shape):
+    """msign iterates on a fresh row-major copy of G's values, so a transposed (column-major) view of the same values
+    gives bitwise the same result (DDP/FSDP and single-process runs must agree); a tall G (XᵀX form) matches the
+    transpose of its wide transpose's msign (XXᵀ form) to rounding."""
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    col_major = G.mT.contiguous().mT  # same values, transposed memory layout
+    assert not col_major.is_contiguous() or G.shape[-1] == 1
+    for dtype in (torch.float32, torch.bfloat16):
+        a = msign(G, steps=6, dtype=dtype)
+        assert torch.equal(a, msign(col_major, steps=6, dtype=dtype))
+        assert a.is_contiguous()
+    torch.testing.assert_close(msign(G, steps=6), msign(G.mT.contiguous(), steps=6).mT, atol=2e-5, rtol=0)

@@ -157,23 +157,26 @@ def msign(
     if dtype is None:
         dtype = torch.float64 if (G.dtype == torch.float64 and G.device.type != "cuda") else default_dtype(G.device)
 
-    tall = G.shape[-2] > G.shape[-1]
-    X = G.mT if tall else G
+    # Iterate in G's own orientation (no transposing copy in or out for a row-major G): the Gram matrix is min(m, n)²
+    # either way, XXᵀ for a wide (or square) G, XᵀX for a tall one (the same polynomial with the transposed products).
+    # The buffer is a fresh row-major copy of G's values whatever G's memory layout, so the result does not depend on
+    # the layout (an iteration that followed the layout changed results by rounding, which msign amplifies ~1e4× in
+    # its small singular directions: DDP and single-process runs then differed by 1e-3 after 5 steps).
+    X = G.contiguous()  # (a copy only for a non-row-major G; the norm below then sums in one order too)
+    tall = X.shape[-2] > X.shape[-1]
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
     triples = preset.triples(steps)[start_step:]
     if G.requires_grad and torch.is_grad_enabled():
         X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
-        X = _iterate_autograd(X0, triples)
+        X = _iterate_autograd(X0, triples, tall)
     else:
         if start_step == 0:
             X0 = _normalise(X, preset.safety, dtype, inplace=True)
         else:  # a fresh contiguous buffer: the in-place iteration must not write into the caller's tensor
             X0 = torch.empty(X.shape, dtype=dtype, device=X.device).copy_(X)
-        X = _iterate_inplace(X0, triples)
+        X = _iterate_inplace(X0, triples, tall)
     X = X.reshape(*lead, *X.shape[-2:])
-    if tall:
-        X = X.mT
     return X.to(G.dtype)
 
 
@@ -210,29 +213,36 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     return torch.mul(X, scale, out=out)
 
 
-def _iterate_inplace(X: torch.Tensor, triples: list[tuple[float, float, float]]) -> torch.Tensor:
+def _iterate_inplace(X: torch.Tensor, triples: list[tuple[float, float, float]], tall: bool = False) -> torch.Tensor:
     """The polynomial steps with preallocated buffers (no allocation per step); X (2-D or 3-D) is overwritten.
 
-    Per step on wide X (m ≤ n): A = XXᵀ (2m²n flops), B = bA + cA² (2m³), X ← aX + BX (2m²n).
+    Per step on wide X (m ≤ n): A = XXᵀ (2m²n flops), B = bA + cA² (2m³), X ← aX + BX (2m²n). ``tall``: the same
+    step on a tall X (m > n) written with its transposed products, A = XᵀX, X ← aX + XB (B is symmetric).
     """
     mm, addmm = (torch.mm, torch.addmm) if X.ndim == 2 else (torch.bmm, torch.baddbmm)
-    m = X.shape[-2]
-    A = X.new_empty(*X.shape[:-2], m, m)
+    k = X.shape[-1] if tall else X.shape[-2]
+    A = X.new_empty(*X.shape[:-2], k, k)
     B = torch.empty_like(A)
     Y = torch.empty_like(X)
     for a, b, c in triples:
-        mm(X, X.mT, out=A)
+        if tall:
+            mm(X.mT, X, out=A)
+        else:
+            mm(X, X.mT, out=A)
         addmm(A, A, A, beta=b, alpha=c, out=B)
-        addmm(X, B, X, beta=a, out=Y)
+        if tall:
+            addmm(X, X, B, beta=a, out=Y)
+        else:
+            addmm(X, B, X, beta=a, out=Y)
         X, Y = Y, X
     return X
 
 
-def _iterate_autograd(X: torch.Tensor, triples: list[tuple[float, float, float]]) -> torch.Tensor:
+def _iterate_autograd(X: torch.Tensor, triples: list[tuple[float, float, float]], tall: bool = False) -> torch.Tensor:
     """The same steps without ``out=`` buffers, so that autograd can differentiate through them."""
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in triples:
-        A = X @ X.mT
+        A = X.mT @ X if tall else X @ X.mT
         B = addmm(A, A, A, beta=b, alpha=c)
-        X = addmm(X, B, X, beta=a)
+        X = addmm(X, X, B, beta=a) if tall else addmm(X, B, X, beta=a)
     return X
