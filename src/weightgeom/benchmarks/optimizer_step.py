@@ -68,6 +68,8 @@ PEER_ROWS = ("torch.optim.Muon", "muon (ours, muon preset bf16)")
 # projection: the dual ascent itself must reach the tolerance) with G normalised and Λ warm-started;
 # "fast dual+proj": 4 dual steps with a 5-step msign inside the loop + one accurate final msign, α = 0.3 constant,
 # then the projection (the dual residual before projection is reported too).
+# "fp32 msign" rows keep the per-device choice's step count (an explicit msign_dtype alone would take the preset's 10)
+_CHOICE_STEPS = "choice"
 _PAPER_DUAL = {"dual_tol": TOL, "dual_steps": 20, "dual_lr": 0.1, "dual_schedule": "linear", "ns_steps": 10,
                "dual_project": False}
 _FAST_DUAL = {"dual_tol": TOL, "dual_steps": 4, "dual_ns_steps": 5, "dual_lr": 0.3, "dual_schedule": "constant",
@@ -79,8 +81,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "muon (ours, muon preset bf16)": ("ours", {"msign_method": "muon", "msign_dtype": torch.bfloat16}),
     "stiefel (default)": ("ours", {"manifold": "stiefel"}),
     "dgram (default)": ("ours", {"manifold": "dgram"}),
-    "stiefel (default, fp32 msign)": ("ours", {"manifold": "stiefel", "msign_dtype": torch.float32}),
-    "dgram (default, fp32 msign)": ("ours", {"manifold": "dgram", "msign_dtype": torch.float32}),
+    "stiefel (default, fp32 msign)": ("ours", {"manifold": "stiefel", "msign_dtype": torch.float32,
+                                               "ns_steps": _CHOICE_STEPS}),
+    "dgram (default, fp32 msign)": ("ours", {"manifold": "dgram", "msign_dtype": torch.float32,
+                                             "ns_steps": _CHOICE_STEPS}),
     "stiefel (paper dual)": ("ours", {"manifold": "stiefel", **_PAPER_DUAL}),
     "dgram (paper dual)": ("ours", {"manifold": "dgram", **_PAPER_DUAL}),
     "stiefel (fast dual+proj)": ("ours", {"manifold": "stiefel", **_FAST_DUAL}),
@@ -96,6 +100,8 @@ def build(kind: str, kw: dict, params: list[torch.nn.Parameter], names: list[str
         return torch.optim.Muon(params, lr=0.02, weight_decay=0.0)
     if kind == "torch_adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=True)
+    if kw.get("ns_steps") == _CHOICE_STEPS:
+        kw = {**kw, "ns_steps": msign_choice(params[0].device).steps}
     return Muon([{"params": params, "names": names}], **{"lr": 0.02, **kw})
 
 

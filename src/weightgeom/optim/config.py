@@ -68,7 +68,8 @@ class MuonConfig(Section):
     ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default)", gt=0)
     msign_method: str = setting("polar_express", "msign polynomial: polar_express | muon | svd")
     msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: chosen per device by a cached "
-                                                   "micro-benchmark, bf16 only where faster; manifold groups fp32)")
+                                                   "micro-benchmark, bf16 only where faster; manifold groups too "
+                                                   "with dual_project, else fp32)")
     adjust_lr_fn: AdjustLr | None = setting(None, "shape scale s: original sqrt(max(1, rows/cols)) | "
                                                   "match_rms_adamw | none (unset: original without a manifold, "
                                                   "none with one, so a manifold step is ‖ΔW‖₂ = lr)")
