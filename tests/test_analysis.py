@@ -586,10 +586,11 @@ def test_gram_sketch_within_tolerance_at_a_large_width():
     _assert_sketch_matches_exact([base + 0.01 * torch.randn(m, n, generator=g) * (i + 1) for i in range(3)], SKETCH_TOL)
 
 
-@pytest.mark.parametrize("case", ["file-in-the-way", "run-dir", "sweep-dir", "unwritable", "threads"])
+@pytest.mark.parametrize("case", ["file-in-the-way", "run-dir", "sweep-dir", "unwritable", "threads", "gram"])
 def test_cli_refuses_a_bad_out_or_threads_before_reading(tmp_path, capsys, monkeypatch, case):
     """Hostile trial: --out naming a file, a training run or sweep directory (one writer), or an unwritable place
-    failed only after the whole analysis (or wrote CSVs into the run); --threads -1 was a traceback."""
+    failed only after the whole analysis (or wrote CSVs into the run); --threads -1 was a traceback; --gram exact
+    without the gram metric was silently ignored."""
     from safetensors.torch import save_file
 
     import weightgeom.analysis.api as api
@@ -606,11 +607,14 @@ def test_cli_refuses_a_bad_out_or_threads_before_reading(tmp_path, capsys, monke
         (out / ("status.json" if case == "run-dir" else "sweep.json")).write_text("{}")
     elif case == "unwritable":
         out = Path("/proc/no/such/dir")
+    elif case == "gram":
+        extra = ["--gram", "exact", "--metrics", "cv", "cu"]
     else:
         extra = ["--threads", "-1"]
     with pytest.raises(SystemExit) if case == "threads" else contextlib.nullcontext():
         assert main(["analyze", str(tmp_path / "m.safetensors"), "--quiet", "--out", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and ("--out" in err[0] or "--threads" in err[0]), err
+    assert len(err) == 1 and any(f in err[0] for f in ("--out", "--threads", "--gram")), err
+    assert not out.exists() or case != "gram"
     if case in ("run-dir", "sweep-dir"):
         assert sorted(p.name for p in out.iterdir()) == ["status.json" if case == "run-dir" else "sweep.json"]

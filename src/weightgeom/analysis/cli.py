@@ -158,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
             roles = rp.read_text()
         except (OSError, UnicodeDecodeError) as e:
             return _fail(f"--roles {roles}: cannot read ({e})")
+    if args.gram != "auto" and "gram" not in args.metrics:  # an explicit choice that would silently do nothing
+        return _fail(f"--gram {args.gram} chooses how the gram metric is computed, but --metrics "
+                     f"{' '.join(args.metrics)} does not include gram: add it or drop --gram")
     path = Path(args.path)
     out = Path(args.out) if args.out else Path(f"analysis_{path.stem or path.name}")
     problem = _unusable_out(out)  # before reading anything: a long analysis must not end in "cannot write"
