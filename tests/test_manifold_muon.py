@@ -389,3 +389,60 @@ def test_feed_dtype_only_narrows_what_feeds_msign():
     assert L16.dtype == torch.float32 and A16.dtype == torch.float32
     assert r16 < 1e-6 and r32 < 1e-6
     assert float(torch.linalg.matrix_norm(A16 - A32) / torch.linalg.matrix_norm(A32)) < 5e-2
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("kw", [{}, {"split": 2, "layout": "in_out"}, {"momentum_form": "sum", "weight_decay": 0.1}])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_shape_manifold_matrices_batched_equal_one_at_a_time(name, kw, dtype, monkeypatch):
+    """With one dual iteration (and a device in MANIFOLD_BATCH_DEVICES: the CPU is added here), a manifold group's
+    same-shape matrices past their first step go through one batched msign (and projection, norm estimate,
+    retraction) per step; parameters, multipliers and per-matrix stats after 4 steps equal those of one optimizer per
+    matrix — to float32 rounding with an fp32 msign, to bf16 rounding with a
+    bf16 one (a batched norm may round its last bit differently; bf16 then rounds a few entries one ulp apart, which
+    moves a step by ~1e-2·lr). More dual iterations keep one call per matrix."""
+    import weightgeom.linalg.autotune as autotune
+    import weightgeom.optim.muon as muon_mod
+
+    monkeypatch.setenv(autotune.ENV_VAR, f"{dtype}:5")
+    monkeypatch.setattr(muon_mod, "MANIFOLD_BATCH_DEVICES", ("cpu", "cuda"))  # batched on the CPU too, for the test
+    atol = 1e-5 if dtype == "float32" else 5e-3
+
+    calls = []
+    real = muon_mod.msign
+    monkeypatch.setattr(muon_mod, "msign", lambda G, **k: calls.append(tuple(G.shape)) or real(G, **k))
+    g = torch.Generator().manual_seed(12)
+    shapes = [(48, 16), (48, 16), (40, 12), (48, 16)]
+    init = [torch.randn(s, generator=g) / 4 for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    names = [f"w{i}" for i in range(4)]
+    batched = [torch.nn.Parameter(w.clone()) for w in init]
+    single = [torch.nn.Parameter(w.clone()) for w in init]
+    opt = Muon([{"params": batched, "names": names}], lr=0.05, manifold=name, **kw)
+    opts = [Muon([{"params": [p], "names": [n]}], lr=0.05, manifold=name, **kw) for p, n in zip(single, names)]
+    for step in range(4):
+        calls.clear()
+        for p, gr in zip(batched, grads[step]):
+            p.grad = gr.clone()
+        opt.step()
+        if step > 0:  # one batched call for the three 48×16 matrices, one for the 40×12
+            assert len(calls) == 2 and sum(len(c) > (2 + bool(kw.get("split"))) and c[0] == 3 for c in calls) == 1, \
+                calls
+        for o, p, gr in zip(opts, single, grads[step]):
+            p.grad = gr.clone()
+            o.step()
+    for n, pb, ps, o in zip(names, batched, single, opts):
+        torch.testing.assert_close(pb, ps, atol=atol, rtol=0)
+        torch.testing.assert_close(opt.state[pb]["dual_multiplier"], o.state[ps]["dual_multiplier"], atol=10 * atol,
+                                   rtol=0)
+        assert opt.state[pb]["dual_multiplier"]._base is None  # its own storage, not a view of the batch
+        assert opt.last_stats[n]["dual_residual"] == pytest.approx(o.last_stats[n]["dual_residual"],
+                                                                   rel=1e-3 if dtype == "float32" else 0.5, abs=1e-9)
+        assert opt.last_stats[n]["tangent_residual"] < 1e-5
+    calls.clear()
+    opt2 = Muon([{"params": batched, "names": names}], lr=0.05, manifold=name, dual_steps=3, **kw)
+    for _ in range(2):
+        for p, gr in zip(batched, grads[0]):
+            p.grad = gr.clone()
+        opt2.step()
+    assert all(len(c) == 2 + bool(kw.get("split")) for c in calls), calls  # per-matrix early stopping: never stacked

@@ -33,6 +33,7 @@ import torch
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
+    addmm_batched,
     compute_dtype,
     gram_check,
     polar,
@@ -72,7 +73,7 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     H = off(H + H.mT)
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     lam = torch.where(den > 0, H / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(H))
-    return torch.addmm(Y, X, lam, alpha=-1.0) if X.ndim == 2 else Y - X @ lam
+    return addmm_batched(Y, X, lam, alpha=-1.0)
 
 
 def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:

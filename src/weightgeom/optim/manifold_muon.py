@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from weightgeom.linalg import msign, msign_reference
-from weightgeom.manifolds.base import Manifold, tall, untall
+from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
@@ -115,7 +115,8 @@ def manifold_direction(
             (``sampled_tangent_residual``; exact for n ≤ that); ``stats["dual_residual"]`` keeps the dual ascent's.
         final_msign_fn: if given, A is recomputed once at the returned Λ with this (more accurate) orthogonaliser —
             for a cheap ``msign_fn`` inside the loop.
-        stats: optional dict that receives ``dual_residual`` (before projection), ``dual_lr_final``,
+        stats: optional dict that receives ``dual_residual`` (before projection; ``dual_residuals`` per matrix of the
+            batch, and ``residuals`` the returned residual's per-matrix values), ``dual_lr_final``,
             ``cold_multiplier`` (this call's cold start, to pass as ``cold0`` next time) and, with ``project``,
             ``norm_before_rescale`` (the estimated ‖A‖₂ of the projected direction, worst matrix).
         cold0: the cold start of the call that produced ``Lambda0``. When given with ``Lambda0`` the warm start is
@@ -158,7 +159,7 @@ def manifold_direction(
     else:
         Lam = Lambda0.to(X.dtype)
     last = keep == "last"
-    best = (float("inf"), X, Lam, None)  # (residual, A, Λ, XᵀA)
+    best = (float("inf"), X, Lam, None, None)  # (residual, A, Λ, XᵀA, per-matrix residuals)
     prev = float("inf")
     shrink = 1.0
     iters = 0
@@ -166,14 +167,15 @@ def manifold_direction(
         A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
         iters = k + 1
         S, H = _residual_matrix(X, A, manifold)
-        residual = float(torch.linalg.matrix_norm(H).max()) / n
+        rv = torch.linalg.matrix_norm(H) / n
+        residual = float(rv.max())
         if last:
-            best = (residual, A, Lam, S)
+            best = (residual, A, Lam, S, rv)
             if residual < tol or k == steps - 1:
                 break
         else:
             if residual < best[0]:
-                best = (residual, A, Lam, S)
+                best = (residual, A, Lam, S, rv)
             if residual <= tol or k == steps - 1:
                 break
             if residual > prev:
@@ -181,13 +183,17 @@ def manifold_direction(
             prev = residual
         alpha = lr * shrink * ((1.0 - k / steps) if schedule == "linear" else 1.0)
         Lam = Lam - alpha * H
-    residual, A, Lam, S = best
+    residual, A, Lam, S, rv = best
     if final_msign_fn is not None:
         A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
         S, H = _residual_matrix(X, A, manifold)
-        residual = float(torch.linalg.matrix_norm(H).max()) / n
+        rv = torch.linalg.matrix_norm(H) / n
+        residual = float(rv.max())
+    if rv is None:  # no finite iterate: report it as such
+        rv = torch.full(X.shape[:-2], float("nan"), dtype=X.dtype, device=X.device)
     if stats is not None:
         stats["dual_residual"] = residual
+        stats["dual_residuals"] = rv
         stats["dual_lr_final"] = lr * shrink
         stats["cold_multiplier"] = cold
     if project:
@@ -195,9 +201,12 @@ def manifold_direction(
         norm = spectral_norm_estimate(Ap)
         fresh = Ap.data_ptr() not in (A.data_ptr(), X.data_ptr())  # in place only on the projection's own tensor
         A = Ap.div_(norm.clamp_min(1.0)) if fresh else Ap / norm.clamp_min(1.0)
-        residual = sampled_tangent_residual(X, A, manifold)
+        rv = _sampled_residuals(X, A, manifold)
+        residual = float(rv.max())
         if stats is not None:
             stats["norm_before_rescale"] = float(norm.max())
+    if stats is not None:
+        stats["residuals"] = rv
     if not bool((gnorm > 0).all()):  # zero gradient → zero step (the multiplier alone must not move W)
         A = A * (gnorm > 0).to(A.dtype)
     return untall(A, t), Lam, residual, iters
@@ -213,16 +222,22 @@ def sampled_tangent_residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifol
     when n ≤ ``columns``. Meant for residuals spread over all entries — the rounding-level residual of a projected
     direction (tested against the exact value); the dual ascent's residual is computed in full.
     """
+    return float(_sampled_residuals(X, A, manifold, columns).max())
+
+
+def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
+                       columns: int = RESIDUAL_SAMPLE_COLUMNS) -> torch.Tensor:
+    """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape)."""
     n = X.shape[-1]
     if n <= columns:
-        return float(torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)[1]).max()) / n
+        return torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)[1]) / n
     j0 = (n - columns) // 2
     J = slice(j0, j0 + columns)
     block = X.mT @ A[..., J] + A.mT @ X[..., J]  # (..., n, |J|): columns J of XᵀA + AᵀX
     Z = X.new_zeros(*X.shape[:-2], n, n)
     Z[..., J] = block
     H = manifold.P(Z)[..., J]
-    return float(torch.linalg.matrix_norm(H).max()) * (n / columns) ** 0.5 / n
+    return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
 
 
 def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS) -> torch.Tensor:
@@ -262,8 +277,8 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS) -> 
 
 
 def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
-    """Y + 2·X·P(Λ) (one fused addmm for plain matrices)."""
-    return torch.addmm(Y, X, PL, alpha=2.0) if X.ndim == 2 else Y + 2.0 * (X @ PL)
+    """Y + 2·X·P(Λ) (one fused multiply-add: the same bits for a matrix alone or in a batch)."""
+    return addmm_batched(Y, X, PL, alpha=2.0)
 
 
 def _residual_matrix(X: torch.Tensor, A: torch.Tensor, manifold: Manifold) -> tuple[torch.Tensor, torch.Tensor]:
