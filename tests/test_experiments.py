@@ -636,6 +636,9 @@ def test_sweep_directory_keeps_one_set_of_sweep_level_settings(tmp_path):
     for kw, match in refusals:  # only other runs are planned: the per-run check alone would let them in
         with pytest.raises(SweepSettingsError, match=match):
             _md_execute(cfg, out, "adamw-w16-lr0.01", **kw)
+        with pytest.raises(SweepSettingsError, match=match):  # --dry-run predicts the same refusal
+            _md_execute(cfg, out, "adamw-w16-lr0.01", dry_run=True, **kw)
+    _md_execute(cfg, out, "adamw-w16-lr0.01", steps=10, dry_run=True)  # what the sweep would accept, it accepts
     wider = BASE_TOML.replace("n_embd = 32", "n_embd = 64")
     other = _md_sweep_file(tmp_path / "elsewhere", wider)
     with pytest.raises(SweepSettingsError, match=r"run from config .*md-sweep.toml, whose trainer configs differ "

@@ -293,6 +293,36 @@ def test_bad_cluster_options_are_one_line_and_exit_2(tmp_path, capsys, flags, ne
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case", ["file-in-the-way", "unwritable", "settings"])
+def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, case):
+    """Hostile-trial leftover: a dry run printed a plan for an --out the sweep could not write, or for a sweep
+    directory whose recorded --steps the command contradicts; now it refuses as the command would (one line, exit
+    2) and still writes nothing."""
+    out = tmp_path / "sw"
+    extra = []
+    if case == "file-in-the-way":
+        out.write_text("x")
+    elif case == "unwritable":
+        out = Path("/proc/no/such/sweep")
+    else:
+        assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", "--steps", "2",
+                     "--no-report"]) == 0
+        extra = ["--steps", "3"]
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    capsys.readouterr()
+    rc = main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+               "unconstrained", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert {"file-in-the-way": "exists and is not a directory", "unwritable": "cannot create anything",
+            "settings": "run unconstrained-s0 was trained with train.max_steps=2"}[case] in err[0], err
+    if case == "settings":
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+        # the same line as the command itself gives
+        assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", *extra]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == err
+
+
 def test_dry_run_shows_extra_sbatch_options_and_no_resume(tmp_path, capsys):
     out = tmp_path / "sw"
     (out / "unconstrained-s0").mkdir(parents=True)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from weightgeom._paths import unwritable_reason
 from weightgeom.cli import positive_int
 
 __all__ = ["add_arguments", "run"]
@@ -123,16 +122,7 @@ def _unusable_out(out: Path) -> str:
     if marker:
         return (f"--out {out}: is a training run or sweep directory ({marker}); the analysis writes only into its "
                 "own directory — choose another --out")
-    probe = out.absolute()
-    while not probe.exists():  # nothing is created before the analysis has something to write
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"--out {out}: {probe} exists and is not a directory"
-    try:  # a real write test (permissions alone say nothing for root, nor for /proc or a read-only mount)
-        os.rmdir(tempfile.mkdtemp(prefix=".wg-out-check-", dir=probe))
-    except OSError as e:
-        return f"--out {out}: cannot create anything in {probe} ({e.strerror or e})"
-    return ""
+    return unwritable_reason(out)
 
 
 def run(args: argparse.Namespace) -> int:

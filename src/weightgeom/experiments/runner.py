@@ -525,6 +525,29 @@ def check_sweep_settings(manifest: Any, planned: dict[str, Any], runs: Sequence[
     raise SweepSettingsError(line)
 
 
+def earlier_manifest(out: Path) -> Any:
+    """The ``sweep.json`` already in ``out`` as read (None if there is none; anything else if it is unreadable)."""
+    path = Path(out) / MANIFEST
+    if not path.exists():
+        return None
+    old = _read_json(path)
+    return old if old is not None else "unreadable"
+
+
+def check_before_writing(runs: Sequence[RunSpec], out: Path, planned: Any, resume: bool, old: Any = ...) -> None:
+    """The refusals of a sweep command that depend on what ``out`` already holds, checked without writing (the
+    sweep's own start, and ``--dry-run`` so that it predicts them): runs trained or started with other settings
+    (when resuming) and sweep-level settings that differ (``planned``: :func:`sweep_settings`; None skips it).
+
+    Raises:
+        SweepSettingsError: as :func:`check_recorded_settings` / :func:`check_sweep_settings`.
+    """
+    if resume:
+        check_recorded_settings(runs, out)
+    if isinstance(planned, dict):
+        check_sweep_settings(earlier_manifest(out) if old is ... else old, planned, runs, out, resume)
+
+
 # ------------------------------------------------------------------------------------------------------------ plan
 def run_name(variant: str, seed: int) -> str:
     """Directory name of one run."""
@@ -797,10 +820,7 @@ class _Sweep:
     # -- manifest ------------------------------------------------------------------------------------------------
     def _earlier_manifest(self) -> Any:
         """The earlier ``sweep.json`` as read (None if there is none; anything else if it is unreadable)."""
-        if not self.manifest_path.exists():
-            return None
-        old = _read_json(self.manifest_path)
-        return old if old is not None else "unreadable"
+        return earlier_manifest(self.out)
 
     def _earlier_records(self, old: Any) -> dict[str, dict[str, Any]]:
         """Run records of the earlier manifest ``old``, whose invocations and seeds this manifest takes over.
@@ -832,11 +852,7 @@ class _Sweep:
         gave them in ``meta``), both before anything is written.
         """
         old = self._earlier_manifest()
-        if self.resume:
-            check_recorded_settings(self.runs, self.out)
-        planned = self.manifest.get(SWEEP_SETTINGS_KEY)
-        if isinstance(planned, dict):
-            check_sweep_settings(old, planned, self.runs, self.out, self.resume)
+        check_before_writing(self.runs, self.out, self.manifest.get(SWEEP_SETTINGS_KEY), self.resume, old)
         by_name = self._earlier_records(old)
         for spec in self.runs:
             rec = {**by_name.get(spec.name, {}), **spec.record(), "run_dir": str(self.out / spec.name)}
