@@ -11,17 +11,8 @@ from __future__ import annotations
 import torch
 
 from weightgeom.linalg.msign import msign
-from weightgeom.manifolds.base import (
-    CheckResult,
-    Manifold,
-    addmm_batched,
-    compute_dtype,
-    gram_check,
-    polar,
-    tall,
-    tall_pair,
-    untall,
-)
+from weightgeom.manifolds import base
+from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, polar, tall, tall_pair, untall
 
 __all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "polar_near", "NEAR_TOL", "NEAR_DONE"]
 
@@ -78,7 +69,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
         F = E @ F
         F.diagonal(dim1=-2, dim2=-1).add_(-0.5)
         F = E @ F
-        Xc = addmm_batched(Xc, Xc, F)
+        Xc = base.addmm_batched(Xc, Xc, F)
         if e <= NEAR_DONE[Xc.dtype]:
             return Xc
         E = None
@@ -88,7 +79,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
 def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
     """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I."""
     L = sym(X.mT @ Y if S is None else S)
-    return addmm_batched(Y, X, L, alpha=-1.0)
+    return base.addmm_batched(Y, X, L, alpha=-1.0)
 
 
 class Stiefel(Manifold):
