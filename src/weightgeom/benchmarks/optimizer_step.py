@@ -112,19 +112,21 @@ def msign_flops(m: int, n: int, steps: int) -> float:
 
 
 def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[int, int]]], iters: int, warmup: int,
-             dev: str, seed: int = 0, cpu_seconds: dict[str, float] | None = None,
+             dev: str, seed: int = 0, cpu_seconds: dict[str, float] | None = None, layers: int = 1,
              ) -> tuple[dict[str, float], dict[str, list], dict[str, float]]:
-    """Time the optimizers of ``rows`` on one matrix per shape (same random gradients for all, interleaved steps).
+    """Time the optimizers of ``rows`` on one matrix per shape and layer (``layers`` copies of the shapes, as
+    transformer.h.{i}; same random gradients for all, interleaved steps).
 
     Returns:
         (median seconds per step, per-step ``last_stats`` lists, orthogonality error of each optimizer's first
         update ΔW = W₁ − W₀ (max over matrices; weight decay is 0, so ΔW ∝ the direction)).
     """
     g = torch.Generator().manual_seed(seed)
-    init = [(0.02 * torch.randn(s, generator=g)).to(dev) for _, s in shapes]
+    layer_shapes = [s for _ in range(layers) for _, s in shapes]
+    init = [(0.02 * torch.randn(s, generator=g)).to(dev) for s in layer_shapes]
     n_steps = warmup + iters
-    grads = [[(1e-3 * torch.randn(s, generator=g)).to(dev) for _, s in shapes] for _ in range(n_steps)]
-    names = [f"transformer.h.0.{k}.weight" for k, _ in shapes]
+    grads = [[(1e-3 * torch.randn(s, generator=g)).to(dev) for s in layer_shapes] for _ in range(n_steps)]
+    names = [f"transformer.h.{i}.{k}.weight" for i in range(layers) for k, _ in shapes]
     opts, params, counters, stats, deltas = {}, {}, {}, {}, {}
     for key, (kind, kw) in rows.items():
         ps = [torch.nn.Parameter(w.clone()) for w in init]
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"torch.optim.Muon 1 step on {'/'.join(QUICK_PEER_SHAPES)}; no paper-dual or bf16 rows of "
                          "ours")
     ap.add_argument("--only", default="", help="comma-separated substrings of config names to run")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="GPT-2-small layers in the step table (default 1; 12 = the whole model, where same-shape "
+                         "matrices are batched: plain Muon everywhere, manifold Muon on a GPU)")
     ap.add_argument("--peer-shapes", default="",
                     help="comma list of the shapes (of " + ", ".join(GPT2_SMALL_SHAPES) + ") the bf16 rows "
                          "(torch.optim.Muon, our bf16 preset) are timed on, next to our default Muon (default: all; "
@@ -177,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in peer_names if s not in GPT2_SMALL_SHAPES]
     if bad:
         ap.error(f"--peer-shapes: unknown shape(s) {bad}; choose from {list(GPT2_SMALL_SHAPES)}")
-    if args.iters < 1 or args.warmup < 0:
-        ap.error("--iters must be ≥ 1 and --warmup ≥ 0")
+    if args.iters < 1 or args.warmup < 0 or args.layers < 1:
+        ap.error("--iters and --layers must be ≥ 1 and --warmup ≥ 0")
     dev = args.device
     try:
         torch.empty(0, device=dev)
@@ -202,14 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     if peer_rows and "muon (ours, default)" not in peer_rows:
         peer_rows = {"muon (ours, default)": CONFIGS["muon (ours, default)"], **peer_rows}
     results = {"machine": info, "hardware": tag, "msign_choice": choice.as_dict(), "iters": iters,
-               "warmup": warmup, "shapes": dict(shapes), "rows": {},
+               "layers": args.layers, "warmup": warmup, "shapes": dict(shapes), "rows": {},
                "peer": {"shapes": dict(peer_shapes), "iters": peer_iters, "warmup": peer_warmup, "rows": {}}}
 
     base = None
     if main_rows:
-        times, stats, _ = run_rows(main_rows, shapes, iters, warmup, dev)
+        times, stats, _ = run_rows(main_rows, shapes, iters, warmup, dev, layers=args.layers)
         base = times.get("muon (ours, default)")
-        which = " (--quick: 1 of a layer's 4 matrices)" if args.quick else " (one GPT-2-small layer)"
+        which = (" (--quick: 1 of a layer's 4 matrices)" if args.quick and args.layers == 1 else
+                 " (one GPT-2-small layer)" if args.layers == 1 else f" × {args.layers} layers")
         print(f"\nstep time [{tag}], {', '.join(f'{a} {b}×{c}' for a, (b, c) in shapes)}{which}, "
               f"median of {iters} after {warmup} warm-up")
         print(f"{'optimizer':34s} {'ms/step':>9s} {'÷ our Muon':>10s}  dual iters (mean/max), residual (max) after "
