@@ -7,6 +7,7 @@ error curves of the presets are in ``docs/msign.md``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -201,16 +202,29 @@ def _msign_published(G: torch.Tensor, preset: NSPreset, steps: int, dtype: torch
 def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
     """Contiguous copy of X in ``dtype`` divided by ‖X‖_F·safety per matrix; a zero matrix stays exactly zero.
 
-    ``inplace=True`` writes into a fresh buffer with ``out=`` (one pass; not differentiable).
+    The norm is taken after an exact power-of-two prescale that brings each matrix's largest |entry| into [1, 2):
+    a float32 sum of squares of tiny entries underflows (‖X‖_F ≈ 1e-21 came out 3× too small, leaving singular
+    values near 3 and the iteration diverging to NaN — e.g. a momentum that decayed for ~1000 steps of zero
+    gradient) and one of huge entries overflows. ``inplace=True`` writes into a fresh buffer with ``out=`` (not
+    differentiable).
     """
     # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
     norm_dtype = torch.float64 if X.dtype == torch.float64 or dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    amax = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    usable = (amax > 0) & torch.isfinite(amax)
+    e_min = math.log2(torch.finfo(norm_dtype).tiny)  # -126 (float32), -1022 (float64): 2^-e stays finite
+    e = torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(e_min, -e_min)
+    pre = torch.where(usable, torch.exp2(-e), 1.0)
+    if not inplace:
+        Xp = X.to(dtype) * pre.to(dtype)
+    else:
+        Xp = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for a transposed view
+        torch.mul(X, pre.to(X.dtype) if X.dtype.itemsize >= pre.dtype.itemsize else pre, out=Xp)
+    norm = torch.linalg.vector_norm(Xp, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     scale = torch.where(norm > 0, 1.0 / (norm * safety + _NORM_EPS), torch.zeros_like(norm)).to(dtype)
     if not inplace:
-        return (X.to(dtype) * scale).contiguous()
-    out = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for the transposed (tall) view
-    return torch.mul(X, scale, out=out)
+        return (Xp * scale).contiguous()
+    return Xp.mul_(scale)
 
 
 def _iterate_inplace(X: torch.Tensor, triples: list[tuple[float, float, float]], tall: bool = False) -> torch.Tensor:
