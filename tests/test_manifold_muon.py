@@ -470,3 +470,23 @@ def test_cuda_manifold_group_batched_matches_cpu_per_matrix(name):
     for pg, pc in zip(gpu, cpu):
         assert man.check(pg.detach().cpu(), tol=1e-5)
         torch.testing.assert_close(pg.detach().cpu(), pc.detach(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_nan_weight_of_a_manifold_matrix_is_refused_before_anything_changes(on_nonfinite):
+    """Hostile trial: a NaN in a constrained weight (not its gradient) failed inside the retraction's eigh, unnamed,
+    after other matrices and momentum buffers had already changed."""
+    ps = [torch.nn.Parameter(_point("stiefel", 24, 8, seed=s, dtype=torch.float32)) for s in range(3)]
+    opt = Muon([{"params": ps, "names": ["a", "b", "c"]}], lr=0.05, manifold="stiefel", on_nonfinite=on_nonfinite)
+    for p in ps:
+        p.grad = _grad(24, 8, dtype=torch.float32)
+    opt.step()
+    with torch.no_grad():
+        ps[2][3, 1] = float("nan")
+    before = [p.detach().clone() for p in ps]
+    state = {k: v.clone() for k, v in opt.state[ps[0]].items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match=r"parameter 'c' \(24, 8\) holds NaN/Inf weights.*nothing was changed"):
+        opt.step()
+    for p, b in zip(ps, before):
+        torch.testing.assert_close(p.detach(), b, atol=0, rtol=0, equal_nan=True)
+    assert all(torch.equal(opt.state[ps[0]][k], v) for k, v in state.items())

@@ -373,6 +373,7 @@ class Muon(torch.optim.Optimizer):
     def _update(self) -> None:
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         work = self._with_grads()
+        self._check_manifold_weights(work)
         ok = None  # "skip": 0-dim bool device tensor, True when every gradient is finite
         if self.on_nonfinite == "raise":
             self._check_finite(work)
@@ -411,6 +412,20 @@ class Muon(torch.optim.Optimizer):
             if items:
                 work.append((gi, group, items))
         return work
+
+    def _check_manifold_weights(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
+        """Refuse the step, naming the parameter, when a manifold-constrained matrix itself holds NaN/Inf: its
+        retraction cannot run on it (one fused reduction and one host sync per device, for manifold groups only —
+        they sync anyway). Raised before anything changed, whatever ``on_nonfinite`` says (that is for gradients)."""
+        where = [(gi, group, i, p) for gi, group, items in work if group["algorithm"] == "muon"
+                 and group["manifold"] is not None for i, p in items]
+        if not where:
+            return
+        bad = first_nonfinite([p.detach() for *_, p in where])
+        if bad is not None:
+            gi, group, i, p = where[bad]
+            raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} holds NaN/Inf weights; "
+                             f"its manifold ({group['manifold']}) cannot be kept: step refused, nothing was changed")
 
     def _check_finite(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
         """Raise NonFiniteGradientError naming the first parameter whose gradient holds NaN/Inf, over all groups at
