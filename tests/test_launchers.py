@@ -293,7 +293,8 @@ def test_bad_cluster_options_are_one_line_and_exit_2(tmp_path, capsys, flags, ne
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["file-in-the-way", "unwritable", "settings"])
+@pytest.mark.parametrize("case", ["file-in-the-way", "unwritable", "settings", "dangling-link", "link-loop",
+                                  "file-as-run-dir"])
 def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, case):
     """Hostile-trial leftover: a dry run printed a plan for an --out the sweep could not write, or for a sweep
     directory whose recorded --steps the command contradicts; now it refuses as the command would (one line, exit
@@ -304,6 +305,14 @@ def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, cas
         out.write_text("x")
     elif case == "unwritable":
         out = Path("/proc/no/such/sweep")
+    elif case == "dangling-link":
+        out.symlink_to(tmp_path / "nowhere" / "dir")
+    elif case == "link-loop":
+        (tmp_path / "loop").symlink_to(out)
+        out.symlink_to(tmp_path / "loop")
+    elif case == "file-as-run-dir":
+        out.mkdir()
+        (out / "unconstrained-s0").write_text("x")
     else:
         assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", "--steps", "2",
                      "--no-report"]) == 0
@@ -315,12 +324,15 @@ def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, cas
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert {"file-in-the-way": "exists and is not a directory", "unwritable": "cannot create anything",
-            "settings": "run unconstrained-s0 was trained with train.max_steps=2"}[case] in err[0], err
-    if case == "settings":
-        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
-        # the same line as the command itself gives
+            "settings": "run unconstrained-s0 was trained with train.max_steps=2",
+            "dangling-link": "symbolic link that leads nowhere", "link-loop": "symbolic link that leads nowhere",
+            "file-as-run-dir": "unconstrained-s0: exists and is not a directory"}[case] in err[0], err
+    if case in ("settings", "file-as-run-dir"):
+        before = sorted(p.relative_to(out) for p in out.rglob("*")) if case == "file-as-run-dir" else before
+        # the same line as the command itself gives, and the command writes nothing either
         assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", *extra]) == 2
         assert capsys.readouterr().err.strip().splitlines() == err
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def test_dry_run_shows_extra_sbatch_options_and_no_resume(tmp_path, capsys):

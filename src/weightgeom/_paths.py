@@ -10,17 +10,18 @@ __all__ = ["unwritable_reason"]
 
 
 def unwritable_reason(out: Path, flag: str = "--out") -> str:
-    """Why ``out`` cannot become an output directory ("" when it can): a file in the way, or a nearest existing
-    ancestor that is not a directory or cannot be written. A real write test (a temporary directory created and
-    removed at once: permissions alone say nothing for root, /proc or a read-only mount); nothing else is created."""
+    """Why ``out`` cannot become an output directory ("" when it can): a file, a dangling or looping symbolic link in
+    the way (at ``out`` or above it), or a nearest existing ancestor that is not a directory or cannot be written.
+    A real write test (a temporary directory created and removed at once in that ancestor — which changes its
+    modification time — since permissions alone say nothing for root, /proc or a read-only mount); nothing is left."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        return f"{flag} {out}: exists and is not a directory"
     probe = out.absolute()
-    while not probe.exists():
+    while not os.path.lexists(probe):  # the nearest ancestor that is there in any form
         probe = probe.parent
-    if not probe.is_dir():
-        return f"{flag} {out}: {probe} exists and is not a directory"
+    if not probe.is_dir():  # a file, or a symbolic link that leads nowhere (dangling, or a loop)
+        what = "is a symbolic link that leads nowhere (dangling, or a loop)" if probe.is_symlink() and not \
+            probe.exists() else "exists and is not a directory"
+        return f"{flag} {out}: {probe} {what}" if probe != out.absolute() else f"{flag} {out}: {what}"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".wg-out-check-", dir=probe))
     except OSError as e:

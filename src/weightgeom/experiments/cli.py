@@ -206,7 +206,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         extra=dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", [])),
         setup=cl.get("slurm_setup", []),
         cluster=cl.get("submitit_cluster") or "slurm")
-    if dry_run:  # the refusals the command itself would make before submitting anything, then the plan
+    if not list_only:  # what the sweep would refuse, refused before anything is written (and by --dry-run alike)
         from weightgeom._paths import unwritable_reason
         from weightgeom.experiments.runner import check_before_writing
 
@@ -215,6 +215,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
             raise ValueError(problem)
         check_before_writing(runs, out, sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values),
                              resume)
+    if dry_run:
         extra = dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", []))
         notes = ([f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
                  + [f"setup: {line}" for line in cl.get("slurm_setup", [])]

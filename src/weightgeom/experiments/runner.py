@@ -28,6 +28,7 @@ with named parts, e.g. ``[parts.resmlp]`` and ``[parts.llama]`` (each a trainer 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -539,9 +540,16 @@ def check_before_writing(runs: Sequence[RunSpec], out: Path, planned: Any, resum
     sweep's own start, and ``--dry-run`` so that it predicts them): runs trained or started with other settings
     (when resuming) and sweep-level settings that differ (``planned``: :func:`sweep_settings`; None skips it).
 
+    Also refuses a run whose directory is taken by something that is not a directory (a file, a dangling link).
+
     Raises:
         SweepSettingsError: as :func:`check_recorded_settings` / :func:`check_sweep_settings`.
+        NotADirectoryError: a run's directory path holds something else.
     """
+    for spec in runs:
+        run_dir = Path(out) / spec.name
+        if os.path.lexists(run_dir) and not run_dir.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(run_dir))
     if resume:
         check_recorded_settings(runs, out)
     if isinstance(planned, dict):
