@@ -372,14 +372,16 @@ def test_unnamed_parameter_is_named_by_group_and_index_with_shape():
 
 
 def test_finiteness_check_is_one_reduction_over_all_groups(monkeypatch):
-    """The check costs one fused norm over every group's gradients (not one per group, not one per parameter)."""
+    """The check costs one fused norm over every group's gradients (not one per group, not one per parameter), and
+    the manifold group's weights ride along in it."""
     opt, params, _ = _three_group_muon("adamw")
     _grads(params, 1)
     calls = []
     real = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
     opt.step()
-    assert calls == [len(params)]
+    n_manifold = sum(len(g["params"]) for g in opt.param_groups if g["manifold"] is not None)
+    assert n_manifold >= 1 and calls == [len(params) + n_manifold]
 
 
 def test_first_nonfinite():
@@ -644,3 +646,20 @@ def test_same_shape_matrices_batched_equal_one_at_a_time(kw, monkeypatch):
         torch.testing.assert_close(pb, ps, atol=1e-6, rtol=0)
         assert torch.equal(opt.state[pb]["momentum_buffer"], o.state[ps]["momentum_buffer"])
         assert opt.state[pb]["step"] == o.state[ps]["step"] == 3
+
+
+@pytest.mark.parametrize("kw, key", [({"split": 2.5}, "split"), ({"split": "3"}, "split"), ({"split": True}, "split"),
+                                     ({"dual_project": "no"}, "dual_project"),
+                                     ({"msign_dtype": torch.complex64}, "msign_dtype"),
+                                     ({"msign_dtype": torch.int32}, "msign_dtype"),
+                                     ({"weight_decay": float("inf")}, "weight_decay")])
+def test_group_values_that_slipped_through_are_refused_by_name(kw, key):
+    """Hostile trial: these were accepted (split 2.5 used as 2, a truthy string for dual_project, complex/int
+    dtypes and an infinite decay failing only inside step)."""
+    with pytest.raises(ValueError, match=rf"{key}=.* is invalid"):
+        Muon([torch.nn.Parameter(torch.randn(8, 4))], lr=0.02, **kw)
+
+
+def test_empty_matrix_is_refused_at_construction_naming_it():
+    with pytest.raises(ValueError, match=r"parameter 'e' has shape \(0, 4\): an empty matrix"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(0, 4))], "names": ["e"]}], lr=0.02)

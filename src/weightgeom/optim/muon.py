@@ -12,6 +12,7 @@ where the direction is msign(U) without a manifold, or the manifold-Muon directi
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Iterable
 from functools import partial
@@ -288,6 +289,9 @@ class Muon(torch.optim.Optimizer):
                         f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D matrices "
                         f"(put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)"
                     )
+                if p.numel() == 0:
+                    raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}: an empty matrix has no "
+                                     "direction to orthogonalise (leave it out of the optimizer)")
                 k = group["split"]
                 out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
                 if k is not None and out_dim % int(k) != 0:
@@ -373,7 +377,6 @@ class Muon(torch.optim.Optimizer):
     def _update(self) -> None:
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         work = self._with_grads()
-        self._check_manifold_weights(work)
         ok = None  # "skip": 0-dim bool device tensor, True when every gradient is finite
         if self.on_nonfinite == "raise":
             self._check_finite(work)
@@ -383,11 +386,18 @@ class Muon(torch.optim.Optimizer):
             if self._skipped.device != device:
                 self._skipped = self._skipped.to(device)
             ok = all_finite(grads, device=device)
-            self._skipped.add_(~ok)
-            if any(g["algorithm"] == "muon" and g["manifold"] is not None for _, g, _ in work):
-                if not bool(ok):  # manifold groups read their dual ascent on the host anyway: one sync here
+            weights = self._manifold_items(work)
+            if weights:  # manifold groups read their dual ascent on the host anyway: one sync here, for both checks
+                grads_ok, weights_ok = torch.stack([ok, all_finite([p.detach() for *_, p in weights],
+                                                                   device=device)]).tolist()
+                if not weights_ok:
+                    self._check_manifold_weights(work)  # finds and names the matrix; raises
+                self._skipped.add_(~ok)
+                if not grads_ok:
                     return
                 ok = None
+            else:
+                self._skipped.add_(~ok)
         self.last_stats = {}
         for gi, group, items in work:
             if group["algorithm"] == "adamw":
@@ -413,25 +423,35 @@ class Muon(torch.optim.Optimizer):
                 work.append((gi, group, items))
         return work
 
+    @staticmethod
+    def _manifold_items(work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]
+                        ) -> list[tuple[int, dict[str, Any], int, torch.Tensor]]:
+        return [(gi, group, i, p) for gi, group, items in work if group["algorithm"] == "muon"
+                and group["manifold"] is not None for i, p in items]
+
+    def _refuse_nonfinite_weights(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor) -> None:
+        raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} holds NaN/Inf weights; its "
+                         f"manifold ({group['manifold']}) cannot be kept: step refused, nothing was changed")
+
     def _check_manifold_weights(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
         """Refuse the step, naming the parameter, when a manifold-constrained matrix itself holds NaN/Inf: its
-        retraction cannot run on it (one fused reduction and one host sync per device, for manifold groups only —
-        they sync anyway). Raised before anything changed, whatever ``on_nonfinite`` says (that is for gradients)."""
-        where = [(gi, group, i, p) for gi, group, items in work if group["algorithm"] == "muon"
-                 and group["manifold"] is not None for i, p in items]
-        if not where:
-            return
-        bad = first_nonfinite([p.detach() for *_, p in where])
+        retraction cannot run on it. Raised before anything changed, whatever ``on_nonfinite`` says (that is for
+        gradients). ``"raise"`` checks these weights in the gradients' one reduction (``_check_finite``), ``"skip"``
+        reads them with the gradients' flag (one sync) and calls this to name the matrix."""
+        where = self._manifold_items(work)
+        bad = first_nonfinite([p.detach() for *_, p in where]) if where else None
         if bad is not None:
-            gi, group, i, p = where[bad]
-            raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} holds NaN/Inf weights; "
-                             f"its manifold ({group['manifold']}) cannot be kept: step refused, nothing was changed")
+            self._refuse_nonfinite_weights(*where[bad])
 
     def _check_finite(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
         """Raise NonFiniteGradientError naming the first parameter whose gradient holds NaN/Inf, over all groups at
-        once (one fused reduction and one host sync when all are finite: ``first_nonfinite``)."""
+        once, and ValueError for a manifold-constrained matrix holding NaN/Inf weights (one fused reduction over the
+        gradients and those weights, one host sync when all are finite: ``first_nonfinite``)."""
         where = [(gi, group, i, p) for gi, group, items in work for i, p in items]
-        bad = first_nonfinite([p.grad for *_, p in where])
+        weights = self._manifold_items(work)
+        bad = first_nonfinite([p.grad for *_, p in where] + [p.detach() for *_, p in weights])
+        if bad is not None and bad >= len(where):
+            self._refuse_nonfinite_weights(*weights[bad - len(where)])
         if bad is not None:
             gi, group, i, p = where[bad]
             raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
@@ -666,6 +686,10 @@ def _retract(manifold, W: torch.Tensor) -> torch.Tensor:
     return manifold.retract(X).to(W.dtype)
 
 
+# The compute dtypes msign supports (``msign_dtype``).
+_MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _validate_values(group: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
 
@@ -693,8 +717,9 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         raise bad("adamw_lr", "must be ≥ 0 or None")
     if "momentum" in group and not 0.0 <= float(group["momentum"]) < 1.0:
         raise bad("momentum", "must be in [0, 1)")
-    if "weight_decay" in group and not float(group["weight_decay"]) >= 0.0:
-        raise bad("weight_decay", "must be ≥ 0")
+    if "weight_decay" in group and not (float(group["weight_decay"]) >= 0.0
+                                        and math.isfinite(float(group["weight_decay"]))):
+        raise bad("weight_decay", "must be a finite number ≥ 0")
     if "betas" in group:
         b = group["betas"]
         if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
@@ -711,13 +736,14 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         raise bad("dual_lr", "must be > 0")
     if "dual_tol" in group and not float(group["dual_tol"]) >= 0.0:
         raise bad("dual_tol", "must be ≥ 0")
-    if "msign_dtype" in group and group["msign_dtype"] is not None and not isinstance(group["msign_dtype"],
-                                                                                       torch.dtype):
-        raise bad("msign_dtype", "must be a torch.dtype or None")
-    for key in ("dual_normalize", "dual_warm_start"):
+    if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in _MSIGN_DTYPES:
+        raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in _MSIGN_DTYPES]}")
+    for key in ("dual_normalize", "dual_warm_start", "dual_project"):
         if key in group and not isinstance(group[key], bool):
             raise bad(key, "must be True or False")
-    if "split" in group and group["split"] is not None and int(group["split"]) < 1:
+    if "split" in group and group["split"] is not None and (
+            isinstance(group["split"], bool) or not hasattr(group["split"], "__index__")
+            or operator.index(group["split"]) < 1):
         raise bad("split", "must be None or an int ≥ 1")
     if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
         raise bad("manifold", "manifold constraints need algorithm='muon'")
