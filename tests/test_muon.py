@@ -416,6 +416,24 @@ def test_bench_cli_lists_and_rejects_unknown(capsys):
     assert "unknown benchmark" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, says", [(["--layers", "0"], "--layers: expected a positive integer, got '0'"),
+                                        (["--layers", "abc"], "--layers: expected a positive integer"),
+                                        (["--layers", "99999999999"], "is more than 96"),
+                                        (["--only", "nonsense"], "--only: 'nonsense' matches no row"),
+                                        (["--json", "/proc/no/x.json"], "cannot create anything in /proc"),
+                                        (["--iters", "-1"], "--iters: expected a positive integer")])
+def test_optimizer_step_bad_arguments_are_one_line_before_any_work(args, says, monkeypatch, capsys):
+    """Hostile trial: these were argparse's 5-line usage block, a silent empty run (--only), a traceback after the
+    whole benchmark (--json) or an unbounded hang (--layers huge)."""
+    from weightgeom.benchmarks import optimizer_step
+
+    monkeypatch.setattr(optimizer_step, "machine_info", lambda dev: pytest.fail("started before checking arguments"))
+    with pytest.raises(SystemExit) as e:
+        optimizer_step.main(["--quick", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
 # ---- init: "retract" (from a random init) or "keep" (fine-tuning pretrained weights) ---------------------------------
 @pytest.mark.parametrize("where", ["keyword", "group"])
 def test_bad_init_value_is_one_line(where):

@@ -47,7 +47,6 @@ Prints a small table and one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -60,6 +59,7 @@ import torch
 
 from weightgeom._cache import cache_root
 from weightgeom.benchmarks._common import cpu_kind, hardware_tag
+from weightgeom.cli import OneLineParser
 
 RSS_TARGET_GB = 3.0
 TIME_TARGET_S = 600.0
@@ -228,7 +228,7 @@ print(json.dumps({"wall_s": wall, "peak_rss_bytes": peak, "role_bytes": role_byt
 
 def main(argv: list[str] | None = None) -> int:
     """Generate (once) and analyse the checkpoint; print the table and a JSON line. Returns 0, or 1 on a failure."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shape (8 layers, hidden 1024, ~0.3 GB): minutes")
     ap.add_argument("--cache-dir", default=None,
                     help="where the generated checkpoint is kept (default: analysis_scale/ under weightgeom's "

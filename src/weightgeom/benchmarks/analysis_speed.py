@@ -32,7 +32,6 @@ Prints a small table and one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -44,6 +43,7 @@ import torch
 
 from weightgeom.analysis import analyze_full, load
 from weightgeom.benchmarks._common import hardware_tag
+from weightgeom.cli import OneLineParser
 
 TARGET_S = 30.0
 SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_attn.v_proj": (192, 576),
@@ -95,7 +95,7 @@ def svd_reference(loaded, layers: int) -> tuple[dict, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=None, help="layers of the checkpoint (default 30; --quick: 8)")
     ap.add_argument("--quick", action="store_true",
                     help="8 layers (about a minute on a 2-core CPU, SVD reference included); target scaled by 8/30")

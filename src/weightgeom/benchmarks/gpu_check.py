@@ -23,11 +23,12 @@ Exit code: 0 when every section passed, 1 when one failed, 2 without a CUDA devi
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from weightgeom.cli import OneLineParser
 
 _MACHINE = r"""
 import platform, torch
@@ -105,7 +106,7 @@ def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default; exit 2 without one) or cpu (a quick smoke run of the same sections)")
     ap.add_argument("--iters", type=int, default=10, help="timed steps of the optimizer benchmark on CUDA")

@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -33,6 +32,7 @@ import time
 import torch
 
 from weightgeom.benchmarks._common import hardware_tag
+from weightgeom.cli import OneLineParser
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
@@ -99,7 +99,7 @@ def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="adamw,muon", help="comma list of base optimizers (adamw, muon)")
     ap.add_argument("--layers", type=int, default=None, help="GPT-2-small blocks (default 1 on CPU, 12 on CUDA)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10 on CPU, 50 on CUDA)")

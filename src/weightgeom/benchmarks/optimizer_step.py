@@ -26,14 +26,15 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 
+from weightgeom._paths import unwritable_reason
 from weightgeom.benchmarks._common import (
     GPT2_SMALL_SHAPES,
     hardware_tag,
@@ -41,10 +42,13 @@ from weightgeom.benchmarks._common import (
     machine_info,
     matmul_gflops,
 )
+from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
 from weightgeom.optim import Muon
 from weightgeom.optim.muon import FarRetractionWarning
 
+# --layers at most this many (GPT-2-XL has 48; more would only take memory and time).
+MAX_LAYERS = 96
 TARGET_MUON_VS_TORCH = 1 / 20
 TARGET_MANIFOLD_VS_MUON = 2.5
 TARGET_MSIGN_VS_MATMUL = 0.85
@@ -156,24 +160,28 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--iters", type=int, default=3, help="timed steps per optimizer (median reported)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (they also warm-start Λ)")
+    ap.add_argument("--iters", type=positive_int, default=3, help="timed steps per optimizer (median reported)")
+    ap.add_argument("--warmup", type=nonneg_int, default=2, help="untimed steps first (they also warm-start Λ)")
     ap.add_argument("--quick", action="store_true",
                     help=f"≤ 3 min on a 2-core CPU: 1 warm-up + 1 timed step on {'/'.join(QUICK_SHAPES)} only, "
                          f"torch.optim.Muon 1 step on {'/'.join(QUICK_PEER_SHAPES)}; no paper-dual or bf16 rows of "
                          "ours")
     ap.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    ap.add_argument("--layers", type=int, default=1,
-                    help="GPT-2-small layers in the step table (default 1; 12 = the whole model, where same-shape "
-                         "matrices are batched: plain Muon everywhere, manifold Muon on a GPU)")
+    ap.add_argument("--layers", type=positive_int, default=1,
+                    help=f"GPT-2-small layers in the step table (default 1, at most {MAX_LAYERS}; 12 = the whole "
+                         "model, where same-shape matrices are batched: plain Muon everywhere, manifold Muon on a "
+                         "GPU)")
     ap.add_argument("--peer-shapes", default="",
                     help="comma list of the shapes (of " + ", ".join(GPT2_SMALL_SHAPES) + ") the bf16 rows "
                          "(torch.optim.Muon, our bf16 preset) are timed on, next to our default Muon (default: all; "
                          "--quick: " + ",".join(QUICK_PEER_SHAPES) + ")")
     ap.add_argument("--json", default="", help="write the results to this JSON file")
     args = ap.parse_args(argv)
+    selected = {k: v for k, v in CONFIGS.items() if not args.only or any(s in k for s in args.only.split(","))}
+    if not selected:
+        ap.error(f"argument --only: {args.only!r} matches no row; rows: {', '.join(CONFIGS)}")
     # the random start matrices are far from the manifolds: the first-step retraction warning is expected here
     warnings.filterwarnings("ignore", category=FarRetractionWarning)
     all_shapes = list(GPT2_SMALL_SHAPES.items())
@@ -182,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in peer_names if s not in GPT2_SMALL_SHAPES]
     if bad:
         ap.error(f"--peer-shapes: unknown shape(s) {bad}; choose from {list(GPT2_SMALL_SHAPES)}")
-    if args.iters < 1 or args.warmup < 0 or args.layers < 1:
-        ap.error("--iters and --layers must be ≥ 1 and --warmup ≥ 0")
+    if args.layers > MAX_LAYERS:
+        ap.error(f"argument --layers: {args.layers} is more than {MAX_LAYERS} (GPT-2-small has 12, GPT-2-XL 48)")
+    if args.json:
+        problem = ("exists and is a directory" if Path(args.json).is_dir() else
+                   unwritable_reason(Path(args.json).absolute().parent, "--json folder"))
+        if problem:
+            ap.error(f"argument --json: {args.json}: {problem}" if "--json folder" not in problem else problem)
     dev = args.device
     try:
         torch.empty(0, device=dev)
@@ -200,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     choice = msign_choice(dev)
     print(f"msign default here: {choice.describe()}")
 
-    selected = {k: v for k, v in CONFIGS.items() if not args.only or any(s in k for s in args.only.split(","))}
     skipped = [k for k in selected if args.quick and k in QUICK_SKIPPED]
     main_rows = {k: v for k, v in selected.items() if k not in PEER_ROWS and k not in skipped}
     peer_rows = {k: v for k, v in selected.items() if k in PEER_ROWS and k not in skipped}

@@ -18,7 +18,6 @@ reported too. Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightgeom.benchmarks._common import hardware_tag
+from weightgeom.cli import OneLineParser
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
 from weightgeom.train.config import load_config
@@ -116,7 +116,7 @@ PRESETS = {
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="cpu")
     ap.add_argument("--rounds", type=int, default=10, help="alternating timing rounds")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round per side")
