@@ -94,6 +94,13 @@ def _zero(t: torch.Tensor) -> str | None:
     return None
 
 
+def skip_kind(reason: str) -> str:
+    """The kind of a skipped matrix from its reason: ``"empty"``, ``"all-zero"`` or ``"non-finite"`` (NaN/Inf)."""
+    if reason.startswith("empty"):
+        return "empty"
+    return "all-zero" if reason.startswith("all zero") else "non-finite"
+
+
 def _run_key(role: str, run: list[RoleWeight], runs: list[list[RoleWeight]]) -> str:
     """Name of a run's heatmap: the role, with the shape (and layer range) when the role has several runs."""
     if len(runs) == 1:
@@ -553,11 +560,12 @@ def analyze_full(
             on_role_done(_result(ctx, src, by_role, done, method, metrics, t_start, skipped))
     if skipped and len(skipped) == total:
         names = ", ".join(dict.fromkeys(d["tensor"] for d in skipped[:3]))
-        if any(d["reason"].startswith("empty") for d in skipped):
-            raise ValueError(f"no matrix can be analysed: every one is empty or holds NaN/Inf ({total} matrices, "
-                             f"e.g. {names})")
-        raise ValueError(f"every matrix holds NaN or Inf ({total} matrices, e.g. {names}): nothing to analyse "
-                         "(a diverged checkpoint?)")
+        if all(skip_kind(d["reason"]) == "non-finite" for d in skipped):
+            raise ValueError(f"every matrix holds NaN or Inf ({total} matrices, e.g. {names}): nothing to analyse "
+                             "(a diverged checkpoint?)")
+        kinds = sorted({skip_kind(d["reason"]).replace("non-finite", "NaN/Inf") for d in skipped})
+        raise ValueError(f"no matrix can be analysed: every one is {' or '.join(kinds)} ({total} matrices, "
+                         f"e.g. {names})")
     res = _result(ctx, src, by_role, done, method, metrics, t_start, skipped)
     if on_role_done is not None:
         on_role_done(res)

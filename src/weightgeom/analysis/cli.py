@@ -70,13 +70,16 @@ def _load_inputs(args: argparse.Namespace, path: Path):
 
 
 def _warn_skipped(res) -> None:
-    """One stderr line naming the matrices left out (NaN/Inf, or empty); the analysis of the others went on."""
+    """One stderr line naming the matrices left out (NaN/Inf, all-zero or empty); the analysis of the others went
+    on."""
+    from weightgeom.analysis.api import skip_kind
+
     skipped = res.meta.get("skipped") or []
     if skipped:
         shown = ", ".join(f"{d['tensor']} ({d['reason']})" for d in skipped[:5])
         more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         what, pron = ("matrix", "it") if len(skipped) == 1 else ("matrices", "them")
-        kinds = {"empty" if d["reason"].startswith("empty") else "non-finite" for d in skipped}
+        kinds = {skip_kind(d["reason"]) for d in skipped}
         kind = " or ".join(sorted(kinds))
         why = " (NaN/Inf)" if "non-finite" in kinds else ""
         print(f"weightgeom analyze: warning: skipped {len(skipped)} {kind} {what}{why}: {shown}{more}; "
