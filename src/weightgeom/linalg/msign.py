@@ -129,8 +129,11 @@ def msign(
             ``"polar_express_paper"``: bfloat16 everywhere unless given.
         start_step: continue an iteration: G is the output of ``msign(G0, method, steps=start_step, dtype)`` and
             only steps ``start_step … steps − 1`` are applied (no new normalisation), so
-            ``msign(msign(G0, steps=k), steps=n, start_step=k)`` equals ``msign(G0, steps=n)``. Used to refine a
-            cheap inner iterate into the accurate one without starting over.
+            ``msign(msign(G0, steps=k), steps=n, start_step=k)`` equals ``msign(G0, steps=n)`` — bitwise when G0's
+            dtype holds the compute dtype's values exactly (at least as wide: float32 G0 with a bf16 or float32
+            compute), else up to the rounding of the returned iterate to G0's dtype (bf16 G0 with a float32 compute,
+            float32 G0 with a float64 one). Used to refine a cheap inner iterate into the accurate one without
+            starting over.
 
     Returns:
         Tensor of G's shape and dtype. A zero matrix maps to zero (never NaN).

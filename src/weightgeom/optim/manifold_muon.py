@@ -228,6 +228,11 @@ def sampled_tangent_residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifol
 def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
                        columns: int = RESIDUAL_SAMPLE_COLUMNS) -> torch.Tensor:
     """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape)."""
+    if int(columns) < 1:
+        raise ValueError(f"sampled_tangent_residual: columns must be ≥ 1, got {columns!r}")
+    if X.shape != A.shape or X.shape[-2] < X.shape[-1]:
+        raise ValueError(f"sampled_tangent_residual: X {tuple(X.shape)} and A {tuple(A.shape)} must be the same "
+                         "tall (m ≥ n) shape: pass tall views (weightgeom.manifolds.base.tall)")
     n = X.shape[-1]
     if n <= columns:
         return torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)[1]) / n
