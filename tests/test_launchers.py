@@ -294,7 +294,7 @@ def test_bad_cluster_options_are_one_line_and_exit_2(tmp_path, capsys, flags, ne
 
 
 @pytest.mark.parametrize("case", ["file-in-the-way", "unwritable", "settings", "dangling-link", "link-loop",
-                                  "file-as-run-dir"])
+                                  "file-as-run-dir", "in-use"])
 def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, case):
     """Hostile-trial leftover: a dry run printed a plan for an --out the sweep could not write, or for a sweep
     directory whose recorded --steps the command contradicts; now it refuses as the command would (one line, exit
@@ -313,6 +313,15 @@ def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, cas
     elif case == "file-as-run-dir":
         out.mkdir()
         (out / "unconstrained-s0").write_text("x")
+    elif case == "in-use":  # a live sweep (here: this test's parent process) holds the directory
+        import platform
+
+        from weightgeom.train import rundir
+
+        out.mkdir()
+        (out / rundir.LOCK_NAME).write_text(json.dumps({
+            "pid": os.getppid(), "host": platform.node(), "start": rundir._proc_start_time(os.getppid()),
+            "time": "2026-12-03T00:00:00Z", "command": ["weightgeom", "sweep"]}))
     else:
         assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", "--steps", "2",
                      "--no-report"]) == 0
@@ -326,9 +335,10 @@ def test_dry_run_predicts_the_refusals_of_the_real_command(tmp_path, capsys, cas
     assert {"file-in-the-way": "exists and is not a directory", "unwritable": "cannot create anything",
             "settings": "run unconstrained-s0 was trained with train.max_steps=2",
             "dangling-link": "symbolic link that leads nowhere", "link-loop": "symbolic link that leads nowhere",
-            "file-as-run-dir": "unconstrained-s0: exists and is not a directory"}[case] in err[0], err
-    if case in ("settings", "file-as-run-dir"):
-        before = sorted(p.relative_to(out) for p in out.rglob("*")) if case == "file-as-run-dir" else before
+            "file-as-run-dir": "unconstrained-s0: exists and is not a directory",
+            "in-use": f"is in use by pid {os.getppid()}"}[case] in err[0], err
+    if case in ("settings", "file-as-run-dir", "in-use"):
+        before = sorted(p.relative_to(out) for p in out.rglob("*")) if case != "settings" else before
         # the same line as the command itself gives, and the command writes nothing either
         assert main(["sweep", "manifolds", "ci", "--out", str(out), "--only", "unconstrained", *extra]) == 2
         assert capsys.readouterr().err.strip().splitlines() == err

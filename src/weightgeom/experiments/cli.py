@@ -210,7 +210,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         from weightgeom._paths import unwritable_reason
         from weightgeom.experiments.runner import check_before_writing
 
-        problem = unwritable_reason(out)
+        problem = unwritable_reason(out) or (DirLock(out, what="sweep directory").in_use_reason() if lock else "")
         if problem:
             raise ValueError(problem)
         check_before_writing(runs, out, sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values),

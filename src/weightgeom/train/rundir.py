@@ -152,6 +152,29 @@ class DirLock:
         self.held = False
         self.took_over: dict[str, Any] | None = None  # the stale owner this lock replaced, if any
 
+    def _in_use(self, rec: dict[str, Any], stale: bool | None) -> str:
+        """The refusal for a lock held by ``rec`` (``stale`` None: on another host, which cannot be checked)."""
+        if stale is None:
+            return (f"{self.what} {self.directory} is in use by {_describe(rec)}; that host cannot be checked from "
+                    f"here: if that process is gone, delete {self.path}")
+        return (f"{self.what} {self.directory} is in use by {_describe(rec)}; wait for it to finish or choose "
+                "another directory")
+
+    def in_use_reason(self) -> str:
+        """Why :meth:`acquire` would refuse now ("" when it would not), read without taking or changing anything —
+        for a dry run that must predict the command's refusals."""
+        if self.held:
+            return ""
+        rec = read_lock(self.directory)
+        if rec is None:
+            return ""
+        with contextlib.suppress(OSError):
+            rec.setdefault("_mtime", self.path.stat().st_mtime)
+        if rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
+            return f"{self.what} {self.directory} is already in use by this process"
+        stale = lock_is_stale(rec)
+        return "" if stale else self._in_use(rec, stale)
+
     def _record(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": platform.node(), "start": _proc_start_time(os.getpid()),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv}
@@ -177,13 +200,8 @@ class DirLock:
                             raise LockError(f"{self.what} {self.directory} is already in use by this process") \
                                 from None
                         stale = lock_is_stale(rec)
-                        if stale is None:
-                            raise LockError(
-                                f"{self.what} {self.directory} is in use by {_describe(rec)}; that host cannot be "
-                                f"checked from here: if that process is gone, delete {self.path}") from None
                         if not stale:
-                            raise LockError(f"{self.what} {self.directory} is in use by {_describe(rec)}; wait for "
-                                            "it to finish or choose another directory") from None
+                            raise LockError(self._in_use(rec, stale)) from None
                         self.took_over = rec
                         self.path.unlink(missing_ok=True)
                         continue
