@@ -328,3 +328,12 @@ def test_muon_survives_a_long_run_of_zero_gradients():
         p.grad = torch.zeros(16, 8)
         opt.step()
     assert torch.isfinite(p).all()
+
+
+def test_gradient_through_a_batch_with_a_zero_matrix_is_finite():
+    """Hostile trial: the zero matrix of a batch got a NaN gradient in float32 (0·inf in the normalisation)."""
+    G = torch.randn(3, 20, 8, generator=torch.Generator().manual_seed(2))
+    G[1] = 0
+    G.requires_grad_(True)
+    msign(G).sum().backward()
+    assert torch.isfinite(G.grad).all() and torch.equal(G.grad[1], torch.zeros(20, 8))

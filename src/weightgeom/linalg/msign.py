@@ -224,7 +224,8 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
         Xp = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for a transposed view
         torch.mul(X, pre.to(X.dtype) if X.dtype.itemsize >= pre.dtype.itemsize else pre, out=Xp)
     norm = torch.linalg.vector_norm(Xp, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    scale = torch.where(norm > 0, 1.0 / (norm * safety + _NORM_EPS), torch.zeros_like(norm)).to(dtype)
+    nonzero = norm > 0  # 1/norm only where it is finite, so a zero matrix's gradient is 0, not NaN (0·inf)
+    scale = torch.where(nonzero, 1.0 / (torch.where(nonzero, norm, 1.0) * safety + _NORM_EPS), 0.0).to(dtype)
     if not inplace:
         return (Xp * scale).contiguous()
     return Xp.mul_(scale)
