@@ -527,7 +527,7 @@ def analyze_full(
             W = materialize(rw.weight)
             why = _empty(W) or _nonfinite(W) or _zero(W)
             if why is not None:
-                kind = why if why.startswith(("empty", "all zero")) else f"non-finite ({why})"
+                kind = why if skip_kind(why) != "non-finite" else f"non-finite ({why})"
                 skipped.append({"role": role, "layer": rw.layer, "tensor": rw.name, "reason": why})
                 m, n = W.shape
                 ctx.layer_rows.append({"role": role, "layer": rw.layer, "tensor": rw.name, "out_dim": m, "in_dim": n,

@@ -118,9 +118,8 @@ RUN_DIR_MARKERS = ("status.json", "metrics.jsonl", ".weightgeom.lock", "sweep.js
 
 def _unusable_out(out: Path) -> str:
     """Why ``--out`` cannot take the report ("" when it can): a file in the way, a run or sweep directory (its one
-    writer is the trainer), or a nearest existing directory that cannot be written. Creates nothing."""
-    if out.exists() and not out.is_dir():
-        return f"--out {out}: exists and is not a directory"
+    writer is the trainer), or a nearest existing directory that cannot be written (``unwritable_reason``). Creates
+    nothing."""
     marker = next((m for m in RUN_DIR_MARKERS if (out / m).exists()), None)
     if marker:
         return (f"--out {out}: is a training run or sweep directory ({marker}); the analysis writes only into its "

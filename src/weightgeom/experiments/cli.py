@@ -200,12 +200,12 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
             except ValueError as e:
                 raise ValueError(f"--gpus-per-run {resources.gpus}: run {spec.name}: {e}; add --set "
                                  f"train.grad_accum={resources.gpus}") from None
+    extra = dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", []))
     runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
         launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
-        array_parallelism=cl.get("array_parallelism") or 0,
-        extra=dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", [])),
-        setup=cl.get("slurm_setup", []),
+        array_parallelism=cl.get("array_parallelism") or 0, extra=extra, setup=cl.get("slurm_setup", []),
         cluster=cl.get("submitit_cluster") or "slurm")
+    planned = sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values)
     if not list_only:  # what the sweep would refuse, refused before anything is written (and by --dry-run alike)
         from weightgeom._paths import unwritable_reason
         from weightgeom.experiments.runner import check_before_writing
@@ -213,10 +213,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         problem = unwritable_reason(out) or (DirLock(out, what="sweep directory").in_use_reason() if lock else "")
         if problem:
             raise ValueError(problem)
-        check_before_writing(runs, out, sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values),
-                             resume)
+        check_before_writing(runs, out, planned, resume)
     if dry_run:
-        extra = dict(launchers.check_slurm_opt(item) for item in cl.get("slurm_opt", []))
         notes = ([f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
                  + [f"setup: {line}" for line in cl.get("slurm_setup", [])]
                  + ([f"array parallelism: {cl['array_parallelism']}"] if cl.get("array_parallelism") else []))
@@ -237,7 +235,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
                   f"{len(seeds)} seeds) from {sweep['_path']} → {out}", flush=True)
         meta = {"recipe": recipe.name, "config": str(sweep["_path"]), "label": label, "seeds": seeds, "steps": steps,
                 "only": only_list,
-                SWEEP_SETTINGS_KEY: sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values)}
+                SWEEP_SETTINGS_KEY: planned}
         manifest = run_sweep(runs, out, train_fn=train_fn, resume=resume, progress=progress,
                              trainer_progress=progress and not quiet_trainer, post_run=recipe.post_run, meta=meta,
                              jobs=jobs, threads=threads, lock=False, launcher=runner_launcher)

@@ -163,10 +163,11 @@ def msign(
 
     # Iterate in G's own orientation (no transposing copy in or out for a row-major G): the Gram matrix is min(m, n)²
     # either way, XXᵀ for a wide (or square) G, XᵀX for a tall one (the same polynomial with the transposed products).
-    # The buffer is a fresh row-major copy of G's values whatever G's memory layout, so the result does not depend on
-    # the layout (an iteration that followed the layout changed results by rounding, which msign amplifies ~1e4× in
-    # its small singular directions: DDP and single-process runs then differed by 1e-3 after 5 steps).
-    X = G.contiguous()  # (a copy only for a non-row-major G; the norm below then sums in one order too)
+    # The buffer is a fresh row-major copy of G's values whatever G's memory layout, and the norm is summed over that
+    # buffer, so the result does not depend on the layout (an iteration that followed the layout changed results by
+    # rounding, which msign amplifies ~1e4× in its small singular directions: DDP and single-process runs then
+    # differed by 1e-3 after 5 steps).
+    X = G
     tall = X.shape[-2] > X.shape[-1]
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
@@ -219,15 +220,15 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     e = torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(e_min, -e_min)
     pre = torch.where(usable, torch.exp2(-e), 1.0)
     if not inplace:
-        Xp = X.to(dtype) * pre.to(dtype)
+        Xp = (X.to(dtype) * pre.to(dtype)).contiguous()
     else:
         Xp = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for a transposed view
-        torch.mul(X, pre.to(X.dtype) if X.dtype.itemsize >= pre.dtype.itemsize else pre, out=Xp)
+        torch.mul(X, pre, out=Xp)
     norm = torch.linalg.vector_norm(Xp, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     nonzero = norm > 0  # 1/norm only where it is finite, so a zero matrix's gradient is 0, not NaN (0·inf)
     scale = torch.where(nonzero, 1.0 / (torch.where(nonzero, norm, 1.0) * safety + _NORM_EPS), 0.0).to(dtype)
     if not inplace:
-        return (Xp * scale).contiguous()
+        return Xp * scale
     return Xp.mul_(scale)
 
 

@@ -235,7 +235,7 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
                          "tall (m ≥ n) shape: pass tall views (weightgeom.manifolds.base.tall)")
     n = X.shape[-1]
     if n <= columns:
-        return torch.linalg.matrix_norm(_residual_matrix(X, A, manifold)[1]) / n
+        return manifold.tangent_residual(X, A)
     j0 = (n - columns) // 2
     J = slice(j0, j0 + columns)
     block = X.mT @ A[..., J] + A.mT @ X[..., J]  # (..., n, |J|): columns J of XᵀA + AᵀX

@@ -439,7 +439,7 @@ class Muon(torch.optim.Optimizer):
         gradients). ``"raise"`` checks these weights in the gradients' one reduction (``_check_finite``), ``"skip"``
         reads them with the gradients' flag (one sync) and calls this to name the matrix."""
         where = self._manifold_items(work)
-        bad = first_nonfinite([p.detach() for *_, p in where]) if where else None
+        bad = first_nonfinite([p.detach() for *_, p in where])
         if bad is not None:
             self._refuse_nonfinite_weights(*where[bad])
 
@@ -641,9 +641,8 @@ class Muon(torch.optim.Optimizer):
             feed_dtype=dtype if dtype.itemsize < W32.dtype.itemsize else None,
         )
         # per-matrix statistics (worst block of a split matrix): one host read for the bucket
-        lead = len(ps) if not one else 1
-        res = info["residuals"].reshape(lead, -1).amax(dim=1).tolist()
-        dres = info["dual_residuals"].reshape(lead, -1).amax(dim=1).tolist()
+        res = info["residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
+        dres = info["dual_residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
         adjust = group["adjust_lr_fn"] or "none"
         for j, ((name, _), Wj, st) in enumerate(zip(entries, Ws, states)):
             st["dual_multiplier"] = lam if one else lam[j].clone()  # a clone: state must not hold batch views
