@@ -337,3 +337,22 @@ def test_gradient_through_a_batch_with_a_zero_matrix_is_finite():
     G.requires_grad_(True)
     msign(G).sum().backward()
     assert torch.isfinite(G.grad).all() and torch.equal(G.grad[1], torch.zeros(20, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["row_major", "transposed", "batched"])
+def test_column_norms_equal_vector_norm(dtype, layout):
+    """column_norms (the fast CPU reduction the retractions use) gives vector_norm's values, in ≥ float32."""
+    from weightgeom.linalg import column_norms
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(3, 70, 40, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 40, dtype=torch.float64)
+    X = X[0] if layout == "row_major" else X[0].T.contiguous().T if layout == "transposed" else X
+    X = X.to(dtype)
+    want = torch.linalg.vector_norm(X.double(), dim=-2)
+    got = column_norms(X)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert got.shape == want.shape and column_norms(X, keepdim=True).shape == (*X.shape[:-2], 1, X.shape[-1])
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=0)
+    torch.testing.assert_close(column_norms(X, squared=True).double(), want.square(), rtol=3 * tol, atol=0)

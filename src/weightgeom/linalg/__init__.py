@@ -2,7 +2,8 @@
 
 from weightgeom.linalg.autotune import MsignChoice, msign_choice, orthogonality_error
 from weightgeom.linalg.msign import MSIGN_PRESETS, NSPreset, default_dtype, msign, msign_reference
+from weightgeom.linalg.norms import column_norms
 from weightgeom.linalg.topsv import top_singular
 
 __all__ = ["msign", "msign_reference", "MSIGN_PRESETS", "NSPreset", "default_dtype", "top_singular", "MsignChoice",
-           "msign_choice", "orthogonality_error"]
+           "msign_choice", "orthogonality_error", "column_norms"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom.linalg.norms import column_norms
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
@@ -68,7 +69,7 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     ignored. Pairs of zero columns (d_i + d_j = 0) get Λ_ij = 0: the constraint between them is vacuous.
     ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
     """
-    d = (X * X).sum(dim=-2)
+    d = column_norms(X, squared=True)
     H = X.mT @ Y if S is None else S
     H = off(H + H.mT)
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
@@ -101,7 +102,7 @@ def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: i
     more than ``UNRESOLVED_TOL``) are completed exactly: ``complete_small_columns``.
     """
     Z = X.to(compute_dtype(X))
-    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    norms = column_norms(Z, keepdim=True)
     Q = polar_near_columns(Z, norms, steps) if method == "polar_express" else None
     if Q is None:
         Q = polar(Z, method, steps)
@@ -121,7 +122,7 @@ def complete_small_columns(Z: torch.Tensor, Q: torch.Tensor, norms: torch.Tensor
     (Gram–Schmidt, applied twice). On a manifold point this gives z_j/‖z_j‖, so the retraction stays idempotent;
     it costs an m×|S|² SVD only when some column is small.
     """
-    qn = torch.linalg.vector_norm(Q, dim=-2, keepdim=True)
+    qn = column_norms(Q, keepdim=True)
     fro = torch.linalg.vector_norm(Z, dim=(-2, -1), keepdim=True)
     tol = UNRESOLVED_TOL.get(Q.dtype, UNRESOLVED_TOL[torch.float32])
     bad = (norms > 0) & ((norms < SMALL_COLUMN * fro) | ((qn - 1).abs() > tol))
@@ -150,7 +151,7 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     completed exactly (``complete_small_columns``).
     """
     Z = X.to(compute_dtype(X))
-    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    norms = column_norms(Z, keepdim=True)
     nonzero = norms > 0
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
     Q = polar_near(Zn) if method == "polar_express" and bool(nonzero.all()) else None

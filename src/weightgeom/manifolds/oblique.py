@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom.linalg.norms import column_norms
 from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, tall, tall_pair, untall
 
 __all__ = ["Oblique", "normalize_columns", "normalize_columns_paper", "oblique_proj_tangent", "PAPER_NORM_FLOOR"]
@@ -24,7 +25,7 @@ def normalize_columns(X: torch.Tensor) -> torch.Tensor:
     columns mutually orthogonal. Computed in float32/float64, returned in X's dtype.
     """
     Z = X.to(compute_dtype(X))
-    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    norms = column_norms(Z, keepdim=True)
     eye = torch.eye(Z.shape[-2], Z.shape[-1], dtype=Z.dtype, device=Z.device)
     out = torch.where(norms > 0, Z / norms.clamp_min(torch.finfo(Z.dtype).tiny), eye)
     return out.to(X.dtype)
@@ -34,7 +35,7 @@ def normalize_columns_paper(X: torch.Tensor) -> torch.Tensor:
     """The manifold-assignment paper's published retraction: each column of tall X divided by max(‖x_j‖, 1e-8)
     (a zero column stays zero, so it is not on the manifold). Computed in float32/float64, returned in X's dtype."""
     Z = X.to(compute_dtype(X))
-    norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+    norms = column_norms(Z, keepdim=True)
     return (Z / norms.clamp_min(PAPER_NORM_FLOOR)).to(X.dtype)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightgeom.linalg import msign, msign_reference
+from weightgeom.linalg import column_norms, msign, msign_reference
 from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
@@ -39,7 +39,8 @@ DUAL_KEEP = ("best", "last")
 # a lower bound; measured after rescaling: ‖A‖₂ − 1 ≤ 1e-12 on 96×32 toys, ≤ 2.5e-4 on 3072×768 in float32 (spectra
 # i^−0.5 and i^−1; tested on the toys); on projected directions of GPT-2-small shapes (768², 2304×768, 3072×768;
 # Stiefel and DGram; Gaussian and rank-20 momenta; bf16 and fp32 msign) the estimate is low by ≤ 9.6e-4 relative
-# with 32 steps, by up to 5.1e-3 with 16 (so 32 stay).
+# with 32 steps, by up to 5.1e-3 with 16 (so 32 stay); from a bf16 Gram with the exact diagonal (the optimizer's
+# choice when its msign computes in bf16) off by ≤ 4.3e-4 either way (docs/muon.md).
 PROJECT_NORM_ITERS = 32
 PROJECT_NORM_TOL = 2e-3
 # Columns sampled to measure the tangent residual of a projected direction (``sampled_tangent_residual``): after the
@@ -198,7 +199,7 @@ def manifold_direction(
         stats["cold_multiplier"] = cold
     if project:
         Ap = manifold.proj_tangent_tall(X, A, S)
-        norm = spectral_norm_estimate(Ap)
+        norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype)
         fresh = Ap.data_ptr() not in (A.data_ptr(), X.data_ptr())  # in place only on the projection's own tensor
         A = Ap.div_(norm.clamp_min(1.0)) if fresh else Ap / norm.clamp_min(1.0)
         rv = _sampled_residuals(X, A, manifold)
@@ -245,24 +246,37 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
 
 
-def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS) -> torch.Tensor:
+def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
+                           gram_dtype: torch.dtype | None = None) -> torch.Tensor:
     """‖A‖₂ of each matrix of a batch (..., m, n), (..., 1, 1): ``iters`` Lanczos steps on AᵀA from a fixed start.
 
     The largest Ritz value is a lower bound on ‖A‖₂² that converges much faster than power iteration when the
-    singular values cluster near the top (a projected manifold-Muon direction: most σ ≈ 1, a few above). Full
-    reorthogonalisation (k ≤ ``iters`` vectors of length n); cost ``iters``·(4mn + 4kn) flops per matrix plus a
-    k×k eigenvalue problem, in float64 for the small parts.
+    singular values cluster near the top (a projected manifold-Muon direction: most σ ≈ 1, a few above). The Gram
+    matrix AᵀA (n×n, n = A's last dim) is formed once — one m×n×n product, in ``gram_dtype`` when given (e.g.
+    bfloat16, where that product is several times faster; the diagonal, the columns' squared norms, is then
+    recomputed in A's dtype, so only the off-diagonal entries carry that dtype's rounding: they move the estimate
+    at second order, measured ≤ 1e-4 relative, ``docs/muon.md``) — and the Lanczos steps are n×n products on it:
+    on a tall A that is cheaper than 2·``iters`` m×n matrix-vector products, which stream all of A from memory each
+    time. Full reorthogonalisation (k ≤ ``iters`` vectors of length n); a k×k eigenvalue problem in float64.
     """
+    if A.shape[-2] < A.shape[-1]:
+        A = A.mT  # the same singular values; the smaller Gram
     n = A.shape[-1]
     k = max(1, min(int(iters), n))
     lead = A.shape[:-2]
+    if gram_dtype is not None and gram_dtype != A.dtype:
+        An = A.to(gram_dtype)
+        G = (An.mT @ An).to(A.dtype)
+        G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True))
+    else:
+        G = A.mT @ A
     g = torch.Generator(device="cpu").manual_seed(0)
     v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
     v = (v / torch.linalg.vector_norm(v)).expand(*lead, n, 1).contiguous()
     Q = [v]
     alphas, betas = [], []
     for j in range(k):
-        w = A.mT @ (A @ Q[j])
+        w = G @ Q[j]
         a = (Q[j] * w).sum(dim=-2, keepdim=True)
         alphas.append(a)
         Qm = torch.cat(Q, dim=-1)  # (..., n, j+1): full reorthogonalisation (twice is enough)

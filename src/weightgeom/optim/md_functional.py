@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from weightgeom.linalg.norms import column_norms
+
 GAINS = ("row+col", "row", "col", "scalar", "none")
 PARAMETERIZATIONS = ("softplus", "exp", "direct")
 SPHERES = ("frobenius", "row", "col")
@@ -210,7 +212,7 @@ def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
     if sphere == "row":
         return torch.linalg.vector_norm(D, dim=-1, keepdim=True)
     if sphere == "col":
-        return torch.linalg.vector_norm(D, dim=-2, keepdim=True)
+        return column_norms(D, keepdim=True).to(D.dtype)
     raise ValueError(f"MagnitudeDirection: unknown sphere {sphere!r}; choose from {SPHERES}")
 
 
