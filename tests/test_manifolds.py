@@ -398,6 +398,33 @@ def test_stiefel_near_retraction_matches_svd_polar(shape, dtype, dist, monkeypat
     assert m.check(R, tol=TOL[dtype]).ok
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("eta", [1e-5, 0.02, 0.05, 0.3])
+def test_stiefel_near_retraction_takes_the_lowest_sufficient_order(eta, dtype, monkeypatch):
+    """After a tangent step W − η·A (the optimizer's case: E ≈ η²AᵀA, spectral radius ≪ ‖E‖_F) polar_near cuts its
+    series at the lowest order whose remainder bound is below rounding — fewer n×n×n products — and still matches
+    the SVD polar factor; the chosen orders are those the bound predicts (float32: order 1 at η = 1e-5, 2 at 0.02,
+    3 at 0.05, one iteration each; at 0.3 order 3 and a second iteration; float64 needs more)."""
+    m = Stiefel()
+    X0 = m.random_point(256, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    A = m.proj_tangent(X0, rand(256, 32, seed=8))
+    A = A / torch.linalg.matrix_norm(A, ord=2)
+    W = (X0 - eta * A).to(dtype)
+    orders: list[int] = []
+    real = stiefel_mod._near_correction
+    monkeypatch.setattr(stiefel_mod, "_near_correction", lambda E, k: orders.append(k) or real(E, k))
+    R = stiefel_mod.polar_near(W)
+    ref = Stiefel(method="svd").retract(W.to(torch.float64))
+    assert R is not None and rel(R, ref) < TOL[dtype] and m.check(R, tol=TOL[dtype]).ok
+    if dtype == torch.float32:
+        if eta < 0.3:
+            assert orders == [{1e-5: 1, 0.02: 2, 0.05: 3}[eta]]
+        else:
+            assert len(orders) == 2 and orders[0] == 3
+    else:
+        assert orders[-1] < 3 or len(orders) > 1 and orders[:-1] == [3] * (len(orders) - 1)
+
+
 def test_stiefel_far_point_uses_polar_express():
     W = rand(64, 16, seed=6)  # ‖WᵀW − I‖_F ≫ NEAR_TOL
     assert float(torch.linalg.matrix_norm(stiefel_mod.gram_deviation(W))) > stiefel_mod.NEAR_TOL
