@@ -528,3 +528,25 @@ def test_nan_weight_of_a_manifold_matrix_is_refused_before_anything_changes(on_n
     for p, b in zip(ps, before):
         torch.testing.assert_close(p.detach(), b, atol=0, rtol=0, equal_nan=True)
     assert all(torch.equal(opt.state[ps[0]][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("how", ["wide", "in_out"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_storage_steps_as_its_row_major_tall_twin(name, how, dtype):
+    """A matrix whose tall view is not row-major (a wide weight, or an in_out layout) is stepped on a row-major copy
+    written back once: its steps are bitwise the transpose of those of the same matrix stored tall and row-major."""
+    T = torch.nn.Parameter(_point(name, 96, 32, seed=3, dtype=dtype))
+    O = torch.nn.Parameter(T.detach().T.contiguous())  # same values, transposed storage
+    kw = {"layout": "in_out"} if how == "in_out" else {}
+    opt_t = Muon([{"params": [T], "names": ["t"]}], lr=0.05, manifold=name, weight_decay=0.1)
+    opt_o = Muon([{"params": [O], "names": ["o"]}], lr=0.05, manifold=name, weight_decay=0.1, **kw)
+    for s in range(3):
+        G = _grad(96, 32, seed=20 + s, dtype=dtype)
+        T.grad, O.grad = G, G.T.contiguous()
+        opt_t.step()
+        opt_o.step()
+        # in_out: O's (out, in) view is O.T — the tall matrix itself; wide: O is the wide (out, in) weight
+        assert torch.equal(O.detach().T, T.detach()), (s, float((O.detach().T - T.detach()).abs().max()))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert O.is_contiguous() and manifolds.get(name).check(O.detach().float(), tol=tol)

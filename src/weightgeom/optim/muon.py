@@ -611,18 +611,30 @@ class Muon(torch.optim.Optimizer):
         firsts = ["momentum_buffer" not in st for st in states]  # host-side: no step counter is read
         Us = [_matrices(self._momentum(group, p), group["layout"], group["split"]) for p in ps]
         Ws = [_matrices(p, group["layout"], group["split"]) for p in ps]  # (out, in) views, or (k, out/k, in) blocks
+        one = len(ps) == 1
+        # The step runs on row-major tall matrices: the parameter itself when its tall view is one, else (a wide or an
+        # in_out matrix; a batch) a row-major copy written back once at the end — on the CPU, in-place updates and fused
+        # products into a transposed view cost 3–7× their row-major versions (a 768×3072 Stiefel step took 135 ms
+        # against 123 ms for 3072×768 on the AMX Xeon). Elementwise results are the same bits either way.
+        flip = Ws[0].shape[-2] < Ws[0].shape[-1]
+        talls = [w.mT if flip else w for w in Ws]
+        copied = not (one and talls[0].is_contiguous())
+        X = (talls[0].contiguous() if one else torch.stack(talls)) if copied else talls[0]
+        Gt = [u.mT if flip else u for u in Us]
+        W = X.mT if flip else X  # in the parameters' orientation
+        views = [W] if one else W.unbind(0)  # the working matrices (the parameter itself when not copied)
         if group["init"] == "retract":
-            for (name, _), W, first in zip(entries, Ws, firsts):
+            for (name, _), V, first in zip(entries, views, firsts):
                 if first:  # start on the manifold
-                    R = _retract(manifold, W)
-                    dist = float(torch.linalg.vector_norm(R - W) / torch.linalg.vector_norm(W).clamp_min(1e-30))
+                    R = _retract(manifold, V)
+                    dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
                     if dist > FAR_RETRACTION:
                         self._far_retractions[name] = (dist, manifold.name)
-                    W.copy_(R)
-        one = len(ps) == 1
-        W = Ws[0] if one else torch.stack(Ws)
+                    V.copy_(R)
+        Gw = Gt[0].contiguous() if one else torch.stack(Gt)
+        Gw = Gw.mT if flip else Gw
         W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
-        G32 = (Us[0] if one else torch.stack(Us)).to(W32.dtype)
+        G32 = Gw.to(W32.dtype)
         inner, final, continues, dtype = self._manifold_msign_fns(group, W32)
         warm = group["dual_warm_start"]
 
@@ -648,14 +660,13 @@ class Muon(torch.optim.Optimizer):
             st["dual_multiplier"] = lam if one else lam[j].clone()  # a clone: state must not hold batch views
             st["dual_cold"] = info["cold_multiplier"] if one else info["cold_multiplier"][j].clone()
             self.last_stats[name] = {"tangent_residual": res[j], "dual_iters": iters, "dual_residual": dres[j]}
-            apply_update(Wj, direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
+            apply_update(views[j], direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
                          group["weight_decay"])
-        if group.get("init", "retract") == "retract":
-            if one:
-                Ws[0].copy_(_retract(manifold, Ws[0]))
-            else:
-                for Wj, R in zip(Ws, _retract(manifold, torch.stack(Ws)).unbind(0)):
-                    Wj.copy_(R)
+        retract = group["init"] == "retract"
+        if retract or copied:
+            R = _retract(manifold, W) if retract else W
+            for Wj, Rj in zip(Ws, [R] if one else R.unbind(0)):
+                Wj.copy_(Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
 
