@@ -203,6 +203,9 @@ def _msign_published(G: torch.Tensor, preset: NSPreset, steps: int, dtype: torch
     return torch.nan_to_num(X).to(G.dtype)
 
 
+_WIDE_RANGE = (torch.bfloat16, torch.float32, torch.float64)  # dtypes with at least float32's exponent range
+
+
 def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
     """Contiguous copy of X in ``dtype`` divided by ‖X‖_F·safety per matrix; a zero matrix stays exactly zero.
 
@@ -214,7 +217,13 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     """
     # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
     norm_dtype = torch.float64 if X.dtype == torch.float64 or dtype == torch.float64 else torch.float32
-    amax = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    # max |x|, exact in any dtype: ~6× faster on the CPU than vector_norm(ord=inf) (0.55 vs 3.7 ms, 3072×768); in
+    # float32/64 as max(amax, −amin), which allocates no |X| temporary (0.35 ms); NaN propagates either way
+    dims = (-2, -1)
+    if X.dtype in (torch.float32, torch.float64):
+        amax = torch.maximum(X.amax(dim=dims, keepdim=True), X.amin(dim=dims, keepdim=True).neg()).to(norm_dtype)
+    else:
+        amax = X.abs().amax(dim=dims, keepdim=True).to(norm_dtype)
     usable = (amax > 0) & torch.isfinite(amax)
     e_min = math.log2(torch.finfo(norm_dtype).tiny)  # -126 (float32), -1022 (float64): 2^-e stays finite
     e = torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(e_min, -e_min)
@@ -223,7 +232,9 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
         Xp = (X.to(dtype) * pre.to(dtype)).contiguous()
     else:
         Xp = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for a transposed view
-        torch.mul(X, pre, out=Xp)
+        # a power of two is exact in X's dtype when that has float32's exponent range (not float16): multiplying in
+        # X's own dtype avoids promoting a bf16 X to float32 on the way (0.48 vs 1.07 ms, 3072×768)
+        torch.mul(X, pre.to(X.dtype) if X.dtype in _WIDE_RANGE else pre, out=Xp)
     norm = torch.linalg.vector_norm(Xp, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     nonzero = norm > 0  # 1/norm only where it is finite, so a zero matrix's gradient is 0, not NaN (0·inf)
     scale = torch.where(nonzero, 1.0 / (torch.where(nonzero, norm, 1.0) * safety + _NORM_EPS), 0.0).to(dtype)
