@@ -58,8 +58,10 @@ UNRESOLVED_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 
 
 def off(S: torch.Tensor) -> torch.Tensor:
-    """Off-diagonal part of a batch of square matrices (diagonal set to zero)."""
-    return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
+    """Off-diagonal part of a batch of square matrices (diagonal set to zero; a copy, whatever the diagonal holds)."""
+    R = S.clone()
+    R.diagonal(dim1=-2, dim2=-1).zero_()
+    return R
 
 
 def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
