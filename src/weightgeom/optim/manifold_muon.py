@@ -148,10 +148,17 @@ def manifold_direction(
     Y = G.mT if t else G
     n = X.shape[-1]
     gnorm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
-    if normalize:
-        Y = Y * (n**0.5 / (gnorm + _NORM_EPS))
-    narrow = feed_dtype is not None and feed_dtype != X.dtype
-    Xf, Yf = (X.to(feed_dtype), Y.to(feed_dtype)) if narrow else (X, Y)
+    scale = n**0.5 / (gnorm + _NORM_EPS) if normalize else None
+    if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
+        Xf = X.to(feed_dtype)
+        Yf = torch.empty(Y.shape, dtype=feed_dtype, device=Y.device)  # row-major whatever Y's layout
+        if scale is None:
+            Yf.copy_(Y)
+        else:
+            torch.mul(Y, scale, out=Yf)
+    else:
+        Xf = X
+        Yf = Y if scale is None else Y * scale
     cold = initial_multiplier(Xf, Yf, manifold).to(X.dtype)
     if Lambda0 is None:
         Lam = cold
@@ -272,25 +279,27 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
         G = A.mT @ A
     g = torch.Generator(device="cpu").manual_seed(0)
     v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
-    v = (v / torch.linalg.vector_norm(v)).expand(*lead, n, 1).contiguous()
-    Q = [v]
-    alphas, betas = [], []
+    # the Lanczos basis in one preallocated (..., n, k) buffer: its not-yet-filled columns are zero, so
+    # reorthogonalising against all k columns is the same as against those so far (few small operations per step)
+    Q = G.new_zeros(*lead, n, k)
+    q = Q[..., :, :1]
+    q.copy_((v / torch.linalg.vector_norm(v)).expand(*lead, n, 1))
+    coef = G.new_zeros(*lead, k, 2)  # (α_j, β_j): T's diagonal and off-diagonal
+    tiny = torch.finfo(A.dtype).tiny
     for j in range(k):
-        w = G @ Q[j]
-        a = (Q[j] * w).sum(dim=-2, keepdim=True)
-        alphas.append(a)
-        Qm = torch.cat(Q, dim=-1)  # (..., n, j+1): full reorthogonalisation (twice is enough)
-        for _ in range(2):
-            w = w - Qm @ (Qm.mT @ w)
+        w = G @ q
+        coef[..., j:j + 1, :1] = q.mT @ w
+        for _ in range(2):  # full reorthogonalisation (twice is enough)
+            w = addmm_batched(w, Q, Q.mT @ w, alpha=-1.0)
         if j == k - 1:
             break
         b = torch.linalg.vector_norm(w, dim=-2, keepdim=True)
-        betas.append(b)
-        Q.append(torch.where(b > 0, w / b.clamp_min(torch.finfo(A.dtype).tiny), torch.zeros_like(w)))
-    T = torch.diag_embed(torch.cat(alphas, dim=-1).squeeze(-2).to(torch.float64))
-    if betas:
-        off = torch.cat(betas, dim=-1).squeeze(-2).to(torch.float64)
-        T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+        coef[..., j:j + 1, 1:] = b
+        q = Q[..., :, j + 1:j + 2]
+        torch.div(w, b.clamp_min(tiny), out=q)  # an exhausted Krylov space (b = 0, w = 0) gives a zero vector
+    coef = coef.to(torch.float64)
+    off = coef[..., :-1, 1]
+    T = torch.diag_embed(coef[..., 0]) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
     top = torch.linalg.eigvalsh(T)[..., -1]
     return top.clamp_min(0).sqrt().to(A.dtype).reshape(*lead, 1, 1)
 
