@@ -290,6 +290,32 @@ def test_low_precision_input_keeps_dtype(make):
 
 
 @params_m
+def test_low_precision_tangent_projection_keeps_dtype(make):
+    """proj_tangent of bf16/fp16 point and direction: same dtype out, tangent to that dtype's rounding (DGram's
+    column norms once came back float32 and the product mixed dtypes)."""
+    m = make()
+    for dt in (torch.bfloat16, torch.float16):
+        W = point(m, (16, 6), torch.float32).to(dt)
+        P = m.proj_tangent(W, rand(16, 6, seed=3).to(dt))
+        assert P.dtype == dt and P.shape == (16, 6) and torch.isfinite(P).all()
+        assert float(m.tangent_residual(W.float(), P.float()).max()) < 2e-2
+
+
+@params_m
+def test_empty_matrix_retracts_to_itself(make):
+    """A matrix with no rows or no columns retracts to an empty matrix of its shape (polar_near once crashed on the
+    0×0 Gram); Stiefel keeps refusing it (msign needs a nonempty matrix) by name."""
+    m = make()
+    for shape in [(0, 4), (4, 0), (2, 0, 3)]:
+        try:
+            R = m.retract(torch.zeros(shape))
+        except ValueError as e:
+            assert isinstance(m, Stiefel) and "msign" in str(e), e
+            continue
+        assert R.shape == shape
+
+
+@params_m
 def test_bad_input_raises(make):
     m = make()
     with pytest.raises(ValueError, match="matrices"):

@@ -351,8 +351,23 @@ def test_column_norms_equal_vector_norm(dtype, layout):
     X = X.to(dtype)
     want = torch.linalg.vector_norm(X.double(), dim=-2)
     got = column_norms(X)
-    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert got.dtype == dtype
     assert got.shape == want.shape and column_norms(X, keepdim=True).shape == (*X.shape[:-2], 1, X.shape[-1])
-    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2 ** -8}[dtype]  # bf16: rounding the result
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=0)
     torch.testing.assert_close(column_norms(X, squared=True).double(), want.square(), rtol=3 * tol, atol=0)
+
+
+def test_column_norms_edges():
+    """A zero column has norm 0 and gradient 0 (not NaN); complex input gives the moduli's norms; a vector is
+    refused by name."""
+    from weightgeom.linalg import column_norms
+
+    X = torch.tensor([[0.0, 3.0], [0.0, 4.0]], requires_grad=True)
+    n = column_norms(X)
+    n.sum().backward()
+    assert n.tolist() == [0.0, 5.0] and torch.isfinite(X.grad).all() and X.grad[:, 0].tolist() == [0.0, 0.0]
+    assert column_norms(torch.tensor([[3 + 4j], [0j]])).tolist() == [5.0]
+    assert column_norms(torch.zeros(0, 3)).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="column_norms"):
+        column_norms(torch.ones(3))

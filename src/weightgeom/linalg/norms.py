@@ -14,12 +14,24 @@ __all__ = ["column_norms"]
 
 
 def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) -> torch.Tensor:
-    """L2 norm of every column of X (..., m, n): shape (..., n), or (..., 1, n) with ``keepdim``.
+    """L2 norm of every column of X (..., m, n): shape (..., n), or (..., 1, n) with ``keepdim``; in X's (real) dtype.
 
-    Summed in X's dtype when it is float32 or float64, else in float32 (and returned in that dtype); the same
-    values as ``torch.linalg.vector_norm(X, dim=-2)`` up to summation-order rounding (tested). Like it, no rescaling
-    against overflow or underflow of the squares. ``squared``: the squared norms (no square root).
+    Summed in at least float32 (bf16/fp16 input is upcast first), so it gives ``torch.linalg.vector_norm(X, dim=-2)``'s
+    values up to summation-order rounding (tested); complex input gives the norms of the moduli. Like vector_norm,
+    no rescaling against overflow or underflow of the squares, and the gradient at a zero column is 0.
+    ``squared``: the squared norms (no square root).
+
+    Raises:
+        ValueError: X has fewer than 2 dimensions.
     """
-    Xc = X if X.dtype in (torch.float32, torch.float64) else X.float()
+    if X.ndim < 2:
+        raise ValueError(f"column_norms: X must be a matrix or a batch of matrices (..., m, n), got shape "
+                         f"{tuple(X.shape)}")
+    out_dtype = X.real.dtype if X.is_complex() else X.dtype
+    Xc = X.abs() if X.is_complex() else X
+    Xc = Xc if Xc.dtype in (torch.float32, torch.float64) else Xc.float()
     s = Xc.square().sum(dim=-2, keepdim=keepdim)
-    return s if squared else s.sqrt()
+    if not squared:
+        pos = s > 0
+        s = torch.where(pos, torch.where(pos, s, 1.0).sqrt(), 0.0)  # no inf·0 = NaN gradient at a zero column
+    return s.to(out_dtype)

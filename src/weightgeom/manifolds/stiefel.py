@@ -60,6 +60,8 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
         did not converge in ``_NEAR_MAX_ITERS`` iterations — callers then use the Polar Express iteration.
     """
     Xc = X.to(compute_dtype(X))
+    if Xc.numel() == 0:  # no columns (or rows): nothing to orthonormalise
+        return Xc
     tol = NEAR_REMAINDER[Xc.dtype]
     for _ in range(_NEAR_MAX_ITERS):
         if E is None:

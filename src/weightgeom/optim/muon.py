@@ -624,8 +624,8 @@ class Muon(torch.optim.Optimizer):
         W = X.mT if flip else X  # in the parameters' orientation
         views = [W] if one else W.unbind(0)  # the working matrices (the parameter itself when not copied)
         if group["init"] == "retract":
-            for (name, _), V, first in zip(entries, views, firsts):
-                if first:  # start on the manifold
+            for (name, _), V, first in zip(entries, [X] if one else X.unbind(0), firsts):
+                if first:  # start on the manifold (retracted in the tall orientation, as every later step)
                     R = _retract(manifold, V)
                     dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
                     if dist > FAR_RETRACTION:
@@ -664,9 +664,9 @@ class Muon(torch.optim.Optimizer):
                          group["weight_decay"])
         retract = group["init"] == "retract"
         if retract or copied:
-            R = _retract(manifold, W) if retract else W
+            R = _retract(manifold, X) if retract else X  # tall, like X
             for Wj, Rj in zip(Ws, [R] if one else R.unbind(0)):
-                Wj.copy_(Rj)
+                Wj.copy_(Rj.mT if flip else Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
 
