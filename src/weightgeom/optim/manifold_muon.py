@@ -19,7 +19,6 @@ units and Λ can be warm-started across steps whatever the gradient scale.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -45,9 +44,9 @@ DUAL_KEEP = ("best", "last")
 # choice when its msign computes in bf16) off by ≤ 4.3e-4 either way (docs/muon.md).
 PROJECT_NORM_ITERS = 32
 PROJECT_NORM_TOL = 2e-3
-# A Lanczos coefficient β below this times ‖AᵀA‖_F is rounding noise (an invariant Krylov subspace was found): the
-# recurrence ends (``spectral_norm_estimate``). A few float32 epsilons: noise measured at ~1e-7·‖AᵀA‖₂ on orthonormal
-# 96×32 float32 matrices; a genuine β that small moves the top Ritz value by at most β.
+# A Lanczos coefficient β below this times sqrt(n)·max_j ‖a_j‖² (≥ ‖AᵀA‖_F/sqrt(n)) is rounding noise (an invariant
+# Krylov subspace was found): the recurrence ends (``spectral_norm_estimate``). Noise measured at ~1e-7 of ‖AᵀA‖₂
+# on orthonormal 96×32 float32 matrices; a genuine β that small moves the top Ritz value by at most β.
 LANCZOS_BREAKDOWN = 1e-5
 # Columns sampled to measure the tangent residual of a projected direction (``sampled_tangent_residual``): after the
 # projection it is at rounding level by construction, so the exact m×n×n product (as costly as the projection
@@ -264,72 +263,78 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     """‖A‖₂ of each matrix of a batch (..., m, n), (..., 1, 1): ``iters`` Lanczos steps on AᵀA from a fixed start.
 
     The largest Ritz value is a lower bound on ‖A‖₂² that converges much faster than power iteration when the
-    singular values cluster near the top (a projected manifold-Muon direction: most σ ≈ 1, a few above). The Gram
-    matrix AᵀA (n×n, n = A's smaller dim) is formed once — one m×n×n product, in ``gram_dtype`` when given (e.g.
-    bfloat16, where that product is several times faster; the diagonal, the columns' squared norms, is then
-    recomputed in A's dtype, so only the off-diagonal entries carry that dtype's rounding: they move the estimate
-    at second order, measured ≤ 5e-4 relative, ``docs/muon.md``) — and the Lanczos steps are n×n products on it:
-    on a tall A that is cheaper than 2·``iters`` m×n matrix-vector products, which stream all of A from memory each
-    time. Full reorthogonalisation (k ≤ ``iters`` vectors of length n); a k×k eigenvalue problem in float64.
+    singular values cluster near the top (a projected manifold-Muon direction: most σ ≈ 1, a few above). On a tall
+    A (m ≥ 2n, n = A's smaller dim) the Gram matrix AᵀA is formed once — one m×n×n product, in ``gram_dtype`` when
+    given (e.g. bfloat16, where that product is several times faster; the diagonal, the columns' squared norms, is
+    then recomputed in A's dtype, so only the off-diagonal entries carry that dtype's rounding: measured ≤ 5e-4
+    relative, ``docs/muon.md``) — and the steps are n×n products on it, cheaper than 2·``iters`` m×n
+    matrix-vector products that stream all of A from memory each time; a near-square A is used directly (there
+    forming AᵀA costs more than it saves; ``gram_dtype`` is then unused). Full reorthogonalisation (k ≤ ``iters``
+    vectors of length n); a k×k eigenvalue problem in float64.
 
-    A is first scaled by a power of two that brings its largest |entry| to [1, 2) (exact; the Gram neither overflows
-    nor underflows; with ``gram_dtype`` the exact diagonal is summed from A's own squares, so there float32 entries
-    beyond ~1e19 give NaN — the float32 path has no such limit). When the Krylov space becomes invariant early (A
-    with few distinct singular values, e.g. orthonormal columns) the next Lanczos coefficient β is rounding noise;
-    a β below ``LANCZOS_BREAKDOWN``·‖AᵀA‖_F ends that matrix's recurrence (its later basis vectors are zero), since
-    normalising the noise would lose orthogonality and overshoot ‖A‖₂ many-fold. A matrix holding NaN/Inf gets NaN
-    (the others of the batch are unaffected).
+    The steps run on AᵀA divided by its largest diagonal entry, so any scale of A works as long as that Gram is
+    finite (float32 entries beyond ~1e19 overflow it: NaN; below ~1e-19 its entries lose digits). When the Krylov
+    space becomes invariant early (A with few distinct singular values, e.g. orthonormal columns) the next Lanczos
+    coefficient β is rounding noise; a β below ``LANCZOS_BREAKDOWN``·sqrt(n) (in those units) ends that matrix's
+    recurrence (its later basis vectors are zero), since normalising the noise would lose orthogonality and
+    overshoot ‖A‖₂ many-fold. A matrix holding NaN/Inf gets NaN (the others of the batch are unaffected).
     """
     if A.shape[-2] < A.shape[-1]:
         A = A.mT  # the same singular values; the smaller Gram
     n = A.shape[-1]
     k = max(1, min(int(iters), n))
     lead = A.shape[:-2]
-    dims = (-2, -1)
-    amax = torch.maximum(A.amax(dim=dims, keepdim=True), A.amin(dim=dims, keepdim=True).neg()).to(torch.float64)
-    usable = (amax > 0) & torch.isfinite(amax)
-    e_lim = -math.log2(torch.finfo(A.dtype).tiny)
-    pre = torch.where(usable, torch.exp2(-torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(-e_lim, e_lim)),
-                      1.0)
-    if gram_dtype is not None and gram_dtype != A.dtype:
-        An = torch.empty(A.shape, dtype=gram_dtype, device=A.device)
-        torch.mul(A, pre.to(A.dtype), out=An)
-        G = (An.mT @ An).to(A.dtype)
-        G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True) * pre.squeeze(-1).square())
-    else:
-        Ap = A * pre.to(A.dtype)
-        G = Ap.mT @ Ap
+    if A.shape[-2] >= 2 * n:  # tall: form the Gram once, each step is an n×n product
+        if gram_dtype is not None and gram_dtype != A.dtype:
+            An = A.to(gram_dtype)
+            G = (An.mT @ An).to(A.dtype)
+            G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True))
+        else:
+            G = A.mT @ A
+        top_diag = G.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).unsqueeze(-1)
+    else:  # near-square: forming AᵀA costs more than the steps' products with A itself
+        G = None
+        top_diag = column_norms(A, squared=True).amax(dim=-1, keepdim=True).unsqueeze(-1)
+    # AᵀA / its largest diagonal entry (which bounds every |entry| of a PSD matrix): the Lanczos vectors' norms
+    # neither overflow nor underflow whatever A's scale
+    unit = torch.where(top_diag > 0, top_diag, 1.0)
+    if G is not None:
+        G = G / unit
+
+    def gram_times(x: torch.Tensor) -> torch.Tensor:
+        return G @ x if G is not None else (A.mT @ (A @ x)) / unit
+
     g = torch.Generator(device="cpu").manual_seed(0)
     v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
-    # the Lanczos basis in one preallocated (..., n, k) buffer: its not-yet-filled columns are zero, so
-    # reorthogonalising against all k columns is the same as against those so far (few small operations per step)
-    Q = G.new_zeros(*lead, n, k)
+    # the Lanczos basis in one preallocated (..., n, k) buffer, filled a column per step (no concatenation)
+    Q = A.new_zeros(*lead, n, k)
     q = Q[..., :, :1]
     q.copy_((v / torch.linalg.vector_norm(v)).expand(*lead, n, 1))
-    coef = G.new_zeros(*lead, k, 2)  # (α_j, β_j): T's diagonal and off-diagonal
-    floor = (LANCZOS_BREAKDOWN * torch.linalg.matrix_norm(G, keepdim=True)).nan_to_num(nan=0.0)
+    alphas, betas = [], []  # T's diagonal and off-diagonal, (..., 1, 1) each
+    floor = LANCZOS_BREAKDOWN * n**0.5  # in units of AᵀA's largest diagonal entry
+    tiny = torch.finfo(A.dtype).tiny
     for j in range(k):
-        w = G @ q
-        coef[..., j:j + 1, :1] = q.mT @ w
+        w = gram_times(q)
+        alphas.append(q.mT @ w)
+        Qj = Q[..., :, :j + 1]  # the basis so far (a view: no copy)
         for _ in range(2):  # full reorthogonalisation (twice is enough)
-            w = addmm_batched(w, Q, Q.mT @ w, alpha=-1.0)
+            w = addmm_batched(w, Qj, Qj.mT @ w, alpha=-1.0)
         if j == k - 1:
             break
         b = torch.linalg.vector_norm(w, dim=-2, keepdim=True)
-        b = torch.where(b > floor, b, 0.0)  # breakdown: an invariant subspace is found, the recurrence ends here
-        coef[..., j:j + 1, 1:] = b
+        keep = b > floor  # else breakdown: an invariant subspace is found, the recurrence ends here
+        b = b * keep
+        betas.append(b)
         q = Q[..., :, j + 1:j + 2]
-        torch.div(w, b, out=q)
-        q.masked_fill_(b == 0, 0.0)  # (also 0/0) a zero vector: every later α, β is zero
-    coef = coef.to(torch.float64)
-    finite = torch.isfinite(coef).all(dim=-1).all(dim=-1)
-    coef = torch.where(finite[..., None, None], coef, 0.0)
-    off = coef[..., :-1, 1]
-    T = torch.diag_embed(coef[..., 0]) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+        torch.div(w * keep, b.clamp_min(tiny), out=q)  # a zero vector after a breakdown: later α, β are zero
+    coef = torch.cat(alphas + betas + [torch.zeros_like(alphas[0])], dim=-1).squeeze(-2).to(torch.float64)
+    finite = torch.isfinite(coef).all(dim=-1)
+    coef = torch.where(finite[..., None], coef, 0.0)
+    diag, off = coef[..., :k], coef[..., k:2 * k - 1]
+    T = torch.diag_embed(diag) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
     top = torch.linalg.eigvalsh(T)[..., -1]
     top = torch.where(finite, top, float("nan"))
-    norm = top.clamp_min(0).sqrt().reshape(*lead, 1, 1) / pre
-    return norm.to(A.dtype)
+    return (top.clamp_min(0).sqrt().reshape(*lead, 1, 1) * unit.to(torch.float64).sqrt()).to(A.dtype)
 
 
 def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
