@@ -212,7 +212,7 @@ def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
     if sphere == "row":
         return torch.linalg.vector_norm(D, dim=-1, keepdim=True)
     if sphere == "col":
-        return column_norms(D, keepdim=True).to(D.dtype)
+        return column_norms(D, keepdim=True)
     raise ValueError(f"MagnitudeDirection: unknown sphere {sphere!r}; choose from {SPHERES}")
 
 
