@@ -67,7 +67,7 @@ PEER_ROWS = ("torch.optim.Muon", "muon (ours, muon preset bf16)")
 
 # name -> (factory kind, kwargs). "default": the library's manifold defaults (one dual iteration from the predicted
 # multiplier, msign in the per-device dtype and step count like our Muon, then the float32 tangent projection rescaled
-# into the unit spectral ball); "fp32 msign": the same in float32 throughout (what a CPU without bf16 units runs);
+# to unit spectral norm); "fp32 msign": the same in float32 throughout (what a CPU without bf16 units runs);
 # "paper dual": the manifold-assignment paper's dual settings (K = 20, α = 0.1 linear, 10-step float32 msign, no
 # projection: the dual ascent itself must reach the tolerance) with G normalised and Λ warm-started;
 # "fast dual+proj": 4 dual steps with a 5-step msign inside the loop + one accurate final msign, α = 0.3 constant,

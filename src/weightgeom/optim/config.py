@@ -85,7 +85,7 @@ class MuonConfig(Section):
     dual_ns_steps: int | None = setting(None, "manifold Muon: msign steps inside the dual loop (unset: ns_steps)",
                                         gt=0)
     dual_project: bool = setting(True, "manifold Muon: project the final direction onto the tangent space and "
-                                        "rescale it into the unit spectral ball")
+                                        "rescale it to unit spectral norm")
     dual_normalize: bool = setting(True, "manifold Muon: divide the momentum by its RMS singular value before the "
                                          "dual ascent (false: the published code, no normalisation)")
     dual_warm_start: bool = setting(True, "manifold Muon: start the dual ascent from the previous step's multiplier "

@@ -35,7 +35,7 @@ DUAL_SCHEDULES = ("linear", "constant")
 # Which iterate the dual ascent returns: "best" (step halving when the residual grows, smallest-residual iterate) or
 # "last" (the manifold-assignment paper's published loop: fixed schedule, the last iterate's A).
 DUAL_KEEP = ("best", "last")
-# Power iterations used to estimate ‖A‖₂ of a projected direction before rescaling it into the unit spectral ball
+# Lanczos steps used to estimate ‖A‖₂ of a projected direction before rescaling it to unit spectral norm
 # (``project=True``), and the bound the rescaled direction keeps: ‖A‖₂ ≤ 1 + PROJECT_NORM_TOL. The Lanczos estimate is
 # a lower bound; measured after rescaling: ‖A‖₂ − 1 ≤ 1e-12 on 96×32 toys, ≤ 2.5e-4 on 3072×768 in float32 (spectra
 # i^−0.5 and i^−1; tested on the toys); on projected directions of GPT-2-small shapes (768², 2304×768, 3072×768;
@@ -115,8 +115,9 @@ def manifold_direction(
             (recommended; then α = 0.1, the manifold-assignment paper's value, is in the stable range for
             typical spectra). False: the published code, where α acts in the gradient's own units.
         project: finally replace A by ``manifold.proj_tangent(W, A)`` (exactly tangent: residual at rounding level)
-            and rescale it into the unit spectral ball: A ← A / max(1, ‖A‖₂), ‖A‖₂ estimated by
-            ``PROJECT_NORM_ITERS`` Lanczos steps (``spectral_norm_estimate``), so ‖A‖₂ ≤ 1 + ``PROJECT_NORM_TOL``.
+            and rescale it to unit spectral norm, as the constrained optimum has: A ← A / ‖A‖₂ (up or down; a zero
+            A stays zero), ‖A‖₂ estimated by ``PROJECT_NORM_ITERS`` Lanczos steps (``spectral_norm_estimate``), so
+            1 ≤ ‖A‖₂ ≤ 1 + ``PROJECT_NORM_TOL`` in practice.
             The returned residual is then the projected one, measured on ``RESIDUAL_SAMPLE_COLUMNS`` columns
             (``sampled_tangent_residual``; exact for n ≤ that); ``stats["dual_residual"]`` keeps the dual ascent's.
         final_msign_fn: if given, A is recomputed once at the returned Λ with this (more accurate) orthogonaliser —
@@ -213,7 +214,10 @@ def manifold_direction(
         Ap = manifold.proj_tangent_tall(X, A, S)
         norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype)
         fresh = Ap.data_ptr() not in (A.data_ptr(), X.data_ptr())  # in place only on the projection's own tensor
-        A = Ap.div_(norm.clamp_min(1.0)) if fresh else Ap / norm.clamp_min(1.0)
+        # to unit spectral norm, up or down: the constrained optimum has ‖A‖₂ = 1, and a projection that removed a
+        # large normal part (DGram after one dual step: ‖A‖₂ ≈ 0.15–0.9) would otherwise shorten the step
+        inv = torch.where(norm == 0, 0.0, 1.0 / norm)  # a zero direction stays zero; NaN stays NaN
+        A = Ap.mul_(inv) if fresh else Ap * inv
         rv = _sampled_residuals(X, A, manifold)
         residual = float(rv.max())
         if stats is not None:

@@ -127,7 +127,7 @@ class Muon(torch.optim.Optimizer):
         dual_ns_steps: msign steps inside the dual loop (None: ``ns_steps``); when set, one accurate msign
             (``ns_steps``) recomputes the direction at the best Λ.
         dual_project: (default True) project the final direction onto the tangent space (exactly tangent) and
-            rescale it into the unit spectral ball (‖A‖₂ estimated by power iteration); ``last_stats`` then also
+            rescale it to unit spectral norm (‖A‖₂ estimated by Lanczos steps); ``last_stats`` then also
             reports the dual residual before projection.
         dual_normalize: divide the momentum by its RMS singular value before the dual ascent (scale-free α and Λ).
             False: the manifold-assignment paper's published code, which does not normalise.
