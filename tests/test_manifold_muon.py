@@ -298,6 +298,24 @@ def _few_distinct(kind: str) -> torch.Tensor:
     return torch.randn(300, 2, generator=g) @ torch.randn(2, 40, generator=g)  # rank 2
 
 
+@pytest.mark.parametrize("n", [128, 256])
+@pytest.mark.parametrize("gap", [1e-3, 5e-3])
+def test_spectral_norm_estimate_resolves_a_small_top_gap(n, gap):
+    """σ₁ = 1 + gap over an exact cluster at 1: the real β ~ gap/sqrt(n) must stay above the breakdown floor (a floor
+    of 1e-5·sqrt(n) ended the recurrence there and returned the cluster: error = gap)."""
+    from weightgeom.optim.manifold_muon import spectral_norm_estimate
+
+    g = torch.Generator().manual_seed(n)
+    U = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    s = torch.ones(n, dtype=torch.float64)
+    s[0] = 1 + gap
+    A = (U * s) @ V.T
+    for dt in (torch.float32, torch.float64):
+        est = float(spectral_norm_estimate(A.to(dt)))
+        assert abs(est / (1 + gap) - 1) < 1e-5, (dt, est)
+
+
 @pytest.mark.parametrize("kind", ["orthonormal", "two_values", "zero_columns", "rank2"])
 @pytest.mark.parametrize("gram_dtype", [None, torch.bfloat16])
 def test_spectral_norm_estimate_survives_lanczos_breakdown(kind, gram_dtype):
@@ -325,6 +343,8 @@ def test_spectral_norm_estimate_scales_and_nan_isolated():
     C = B.clone()
     C[1] *= 1e20
     assert torch.isnan(spectral_norm_estimate(C).flatten()[1])
+    for shape in [(0, 0), (0, 5), (5, 0), (2, 0, 3)]:
+        assert torch.equal(spectral_norm_estimate(torch.zeros(shape)), torch.zeros(*shape[:-2], 1, 1))
     B[1, 3, 4] = float("nan")
     for gd in (None, torch.bfloat16):
         est = spectral_norm_estimate(B, gram_dtype=gd).flatten()

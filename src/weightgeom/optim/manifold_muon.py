@@ -44,10 +44,12 @@ DUAL_KEEP = ("best", "last")
 # choice when its msign computes in bf16) off by ≤ 4.3e-4 either way (docs/muon.md).
 PROJECT_NORM_ITERS = 32
 PROJECT_NORM_TOL = 2e-3
-# A Lanczos coefficient β below this times sqrt(n)·max_j ‖a_j‖² (≥ ‖AᵀA‖_F/sqrt(n)) is rounding noise (an invariant
-# Krylov subspace was found): the recurrence ends (``spectral_norm_estimate``). Noise measured at ~1e-7 of ‖AᵀA‖₂
-# on orthonormal 96×32 float32 matrices; a genuine β that small moves the top Ritz value by at most β.
-LANCZOS_BREAKDOWN = 1e-5
+# A Lanczos coefficient β below this × eps(dtype) × sqrt(n) × max_j ‖AᵀA q_j‖ is rounding noise (an invariant Krylov
+# subspace was found) and ends the recurrence (``spectral_norm_estimate``). Noise measured at ~1 eps of ‖AᵀA‖₂ on
+# orthonormal 96×32 float32 matrices; a genuine β that small could still hide a top singular value (its Ritz value
+# then converges to the cluster below), so the floor sits just above the noise: with a top gap of 1e-3 at n = 1024,
+# β ~ 3e-5 against a float32 floor of ~3e-5·(this/8).
+LANCZOS_BREAKDOWN = 2.0
 # Columns sampled to measure the tangent residual of a projected direction (``sampled_tangent_residual``): after the
 # projection it is at rounding level by construction, so the exact m×n×n product (as costly as the projection
 # itself) is not spent on it every step; a matrix with n ≤ this many columns is measured exactly.
@@ -279,15 +281,21 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     The steps run on AᵀA divided by its largest diagonal entry, so any scale of A works as long as that Gram is
     finite (float32 entries beyond ~1e19 overflow it: NaN; below ~1e-19 its entries lose digits). When the Krylov
     space becomes invariant early (A with few distinct singular values, e.g. orthonormal columns) the next Lanczos
-    coefficient β is rounding noise; a β below ``LANCZOS_BREAKDOWN``·sqrt(n) (in those units) ends that matrix's
+    coefficient β is rounding noise; a β below ``LANCZOS_BREAKDOWN``·eps·sqrt(n)·max_j ‖AᵀA q_j‖ ends that matrix's
     recurrence (its later basis vectors are zero), since normalising the noise would lose orthogonality and
-    overshoot ‖A‖₂ many-fold. A matrix holding NaN/Inf gets NaN (the others of the batch are unaffected).
+    overshoot ‖A‖₂ many-fold. A matrix holding NaN/Inf gets NaN (the others of the batch are unaffected); an empty
+    one 0. Limits (adversarial, measured): the start vector is fixed, so a matrix built with its top right singular
+    vector orthogonal to it and the rest one exact cluster is estimated at the cluster; in float32 a top gap below
+    ~1e-4 at n ≥ 512 is not resolved (error ≤ the gap); a bf16 Gram of a constant-entry matrix, whose rounding errors
+    all have one sign, is off by up to 4e-3.
     """
     if A.shape[-2] < A.shape[-1]:
         A = A.mT  # the same singular values; the smaller Gram
     n = A.shape[-1]
     k = max(1, min(int(iters), n))
     lead = A.shape[:-2]
+    if A.shape[-2] == 0 or n == 0:  # an empty matrix: norm 0
+        return A.new_zeros(*lead, 1, 1)
     if A.shape[-2] >= 2 * n:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
             An = A.to(gram_dtype)
@@ -315,10 +323,14 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     q = Q[..., :, :1]
     q.copy_((v / torch.linalg.vector_norm(v)).expand(*lead, n, 1))
     alphas, betas = [], []  # T's diagonal and off-diagonal, (..., 1, 1) each
-    floor = LANCZOS_BREAKDOWN * n**0.5  # in units of AᵀA's largest diagonal entry
+    # breakdown floor: rounding noise left by the reorthogonalisation is ~eps·‖AᵀA q‖ per entry; a real β of a small
+    # top gap (β ~ gap/sqrt(n)) must stay above it, so the floor tracks the largest ‖AᵀA q_j‖ seen, not a constant
+    noise = LANCZOS_BREAKDOWN * torch.finfo(A.dtype).eps * n**0.5
+    scale = torch.zeros_like(q[..., :1, :])
     tiny = torch.finfo(A.dtype).tiny
     for j in range(k):
         w = gram_times(q)
+        scale = torch.maximum(scale, torch.linalg.vector_norm(w, dim=-2, keepdim=True))
         alphas.append(q.mT @ w)
         Qj = Q[..., :, :j + 1]  # the basis so far (a view: no copy)
         for _ in range(2):  # full reorthogonalisation (twice is enough)
@@ -326,7 +338,7 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
         if j == k - 1:
             break
         b = torch.linalg.vector_norm(w, dim=-2, keepdim=True)
-        keep = b > floor  # else breakdown: an invariant subspace is found, the recurrence ends here
+        keep = b > noise * scale  # else breakdown: an invariant subspace is found, the recurrence ends here
         b = b * keep
         betas.append(b)
         q = Q[..., :, j + 1:j + 2]
