@@ -509,7 +509,8 @@ def test_projected_manifold_groups_take_the_per_device_msign_choice(name, monkey
                 if kw.get("dual_project", True):
                     D = (W0 - W.detach()) / 0.02  # retraction moves W by O(lr²): D ≈ the direction
                     assert torch.linalg.matrix_norm(D, ord=2) <= 1 + 2 * PROJECT_NORM_TOL + 0.05
-                    assert opt.last_stats["w"]["tangent_residual"] < 1e-6
+                    # fp32 rounding of a unit-norm direction, columns of norm 0.5–2 (DGram): ~1e-6 (bf16 would be ~1e-4)
+                    assert opt.last_stats["w"]["tangent_residual"] < 5e-6
             assert seen and set(seen) == {want}, (kw, seen)
     finally:
         autotune.clear_msign_choices()
@@ -654,3 +655,17 @@ def test_transposed_storage_steps_as_its_row_major_tall_twin(name, how, dtype):
         assert torch.equal(O.detach().T, T.detach()), (s, float((O.detach().T - T.detach()).abs().max()))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert O.is_contiguous() and manifolds.get(name).check(O.detach().float(), tol=tol)
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram"])
+def test_first_step_from_a_far_start_is_tangent(name):
+    """A square weight far from the manifold (std 1): the first step retracts it twice — Polar Express from a far
+    point leaves it ~1e-5 off, where the projection is not exact (first-step residual 2.2e-5 Stiefel, 6.4e-4 DGram);
+    the second, near-manifold retraction brings it to rounding level, so the first step is as tangent as the rest."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(64, 64, generator=g))
+    opt = Muon([{"params": [W], "names": ["w"]}], lr=0.02, manifold=name)
+    W.grad = torch.randn(64, 64, generator=g)
+    opt.step()
+    assert opt.last_stats["w"]["tangent_residual"] < 1e-5
+    assert manifolds.get(name).check(W.detach(), tol=1e-5)

@@ -626,7 +626,9 @@ class Muon(torch.optim.Optimizer):
         if group["init"] == "retract":
             for (name, _), V, first in zip(entries, [X] if one else X.unbind(0), firsts):
                 if first:  # start on the manifold (retracted in the tall orientation, as every later step)
-                    R = _retract(manifold, V)
+                    # twice: a far start (Polar Express) lands within ~1e-5 of the manifold, the second retraction
+                    # (near-manifold, cheap) takes it to rounding level, where the tangent projection is exact
+                    R = _retract(manifold, _retract(manifold, V))
                     dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
                     if dist > FAR_RETRACTION:
                         self._far_retractions[name] = (dist, manifold.name)
