@@ -11,8 +11,17 @@ from __future__ import annotations
 import torch
 
 from weightgeom.linalg.msign import msign
-from weightgeom.manifolds import base
-from weightgeom.manifolds.base import CheckResult, Manifold, compute_dtype, gram_check, polar, tall, tall_pair, untall
+from weightgeom.manifolds.base import (
+    CheckResult,
+    Manifold,
+    addmm_batched,
+    compute_dtype,
+    gram_check,
+    polar,
+    tall,
+    tall_pair,
+    untall,
+)
 
 __all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "polar_near", "NEAR_TOL", "NEAR_REMAINDER"]
 
@@ -72,7 +81,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
             return None
         rho = min(e, inf)
         order = next((k for k, c in enumerate(_ORDER_REMAINDER, 1) if c * rho**k * e <= tol), None)
-        Xc = base.addmm_batched(Xc, Xc, _near_correction(E, order or 3))  # X·p(E) = X + X·(p(E) − I), fused
+        Xc = addmm_batched(Xc, Xc, _near_correction(E, order or 3))  # X·p(E) = X + X·(p(E) − I), fused
         if order is not None:
             return Xc
         E = None
@@ -96,7 +105,7 @@ def _near_correction(E: torch.Tensor, order: int) -> torch.Tensor:
 def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
     """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I."""
     L = sym(X.mT @ Y if S is None else S)
-    return base.addmm_batched(Y, X, L, alpha=-1.0)
+    return addmm_batched(Y, X, L, alpha=-1.0)
 
 
 class Stiefel(Manifold):

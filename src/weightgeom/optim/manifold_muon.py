@@ -28,8 +28,7 @@ from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
-           "LANCZOS_BREAKDOWN",
-           "RESIDUAL_SAMPLE_COLUMNS"]
+           "LANCZOS_BREAKDOWN", "RESIDUAL_SAMPLE_COLUMNS"]
 
 DUAL_SCHEDULES = ("linear", "constant")
 # Which iterate the dual ascent returns: "best" (step halving when the residual grows, smallest-residual iterate) or
@@ -48,7 +47,7 @@ PROJECT_NORM_TOL = 2e-3
 # subspace was found) and ends the recurrence (``spectral_norm_estimate``). Noise measured at ~1 eps of ‖AᵀA‖₂ on
 # orthonormal 96×32 float32 matrices; a genuine β that small could still hide a top singular value (its Ritz value
 # then converges to the cluster below), so the floor sits just above the noise: with a top gap of 1e-3 at n = 1024,
-# β ~ 3e-5 against a float32 floor of ~3e-5·(this/8).
+# β ~ 3e-5 against a float32 floor of ~8e-6 (at 8 instead of 2 a 3e-3 gap at n = 1024 was missed once in 6).
 LANCZOS_BREAKDOWN = 2.0
 # Columns sampled to measure the tangent residual of a projected direction (``sampled_tangent_residual``): after the
 # projection it is at rounding level by construction, so the exact m×n×n product (as costly as the projection
@@ -182,8 +181,7 @@ def manifold_direction(
     for k in range(steps):
         A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
         iters = k + 1
-        S, H = _residual_matrix(X, A, manifold)
-        rv = torch.linalg.matrix_norm(H) / n
+        S, H, rv = _residual(X, A, manifold)
         residual = float(rv.max())
         if last:
             best = (residual, A, Lam, S, rv)
@@ -202,8 +200,7 @@ def manifold_direction(
     residual, A, Lam, S, rv = best
     if final_msign_fn is not None:
         A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
-        S, H = _residual_matrix(X, A, manifold)
-        rv = torch.linalg.matrix_norm(H) / n
+        S, H, rv = _residual(X, A, manifold)
         residual = float(rv.max())
     if rv is None:  # no finite iterate: report it as such
         rv = torch.full(X.shape[:-2], float("nan"), dtype=X.dtype, device=X.device)
@@ -358,10 +355,12 @@ def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor
     return addmm_batched(Y, X, PL, alpha=2.0)
 
 
-def _residual_matrix(X: torch.Tensor, A: torch.Tensor, manifold: Manifold) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, H): S = XᵀA and the residual H = P(S + Sᵀ) on tall views."""
+def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(S, H, r) on tall views: S = XᵀA, the residual matrix H = P(S + Sᵀ) and its size ‖H‖_F/n per matrix."""
     S = X.mT @ A
-    return S, manifold.P(S + S.mT)
+    H = manifold.P(S + S.mT)
+    return S, H, torch.linalg.matrix_norm(H) / X.shape[-1]
 
 
 def manifold_direction_reference(

@@ -583,12 +583,12 @@ class Muon(torch.optim.Optimizer):
         for bucket in buckets.values():
             self._manifold_bucket(group, bucket)
 
-    def _manifold_msign_fns(self, group: dict[str, Any], W32: torch.Tensor) -> tuple[Any, Any, bool, torch.dtype]:
+    def _manifold_msign_fns(self, group: dict[str, Any], X32: torch.Tensor) -> tuple[Any, Any, bool, torch.dtype]:
         """(inner msign, final msign or None, whether the final one continues the inner, compute dtype) of a
         manifold group: the per-device choice where the group leaves it (dual_project), float32/float64 otherwise."""
-        steps, dtype = self._msign_settings(group, W32)  # the per-device choice where the group leaves it
+        steps, dtype = self._msign_settings(group, X32)  # the per-device choice where the group leaves it
         if dtype is None or not group["dual_project"] and group["msign_dtype"] is None:
-            dtype = torch.float64 if W32.dtype == torch.float64 else torch.float32
+            dtype = torch.float64 if X32.dtype == torch.float64 else torch.float32
         ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
         inner, final, continues = ms, None, False
         if group["dual_ns_steps"] is not None:
@@ -620,12 +620,10 @@ class Muon(torch.optim.Optimizer):
         talls = [w.mT if flip else w for w in Ws]
         copied = not (one and talls[0].is_contiguous())
         X = (talls[0].contiguous() if one else torch.stack(talls)) if copied else talls[0]
-        Gt = [u.mT if flip else u for u in Us]
-        W = X.mT if flip else X  # in the parameters' orientation
-        views = [W] if one else W.unbind(0)  # the working matrices (the parameter itself when not copied)
+        Xs = [X] if one else X.unbind(0)  # the working tall matrices (the parameter's own view when not copied)
         if group["init"] == "retract":
-            for (name, _), V, first in zip(entries, [X] if one else X.unbind(0), firsts):
-                if first:  # start on the manifold (retracted in the tall orientation, as every later step)
+            for (name, _), V, first in zip(entries, Xs, firsts):
+                if first:  # start on the manifold
                     # twice: a far start (Polar Express) lands within ~1e-5 of the manifold, the second retraction
                     # (near-manifold, cheap) takes it to rounding level, where the tangent projection is exact
                     R = _retract(manifold, _retract(manifold, V))
@@ -633,11 +631,11 @@ class Muon(torch.optim.Optimizer):
                     if dist > FAR_RETRACTION:
                         self._far_retractions[name] = (dist, manifold.name)
                     V.copy_(R)
-        Gw = Gt[0].contiguous() if one else torch.stack(Gt)
-        Gw = Gw.mT if flip else Gw
-        W32 = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
-        G32 = Gw.to(W32.dtype)
-        inner, final, continues, dtype = self._manifold_msign_fns(group, W32)
+        Gt = [u.mT if flip else u for u in Us]
+        G = Gt[0].contiguous() if one else torch.stack(Gt)
+        X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
+        G32 = G.to(X32.dtype)
+        inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
         warm = group["dual_warm_start"]
 
         def stacked(key: str) -> torch.Tensor | None:
@@ -647,12 +645,12 @@ class Muon(torch.optim.Optimizer):
             return got[0] if one else torch.stack(got)
 
         info: dict[str, Any] = {}
-        direction, lam, _, iters = manifold_direction(
-            W32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
+        direction, lam, _, iters = manifold_direction(  # on the tall matrices: the direction comes back tall
+            X32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
             tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
             final_msign_fn=final, stats=info, cold0=stacked("dual_cold"), final_continues=continues,
             normalize=group["dual_normalize"], keep=group["dual_keep"],
-            feed_dtype=dtype if dtype.itemsize < W32.dtype.itemsize else None,
+            feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None,
         )
         # per-matrix statistics (worst block of a split matrix): one host read for the bucket
         res = info["residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
@@ -662,7 +660,7 @@ class Muon(torch.optim.Optimizer):
             st["dual_multiplier"] = lam if one else lam[j].clone()  # a clone: state must not hold batch views
             st["dual_cold"] = info["cold_multiplier"] if one else info["cold_multiplier"][j].clone()
             self.last_stats[name] = {"tangent_residual": res[j], "dual_iters": iters, "dual_residual": dres[j]}
-            apply_update(views[j], direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
+            apply_update(Xs[j], direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
                          group["weight_decay"])
         retract = group["init"] == "retract"
         if retract or copied:
