@@ -826,10 +826,6 @@ class _Sweep:
         self.done_count = 0
 
     # -- manifest ------------------------------------------------------------------------------------------------
-    def _earlier_manifest(self) -> Any:
-        """The earlier ``sweep.json`` as read (None if there is none; anything else if it is unreadable)."""
-        return earlier_manifest(self.out)
-
     def _earlier_records(self, old: Any) -> dict[str, dict[str, Any]]:
         """Run records of the earlier manifest ``old``, whose invocations and seeds this manifest takes over.
 
@@ -859,7 +855,7 @@ class _Sweep:
         The runs' recorded settings are checked when resuming, the sweep-level settings always (when the caller
         gave them in ``meta``), both before anything is written.
         """
-        old = self._earlier_manifest()
+        old = earlier_manifest(self.out)
         check_before_writing(self.runs, self.out, self.manifest.get(SWEEP_SETTINGS_KEY), self.resume, old)
         by_name = self._earlier_records(old)
         for spec in self.runs:

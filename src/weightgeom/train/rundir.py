@@ -152,9 +152,16 @@ class DirLock:
         self.held = False
         self.took_over: dict[str, Any] | None = None  # the stale owner this lock replaced, if any
 
-    def _in_use(self, rec: dict[str, Any], stale: bool | None) -> str:
-        """The refusal for a lock held by ``rec`` (``stale`` None: on another host, which cannot be checked)."""
-        if stale is None:
+    def _refusal(self, rec: dict[str, Any]) -> str:
+        """Why the lock held by ``rec`` refuses this process ("" when it is stale and may be replaced)."""
+        with contextlib.suppress(OSError):
+            rec.setdefault("_mtime", self.path.stat().st_mtime)
+        if rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
+            return f"{self.what} {self.directory} is already in use by this process"
+        stale = lock_is_stale(rec)
+        if stale:
+            return ""
+        if stale is None:  # on another host, which cannot be checked
             return (f"{self.what} {self.directory} is in use by {_describe(rec)}; that host cannot be checked from "
                     f"here: if that process is gone, delete {self.path}")
         return (f"{self.what} {self.directory} is in use by {_describe(rec)}; wait for it to finish or choose "
@@ -166,14 +173,7 @@ class DirLock:
         if self.held:
             return ""
         rec = read_lock(self.directory)
-        if rec is None:
-            return ""
-        with contextlib.suppress(OSError):
-            rec.setdefault("_mtime", self.path.stat().st_mtime)
-        if rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
-            return f"{self.what} {self.directory} is already in use by this process"
-        stale = lock_is_stale(rec)
-        return "" if stale else self._in_use(rec, stale)
+        return "" if rec is None else self._refusal(rec)
 
     def _record(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": platform.node(), "start": _proc_start_time(os.getpid()),
@@ -194,14 +194,9 @@ class DirLock:
                         rec = read_lock(self.directory)
                         if rec is None:
                             continue  # released between our open and read: try again
-                        with contextlib.suppress(OSError):
-                            rec.setdefault("_mtime", self.path.stat().st_mtime)
-                        if rec.get("pid") == os.getpid() and rec.get("host") == platform.node():
-                            raise LockError(f"{self.what} {self.directory} is already in use by this process") \
-                                from None
-                        stale = lock_is_stale(rec)
-                        if not stale:
-                            raise LockError(self._in_use(rec, stale)) from None
+                        refusal = self._refusal(rec)
+                        if refusal:
+                            raise LockError(refusal) from None
                         self.took_over = rec
                         self.path.unlink(missing_ok=True)
                         continue
