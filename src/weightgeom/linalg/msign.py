@@ -228,13 +228,15 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     e_min = math.log2(torch.finfo(norm_dtype).tiny)  # -126 (float32), -1022 (float64): 2^-e stays finite
     e = torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(e_min, -e_min)
     pre = torch.where(usable, torch.exp2(-e), 1.0)
+    # X·pre is computed before narrowing to ``dtype`` (whose range may not hold pre: float16 overflowed at 2^16) and in
+    # X's own dtype where a power of two is exact there — float32's exponent range, not float16 — which avoids
+    # promoting a bf16 X to float32 on the way (0.48 vs 1.07 ms, 3072×768)
+    p = pre.to(X.dtype) if X.dtype in _WIDE_RANGE else pre
     if not inplace:
-        Xp = (X.to(dtype) * pre.to(dtype)).contiguous()
+        Xp = (X * p).to(dtype).contiguous()
     else:
         Xp = torch.empty(X.shape, dtype=dtype, device=X.device)  # contiguous, even for a transposed view
-        # a power of two is exact in X's dtype when that has float32's exponent range (not float16): multiplying in
-        # X's own dtype avoids promoting a bf16 X to float32 on the way (0.48 vs 1.07 ms, 3072×768)
-        torch.mul(X, pre.to(X.dtype) if X.dtype in _WIDE_RANGE else pre, out=Xp)
+        torch.mul(X, p, out=Xp)
     norm = torch.linalg.vector_norm(Xp, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     nonzero = norm > 0  # 1/norm only where it is finite, so a zero matrix's gradient is 0, not NaN (0·inf)
     scale = torch.where(nonzero, 1.0 / (torch.where(nonzero, norm, 1.0) * safety + _NORM_EPS), 0.0).to(dtype)
