@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -381,3 +383,17 @@ def test_differentiable_msign_matches_inplace_in_float16(scale):
     a = msign(G.clone().requires_grad_(), dtype=torch.float16)
     b = msign(G, dtype=torch.float16)
     assert torch.isfinite(a).all() and torch.equal(a.detach(), b)
+
+
+def test_msign_choice_cache_is_per_instruction_set_cap(fresh_choice, monkeypatch):
+    """A process whose ISA is capped (ONEDNN_MAX_CPU_ISA=AVX2 on an AMX CPU: bf16 matmuls ~800x slower, measured)
+    must not read the uncapped process's cached choice from disk: the cap is part of the key."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(autotune, "_measure", lambda device: autotune.MsignChoice(
+        str(device), torch.float32 if os.environ.get("ONEDNN_MAX_CPU_ISA") else torch.bfloat16, 5, "benchmark"))
+    assert msign_choice("cpu").dtype == torch.bfloat16
+    autotune.clear_msign_choices()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    c = msign_choice("cpu")
+    assert (c.dtype, c.source) == (torch.float32, "benchmark")
+    assert len(list((fresh_choice / "msign").glob("cpu-*.json"))) == 2

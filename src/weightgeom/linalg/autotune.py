@@ -3,7 +3,8 @@
 Why: a bf16 matmul is 2–4× faster than fp32 on a GPU or a CPU with bf16 units (AVX512-BF16, AMX) but 10–40×
 slower on one without (AVX2, plain AVX512), so no fixed default dtype is right everywhere. The choice is made once
 per device kind and cached on disk next to the compiled kernels (``weightgeom.kernels.kernel_cache_dir``'s parent,
-``msign/``), keyed by the torch version, the device's name and the CPU's flags and thread count.
+``msign/``), keyed by the torch version, the device's name and the CPU's flags and thread count, and the instruction set
+the process may use (ATen's CPU capability; the ISA caps ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, ...).
 
 What is measured (well under a second on a 2-core CPU):
 
@@ -43,6 +44,9 @@ _PROBE_SHAPE = (128, 384)
 _SPEED_SHAPE = (192, 768)
 _REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
 _CACHE_VERSION = 1
+# Environment variables that cap the instruction set torch's CPU kernels use (oneDNN: the bf16 matmuls; MKL: the
+# float32 ones): part of the disk cache's key.
+_ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
 _lock = threading.Lock()
 _choices: dict[str, MsignChoice] = {}
@@ -139,6 +143,10 @@ def _device_key(device: torch.device) -> str:
         parts.append(torch.cuda.get_device_name(device))
     else:
         parts.append(str(torch.get_num_threads()))
+        # what this process may use, not only what the CPU has: ATen's vector width and the ISA caps a user (or a
+        # container) sets for oneDNN and MKL — an AVX2-capped process on an AMX CPU has AVX2's bf16 speed
+        parts.append(str(torch.backends.cpu.get_cpu_capability()))
+        parts += [f"{k}={os.environ.get(k, '')}" for k in _ISA_ENV_VARS]
         try:
             with open("/proc/cpuinfo") as f:
                 parts += sorted({ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))})
