@@ -397,3 +397,28 @@ def test_msign_choice_cache_is_per_instruction_set_cap(fresh_choice, monkeypatch
     c = msign_choice("cpu")
     assert (c.dtype, c.source) == (torch.float32, "benchmark")
     assert len(list((fresh_choice / "msign").glob("cpu-*.json"))) == 2
+
+
+@pytest.mark.parametrize("kind, cap, label", [
+    ("AMX", "AVX2", "AVX2 (capped; CPU: AMX)"),
+    ("AMX", "avx512_core", "AVX512 (capped; CPU: AMX)"),
+    ("AMX", "AVX512_CORE_BF16", "AVX512-BF16 (capped; CPU: AMX)"),
+    ("AMX", "AVX512_CORE_AMX", "AMX"),
+    ("AMX", "ALL", "AMX"),
+    ("AMX", "", "AMX"),
+    ("AVX512-BF16", "SSE41", "AVX2 (capped; CPU: AVX512-BF16)"),
+    ("AVX2", "AVX512_CORE_AMX", "AVX2"),  # a cap above the CPU changes nothing
+    ("NEON", "AVX2", "NEON"),
+])
+def test_benchmark_cpu_kind_names_the_class_a_capped_process_runs_at(kind, cap, label, monkeypatch):
+    """Every benchmark figure is labelled with the CPU kind; a process whose oneDNN is capped (AVX2 on an AMX CPU) runs
+    bf16 at the cap's speed, so it must not be labelled AMX (it was: the capped run's table said "CPU AMX")."""
+    from weightgeom.benchmarks._common import capped_kind, cpu_kind
+
+    assert capped_kind(kind, cap) == label
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    uncapped = cpu_kind()
+    if uncapped in ("AMX", "AVX512-BF16", "AVX512"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        assert cpu_kind() == f"AVX2 (capped; CPU: {uncapped})"
