@@ -434,6 +434,20 @@ def test_optimizer_step_bad_arguments_are_one_line_before_any_work(args, says, m
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_benchmark_timing_loop_reports_progress_on_stderr(monkeypatch, capsys):
+    """A long timing loop (the AVX2 peer table: minutes without a line before) says how far it is and how long is
+    left, on stderr, throttled; a short one prints nothing."""
+    from weightgeom.benchmarks import _common
+
+    out = _common.interleaved_medians({"a": lambda: None, "b": lambda: None}, iters=2, warmup=1, progress="table")
+    assert set(out) == {"a", "b"} and capsys.readouterr().err == ""  # under PROGRESS_EVERY: quiet
+    monkeypatch.setattr(_common, "PROGRESS_EVERY", 0.0)
+    _common.interleaved_medians({"a": lambda: None, "b": lambda: None}, iters=2, warmup=1, progress="table")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 5 and err[0].startswith("  table: 1/6 steps,") and "left (last: a," in err[0], err
+    assert err[-1].startswith("  table: 5/6 steps,") and "(last: a," in err[-1]
+
+
 # ---- init: "retract" (from a random init) or "keep" (fine-tuning pretrained weights) ---------------------------------
 @pytest.mark.parametrize("where", ["keyword", "group"])
 def test_bad_init_value_is_one_line(where):

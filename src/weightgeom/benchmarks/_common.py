@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,10 @@ GPT2_SMALL_SHAPES: dict[str, tuple[int, int]] = {
     "mlp.c_fc": (3072, 768),
     "mlp.c_proj": (768, 3072),
 }
+
+
+# Seconds between two progress lines of a long timing loop (``interleaved_medians``).
+PROGRESS_EVERY = 10.0
 
 
 def sync(device: str | torch.device) -> None:
@@ -41,7 +46,7 @@ def time_call(fn: Callable[[], object], device: str | torch.device = "cpu") -> f
 
 def interleaved_medians(
     fns: dict[str, Callable[[], object]], iters: int, warmup: int = 1, device: str | torch.device = "cpu",
-    cpu_seconds: dict[str, float] | None = None,
+    cpu_seconds: dict[str, float] | None = None, progress: str | None = None,
 ) -> dict[str, float]:
     """Median wall-clock seconds per call of each function, calls interleaved round-robin so load drift hits all
     alike.
@@ -53,10 +58,26 @@ def interleaved_medians(
         device: synchronised around each call.
         cpu_seconds: if given, filled with each function's median process CPU seconds per call (all threads; on a
             CPU shared with other jobs this measures the work done, while wall clock also counts the waiting).
+        progress: a label: then a line on stderr at most every ``PROGRESS_EVERY`` seconds with the calls done, the
+            time elapsed and an estimate of the time left (nothing for runs shorter than that).
     """
+    total, done, start, last = (warmup + iters) * len(fns), 0, time.perf_counter(), time.perf_counter()
+
+    def tick(name: str, secs: float) -> None:
+        nonlocal done, last
+        done += 1
+        now = time.perf_counter()
+        if progress is not None and now - last >= PROGRESS_EVERY and done < total:
+            last = now
+            left = (now - start) / done * (total - done)
+            print(f"  {progress}: {done}/{total} steps, {now - start:.0f} s elapsed, about {left:.0f} s left "
+                  f"(last: {name}, {secs:.1f} s)", file=sys.stderr, flush=True)
+
     for _ in range(warmup):
-        for fn in fns.values():
+        for k, fn in fns.items():
+            t = time.perf_counter()
             fn()
+            tick(k, time.perf_counter() - t)
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(iters):
@@ -64,6 +85,7 @@ def interleaved_medians(
             c = time.process_time()
             times[k].append(time_call(fn, device))
             cpu[k].append(time.process_time() - c)
+            tick(k, times[k][-1])
     if cpu_seconds is not None:
         cpu_seconds.update({k: statistics.median(v) for k, v in cpu.items()})
     return {k: statistics.median(v) for k, v in times.items()}

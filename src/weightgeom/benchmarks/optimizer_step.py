@@ -117,7 +117,7 @@ def msign_flops(m: int, n: int, steps: int) -> float:
 
 def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[int, int]]], iters: int, warmup: int,
              dev: str, seed: int = 0, cpu_seconds: dict[str, float] | None = None, layers: int = 1,
-             ) -> tuple[dict[str, float], dict[str, list], dict[str, float]]:
+             progress: str | None = None) -> tuple[dict[str, float], dict[str, list], dict[str, float]]:
     """Time the optimizers of ``rows`` on one matrix per shape and layer (``layers`` copies of the shapes, as
     transformer.h.{i}; same random gradients for all, interleaved steps).
 
@@ -154,7 +154,7 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
         return run
 
     times = interleaved_medians({k: stepper(k) for k in rows}, iters=iters, warmup=warmup, device=dev,
-                                cpu_seconds=cpu_seconds)
+                                cpu_seconds=cpu_seconds, progress=progress)
     ortho = {k: max(orthogonality_error(d) for d in ds) for k, ds in deltas.items()}
     return times, stats, ortho
 
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = None
     if main_rows:
-        times, stats, _ = run_rows(main_rows, shapes, iters, warmup, dev, layers=args.layers)
+        times, stats, _ = run_rows(main_rows, shapes, iters, warmup, dev, layers=args.layers,
+                                   progress="step-time table")
         base = times.get("muon (ours, default)")
         which = (" (--quick: 1 of a layer's 4 matrices)" if args.quick and args.layers == 1 else
                  " (one GPT-2-small layer)" if args.layers == 1 else f" × {args.layers} layers")
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         # The bf16 rows: on a CPU without bf16 units (AVX2, plain AVX512) a bf16 matmul is 10–40× slower than fp32,
         # so torch.optim.Muon's step on one GPT-2-small layer takes over a minute there: timed on fewer shapes/steps.
         pcpu: dict[str, float] = {}
-        ptimes, _, ortho = run_rows(peer_rows, peer_shapes, peer_iters, peer_warmup, dev, seed=1, cpu_seconds=pcpu)
+        ptimes, _, ortho = run_rows(peer_rows, peer_shapes, peer_iters, peer_warmup, dev, seed=1, cpu_seconds=pcpu,
+                                    progress="vs torch.optim.Muon")
         cm = pcpu.get("torch.optim.Muon")
         tm = ptimes.get("torch.optim.Muon")
         few = " (fewer shapes/steps than the table above: bf16 is slow on this CPU)" if (
