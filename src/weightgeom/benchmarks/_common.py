@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops", "cpu_kind",
-           "capped_kind", "hardware_tag"]
+           "capped_kind", "hardware_tag", "steady_allocator"]
 
 # GPT-2 small block matrices in PyTorch (out, in) layout, per layer.
 GPT2_SMALL_SHAPES: dict[str, tuple[int, int]] = {
@@ -153,13 +153,48 @@ def capped_kind(kind: str, cap: str) -> str:
     return kind
 
 
+# glibc malloc settings of ``steady_allocator`` (mallopt parameter numbers from glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD = 1 << 30  # bytes of free heap top kept before returning memory to the OS
+ALLOCATOR_ENV = "WEIGHTGEOM_BENCH_MALLOC"
+_steady = False
+
+
+def steady_allocator() -> bool:
+    """Hold glibc's malloc thresholds fixed for this (benchmark) process, so step timings measure the work.
+
+    By default glibc serves a large block (above an adaptive threshold, at most 32 MiB) with a fresh ``mmap`` and
+    returns freed memory at the heap top to the OS, so a CPU optimizer step that allocates a few MB-sized temporaries
+    page-faults them in again, step after step, by how much depending on the allocation history: measured on the
+    2-core AMX Xeon, ``md_overhead --quick`` timed torch's AdamW base at 11.7 to 72 ms in rows of one run, and a
+    Stiefel step faulted 22 600 pages (39 ms of system time) per step. With the mmap threshold at its 32 MiB maximum
+    and a 1 GiB trim threshold the same rows are steady (11–13.6 ms). Peer and ours run in the same process, so
+    both get it; ``hardware_tag`` then says "steady malloc". Set ``WEIGHTGEOM_BENCH_MALLOC=default`` to measure
+    glibc's default behaviour instead. Returns whether the setting is in force (False off glibc).
+    """
+    global _steady
+    if _steady:
+        return True
+    if os.environ.get(ALLOCATOR_ENV, "").strip().lower() == "default" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+        _steady = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        _steady = False
+    return _steady
+
+
 def hardware_tag(device: str | torch.device = "cpu") -> str:
     """One short label for the hardware a figure was measured on, printed next to every figure: ``"CPU AVX2, 2
-    threads"``, or the GPU's name on CUDA."""
+    threads"`` (``", steady malloc"`` added once ``steady_allocator`` is in force), or the GPU's name on CUDA."""
     if torch.device(device).type == "cuda":
         return f"GPU {torch.cuda.get_device_name()}"
     n = torch.get_num_threads()
-    return f"CPU {cpu_kind()}, {n} thread{'s' if n != 1 else ''}"
+    return f"CPU {cpu_kind()}, {n} thread{'s' if n != 1 else ''}{', steady malloc' if _steady else ''}"
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, object]:
@@ -171,6 +206,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, object]:
         "cpu_count": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_kind": cpu_kind(),
+        "malloc": "steady" if _steady else "default",
         "platform": platform.platform(),
     }
     try:

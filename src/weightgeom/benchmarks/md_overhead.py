@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from weightgeom.benchmarks._common import hardware_tag
+from weightgeom.benchmarks._common import hardware_tag, steady_allocator
 from weightgeom.cli import OneLineParser
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(kind, impl, path) for impl in impls for path in md_paths]
         else:
             rows.append((kind, "default", "eager"))
+    steady_allocator()  # steady timings: see its docstring
     tag = hardware_tag(args.device)
     print(f"hardware: {tag}; {layers} layer(s), median of {iters} steps after {args.warmup} warm-up")
     print(f"{'base':16s} {'MD path':8s} {'matrices':>8s} {'params':>8s} {'base ms':>9s} {'MD ms':>9s} {'ratio':>7s}")

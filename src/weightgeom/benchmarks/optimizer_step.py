@@ -41,6 +41,7 @@ from weightgeom.benchmarks._common import (
     interleaved_medians,
     machine_info,
     matmul_gflops,
+    steady_allocator,
 )
 from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_shapes = [(k, GPT2_SMALL_SHAPES[k]) for k in peer_names]
     peer_iters, peer_warmup = (1, 0) if args.quick else (args.iters, args.warmup)
     iters, warmup = (1, 1) if args.quick else (args.iters, args.warmup)
+    steady_allocator()  # steady timings: see its docstring
     tag = hardware_tag(dev)
     info = machine_info(dev)
     print("machine:", json.dumps(info))

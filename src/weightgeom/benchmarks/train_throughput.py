@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightgeom.benchmarks._common import hardware_tag
+from weightgeom.benchmarks._common import hardware_tag, steady_allocator
 from weightgeom.cli import OneLineParser
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
@@ -130,6 +130,7 @@ def main(argv=None) -> dict:
         args.rounds, args.steps, args.warmup = 3, 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    steady_allocator()  # steady timings: see its docstring
 
     P = PRESETS[args.preset]
     dev = torch.device(args.device)
