@@ -220,7 +220,9 @@ GLOO_ABORT_RETRIES = 2
 def user_loop(tmp_path_factory):
     """One torchrun of 2 gloo processes running every user-loop case (the start-up is most of the time)."""
     out = tmp_path_factory.mktemp("user_loop")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # fp32 msign in the ranks, as in the one-process reference (test_user_fsdp2_loop_matches_one_process): the
+    # per-device choice at one thread is bf16 on an AMX CPU, where USER_ATOL (an fp32 bound) does not hold
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WEIGHTGEOM_MSIGN": "float32"}
     for _attempt in range(GLOO_ABORT_RETRIES + 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={_free_port()}", __file__, str(out)]
@@ -232,10 +234,14 @@ def user_loop(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", USER_CASES)
-def test_user_fsdp2_loop_matches_one_process(user_loop, case):
+def test_user_fsdp2_loop_matches_one_process(user_loop, case, monkeypatch):
     """Muon (plain, hetero manifolds), MagnitudeDirection around Muon-hetero, and the latter with a per-rank
     state_dict save/load mid-run, stepping DTensor parameters under fully_shard on 2 ranks, end where 1 process
     without FSDP ends on the same data."""
+    import weightgeom.linalg.autotune as autotune
+
+    monkeypatch.setenv(autotune.ENV_VAR, "float32")  # as the ranks (the user_loop fixture): one msign dtype
+    autotune.clear_msign_choices()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add contention
     try:
