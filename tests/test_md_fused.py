@@ -163,10 +163,11 @@ def test_kernel_finiteness_scan(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fused,scans", [(None, True), (True, True), (False, False)])
-def test_md_checks_gradients_with_the_c_scan_where_it_uses_the_kernel(monkeypatch, fused, scans):
+@pytest.mark.parametrize("base,fused,scans", [("adamw", None, True), ("adamw", True, True), ("adamw", False, False),
+                                              ("muon", None, True), ("muon", False, False)])
+def test_md_checks_gradients_with_the_c_scan_where_it_uses_the_kernel(monkeypatch, base, fused, scans):
     model = _model(torch.float32)
-    md = _make("adamw", model, fused)
+    md = _make(base, model, fused) if base == "adamw" else _make_other(base, model, fused)
     seen = []
     real = kernels.any_nonfinite
     monkeypatch.setattr(kernels, "any_nonfinite", lambda t: seen.append(tuple(t.shape)) or real(t))
@@ -321,7 +322,7 @@ def test_summary_says_which_path_and_why():
     md = MagnitudeDirection(base, model=model)
     _train(md, model, 1)
     table = md.summary()
-    assert "eager (the base group has amsgrad=True)" in table
+    assert "eager-C (the base group has amsgrad=True)" in table  # its passes in C around torch's amsgrad step
     assert table.count(" fused") == 2
 
 
@@ -506,3 +507,132 @@ def test_md_overhead_benchmark_runs_and_reports_the_path(tmp_path, capsys):
     assert [r["md_path"] for r in rows] == [expected, "eager"]
     assert all(r["base_ms"] > 0 and r["md_ms"] > 0 for r in rows)
     assert main(["bench", "md_overhead", "--adamw-impl", "nope"]) == 2
+
+
+# ---- the C passes of the eager path (any other base: Muon, SGD, Adam with amsgrad, ...) ------------------------------
+# eager-C ÷ eager (fused=False) after STEPS steps: the same operations in the same order, but the sums (gain
+# gradients, sphere norms) in float64 instead of torch's reductions; measured over the cases below (2026-12-04):
+# float64 ≤ 2.6e-15, float32 ≤ 1.2e-6 (the limits leave ~400× and ~17× headroom).
+C_PATH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+def _make_other(kind: str, model: torch.nn.Module, fused, **md_kw) -> MagnitudeDirection:
+    from weightgeom.optim import Muon
+
+    if kind == "muon":
+        mats = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+        rest = [(n, p) for n, p in model.named_parameters() if p.ndim != 2]
+        base = Muon([{"params": [p for _, p in mats], "names": [n for n, _ in mats], "msign_dtype": torch.float64
+                      if next(model.parameters()).dtype == torch.float64 else torch.float32},
+                     {"params": [p for _, p in rest], "names": [n for n, _ in rest], "algorithm": "adamw",
+                      "lr": 1e-2}], lr=0.05)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
+    return MagnitudeDirection(base, model=model, fused=fused, gain_lr=3e-2, **md_kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("base", ["muon", "sgd"])
+@pytest.mark.parametrize("gains,param,sphere", [("row+col", "softplus", "frobenius"), ("row", "exp", "row"),
+                                                 ("col", "softplus", "col"), ("scalar", "exp", "frobenius"),
+                                                 ("none", "softplus", "col")])
+def test_eager_c_passes_equal_the_torch_passes(base, gains, param, sphere, dtype):
+    """Over a base the fused kernel does not cover, the default (fused=None) runs MD's passes in C around the base's
+    own step: the same W, Ŵ, gains and gain gradients as the all-torch path (fused=False)."""
+    runs = []
+    for fused in (None, False):
+        model = _model(dtype)
+        md = _make_other(base, model, fused, gains=gains, parameterization=param, sphere=sphere)
+        _train(md, model, STEPS)
+        runs.append((md, model))
+    (md_c, model_c), (md_e, model_e) = runs
+    assert all(path.startswith("eager-C (the base optimizer is ") for path in md_c._path.values()), md_c._path
+    assert all(path == "eager (fused=False)" for path in md_e._path.values())
+    tol = C_PATH_TOL[dtype]
+    for pa, pb in zip(model_c.parameters(), model_e.parameters()):
+        _close(pa.detach(), pb.detach(), tol)
+    for pa, pb in zip(md_c._decoupled, md_e._decoupled):
+        sa, sb = md_c.state[pa], md_e.state[pb]
+        _close(sa["direction"], sb["direction"], tol)
+        norms = sphere_norm(sa["direction"], sphere)  # Ŵ on its sphere
+        _close(norms, sa["radius"].reshape(norms.shape), 1e-12 if dtype == torch.float64 else 1e-6)
+        for key in ("gain_row", "gain_col"):
+            if key in sa:
+                _close(sa[key], sb[key], tol)
+                _close(sa[key].grad, sb[key].grad, max(tol, 1e-9))
+        # the model's weight is exactly γ_r Ŵ γ_c of the state (the next step must not see an outside edit)
+        assert torch.equal(compose_of(md_c, pa), pa.detach())
+
+
+def compose_of(md: MagnitudeDirection, p: torch.Tensor) -> torch.Tensor:
+    from weightgeom.optim.md_functional import compose
+
+    return compose(md.state[p]["direction"], *md.gain_values(p))
+
+
+@needs_kernel
+def test_eager_c_step_bumps_the_weight_version_for_autograd():
+    model = _model(torch.float32)
+    md = _make_other("muon", model, None)
+    x = torch.randn(4, 12, requires_grad=True)
+    torch.nn.functional.mse_loss(model(x), torch.zeros(4, 3)).backward()
+    out = model(x).sum()  # saves W for the gradient of x
+    md.step()
+    assert md._path[model[0].weight].startswith("eager-C")
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.backward()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(37, 53), (1, 5), (5, 1), (300, 2000)])
+def test_split_and_finish_kernels_match_the_torch_functions(shape, dtype):
+    """kernels.md_split / md_finish against md_functional's split_gradient_log, project_to_sphere_ and compose: Ĝ and
+    the recomposition bit for bit where no sum is involved, the sums to float32/float64 rounding."""
+    from weightgeom.optim.md_functional import compose, project_to_sphere_, split_gradient_log
+
+    g = torch.Generator().manual_seed(1)
+    m, n = shape
+    G, D = (torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    gr, gc = (torch.rand(k, generator=g, dtype=torch.float64).to(dtype) + 0.5 for k in (m, n))
+    rel = 1e-12 if dtype == torch.float64 else 2e-5
+    for a, b in [(gr, gc), (gr, None), (None, gc)]:
+        out = torch.empty_like(G)
+        s_r, s_c = kernels.md_split(G, D, a, b, out, a is not None, b is not None)
+        e_r, e_c, Gd = split_gradient_log(G, D, None if a is None else a.reshape(-1, 1),
+                                          None if b is None else b.reshape(1, -1))
+        assert torch.equal(out, Gd)
+        for got, want in ((s_r, e_r), (s_c, e_c)):
+            if want is not None:
+                _close(got, want.reshape(-1), rel)
+    for sphere, radius in [("frobenius", torch.tensor([[3.0]])), ("row", torch.rand(m, 1, generator=g) + 1),
+                           ("col", torch.rand(1, n, generator=g) + 1)]:
+        radius = radius.to(dtype)
+        D1, W1 = D.clone(), torch.empty_like(D)
+        kernels.md_finish(D1, W1, sphere, radius, gr, gc)
+        D2 = project_to_sphere_(D.clone(), radius, sphere)
+        _close(D1, D2, rel)
+        _close(W1, compose(D2, gr.reshape(-1, 1), gc.reshape(1, -1)), rel)
+        assert torch.equal(W1, compose(D1, gr.reshape(-1, 1), gc.reshape(1, -1)))  # W from the kernel's own Ŵ
+
+
+@needs_kernel
+def test_split_and_finish_kernels_name_a_bad_tensor():
+    D = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="gain_row must be a contiguous CPU torch.float32 tensor of 6 elements"):
+        kernels.md_split(torch.randn(6, 4), D, torch.ones(5), None, torch.empty(6, 4), True, False)
+    with pytest.raises(ValueError, match="G must be a contiguous"):
+        kernels.md_split(torch.randn(4, 6).mT, D, None, None, torch.empty(6, 4), False, False)
+    with pytest.raises(ValueError, match="radius must be a contiguous CPU torch.float32 tensor of 4 elements"):
+        kernels.md_finish(D, torch.empty(6, 4), "col", torch.ones(6), None, None)
+    with pytest.raises(ValueError, match="sphere 'ball' is not supported"):
+        kernels.md_finish(D, torch.empty(6, 4), "ball", torch.ones(1), None, None)
+
+
+def test_frobenius_sphere_norm_is_accurate_on_large_float32_matrices():
+    """torch's float32 vector_norm of a 768×3072 matrix on the CPU is 4e-5 low (float32 accumulation); the sphere's
+    norm must not be (the radius inherited that error at every step)."""
+    D = torch.randn(768, 3072, generator=torch.Generator().manual_seed(0))
+    ref = float(D.double().norm())
+    assert abs(float(sphere_norm(D, "frobenius")) / ref - 1) < 1e-6

@@ -10,8 +10,10 @@ machine load drifts hit both equally, and the median per-step time is reported.
 
 Rows: each AdamW implementation of torch (``default`` — what ``torch.optim.AdamW(params)`` runs, the for-loop on CPU
 and foreach on CUDA —, ``foreach``, ``fused``) with MD on its fused CPU path (``md=fused``: one C kernel per matrix,
-``weightgeom.optim.md_fused``) and on its eager path (``md=eager``: the base step plus MD's torch ops); and Muon, which
-MD always wraps eagerly. On CUDA the fused path does not apply (MD runs eagerly there).
+``weightgeom.optim.md_fused``) and on its eager path (``md=eager``: the base step plus MD's torch ops); and Muon at
+MD's default, where Muon's own step runs unfused and MD's passes around it run in C on the CPU (path ``eager-C``:
+``kernels.md_split``/``md_finish``; ``--muon-md-path eager`` times the all-torch passes instead). On CUDA the C
+passes do not apply (MD runs eagerly there).
 
 Usage::
 
@@ -73,7 +75,8 @@ def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype:
             md_kw: dict | None = None, adamw_impl: str = "default", md_path: str = "fused") -> dict:
     """Median seconds per step of the bare base and of MD around an identical base; their ratio.
 
-    ``md_path``: ``"fused"`` (MD's default: the fused kernel wherever it applies) or ``"eager"`` (``fused=False``).
+    ``md_path``: ``"fused"`` (MD's default, ``fused=None``: the fused kernel, or the C passes around another base,
+    wherever they apply) or ``"eager"`` (``fused=False``).
     """
     p_base, names = make_params(layers, device, dtype)
     p_md, _ = make_params(layers, device, dtype)
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of torch.optim.AdamW implementations of the base (default, foreach, fused)")
     ap.add_argument("--md-path", default="fused,eager",
                     help="comma list of MD paths for AdamW: fused (MD's default) and/or eager (fused=False)")
+    ap.add_argument("--muon-md-path", default="default", choices=["default", "eager"],
+                    help="MD around Muon: its default (C passes on the CPU) or eager (fused=False: torch ops only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true",
                     help="3 timed steps after 1 warm-up per row (about a minute on a 2-core CPU)")
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "adamw":
             rows += [(kind, impl, path) for impl in impls for path in md_paths]
         else:
-            rows.append((kind, "default", "eager"))
+            rows.append((kind, "default", "fused" if args.muon_md_path == "default" else "eager"))
     steady_allocator()  # steady timings: see its docstring
     tag = hardware_tag(args.device)
     print(f"hardware: {tag}; {layers} layer(s), median of {iters} steps after {args.warmup} warm-up")

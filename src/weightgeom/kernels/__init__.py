@@ -30,7 +30,8 @@ import torch
 
 from weightgeom._cache import cache_root
 
-__all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "any_nonfinite", "kernel_cache_dir"]
+__all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
+           "kernel_cache_dir"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -45,6 +46,8 @@ _SIGNATURES = {
         "md_adam_step_{t}": ([_L, _L, _P, _P, _P, _P, _P, _D, _D, _D, _D, _D, _D, _D, _I, _I, _I, _P, _P, _P, _P, _P,
                               _P, _P, _P, _D, _D, _D, _D, _D, _D, _I, _P, _I], _I),
         "any_nonfinite_{t}": ([_L, _P, _I], _I),
+        "md_split_{t}": ([_L, _L, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+        "md_finish_{t}": ([_L, _L, _P, _P, _I, _P, _P, _P, _I], _I),
     },
 }
 
@@ -244,6 +247,74 @@ def md_adam_step(G: torch.Tensor, D: torch.Tensor, W: torch.Tensor, exp_avg: tor
         m, n, *ptrs, float(beta1), float(beta2), float(step_size), float(bc2_sqrt), float(eps), float(decay),
         float(l2), kr, kc, PARAM_CODE.get(parameterization, 0), *pr, *pc, float(gain_lr), float(gain_betas[0]),
         float(gain_betas[1]), float(gain_eps), tr, tc, SPHERE_CODE[sphere], rad, torch.get_num_threads())
+    if failed:
+        raise RuntimeError(f"md kernel: out of memory for the buffers of a {m}×{n} matrix")
+
+
+def _lib_and_shape(D: torch.Tensor) -> tuple[ctypes.CDLL, int, int]:
+    lib = load_kernel("md_adam")
+    if lib is None:
+        raise RuntimeError(f"md kernel unavailable: {unavailable_reason('md_adam')}")
+    if D.dtype not in _SUFFIX or D.ndim != 2:
+        raise ValueError(f"md kernel: D must be a 2-D float32/float64 tensor, got {D.dtype} {tuple(D.shape)}")
+    return lib, D.shape[0], D.shape[1]
+
+
+def md_split(G: torch.Tensor, D: torch.Tensor, gain_row: torch.Tensor | None, gain_col: torch.Tensor | None,
+             out: torch.Tensor, row_sums: bool, col_sums: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Ĝ = γ_r G γ_c into ``out`` and the log-gain gradient sums of Ŵ⊙Ĝ, in one pass (``md_functional.
+    split_gradient_log``'s maths and operation order; sums in float64).
+
+    Args:
+        G: ∂L/∂W, (m, n) float32/float64, contiguous, CPU; D: Ŵ, same layout; out: Ĝ's storage, same layout.
+        gain_row, gain_col: the effective gains γ_r (m elements) and γ_c (n), in D's dtype; None: 1.
+        row_sums, col_sums: which sums to return.
+
+    Returns:
+        (s_r of m elements or None, s_c of n elements or None), float64.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or out of memory. ValueError: a tensor of the wrong device, dtype,
+        size or layout (named).
+    """
+    lib, m, n = _lib_and_shape(D)
+    dt = D.dtype
+    ptrs = [_check(w, t, k, dt) for w, t, k in (("G", G, m * n), ("D", D, m * n), ("gain_row", gain_row, m),
+                                                ("gain_col", gain_col, n), ("out", out, m * n))]
+    s_r = torch.empty(m, dtype=torch.float64) if row_sums else None
+    s_c = torch.empty(n, dtype=torch.float64) if col_sums else None
+    failed = getattr(lib, f"md_split_{_SUFFIX[dt]}")(m, n, *ptrs, s_r.data_ptr() if s_r is not None else 0,
+                                                     s_c.data_ptr() if s_c is not None else 0, torch.get_num_threads())
+    if failed:
+        raise RuntimeError(f"md kernel: out of memory for the buffers of a {m}×{n} matrix")
+    return s_r, s_c
+
+
+def md_finish(D: torch.Tensor, W: torch.Tensor, sphere: str, radius: torch.Tensor, gain_row: torch.Tensor | None,
+              gain_col: torch.Tensor | None) -> None:
+    """Ŵ (``D``) back on its sphere and W = γ_r Ŵ γ_c, in place, in two passes (``md_functional.project_to_sphere_``
+    then ``compose``; norms summed in float64).
+
+    Args:
+        D: Ŵ, (m, n) float32/float64, contiguous, CPU; W: the model's tensor, same layout.
+        sphere: ``"frobenius"`` (radius of 1 element), ``"row"`` (m) or ``"col"`` (n); radius in D's dtype.
+        gain_row, gain_col: the new effective gains (m and n elements, D's dtype); None: 1.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or out of memory. ValueError: a tensor of the wrong device, dtype,
+        size or layout (named), or an unknown sphere.
+    """
+    lib, m, n = _lib_and_shape(D)
+    dt = D.dtype
+    if sphere not in SPHERE_CODE:
+        raise ValueError(f"md kernel: sphere {sphere!r} is not supported ({list(SPHERE_CODE)})")
+    ptrs = [_check(w, t, k, dt) for w, t, k in (("D", D, m * n), ("W", W, m * n))]
+    rad = _check("radius", radius, {"frobenius": 1, "row": m, "col": n}[sphere], dt)
+    if not rad:
+        raise ValueError("md kernel: radius is required")
+    g = [_check(w, t, k, dt) for w, t, k in (("gain_row", gain_row, m), ("gain_col", gain_col, n))]
+    failed = getattr(lib, f"md_finish_{_SUFFIX[dt]}")(m, n, *ptrs, SPHERE_CODE[sphere], rad, *g,
+                                                      torch.get_num_threads())
     if failed:
         raise RuntimeError(f"md kernel: out of memory for the buffers of a {m}×{n} matrix")
 

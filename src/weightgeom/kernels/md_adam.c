@@ -191,3 +191,125 @@ DEF_STEP(md_adam_step_f64, double, gains_f64)
     }
 DEF_SCAN(any_nonfinite_f32, float)
 DEF_SCAN(any_nonfinite_f64, double)
+
+/* The two memory passes of an eager MD step over any other base optimizer (Muon, SGD, ...), used by
+ * MagnitudeDirection where the base step itself is not fused (weightgeom/optim/magnitude_direction.py). Same maths
+ * and operation order as md_functional.split_gradient_log / project_to_sphere_ / compose (sums in double).
+ *
+ * md_split: Gh_ij = (G_ij g_r,i) g_c,j written to Gh; s_r,i = sum_j D_ij Gh_ij (if s_r), s_c,j = sum_i D_ij Gh_ij
+ * (if s_c). g_r / g_c NULL: 1. One pass. */
+#define DEF_SPLIT(NAME, T)                                                                                           \
+    int NAME(long m, long n, const T *G, const T *D, const T *gr, const T *gc, T *Gh, double *s_r, double *s_c,      \
+             int nthreads) {                                                                                         \
+        const int nt = nthreads > 0 ? nthreads : 1;                                                                  \
+        T *ones = NULL;                                                                                              \
+        double *part = NULL;                                                                                         \
+        if (gc == NULL) {                                                                                            \
+            ones = malloc(sizeof(T) * (size_t)(n > 0 ? n : 1));                                                      \
+            if (ones == NULL) return 1;                                                                              \
+            for (long j = 0; j < n; j++) ones[j] = 1;                                                                \
+            gc = ones;                                                                                               \
+        }                                                                                                            \
+        if (s_c != NULL) {                                                                                           \
+            part = calloc((size_t)nt * (size_t)(n > 0 ? n : 1), sizeof(double));                                    \
+            if (part == NULL) {                                                                                      \
+                free(ones);                                                                                          \
+                return 1;                                                                                            \
+            }                                                                                                        \
+        }                                                                                                            \
+        _Pragma("omp parallel num_threads(nt)") {                                                                    \
+            double *ts = part ? part + (size_t)omp_get_thread_num() * (size_t)n : NULL;                              \
+            _Pragma("omp for schedule(static)") for (long i = 0; i < m; i++) {                                       \
+                const T *g = G + i * n, *d = D + i * n;                                                              \
+                T *h = Gh + i * n;                                                                                   \
+                const T r = gr ? gr[i] : (T)1;                                                                       \
+                double ra = 0;                                                                                       \
+                if (ts) {                                                                                            \
+                    _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
+                        const T gh = g[j] * r * gc[j];                                                               \
+                        const T p = d[j] * gh;                                                                       \
+                        h[j] = gh;                                                                                   \
+                        ra += p;                                                                                     \
+                        ts[j] += p;                                                                                  \
+                    }                                                                                                \
+                } else {                                                                                             \
+                    _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
+                        const T gh = g[j] * r * gc[j];                                                               \
+                        h[j] = gh;                                                                                   \
+                        ra += d[j] * gh;                                                                             \
+                    }                                                                                                \
+                }                                                                                                    \
+                if (s_r) s_r[i] = ra;                                                                                \
+            }                                                                                                        \
+        }                                                                                                            \
+        if (s_c != NULL) {                                                                                           \
+            for (long j = 0; j < n; j++) s_c[j] = 0;                                                                 \
+            for (int t = 0; t < nt; t++)                                                                             \
+                for (long j = 0; j < n; j++) s_c[j] += part[(size_t)t * (size_t)n + j];                              \
+        }                                                                                                            \
+        free(part);                                                                                                  \
+        free(ones);                                                                                                  \
+        return 0;                                                                                                    \
+    }
+DEF_SPLIT(md_split_f32, float)
+DEF_SPLIT(md_split_f64, double)
+
+/* md_finish: D back on its sphere and W = g_r D g_c with the new gains (g_r / g_c NULL: 1). Pass 1: the squared
+ * norms the sphere needs (Frobenius / rows: row sums; columns: per-thread column sums); pass 2: D_ij = D_ij a_i b_j
+ * (a, b as in md_adam_step) and W_ij = (g_r,i D_ij) g_c,j. */
+#define DEF_FINISH(NAME, T)                                                                                          \
+    int NAME(long m, long n, T *D, T *W, int sphere, const T *radius, const T *gr, const T *gc, int nthreads) {      \
+        const int nt = nthreads > 0 ? nthreads : 1;                                                                  \
+        const size_t mm = (size_t)(m > 0 ? m : 1), nn = (size_t)(n > 0 ? n : 1);                                     \
+        T *fa = malloc(sizeof(T) * mm), *fb = malloc(sizeof(T) * nn), *ga = malloc(sizeof(T) * mm);                  \
+        T *gb = malloc(sizeof(T) * nn);                                                                              \
+        double *rq = malloc(sizeof(double) * mm), *cq = calloc(nn, sizeof(double));                                  \
+        double *part = sphere == 2 ? calloc((size_t)nt * nn, sizeof(double)) : NULL;                                 \
+        int failed = 0;                                                                                              \
+        if (!fa || !fb || !ga || !gb || !rq || !cq || (sphere == 2 && !part)) {                                      \
+            failed = 1;                                                                                              \
+            goto done;                                                                                               \
+        }                                                                                                            \
+        _Pragma("omp parallel num_threads(nt)") {                                                                    \
+            double *tq = part ? part + (size_t)omp_get_thread_num() * nn : NULL;                                     \
+            _Pragma("omp for schedule(static)") for (long i = 0; i < m; i++) {                                       \
+                const T *d = D + i * n;                                                                              \
+                double q = 0;                                                                                        \
+                if (tq) {                                                                                            \
+                    _Pragma("omp simd") for (long j = 0; j < n; j++) tq[j] += (double)d[j] * d[j];                   \
+                } else {                                                                                             \
+                    _Pragma("omp simd reduction(+ : q)") for (long j = 0; j < n; j++) q += (double)d[j] * d[j];      \
+                }                                                                                                    \
+                rq[i] = q;                                                                                           \
+            }                                                                                                        \
+        }                                                                                                            \
+        if (part)                                                                                                    \
+            for (int t = 0; t < nt; t++)                                                                             \
+                for (long j = 0; j < n; j++) cq[j] += part[(size_t)t * nn + j];                                      \
+        for (long i = 0; i < m; i++) fa[i] = 1, ga[i] = gr ? gr[i] : (T)1;                                          \
+        for (long j = 0; j < n; j++) fb[j] = 1, gb[j] = gc ? gc[j] : (T)1;                                          \
+        if (sphere == 0) {                                                                                           \
+            double tot = 0;                                                                                          \
+            for (long i = 0; i < m; i++) tot += rq[i];                                                               \
+            const T a = (T)((double)radius[0] / fmax(sqrt(tot), ZERO_NORM));                                         \
+            for (long i = 0; i < m; i++) fa[i] = a;                                                                  \
+        } else if (sphere == 1) {                                                                                    \
+            for (long i = 0; i < m; i++) fa[i] = (T)((double)radius[i] / fmax(sqrt(rq[i]), ZERO_NORM));              \
+        } else {                                                                                                     \
+            for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
+        }                                                                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)") for (long i = 0; i < m; i++) {                  \
+            T *d = D + i * n, *w = W + i * n;                                                                        \
+            const T ai = fa[i], wi = ga[i];                                                                          \
+            _Pragma("omp simd") for (long j = 0; j < n; j++) {                                                       \
+                const T x = d[j] * ai * fb[j];                                                                       \
+                d[j] = x;                                                                                            \
+                w[j] = wi * x * gb[j];                                                                               \
+            }                                                                                                        \
+        }                                                                                                            \
+    done:                                                                                                            \
+        free(fa); free(fb); free(ga); free(gb); free(rq); free(cq); free(part);                                     \
+        return failed;                                                                                               \
+    }
+DEF_FINISH(md_finish_f32, float)
+DEF_FINISH(md_finish_f64, double)

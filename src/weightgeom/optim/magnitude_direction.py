@@ -15,6 +15,11 @@ The model keeps one fused tensor W and never sees Ŵ or the gains. Each ``Magnit
 5. updates θ by Adam at ``gain_lr`` (``adam_update_``);
 6. recomposes W = γ_r Ŵ γ_c into the model's tensor, in place (``compose``).
 
+On the CPU (float32/float64, softplus or exp gains) the passes over each matrix run in C: over torch's Adam/AdamW the
+whole step, base included, in two passes (``md_fused``: path "fused"); over any other base (Muon, SGD, ...) steps
+1–2 in one pass and 4 + 6 in two (``kernels.md_split``/``md_finish``: path "eager-C") around the unchanged base
+step. ``fused=False`` keeps every pass in torch (path "eager").
+
 The maths lives in small pure functions (``md_functional.py``, re-exported here); the class only moves tensors.
 ``docs/md.md`` has the design notes (why the swap, manifold groups, weight decay, checkpoint format, measured
 overhead).
@@ -131,6 +136,14 @@ def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The wrapper.
 # ---------------------------------------------------------------------------------------------------------------------
+def _vector(gain: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A gain of ``gain_values`` as a contiguous vector of k entries in ``dtype`` (a scalar gain repeated)."""
+    if gain is None:
+        return None
+    g = gain.to(dtype).reshape(-1)
+    return (g.expand(k) if g.numel() == 1 else g).contiguous()
+
+
 class MagnitudeDirection(Optimizer):
     """Magnitude–direction decoupling around any base optimizer (the MD paper; docs/md.md).
 
@@ -256,7 +269,8 @@ class MagnitudeDirection(Optimizer):
 
         self._versions: dict[torch.Tensor, int | None] = {}
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self._path: dict[torch.Tensor, str] = {}  # how each matrix was stepped last: "fused" or "eager (why)"
+        # how each matrix was stepped last: "fused", "eager-C (why)" or "eager (why)"
+        self._path: dict[torch.Tensor, str] = {}
         self._stepped: set[torch.Tensor] = set()
         group = self._gain_groups[0]
         for p in decoupled:
@@ -336,7 +350,7 @@ class MagnitudeDirection(Optimizer):
 
     def summary(self) -> str:
         """A table: each decoupled matrix with its shape, radius, mean gains and how the last step ran it ("fused",
-        or "eager (why)"; "-" before the first step)."""
+        "eager-C (why)" or "eager (why)": why the base step is not fused; "-" before the first step)."""
         rows = [f"{'name':40s} {'shape':>12s} {'radius':>10s} {'γ_r mean':>9s} {'γ_c mean':>9s}  path"]
         for p in self._decoupled:
             gr, gc = self.gain_values(p)
@@ -480,9 +494,9 @@ class MagnitudeDirection(Optimizer):
             raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
 
     def _cpu_scan(self):
-        """The C finiteness scan where this optimizer uses its kernel anyway: ``fused`` not False, a base the fused
-        path covers (Adam/AdamW; so Muon-MD never builds the kernel for it), and the kernel loads."""
-        if self.fused is False or md_fused.base_fusable(self.base_optimizer) or md_fused.kernel_missing():
+        """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
+        step or the C passes around any other base) and they load; None otherwise (a torch norm is used)."""
+        if self.fused is False or md_fused.kernel_missing():
             return None
         return kernels.any_nonfinite
 
@@ -508,8 +522,9 @@ class MagnitudeDirection(Optimizer):
             st = self.state[p]
             D = st["direction"]
             s = self._scale_for(p, group)
-            # p, W, G, Ŵ, what the base steps, its gradient, True once stepped on the fused path (else None)
-            item = [p, p.data, G, D, None, None, None]
+            # p, W, G, Ŵ, what the base steps, its gradient, True once stepped on the fused path (else None),
+            # whether the eager passes run in C (``_kernel_passes``)
+            item = [p, p.data, G, D, None, None, None, False]
             work.append(item)
             if why is None:
                 md_fused.step(self.base_optimizer, group, p, G, st, self.state, self._gain_groups[0],
@@ -520,7 +535,9 @@ class MagnitudeDirection(Optimizer):
                     if key in st:
                         self._stepped.add(st[key])
                 continue
-            self._path[p] = f"eager ({why})"
+            ckernel = self.fused is None and s is None and self._kernel_passes(p, G, D, st)
+            item[7] = ckernel
+            self._path[p] = f"{'eager-C' if ckernel else 'eager'} ({why})"
             gr, gc = self.gain_values(p)
             if gr is None and gc is None:
                 Gd = G  # W = Ŵ: the base sees the model's gradient itself
@@ -528,7 +545,15 @@ class MagnitudeDirection(Optimizer):
                 buf = self._buffers.get(p)
                 if buf is None:
                     buf = self._buffers[p] = torch.empty_like(G)
-                if self.parameterization != "direct":  # W's storage is scratch until it is recomposed
+                if ckernel:  # Ĝ and the log-gain sums in one C pass
+                    m, n = D.shape
+                    s_r, s_c = kernels.md_split(G, D, _vector(gr, m, D.dtype), _vector(gc, n, D.dtype), buf,
+                                                gr is not None, gc is not None)
+                    if s_r is not None and gr.numel() == 1:  # one scalar row gain: the sum over every entry
+                        s_r = s_r.sum().reshape(1)
+                    self._set_gain_grads(st, s_r, s_c, gain_chain_log)
+                    Gd = buf
+                elif self.parameterization != "direct":  # W's storage is scratch until it is recomposed
                     g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
                     self._set_gain_grads(st, g_row, g_col, gain_chain_log)
                 else:
@@ -540,6 +565,15 @@ class MagnitudeDirection(Optimizer):
                 Gd = Gd * s.to(Gd.dtype)
             item[4], item[5] = target, Gd
 
+    def _kernel_passes(self, p: torch.Tensor, G: torch.Tensor, D: torch.Tensor, st: dict) -> bool:
+        """Whether this eager matrix's MD passes can run in C (``kernels.md_split``/``md_finish``): plain contiguous
+        CPU float32/float64 tensors of one dtype (W, G, Ŵ, the radius), softplus/exp gains, and the kernel loads."""
+        if self.parameterization not in ("softplus", "exp") or md_fused.kernel_missing() is not None:
+            return False
+        ts = (p.data, G, D, st["radius"])
+        return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == D.dtype and t.is_contiguous()
+                   for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2
+
     def _set_gain_grads(self, st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None, chain) -> None:
         for key, g in (("gain_row", g_row), ("gain_col", g_col)):
             if g is not None:
@@ -550,7 +584,7 @@ class MagnitudeDirection(Optimizer):
         """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step); matrices already
         stepped on the fused path have their ``.grad`` hidden from it."""
         try:
-            for p, _W, _G, _D, target, Gd, fused in work:
+            for p, _W, _G, _D, target, Gd, fused, _c in work:
                 if fused is None:
                     p.data = target
                 p.grad = Gd
@@ -577,7 +611,7 @@ class MagnitudeDirection(Optimizer):
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
-        for p, _W, _G, D, new, _Gd, fused in work:
+        for p, _W, _G, D, new, _Gd, fused, ckernel in work:
             st = self.state[p]
             if fused is not None:  # already recomposed by the fused step
                 self._versions[p] = p._version
@@ -587,8 +621,15 @@ class MagnitudeDirection(Optimizer):
                 torch.mul(new, s.to(new.dtype), out=D)
             elif new.data_ptr() != D.data_ptr():
                 D.copy_(new)
-            project_to_sphere_(D, st["radius"], self.sphere)
-            compose(D, *self.gain_values(p), out=p)
+            if ckernel:  # sphere and recomposition in two C passes
+                m, n = D.shape
+                gr, gc = self.gain_values(p)
+                kernels.md_finish(D, p.detach(), self.sphere, st["radius"], _vector(gr, m, D.dtype),
+                                  _vector(gc, n, D.dtype))
+                torch.autograd.graph.increment_version(p)  # written through a pointer: as an in-place op would
+            else:
+                project_to_sphere_(D, st["radius"], self.sphere)
+                compose(D, *self.gain_values(p), out=p)
             self._versions[p] = p._version
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
