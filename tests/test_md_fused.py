@@ -636,3 +636,48 @@ def test_frobenius_sphere_norm_is_accurate_on_large_float32_matrices():
     D = torch.randn(768, 3072, generator=torch.Generator().manual_seed(0))
     ref = float(D.double().norm())
     assert abs(float(sphere_norm(D, "frobenius")) / ref - 1) < 1e-6
+
+
+@pytest.mark.parametrize("std", [3e-5, 1e-4, 0.3])
+def test_frobenius_sphere_norm_of_float16_is_computed_in_float32(std):
+    """Hostile trial: the summed square in float16 overflowed above a norm of 256 (radius inf, W all NaN after one
+    step) and lost the squares of entries below 2.4e-4 (a 28 % low radius; 'zero norm' refused at std 3e-5)."""
+    D = (std * torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))).half()
+    got = sphere_norm(D, "frobenius")
+    assert got.dtype == torch.float16
+    assert abs(float(got) / float(D.double().norm()) - 1) < 2e-3
+
+
+@needs_kernel
+def test_eager_c_survives_a_gradient_whose_layout_changes():
+    """Hostile trial: the Ĝ buffer copied the first gradient's strides (a transposed one), and every later step with
+    a row-major gradient raised from the C kernel; now the buffer is row-major and the later steps take the C path."""
+    from weightgeom.optim import Muon
+
+    runs = []
+    for fused in (None, False):
+        w = torch.nn.Parameter(torch.randn(8, 5, generator=torch.Generator().manual_seed(0)))
+        md = MagnitudeDirection(Muon([{"params": [w], "names": ["w"], "msign_dtype": torch.float32}], lr=0.05),
+                                fused=fused, gain_lr=3e-2)
+        g = torch.Generator().manual_seed(1)
+        for k in range(3):
+            G = torch.randn(8, 5, generator=g)
+            w.grad = G.t().contiguous().t() if k == 0 else G
+            md.step()
+        runs.append((w.detach().clone(), md._path[w]))
+    assert runs[0][1].startswith("eager-C")
+    _close(runs[0][0], runs[1][0], 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape,sphere", [((0, 5), "row"), ((5, 0), "col")])
+def test_an_empty_matrix_steps_on_the_torch_passes(shape, sphere):
+    """Hostile trial: an empty decoupled matrix reached md_finish (an empty radius has no data pointer: 'radius is
+    required') after the base step had changed the other matrices; it now takes the torch passes, and the step runs."""
+    a = torch.nn.Parameter(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+    e = torch.nn.Parameter(torch.zeros(shape))
+    md = MagnitudeDirection(torch.optim.SGD([a, e], lr=0.1, momentum=0.9), sphere=sphere, gain_lr=1e-2)
+    for _ in range(2):
+        a.grad, e.grad = torch.randn(4, 5), torch.zeros(shape)
+        md.step()
+    assert md._path[a].startswith("eager-C") and md._path[e].startswith("eager (")

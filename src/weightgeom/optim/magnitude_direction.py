@@ -544,7 +544,8 @@ class MagnitudeDirection(Optimizer):
             else:
                 buf = self._buffers.get(p)
                 if buf is None:
-                    buf = self._buffers[p] = torch.empty_like(G)
+                    # row-major whatever G's layout: a later step's G may differ, and the C pass needs a plain buffer
+                    buf = self._buffers[p] = torch.empty_like(G, memory_format=torch.contiguous_format)
                 if ckernel:  # Ĝ and the log-gain sums in one C pass
                     m, n = D.shape
                     s_r, s_c = kernels.md_split(G, D, _vector(gr, m, D.dtype), _vector(gc, n, D.dtype), buf,
@@ -567,12 +568,13 @@ class MagnitudeDirection(Optimizer):
 
     def _kernel_passes(self, p: torch.Tensor, G: torch.Tensor, D: torch.Tensor, st: dict) -> bool:
         """Whether this eager matrix's MD passes can run in C (``kernels.md_split``/``md_finish``): plain contiguous
-        CPU float32/float64 tensors of one dtype (W, G, Ŵ, the radius), softplus/exp gains, and the kernel loads."""
+        CPU float32/float64 tensors of one dtype (W, G, Ŵ, the radius, the Ĝ buffer), not empty, softplus/exp gains,
+        and the kernel loads — checked before anything changes, so the kernels cannot refuse after the base step."""
         if self.parameterization not in ("softplus", "exp") or md_fused.kernel_missing() is not None:
             return False
-        ts = (p.data, G, D, st["radius"])
+        ts = (p.data, G, D, st["radius"], self._buffers.get(p, D))
         return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == D.dtype and t.is_contiguous()
-                   for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2
+                   for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2 and D.numel() > 0
 
     def _set_gain_grads(self, st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None, chain) -> None:
         for key, g in (("gain_row", g_row), ("gain_col", g_col)):

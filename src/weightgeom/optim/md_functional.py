@@ -209,8 +209,10 @@ def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
     """Norm(s) that define the sphere: ‖D‖_F (shape (1, 1)), row norms (m, 1) or column norms (1, n)."""
     if sphere == "frobenius":
         # a summed square, not vector_norm: on the CPU torch's float32 vector_norm of a large matrix accumulates in
-        # float32 (768×3072 Gaussian: 4.0e-5 low, against 1.2e-8 for the cascaded sum), which the radius inherited
-        return D.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+        # float32 (768×3072 Gaussian: 4.0e-5 low, against 1.2e-8 for the cascaded sum), which the radius inherited;
+        # in at least float32 (a float16 square overflows above 256 and underflows below 2.4e-4), in D's dtype out
+        Dc = D if D.dtype in (torch.float32, torch.float64) else D.float()
+        return Dc.square().sum(dim=(-2, -1), keepdim=True).sqrt().to(D.dtype)
     if sphere == "row":
         return torch.linalg.vector_norm(D, dim=-1, keepdim=True)
     if sphere == "col":
