@@ -262,6 +262,17 @@ def _assert_same(md_a, model_a, md_b, model_b, tol):
         assert float(ba["step"]) == float(bb["step"])
 
 
+def _default_and_torch_runs(make, base: str, dtype: torch.dtype, **md_kw) -> list[tuple]:
+    """(MD, model) after STEPS training steps with fused=None (MD's default path) and with fused=False (torch)."""
+    runs = []
+    for fused in (None, False):
+        model = _model(dtype)
+        md = make(base, model, fused, **md_kw)
+        _train(md, model, STEPS)
+        runs.append((md, model))
+    return runs
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("base", ["adamw", "adam-l2", "adamw-fused"])
@@ -269,13 +280,8 @@ def _assert_same(md_a, model_a, md_b, model_b, tol):
                                                  ("col", "softplus", "col"), ("scalar", "exp", "frobenius"),
                                                  ("none", "direct", "row")])
 def test_fused_wrapper_equals_eager_wrapper(base, gains, param, sphere, dtype):
-    runs = []
-    for fused in (None, False):
-        model = _model(dtype)
-        md = _make(base, model, fused, gains=gains, parameterization=param, sphere=sphere)
-        _train(md, model, STEPS)
-        runs.append((md, model))
-    (md_f, model_f), (md_e, model_e) = runs
+    (md_f, model_f), (md_e, model_e) = _default_and_torch_runs(_make, base, dtype, gains=gains,
+                                                               parameterization=param, sphere=sphere)
     assert all(path == "fused" for path in md_f._path.values())
     assert all(path.startswith("eager") for path in md_e._path.values())
     _assert_same(md_f, model_f, md_e, model_e, PATH_TOL[dtype])
@@ -300,16 +306,19 @@ def test_checkpoint_moves_between_fused_and_eager():
 
 
 @needs_kernel
-def test_fused_step_bumps_the_weight_version_for_autograd():
+@pytest.mark.parametrize("base,fused,path", [("adamw", True, "fused"), ("muon", None, "eager-C")])
+def test_c_paths_bump_the_weight_version_for_autograd(base, fused, path):
+    """The kernels write W through a pointer; autograd must still refuse a backward through a graph that saved the
+    old W, as after an in-place torch op."""
     model = _model(torch.float32)
-    md = _make("adamw", model, True)
+    md = _make(base, model, fused) if base == "adamw" else _make_other(base, model, fused)
     x = torch.randn(4, 12, requires_grad=True)
     torch.nn.functional.mse_loss(model(x), torch.zeros(4, 3)).backward()
     w = model[0].weight
     before = w._version
     out = model(x).sum()  # saves W for the gradient of x
     md.step()
-    assert w._version > before
+    assert w._version > before and md._path[w].startswith(path)
     with pytest.raises(RuntimeError, match="inplace"):
         out.backward()
 
@@ -540,13 +549,8 @@ def _make_other(kind: str, model: torch.nn.Module, fused, **md_kw) -> MagnitudeD
 def test_eager_c_passes_equal_the_torch_passes(base, gains, param, sphere, dtype):
     """Over a base the fused kernel does not cover, the default (fused=None) runs MD's passes in C around the base's
     own step: the same W, Ŵ, gains and gain gradients as the all-torch path (fused=False)."""
-    runs = []
-    for fused in (None, False):
-        model = _model(dtype)
-        md = _make_other(base, model, fused, gains=gains, parameterization=param, sphere=sphere)
-        _train(md, model, STEPS)
-        runs.append((md, model))
-    (md_c, model_c), (md_e, model_e) = runs
+    (md_c, model_c), (md_e, model_e) = _default_and_torch_runs(_make_other, base, dtype, gains=gains,
+                                                               parameterization=param, sphere=sphere)
     assert all(path.startswith("eager-C (the base optimizer is ") for path in md_c._path.values()), md_c._path
     assert all(path == "eager (fused=False)" for path in md_e._path.values())
     tol = C_PATH_TOL[dtype]
@@ -569,19 +573,6 @@ def compose_of(md: MagnitudeDirection, p: torch.Tensor) -> torch.Tensor:
     from weightgeom.optim.md_functional import compose
 
     return compose(md.state[p]["direction"], *md.gain_values(p))
-
-
-@needs_kernel
-def test_eager_c_step_bumps_the_weight_version_for_autograd():
-    model = _model(torch.float32)
-    md = _make_other("muon", model, None)
-    x = torch.randn(4, 12, requires_grad=True)
-    torch.nn.functional.mse_loss(model(x), torch.zeros(4, 3)).backward()
-    out = model(x).sum()  # saves W for the gradient of x
-    md.step()
-    assert md._path[model[0].weight].startswith("eager-C")
-    with pytest.raises(RuntimeError, match="inplace"):
-        out.backward()
 
 
 @needs_kernel

@@ -68,6 +68,23 @@
             th[i] -= step * (a / (sqrt(b * ibc2) + ce));                                                             \
         }                                                                                                            \
     }                                                                                                                \
+    /* the sphere's factors a (fa, m) and b (fb, n) from the squared row norms rq (Frobenius, rows) or column        \
+       norms cq (columns): a_i D_ij b_j has norm radius; 1 on a side the sphere leaves alone */                      \
+    static void NAME##_sphere(long m, long n, int sphere, const T *radius, const double *rq, const double *cq,       \
+                              T *fa, T *fb) {                                                                        \
+        for (long i = 0; i < m; i++) fa[i] = 1;                                                                      \
+        for (long j = 0; j < n; j++) fb[j] = 1;                                                                      \
+        if (sphere == 0) {                                                                                           \
+            double tot = 0;                                                                                          \
+            for (long i = 0; i < m; i++) tot += rq[i];                                                               \
+            const T a = (T)((double)radius[0] / fmax(sqrt(tot), ZERO_NORM));                                         \
+            for (long i = 0; i < m; i++) fa[i] = a;                                                                  \
+        } else if (sphere == 1) {                                                                                    \
+            for (long i = 0; i < m; i++) fa[i] = (T)((double)radius[i] / fmax(sqrt(rq[i]), ZERO_NORM));              \
+        } else {                                                                                                     \
+            for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
+        }                                                                                                            \
+    }                                                                                                                \
     /* gamma of the row and column gains (and, where rr/rc are given, their chain factors): 1 where a gain is        \
        absent, a scalar row gain (gain_r == 2) repeated over the m rows */                                           \
     static void NAME##_both(long m, long n, int gain_r, int gain_c, const T *th_r, const T *th_c, int param, T *gr,  \
@@ -149,18 +166,7 @@ DEF_GAINS(gains_f64, double)
             GAINS##_adam(1, th_r, m_r, v_r, d_r, &tot, rr, glr, gb1, gb2, geps, t_r, nthreads);                      \
         }                                                                                                            \
         if (gain_c == 1) GAINS##_adam(n, th_c, m_c, v_c, d_c, cs, rc, glr, gb1, gb2, geps, t_c, nthreads);           \
-        for (long i = 0; i < m; i++) fa[i] = 1;                                                                      \
-        for (long j = 0; j < n; j++) fb[j] = 1;                                                                      \
-        if (sphere == 0) {                                                                                           \
-            double tot = 0;                                                                                          \
-            for (long i = 0; i < m; i++) tot += rq[i];                                                               \
-            const T a = (T)((double)radius[0] / fmax(sqrt(tot), ZERO_NORM));                                         \
-            for (long i = 0; i < m; i++) fa[i] = a;                                                                  \
-        } else if (sphere == 1) {                                                                                    \
-            for (long i = 0; i < m; i++) fa[i] = (T)((double)radius[i] / fmax(sqrt(rq[i]), ZERO_NORM));              \
-        } else {                                                                                                     \
-            for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
-        }                                                                                                            \
+        GAINS##_sphere(m, n, sphere, radius, rq, cq, fa, fb);                                                        \
         GAINS##_both(m, n, gain_r, gain_c, th_r, th_c, param, wa, wb, NULL, NULL, nthreads); /* the new gains */     \
         _Pragma("omp parallel for schedule(static) num_threads(nt)") for (long i = 0; i < m; i++) {                  \
             T *d = D + i * n, *w = W + i * n;                                                                        \
@@ -257,7 +263,7 @@ DEF_SPLIT(md_split_f64, double)
 /* md_finish: D back on its sphere and W = g_r D g_c with the new gains (g_r / g_c NULL: 1). Pass 1: the squared
  * norms the sphere needs (Frobenius / rows: row sums; columns: per-thread column sums); pass 2: D_ij = D_ij a_i b_j
  * (a, b as in md_adam_step) and W_ij = (g_r,i D_ij) g_c,j. */
-#define DEF_FINISH(NAME, T)                                                                                          \
+#define DEF_FINISH(NAME, T, GAINS)                                                                                   \
     int NAME(long m, long n, T *D, T *W, int sphere, const T *radius, const T *gr, const T *gc, int nthreads) {      \
         const int nt = nthreads > 0 ? nthreads : 1;                                                                  \
         const size_t mm = (size_t)(m > 0 ? m : 1), nn = (size_t)(n > 0 ? n : 1);                                     \
@@ -286,18 +292,9 @@ DEF_SPLIT(md_split_f64, double)
         if (part)                                                                                                    \
             for (int t = 0; t < nt; t++)                                                                             \
                 for (long j = 0; j < n; j++) cq[j] += part[(size_t)t * nn + j];                                      \
-        for (long i = 0; i < m; i++) fa[i] = 1, ga[i] = gr ? gr[i] : (T)1;                                          \
-        for (long j = 0; j < n; j++) fb[j] = 1, gb[j] = gc ? gc[j] : (T)1;                                          \
-        if (sphere == 0) {                                                                                           \
-            double tot = 0;                                                                                          \
-            for (long i = 0; i < m; i++) tot += rq[i];                                                               \
-            const T a = (T)((double)radius[0] / fmax(sqrt(tot), ZERO_NORM));                                         \
-            for (long i = 0; i < m; i++) fa[i] = a;                                                                  \
-        } else if (sphere == 1) {                                                                                    \
-            for (long i = 0; i < m; i++) fa[i] = (T)((double)radius[i] / fmax(sqrt(rq[i]), ZERO_NORM));              \
-        } else {                                                                                                     \
-            for (long j = 0; j < n; j++) fb[j] = (T)((double)radius[j] / fmax(sqrt(cq[j]), ZERO_NORM));              \
-        }                                                                                                            \
+        for (long i = 0; i < m; i++) ga[i] = gr ? gr[i] : (T)1;                                                      \
+        for (long j = 0; j < n; j++) gb[j] = gc ? gc[j] : (T)1;                                                      \
+        GAINS##_sphere(m, n, sphere, radius, rq, cq, fa, fb);                                                        \
         _Pragma("omp parallel for schedule(static) num_threads(nt)") for (long i = 0; i < m; i++) {                  \
             T *d = D + i * n, *w = W + i * n;                                                                        \
             const T ai = fa[i], wi = ga[i];                                                                          \
@@ -311,5 +308,5 @@ DEF_SPLIT(md_split_f64, double)
         free(fa); free(fb); free(ga); free(gb); free(rq); free(cq); free(part);                                     \
         return failed;                                                                                               \
     }
-DEF_FINISH(md_finish_f32, float)
-DEF_FINISH(md_finish_f64, double)
+DEF_FINISH(md_finish_f32, float, gains_f32)
+DEF_FINISH(md_finish_f64, double, gains_f64)
