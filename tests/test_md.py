@@ -623,7 +623,7 @@ def test_outside_edit_without_a_direction_is_refused_without_a_trace(edit, msg):
             model[2].weight.zero_()
         else:  # finite, but W / γ_r / γ_c with gains at the floor (1e-6 each) exceeds float32
             md.state[model[2].weight]["gain_row"].fill_(-1000.0)
-            model[2].weight.fill_(1e30)
+            model[2].weight.fill_(1e33)  # / 1e-6 = 1e39 > float32's max (1e30 re-derives: its norm is summed in f64)
     for q in model.parameters():  # finite gradients (a backward through a NaN weight would poison them all)
         q.grad = torch.full_like(q, 0.1)
     before = snapshot(md, model)

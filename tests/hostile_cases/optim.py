@@ -189,6 +189,35 @@ def _tiny_gain(fused: bool, value: float):
     return check
 
 
+def _huge_gradient(fused: bool | None):
+    """A finite float32 gradient of 1e30 (squares past float32's range) over SGD, on every sphere: Ŵ stays on its
+    sphere (radius unchanged) and W finite and nonzero, on the torch path and on the C passes alike."""
+
+    def check(tmp_path: Path) -> None:
+        from weightgeom import kernels
+        from weightgeom.optim import MagnitudeDirection
+        from weightgeom.optim.md_functional import sphere_norm_wide
+
+        if fused is None and kernels.load_kernel("md_adam") is None:
+            pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
+        for sphere in ("frobenius", "row", "col"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+            md = MagnitudeDirection(torch.optim.SGD(model.parameters(), lr=5e-2), model=model, fused=fused,
+                                    gain_lr=3e-2, sphere=sphere)
+            w = model[0].weight
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 1e30)
+            md.step()
+            assert md._path[w].startswith("eager (fused=False)" if fused is False else "eager-C"), md._path[w]
+            assert bool(torch.isfinite(w.detach()).all()) and float(w.detach().abs().max()) > 0, f"{sphere}: W emptied"
+            radius = md.state[w]["radius"].double()
+            norm = sphere_norm_wide(md.direction(w), sphere)
+            torch.testing.assert_close(norm, radius.expand_as(norm), rtol=1e-5, atol=0)
+
+    return check
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 NAN, INF = float("nan"), float("inf")
 CASES: list[Hostile] = [
@@ -228,4 +257,12 @@ CASES: list[Hostile] = [
             "MagnitudeDirection (fused path) with subnormal gains (1e-40), then an outside edit of W and a checkpoint "
             "reload: W stays finite and equal to γ_r Ŵ γ_c",
             _tiny_gain(True, 1e-40)),
+    Hostile("md-torch-huge-gradient", "optim",
+            "MagnitudeDirection's torch passes (fused=False) over SGD with a finite float32 gradient of 1e30 on the "
+            "Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero (the squares are summed "
+            "in float64; before, they overflowed and W became 0)",
+            _huge_gradient(False)),
+    Hostile("md-c-passes-huge-gradient", "optim",
+            "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero",
+            _huge_gradient(None)),
 ]
