@@ -39,6 +39,7 @@ from weightgeom.analysis.continuity import (
 from weightgeom.analysis.loaders import Loaded, materialize, open_lazy
 from weightgeom.analysis.metric_names import DEFAULT_METRICS, METRICS
 from weightgeom.analysis.roles import RoleWeight, assign_roles
+from weightgeom.linalg.precision import with_full_precision
 from weightgeom.linalg.topsv import top_singular
 
 __all__ = ["analyze", "analyze_full", "AnalysisResult", "METRICS", "DEFAULT_METRICS", "GRAM_MODES", "SKETCH_MIN_DIM"]
@@ -442,6 +443,7 @@ def _result(ctx: _RunContext, src: Loaded, by_role: dict[str, list[RoleWeight]],
                           dict(ctx.u1_cos), meta)
 
 
+@with_full_precision  # its float32 Grams and products at IEEE precision whatever the process's matmul mode
 def analyze_full(
     source,
     roles: Mapping[str, str] | str | None = None,

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from weightgeom.linalg.precision import with_full_precision
 from weightgeom.linalg.topsv import top_singular
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
@@ -58,6 +59,7 @@ SATURATION_THRESHOLD = 0.99  # a softmax row counts as saturated when its max pr
 MAX_SEQS = 8  # sequences of a batch the diagnostic forward uses (memory: one (B, H, T, T) layer at a time)
 
 
+@with_full_precision  # the stated error bounds assume IEEE float32 Grams (weightgeom.linalg.precision)
 def matrix_stats(W: torch.Tensor) -> dict[str, float]:
     """σ_max, σ_min, Gram off-diagonal ratio and column-norm spread of one matrix (tall orientation).
 
@@ -92,6 +94,7 @@ def matrix_stats(W: torch.Tensor) -> dict[str, float]:
     }
 
 
+@with_full_precision  # the stated error bounds assume IEEE float32 Grams (weightgeom.linalg.precision)
 def _sigma_max(W: torch.Tensor) -> torch.Tensor:
     """Spectral norm of (..., m, n), batched: float64 ``eigvalsh`` of the small (fp32) Gram when min(m, n) ≤ 1024
     (~3× cheaper than ``svdvals`` at 768×768), else block power iteration on it (Ritz values converged to 1e-7)."""

@@ -35,6 +35,7 @@ import torch
 
 from weightgeom._cache import cache_root
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
+from weightgeom.linalg.precision import with_full_precision
 
 __all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice"]
 
@@ -210,6 +211,7 @@ def _steps_to_reach(P: torch.Tensor, dtype: torch.dtype, max_steps: int, bar: fl
     return None
 
 
+@with_full_precision  # the cached choice must not depend on the measuring process's float32 matmul mode
 def _measure(device: torch.device) -> MsignChoice:
     max_steps = MSIGN_PRESETS["polar_express"].steps
     P = _probe(device)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from weightgeom.linalg.msign import msign
+from weightgeom.linalg.precision import with_full_precision
 
 __all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check"]
 
@@ -167,6 +168,19 @@ class Manifold(ABC):
     name: str = "manifold"
     retractions: tuple[str, ...] = ()
 
+    # Methods that run inside ``full_precision()`` in every subclass (wrapped at class creation): a process-wide
+    # TF32/bf16 float32-matmul mode would otherwise leave retracted points ~1e-3 off the manifold and make ``check``
+    # measure with that error (weightgeom.linalg.precision).
+    FULL_PRECISION_METHODS = ("retract", "proj_tangent", "proj_tangent_tall", "constraint_violation",
+                              "tangent_residual", "check", "random_point")
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in Manifold.FULL_PRECISION_METHODS:
+            fn = cls.__dict__.get(name)
+            if callable(fn):
+                setattr(cls, name, with_full_precision(fn))
+
     # ---- the projector that defines the manifold -------------------------------------------------------------
     @abstractmethod
     def P(self, S: torch.Tensor) -> torch.Tensor:
@@ -185,12 +199,14 @@ class Manifold(ABC):
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """Euclidean-orthogonal projection of A onto the tangent space at the manifold point W."""
 
+    @with_full_precision
     def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
         """``proj_tangent`` on tall views X, A (m ≥ n), given S = XᵀA when the caller has computed it already (the dual
         ascent has: its residual is P(S + Sᵀ)). Manifolds whose projection is A − X·L(S) override this to skip that
         m×n×n product; the default ignores S."""
         return self.proj_tangent(X, A)
 
+    @with_full_precision
     def constraint_violation(self, W: torch.Tensor) -> torch.Tensor:
         """‖P(WᵀW) − P(I)‖_F / sqrt(n²) per matrix (batched), computed on the tall view."""
         X, _ = tall(W)
@@ -198,6 +214,7 @@ class Manifold(ABC):
         G = X.mT @ X
         return torch.linalg.matrix_norm(self.P(G) - self.target(n, G)) / n
 
+    @with_full_precision
     def tangent_residual(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """‖P(WᵀA + AᵀW)‖_F / sqrt(numel) per matrix: 0 iff A is tangent at W (the dual ascent's stop metric)."""
         X, t = tall(W)
@@ -206,6 +223,7 @@ class Manifold(ABC):
         H = self.P(H + H.mT)
         return torch.linalg.matrix_norm(H) / H.shape[-1]
 
+    @with_full_precision
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """Whether W is on the manifold within ``tol`` (normalised violation), and if not, why.
 
@@ -218,6 +236,7 @@ class Manifold(ABC):
             return CheckResult(True, "", err)
         return CheckResult(False, f"{self.name}: ‖P(WᵀW) − P(I)‖_F/n = {err:.3g} > tol {tol:g}", err)
 
+    @with_full_precision
     def random_point(self, *shape: int, generator: torch.Generator | None = None,
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """A random point of the manifold with the given shape (retraction of a Gaussian matrix)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from weightgeom import manifolds
-from weightgeom.linalg import MSIGN_PRESETS, msign, msign_choice
+from weightgeom.linalg import MSIGN_PRESETS, full_precision, msign, msign_choice
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
@@ -406,7 +406,8 @@ class Muon(torch.optim.Optimizer):
             elif group["manifold"] is None:
                 self._muon_group_batched(group, [p for _, p in items], ok)
             else:
-                self._manifold_group(group, [(self._name(group, i, gi), p) for i, p in items])
+                with full_precision():  # the constraint arithmetic in IEEE float32 whatever the process's mode
+                    self._manifold_group(group, [(self._name(group, i, gi), p) for i, p in items])
         self._warn_far_retraction()
 
     def _with_grads(self) -> list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]:
