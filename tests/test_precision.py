@@ -94,3 +94,57 @@ def test_manifold_muon_under_a_bf16_matmul_mode_equals_full_precision(restore_pr
     assert _settings() == mode  # the process's mode is kept outside the step
     assert torch.equal(full, low) and full_stats == low_stats
     assert manifolds.get(manifold).check(low, tol=1e-6)
+
+
+def test_full_precision_on_a_torch_without_per_backend_settings(monkeypatch):
+    """torch < 2.9 has no ``torch.backends.*.matmul.fp32_precision``: the guard falls back to the process-wide legacy
+    setting, sets 'highest' inside and puts the old value back (also after an exception)."""
+    from weightgeom.linalg import precision
+
+    calls: list[str] = []
+    state = {"p": "medium"}
+    monkeypatch.setattr(precision, "_backends", lambda: [])
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: state["p"])
+
+    def setter(p: str) -> None:
+        calls.append(p)
+        state["p"] = p
+
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", setter)
+    with full_precision():
+        assert state["p"] == "highest"
+    assert state["p"] == "medium" and calls == ["highest", "medium"]
+    with pytest.raises(ValueError):
+        with full_precision():
+            raise ValueError
+    assert state["p"] == "medium"
+    state["p"] = "highest"
+    calls.clear()
+    with full_precision():  # already full: untouched
+        pass
+    assert calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_cuda_manifold_muon_under_tf32_equals_full_precision(restore_precision, manifold):
+    """On a GPU, "high" precision runs float32 matmuls in TF32 (10-bit mantissa): the guarded manifold-Muon steps must
+    still equal, bitwise, the steps of a full-precision process and keep W on its manifold."""
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter((torch.randn(1024, 256) * 0.02).cuda())
+        opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, manifold=manifold, init="retract")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(10):
+            p.grad = torch.randn(p.shape, generator=g, device="cuda") * 1e-3
+            opt.step()
+        return p.detach().clone()
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = run()
+        torch.set_float32_matmul_precision("high")
+        low = run()
+    assert torch.equal(full, low)
+    assert manifolds.get(manifold).check(low.cpu(), tol=1e-6)
