@@ -103,7 +103,7 @@ def test_full_precision_on_a_torch_without_per_backend_settings(monkeypatch):
 
     calls: list[str] = []
     state = {"p": "medium"}
-    monkeypatch.setattr(precision, "_backends", lambda: [])
+    monkeypatch.setattr(precision, "_levels", lambda: [])
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: state["p"])
 
     def setter(p: str) -> None:
@@ -148,3 +148,55 @@ def test_cuda_manifold_muon_under_tf32_equals_full_precision(restore_precision, 
         low = run()
     assert torch.equal(full, low)
     assert manifolds.get(manifold).check(low.cpu(), tol=1e-6)
+
+
+def test_an_inherited_setting_stays_inherited(restore_precision):
+    """The process sets the generic level; the guard must not pin the op level to that value on exit, so a later change
+    of the generic level still reaches the matmuls (the hostile trial's case: it stayed bf16)."""
+    torch.backends.fp32_precision = "bf16"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # inherited
+    with full_precision():
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    torch.backends.fp32_precision = "ieee"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+
+
+def test_a_thread_leaving_does_not_lower_precision_under_another(restore_precision):
+    """Thread A enters a guard, the main thread enters one too, A leaves: the main thread is still at IEEE precision
+    (the first implementation restored A's saved 'medium' here); the mode comes back when the main thread leaves."""
+    import threading
+
+    torch.set_float32_matmul_precision("medium")
+    mode = _settings()
+    inside, release = threading.Event(), threading.Event()
+
+    def a() -> None:
+        with full_precision():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=a)
+    t.start()
+    assert inside.wait(10)
+    with full_precision():
+        release.set()
+        t.join(10)
+        assert not t.is_alive()
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"  # A left, this thread is still inside
+    assert _settings() == mode
+
+
+def test_static_and_class_methods_of_a_subclass_are_guarded_too(restore_precision):
+    class Odd(manifolds.Stiefel):
+        @staticmethod
+        def constraint_violation(W):
+            return torch.tensor(torch.backends.mkldnn.matmul.fp32_precision == "ieee")
+
+        @classmethod
+        def random_point(cls, *shape, generator=None, dtype=torch.float64):
+            assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+            return manifolds.Stiefel().random_point(*shape, generator=generator, dtype=dtype)
+
+    torch.set_float32_matmul_precision("medium")
+    assert bool(Odd().constraint_violation(torch.eye(3)))  # called as an instance's staticmethod: W only
+    assert Odd.random_point(6, 3).shape == (6, 3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -26,56 +27,75 @@ import torch
 __all__ = ["full_precision", "with_full_precision"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_FULL = ("ieee", "none")  # "none": inherits the backend's default, which is IEEE unless set otherwise
+# IEEE float32 already: an op-level getter resolves inheritance, so "none" means nothing above it is set either
+_FULL = ("ieee", "none")
 
 
-def _backends() -> list[Any]:
-    """The per-backend matmul settings objects that have ``fp32_precision`` (torch ≥ 2.9), else []."""
+def _levels() -> list[tuple[Any, Callable[[], str]]]:
+    """(op-level settings object, its parent's effective value) for the matmul ops that have ``fp32_precision``
+    (torch ≥ 2.9), else []. An op-level getter reports the inherited value when the op itself is unset ("none")."""
     out = []
+    generic = getattr(torch.backends, "fp32_precision", "none")
     for name in ("mkldnn", "cuda"):
-        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
+        backend = getattr(torch.backends, name, None)
+        matmul = getattr(backend, "matmul", None)
         if matmul is not None and hasattr(matmul, "fp32_precision"):
-            out.append(matmul)
+            out.append((matmul, lambda b=backend: getattr(b, "fp32_precision", generic)))
     return out
 
 
-def _inherits_full() -> bool:
-    """Whether an op-level "none" inherits IEEE: the backend and global levels are unset or IEEE too."""
-    levels = [getattr(torch.backends, "fp32_precision", "none")]
-    levels += [getattr(getattr(torch.backends, n, None), "fp32_precision", "none") for n in ("mkldnn", "cuda")]
-    return all(v in _FULL for v in levels)
+# One process-wide switch shared by every thread: the first guard to enter raises the precision, the last to leave
+# restores it (a thread leaving early must not lower it under another thread still inside).
+_LOCK = threading.Lock()
+_depth = 0
+_restore: Callable[[], None] | None = None
+
+
+def _raise() -> Callable[[], None] | None:
+    """Set IEEE float32 matmuls; return the function that undoes it, or None when nothing had to change."""
+    levels = _levels()
+    if levels:
+        saved = [(m, m.fp32_precision, parent()) for m, parent in levels]
+        if all(v in _FULL for _, v, _ in saved):
+            return None
+        for m, _, _ in saved:
+            m.fp32_precision = "ieee"
+
+        def undo() -> None:
+            for m, v, inherited in saved:  # a value equal to the parent's was (almost surely) inherited: unset it
+                m.fp32_precision = "none" if v == inherited else v
+
+        return undo
+    old = torch.get_float32_matmul_precision()  # torch < 2.9: the process-wide legacy setting
+    if old == "highest":
+        return None
+    torch.set_float32_matmul_precision("highest")
+    return lambda: torch.set_float32_matmul_precision(old)
 
 
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
-    """Inside: float32 matmuls at full IEEE precision on every backend; the previous settings come back on exit."""
-    backends = _backends()
-    if backends:
-        saved = [b.fp32_precision for b in backends]
-        if all(v == "ieee" for v in saved) or (all(v in _FULL for v in saved) and _inherits_full()):
-            yield  # already full precision: touch nothing
-            return
-        try:
-            for b in backends:
-                b.fp32_precision = "ieee"
-            yield
-        finally:
-            for b, v in zip(backends, saved):
-                b.fp32_precision = v
-        return
-    old = torch.get_float32_matmul_precision()  # torch < 2.9: the process-wide legacy setting
-    if old == "highest":
-        yield
-        return
+    """Inside: float32 matmuls at full IEEE precision on every backend; the previous settings come back when the last
+    guard of the process (any thread, nested or not) leaves. Settings changed by another thread while a guard is
+    active are overwritten by that restore."""
+    global _depth, _restore
+    with _LOCK:
+        if _depth == 0:
+            _restore = _raise()
+        _depth += 1
     try:
-        torch.set_float32_matmul_precision("highest")
         yield
     finally:
-        torch.set_float32_matmul_precision(old)
+        with _LOCK:
+            _depth -= 1
+            if _depth == 0 and _restore is not None:
+                undo, _restore = _restore, None
+                undo()
 
 
 def with_full_precision(fn: _F) -> _F:
-    """Decorator: ``fn`` runs inside ``full_precision()`` (marked, so wrapping twice is a no-op)."""
+    """Decorator: ``fn`` runs inside ``full_precision()`` (marked, so wrapping twice is a no-op). For functions that
+    return their result: a generator function would run its body after the guard has left."""
     if getattr(fn, "_full_precision", False):
         return fn
 

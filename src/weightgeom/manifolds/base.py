@@ -178,7 +178,9 @@ class Manifold(ABC):
         super().__init_subclass__(**kwargs)
         for name in Manifold.FULL_PRECISION_METHODS:
             fn = cls.__dict__.get(name)
-            if callable(fn):
+            if isinstance(fn, (staticmethod, classmethod)):  # wrap the function inside, keep the descriptor
+                setattr(cls, name, type(fn)(with_full_precision(fn.__func__)))
+            elif callable(fn):
                 setattr(cls, name, with_full_precision(fn))
 
     # ---- the projector that defines the manifold -------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightgeom.linalg import column_norms, msign, msign_reference
+from weightgeom.linalg import column_norms, msign, msign_reference, with_full_precision
 from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
@@ -62,6 +62,7 @@ def _sym(S: torch.Tensor) -> torch.Tensor:
     return 0.5 * (S + S.mT)
 
 
+@with_full_precision
 def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> torch.Tensor:
     """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3)."""
     X, t = tall(W)
@@ -70,6 +71,7 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
     return -0.25 * manifold.P(S + S.mT)
 
 
+@with_full_precision
 def manifold_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -228,6 +230,7 @@ def manifold_direction(
     return untall(A, t), Lam, residual, iters
 
 
+@with_full_precision
 def sampled_tangent_residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
                              columns: int = RESIDUAL_SAMPLE_COLUMNS) -> float:
     """Tangent residual max over the batch of ‖P(XᵀA + AᵀX)‖_F / n (tall views), from a block of its columns.
@@ -261,6 +264,7 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
 
 
+@with_full_precision
 def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
                            gram_dtype: torch.dtype | None = None) -> torch.Tensor:
     """‖A‖₂ of each matrix of a batch (..., m, n), (..., 1, 1): ``iters`` Lanczos steps on AᵀA from a fixed start.
