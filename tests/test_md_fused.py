@@ -672,3 +672,26 @@ def test_an_empty_matrix_steps_on_the_torch_passes(shape, sphere):
         a.grad, e.grad = torch.randn(4, 5), torch.zeros(shape)
         md.step()
     assert md._path[a].startswith("eager-C") and md._path[e].startswith("eager (")
+
+
+@needs_kernel
+@pytest.mark.parametrize("huge", [1e30, 3e38])
+def test_fused_path_clamps_a_huge_gain_gradient_like_the_eager_path(huge):
+    """A finite float32 gradient so large that the log-gain sums overflow: the fused kernel's gain Adam clamps the gain
+    gradient to md_functional.gain_grad_limit, as the eager path's adam_update_ does — W, gains and moments finite (W
+    was NaN at 3e38 before), and the two paths agree."""
+    runs = []
+    for fused in (None, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, fused=fused, gain_lr=3e-2)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, huge)
+        md.step()
+        w = model[0].weight
+        assert md._path[w] == ("fused" if fused is None else "eager (fused=False)")
+        tensors = [w.detach(), *[t for t in md.gain_values(w) if t is not None],
+                   *[v for st in md.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]]
+        assert all(bool(torch.isfinite(t).all()) for t in tensors)
+        runs.append(w.detach().clone())
+    _close(runs[0], runs[1], 1e-5)

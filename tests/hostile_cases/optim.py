@@ -190,8 +190,9 @@ def _tiny_gain(fused: bool, value: float):
 
 
 def _huge_gradient(fused: bool | None):
-    """A finite float32 gradient of 1e30 (squares past float32's range) over SGD, on every sphere: Ŵ stays on its
-    sphere (radius unchanged) and W finite and nonzero, on the torch path and on the C passes alike."""
+    """Finite float32 gradients of 1e30 (squares past float32's range) and 3e38 (the log-gain sums overflow too) over
+    SGD, on every sphere: Ŵ stays on its sphere (radius unchanged), W finite and nonzero, the gains and their Adam
+    moments finite, and the gains still move on the normal steps after it — on the torch path and the C passes."""
 
     def check(tmp_path: Path) -> None:
         from weightgeom import kernels
@@ -200,20 +201,33 @@ def _huge_gradient(fused: bool | None):
 
         if fused is None and kernels.load_kernel("md_adam") is None:
             pytest.skip(f"md kernel unavailable: {kernels.unavailable_reason('md_adam')}")
-        for sphere in ("frobenius", "row", "col"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
-            md = MagnitudeDirection(torch.optim.SGD(model.parameters(), lr=5e-2), model=model, fused=fused,
-                                    gain_lr=3e-2, sphere=sphere)
-            w = model[0].weight
-            for p in model.parameters():
-                p.grad = torch.full_like(p, 1e30)
-            md.step()
-            assert md._path[w].startswith("eager (fused=False)" if fused is False else "eager-C"), md._path[w]
-            assert bool(torch.isfinite(w.detach()).all()) and float(w.detach().abs().max()) > 0, f"{sphere}: W emptied"
-            radius = md.state[w]["radius"].double()
-            norm = sphere_norm_wide(md.direction(w), sphere)
-            torch.testing.assert_close(norm, radius.expand_as(norm), rtol=1e-5, atol=0)
+        for huge in (1e30, 3e38):
+            for sphere in ("frobenius", "row", "col"):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+                md = MagnitudeDirection(torch.optim.SGD(model.parameters(), lr=5e-2), model=model, fused=fused,
+                                        gain_lr=3e-2, sphere=sphere)
+                w = model[0].weight
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, huge)
+                md.step()
+                where = f"{huge:g}, {sphere}"
+                assert md._path[w].startswith("eager (fused=False)" if fused is False else "eager-C"), md._path[w]
+                assert bool(torch.isfinite(w.detach()).all()) and float(w.detach().abs().max()) > 0, where
+                radius = md.state[w]["radius"].double()
+                norm = sphere_norm_wide(md.direction(w), sphere)
+                torch.testing.assert_close(norm, radius.expand_as(norm), rtol=1e-5, atol=0)
+                gains = [t.detach().clone() for t in md.gain_values(w) if t is not None]
+                moments = [v for st in md.state.values() for k, v in st.items()
+                           if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq")]
+                assert gains and moments and all(bool(torch.isfinite(t).all()) for t in gains + moments), where
+                for _ in range(3):  # normal steps after the spike: the gains are not frozen
+                    for p in model.parameters():
+                        p.grad = torch.randn_like(p) * 1e-2
+                    md.step()
+                after = [t for t in md.gain_values(w) if t is not None]
+                assert any(not torch.equal(a, b) for a, b in zip(gains, after)), f"{where}: gains frozen"
+                assert all(bool(torch.isfinite(t).all()) for t in after), where
 
     return check
 
@@ -296,12 +310,14 @@ CASES: list[Hostile] = [
             "reload: W stays finite and equal to γ_r Ŵ γ_c",
             _tiny_gain(True, 1e-40)),
     Hostile("md-torch-huge-gradient", "optim",
-            "MagnitudeDirection's torch passes (fused=False) over SGD with a finite float32 gradient of 1e30 on the "
-            "Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero (the squares are summed "
-            "in float64; before, they overflowed and W became 0)",
+            "MagnitudeDirection's torch passes (fused=False) over SGD with finite float32 gradients of 1e30 and 3e38 "
+            "on the Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero, the gains and "
+            "their Adam moments finite and still moving afterwards (sphere sums in float64, the gains' gradient "
+            "clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
             _huge_gradient(False)),
     Hostile("md-c-passes-huge-gradient", "optim",
-            "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero",
+            "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero, "
+            "gains finite and moving",
             _huge_gradient(None)),
     Hostile("manifold-muon-medium-matmul-mode", "optim",
             "torch.set_float32_matmul_precision('medium') (float32 matmuls in bf16 on AMX/AVX512-BF16 CPUs): "

@@ -30,6 +30,9 @@
  * tests/test_md_fused.py checks they agree); the chain factor below uses the unclamped phi (straight through). */
 #define GAIN_MIN 1e-6
 #define GAIN_MAX 1e6
+/* The gains' Adam clamps its gradient to +-GRAD_MAX (= md_functional.gain_grad_limit: half the square root of the
+   type's largest number), so g*g and the second moment stay finite for a finite but huge gradient. */
+#define GRAD_MAX(T) (sizeof(T) == 4 ? 9.223371761976865e18 : 6.703903964971298e153)
 
 /* Gains: gamma = phi(theta) clamped to [GAIN_MIN, GAIN_MAX] (NaN passes through, as torch.clamp) and the log-gain
  * chain factor phi'(theta)/phi(theta) of the unclamped phi (softplus: sigmoid/softplus, with torch's threshold 20;
@@ -59,7 +62,8 @@
         const T cb2 = (T)b2, w2 = (T)(1 - b2), ce = (T)eps;                                                          \
         _Pragma("omp parallel for simd schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                   \
         for (long i = 0; i < k; i++) {                                                                               \
-            const T g = (T)s[i] * ratio[i];                                                                          \
+            T g = (T)s[i] * ratio[i];                                                                                \
+            if (g > (T)GRAD_MAX(T)) g = (T)GRAD_MAX(T); else if (g < -(T)GRAD_MAX(T)) g = -(T)GRAD_MAX(T); /* NaN */ \
             grad[i] = g;                                                                                             \
             const T a = mm[i] + w1 * (g - mm[i]);                                                                    \
             const T b = vv[i] * cb2 + w2 * g * g;                                                                    \

@@ -39,6 +39,13 @@ _ZERO_NORM = 1e-30
 GAIN_MIN = 1e-6
 GAIN_MAX = 1e6
 
+
+def gain_grad_limit(dtype: torch.dtype) -> float:
+    """Largest |gradient| the gains' Adam takes (``adam_update_``; the C kernels use the same value): half the square
+    root of the dtype's largest number (float32 and bf16 9.2e18, float64 6.7e153, float16 128), so that g² and Adam's
+    second moment stay finite."""
+    return 0.5 * math.sqrt(torch.finfo(dtype).max)
+
 _EMBED_RE = re.compile(
     r"(^|[._])(wte|wpe|tok_emb\w*|pos_emb\w*|embed\w*|embedding\w*|word_embeddings|position_embeddings)([._]|$)"
 )
@@ -277,9 +284,14 @@ def adam_update_(
 ) -> torch.Tensor:
     """One bias-corrected Adam step on θ, in place (no weight decay). ``step`` counts from 1.
 
-    m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr · (m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + eps).
+    m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr · (m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + eps), with g clamped to
+    ±``gain_grad_limit(θ.dtype)`` first (in place on ``grad``), so that g² and v stay finite: a finite but huge
+    gradient (a float32 1e38 makes the log-gain sum overflow to inf) would otherwise give m/sqrt(v) = inf/inf = NaN
+    gains — and NaN W even at lr 0 — or leave v at inf, freezing the gains for good. NaN passes through.
     """
     b1, b2 = betas
+    lim = gain_grad_limit(theta.dtype)
+    grad = grad.clamp_(-lim, lim) if torch.is_floating_point(grad) else grad
     exp_avg.lerp_(grad, 1 - b1)
     exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
     bc1 = 1 - b1**step
