@@ -227,7 +227,9 @@ def sphere_norm_wide(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor
     """``sphere_norm`` in float64 (float32 on a device without float64, MPS): the squares summed in that dtype, as
     the C kernels sum them. Measured on the CPU (3072×768 float32): Frobenius 1.2 ms (0.5 for a float32 summed
     square), rows 0.9 (0.2), columns 1.8 (0.7) — the price of a sphere that an overflowing square cannot empty
-    (before: a float32 gradient of 1e30 made every norm inf and set Ŵ, so W, to zero on the torch path)."""
+    (before: a float32 gradient of 1e30 made every norm inf and set Ŵ, so W, to zero on the torch path). Limits: float64
+    entries beyond ~1e154 still overflow the float64 sum (on the C passes too); a float16 parameter keeps its radius in
+    float16, so a matrix whose norm exceeds 65504 cannot be put on its sphere."""
     wide = D.dtype if D.dtype == torch.float64 or D.device.type == "mps" else torch.float64
     if sphere == "frobenius":
         return torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=wide)
