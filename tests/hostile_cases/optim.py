@@ -228,6 +228,24 @@ def _huge_gradient(fused: bool | None):
                 after = [t for t in md.gain_values(w) if t is not None]
                 assert any(not torch.equal(a, b) for a, b in zip(gains, after)), f"{where}: gains frozen"
                 assert all(bool(torch.isfinite(t).all()) for t in after), where
+        # gains grown to ~3 first (γ_r·G·γ_c of a 3e38 gradient then passes float32's range: it saturates), and rows of
+        # mixed sign whose products sum to +inf − inf in float32 (the sums are float64)
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(16, 4, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.tensor([1.0, 1, -1, -1] * 4).expand(4, 16))
+        md = MagnitudeDirection(torch.optim.SGD(lin.parameters(), lr=1e-2), model=lin, fused=fused, gain_lr=0.1,
+                                sphere="row")
+        for _ in range(10):
+            lin.weight.grad = -torch.ones_like(lin.weight) * 1e-2
+            md.step()
+        grown = float(md.gain_values(lin.weight)[0].max() * md.gain_values(lin.weight)[1].max())
+        assert grown > 1.2, grown
+        lin.weight.grad = torch.full_like(lin.weight, 3e38)
+        md.step()
+        tensors = [lin.weight.detach(), *[t for t in md.gain_values(lin.weight) if t is not None]]
+        tensors += [v for st in md.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+        assert all(bool(torch.isfinite(t).all()) for t in tensors), "grown gains, 3e38: not finite"
 
     return check
 
@@ -312,8 +330,9 @@ CASES: list[Hostile] = [
     Hostile("md-torch-huge-gradient", "optim",
             "MagnitudeDirection's torch passes (fused=False) over SGD with finite float32 gradients of 1e30 and 3e38 "
             "on the Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero, the gains and "
-            "their Adam moments finite and still moving afterwards (sphere sums in float64, the gains' gradient "
-            "clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
+            "their Adam moments finite and still moving afterwards; also 3e38 after the gains grew to ~3 and on rows "
+            "whose products sum to +inf − inf (sphere and gain sums in float64, γ_r·G·γ_c saturating, the gains' "
+            "gradient clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
             _huge_gradient(False)),
     Hostile("md-c-passes-huge-gradient", "optim",
             "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero, "

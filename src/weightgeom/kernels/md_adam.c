@@ -16,6 +16,7 @@
  *
  * The float64 reference is weightgeom.optim.md_functional.fused_step_reference (torch ops, same order).
  */
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -33,6 +34,10 @@
 /* The gains' Adam clamps its gradient to +-GRAD_MAX (= md_functional.gain_grad_limit: half the square root of the
    type's largest number), so g*g and the second moment stay finite for a finite but huge gradient. */
 #define GRAD_MAX(T) (sizeof(T) == 4 ? 9.223371761976865e18 : 6.703903964971298e153)
+/* Gh = g_r G g_c saturates at +-the type's largest number (md_functional.split_gradient_log alike): a finite G times
+   gains above 1 would be +-inf, and the base step would turn it into NaN. NaN passes. */
+#define BIG(T) ((T)(sizeof(T) == 4 ? FLT_MAX : DBL_MAX))
+#define SAT(T, x) ((x) > BIG(T) ? BIG(T) : ((x) < -BIG(T) ? -BIG(T) : (x)))
 
 /* Gains: gamma = phi(theta) clamped to [GAIN_MIN, GAIN_MAX] (NaN passes through, as torch.clamp) and the log-gain
  * chain factor phi'(theta)/phi(theta) of the unclamped phi (softplus: sigmoid/softplus, with torch's threshold 20;
@@ -137,7 +142,7 @@ DEF_GAINS(gains_f64, double)
                 const T r = gr[i];                                                                                   \
                 double ra = 0, rqa = 0;                                                                              \
                 _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                            \
-                    const T gh = g[j] * r * gc[j];                                                                   \
+                    const T gh = SAT(T, g[j] * r * gc[j]);                                                             \
                     const T p = d[j] * gh;                                                                           \
                     ra += p;                                                                                         \
                     ts[j] += p;                                                                                      \
@@ -236,7 +241,7 @@ DEF_SCAN(any_nonfinite_f64, double)
                 double ra = 0;                                                                                       \
                 if (ts) {                                                                                            \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = g[j] * r * gc[j];                                                               \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
                         const T p = d[j] * gh;                                                                       \
                         h[j] = gh;                                                                                   \
                         ra += p;                                                                                     \
@@ -244,7 +249,7 @@ DEF_SCAN(any_nonfinite_f64, double)
                     }                                                                                                \
                 } else {                                                                                             \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = g[j] * r * gc[j];                                                               \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
                         h[j] = gh;                                                                                   \
                         ra += d[j] * gh;                                                                             \
                     }                                                                                                \

@@ -49,6 +49,7 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     compose,
     gain_chain,
     gain_chain_log,
+    gain_grad_limit,
     gain_init,
     gain_value,
     is_embedding_name,
@@ -607,8 +608,10 @@ class MagnitudeDirection(Optimizer):
                 continue
             gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1
+            lim = gain_grad_limit(theta.dtype)
+            theta.grad.clamp_(-lim, lim)  # the gradient the gains step with, as the C kernel writes it back
             adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), group["lr"],
-                         group["betas"], group["eps"])
+                         group["betas"], group["eps"], grad_limit=lim)
 
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""

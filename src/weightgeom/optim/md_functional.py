@@ -177,7 +177,8 @@ def split_gradient_log(
             after the base step anyway; avoids allocating — on CPU a fresh large tensor costs a pass of page faults).
 
     Returns:
-        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least.
+        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least, summed in
+        float64; Ĝ saturates at ±the dtype's largest number (a finite G times gains above 1 would be ±inf).
     """
     if gamma_row is None and gamma_col is None:
         return None, None, (G.clone() if out is None else out.copy_(G))
@@ -185,14 +186,17 @@ def split_gradient_log(
     Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
     if gamma_row is not None and gamma_col is not None:
         Gd.mul_(gamma_col.to(G.dtype))
+    big = torch.finfo(G.dtype).max  # a finite G scaled by gains > 1 can pass the dtype's range: saturate, not inf
+    Gd.clamp_(-big, big)
     P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
-    if P.dtype in (torch.float16, torch.bfloat16):
-        P = P.float()
+    out_dtype = torch.float32 if P.dtype in (torch.float16, torch.bfloat16) else P.dtype
+    wide = torch.float64  # summed in float64 as the C passes do: huge entries of both signs give no inf − inf
     s_row = s_col = None
     if gamma_row is not None:
-        s_row = (P.sum(dim=1) if gamma_row.numel() == P.shape[0] else P.sum()).reshape(gamma_row.shape)
+        s = P.sum(dim=1, dtype=wide) if gamma_row.numel() == P.shape[0] else P.sum(dtype=wide)
+        s_row = s.to(out_dtype).reshape(gamma_row.shape)
     if gamma_col is not None:
-        s_col = P.sum(dim=0).reshape(gamma_col.shape)
+        s_col = P.sum(dim=0, dtype=wide).to(out_dtype).reshape(gamma_col.shape)
     return s_row, s_col, Gd
 
 
@@ -283,17 +287,19 @@ def adam_update_(
     lr: float,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    grad_limit: float | None = None,
 ) -> torch.Tensor:
     """One bias-corrected Adam step on θ, in place (no weight decay). ``step`` counts from 1.
 
     m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr · (m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + eps), with g clamped to
-    ±``gain_grad_limit(θ.dtype)`` first (in place on ``grad``), so that g² and v stay finite: a finite but huge
-    gradient (a float32 1e38 makes the log-gain sum overflow to inf) would otherwise give m/sqrt(v) = inf/inf = NaN
-    gains — and NaN W even at lr 0 — or leave v at inf, freezing the gains for good. NaN passes through.
+    ±``grad_limit`` (default ``gain_grad_limit(θ.dtype)``; ``grad`` itself is not modified), so that g² and v stay
+    finite: a finite but huge gradient (a float32 1e38 makes the log-gain sum overflow to inf) would otherwise give
+    m/sqrt(v) = inf/inf = NaN gains — and NaN W even at lr 0 — or leave v at inf, freezing the gains for good. NaN
+    passes through.
     """
     b1, b2 = betas
-    lim = gain_grad_limit(theta.dtype)
-    grad = grad.clamp_(-lim, lim) if torch.is_floating_point(grad) else grad
+    lim = gain_grad_limit(theta.dtype) if grad_limit is None else grad_limit
+    grad = grad.clamp(-lim, lim)
     exp_avg.lerp_(grad, 1 - b1)
     exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
     bc1 = 1 - b1**step
@@ -337,6 +343,8 @@ def fused_step_reference(
     gr = None if thetas[0] is None else gain_value(thetas[0], parameterization).reshape(-1, 1)
     gc = None if thetas[1] is None else gain_value(thetas[1], parameterization).reshape(1, -1)
     s_row, s_col, gh = split_gradient_log(G.double(), d, gr, gc)
+    big = torch.finfo(G.dtype).max  # the kernel's Ĝ saturates in its own dtype
+    gh = gh.clamp(-big, big)
     e = gh + l2 * d
     m = exp_avg.double().lerp(e, 1 - beta1)
     v = exp_avg_sq.double() * beta2 + (1 - beta2) * e * e
@@ -347,10 +355,11 @@ def fused_step_reference(
         if gain is None:
             continue
         ga, gv = gain[1].double(), gain[2].double()
-        grad = gain_chain_log(theta, s.reshape(theta.shape), parameterization)
+        lim = gain_grad_limit(gain[0].dtype)  # the kernel clamps at its own dtype's limit
+        grad = gain_chain_log(theta, s.reshape(theta.shape), parameterization).clamp(-lim, lim)
         if len(gain) > 4 and gain[4] is not None:
             gain[4].copy_(grad)
-        adam_update_(theta, grad, ga, gv, int(gain[3]), gain_lr, gain_betas, gain_eps)
+        adam_update_(theta, grad, ga, gv, int(gain[3]), gain_lr, gain_betas, gain_eps, grad_limit=lim)
         for dst, src in zip(gain[:3], (theta, ga, gv)):
             dst.copy_(src)
     shape = {"frobenius": (1, 1), "row": (-1, 1), "col": (1, -1)}[sphere]
