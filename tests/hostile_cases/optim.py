@@ -246,6 +246,19 @@ def _huge_gradient(fused: bool | None):
         tensors = [lin.weight.detach(), *[t for t in md.gain_values(lin.weight) if t is not None]]
         tensors += [v for st in md.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
         assert all(bool(torch.isfinite(t).all()) for t in tensors), "grown gains, 3e38: not finite"
+        # entries of Ŵ above 1 (a row sphere of radius > 1) times a saturated Ĝ: the products saturate as well
+        with torch.no_grad():
+            lin.weight.copy_(torch.tensor([3.0, -3, 3, -3, 2, -2, 2, -2] * 2).expand(4, 16))
+        md = MagnitudeDirection(torch.optim.SGD(lin.parameters(), lr=1e-2), model=lin, fused=fused, gain_lr=0.1,
+                                sphere="row")
+        for _ in range(10):
+            lin.weight.grad = -torch.ones_like(lin.weight) * 1e-2
+            md.step()
+        lin.weight.grad = torch.tensor([3e38, 3e38, -3e38, -3e38] * 4).expand(4, 16).clone()
+        md.step()
+        tensors = [lin.weight.detach()]
+        tensors += [v for st in md.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+        assert all(bool(torch.isfinite(t).all()) for t in tensors), "|Ŵ| > 1, 3e38: not finite"
 
     return check
 

@@ -34,8 +34,9 @@
 /* The gains' Adam clamps its gradient to +-GRAD_MAX (= md_functional.gain_grad_limit: half the square root of the
    type's largest number), so g*g and the second moment stay finite for a finite but huge gradient. */
 #define GRAD_MAX(T) (sizeof(T) == 4 ? 9.223371761976865e18 : 6.703903964971298e153)
-/* Gh = g_r G g_c saturates at +-the type's largest number (md_functional.split_gradient_log alike): a finite G times
-   gains above 1 would be +-inf, and the base step would turn it into NaN. NaN passes. */
+/* Gh = g_r G g_c and the products D Gh saturate at +-the type's largest number (md_functional.split_gradient_log
+   alike): a finite G times gains above 1 would be +-inf, the base step would turn it into NaN, and +inf and -inf
+   products in one sum would give NaN. NaN passes. */
 #define BIG(T) ((T)(sizeof(T) == 4 ? FLT_MAX : DBL_MAX))
 #define SAT(T, x) ((x) > BIG(T) ? BIG(T) : ((x) < -BIG(T) ? -BIG(T) : (x)))
 
@@ -142,8 +143,8 @@ DEF_GAINS(gains_f64, double)
                 const T r = gr[i];                                                                                   \
                 double ra = 0, rqa = 0;                                                                              \
                 _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                            \
-                    const T gh = SAT(T, g[j] * r * gc[j]);                                                             \
-                    const T p = d[j] * gh;                                                                           \
+                    const T gh = SAT(T, g[j] * r * gc[j]);                                                           \
+                    const T p = SAT(T, d[j] * gh);                                                                   \
                     ra += p;                                                                                         \
                     ts[j] += p;                                                                                      \
                     const T e = gh + cl2 * d[j];                                                                     \
@@ -241,17 +242,17 @@ DEF_SCAN(any_nonfinite_f64, double)
                 double ra = 0;                                                                                       \
                 if (ts) {                                                                                            \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
-                        const T p = d[j] * gh;                                                                       \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                       \
+                        const T p = SAT(T, d[j] * gh);                                                               \
                         h[j] = gh;                                                                                   \
                         ra += p;                                                                                     \
                         ts[j] += p;                                                                                  \
                     }                                                                                                \
                 } else {                                                                                             \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                       \
                         h[j] = gh;                                                                                   \
-                        ra += d[j] * gh;                                                                             \
+                        ra += SAT(T, d[j] * gh);                                                                     \
                     }                                                                                                \
                 }                                                                                                    \
                 if (s_r) s_r[i] = ra;                                                                                \

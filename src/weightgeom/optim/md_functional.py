@@ -197,7 +197,8 @@ def split_gradient_log(
     # for any gradient whose products stay above ~1e-34; one pass, where float64 sums cost 1.6 ms per 3072×768 matrix
     scalar = gamma_row is not None and gamma_row.numel() != P.shape[0]
     e = math.ceil(math.log2(max(2, P.numel() if scalar else max(P.shape))))
-    P.mul_(2.0**-e)
+    big = torch.finfo(P.dtype).max
+    P.clamp_(-big, big).mul_(2.0**-e)  # a product past the range (|Ŵ| > 1 times a saturated Ĝ) saturates too
     s_row = s_col = None
     if gamma_row is not None:
         s_row = (P.sum() if scalar else P.sum(dim=1)).mul_(2.0**e).reshape(gamma_row.shape)
