@@ -32,11 +32,12 @@
 #define GAIN_MIN 1e-6
 #define GAIN_MAX 1e6
 /* The gains' Adam clamps its gradient to +-GRAD_MAX (= md_functional.gain_grad_limit: half the square root of the
-   type's largest number), so g*g and the second moment stay finite for a finite but huge gradient. */
+   type's largest number), so g*g and the second moment stay finite for a finite but huge gradient; a NaN gain sum,
+   which only products of both signs past the type's range can make (NaN gradients are refused before any kernel
+   runs), counts as 0: that gain does not move. */
 #define GRAD_MAX(T) (sizeof(T) == 4 ? 9.223371761976865e18 : 6.703903964971298e153)
-/* Gh = g_r G g_c and the products D Gh saturate at +-the type's largest number (md_functional.split_gradient_log
-   alike): a finite G times gains above 1 would be +-inf, the base step would turn it into NaN, and +inf and -inf
-   products in one sum would give NaN. NaN passes. */
+/* Gh = g_r G g_c saturates at +-the type's largest number (md_functional.split_gradient_log alike): a finite G times
+   gains above 1 would be +-inf, and the base step would turn it into NaN. NaN passes. */
 #define BIG(T) ((T)(sizeof(T) == 4 ? FLT_MAX : DBL_MAX))
 #define SAT(T, x) ((x) > BIG(T) ? BIG(T) : ((x) < -BIG(T) ? -BIG(T) : (x)))
 
@@ -68,7 +69,8 @@
         const T cb2 = (T)b2, w2 = (T)(1 - b2), ce = (T)eps;                                                          \
         _Pragma("omp parallel for simd schedule(static) num_threads(k >= PAR_MIN ? nthreads : 1)")                   \
         for (long i = 0; i < k; i++) {                                                                               \
-            T g = (T)s[i] * ratio[i];                                                                                \
+            const double si = s[i] == s[i] ? s[i] : 0; /* NaN only from +inf - inf products: counts as 0 */          \
+            T g = (T)si * ratio[i];                                                                                  \
             if (g > (T)GRAD_MAX(T)) g = (T)GRAD_MAX(T); else if (g < -(T)GRAD_MAX(T)) g = -(T)GRAD_MAX(T); /* NaN */ \
             grad[i] = g;                                                                                             \
             const T a = mm[i] + w1 * (g - mm[i]);                                                                    \
@@ -143,8 +145,8 @@ DEF_GAINS(gains_f64, double)
                 const T r = gr[i];                                                                                   \
                 double ra = 0, rqa = 0;                                                                              \
                 _Pragma("omp simd reduction(+ : ra, rqa)") for (long j = 0; j < n; j++) {                            \
-                    const T gh = SAT(T, g[j] * r * gc[j]);                                                           \
-                    const T p = SAT(T, d[j] * gh);                                                                   \
+                    const T gh = SAT(T, g[j] * r * gc[j]);                                                             \
+                    const T p = d[j] * gh;                                                                           \
                     ra += p;                                                                                         \
                     ts[j] += p;                                                                                      \
                     const T e = gh + cl2 * d[j];                                                                     \
@@ -242,17 +244,17 @@ DEF_SCAN(any_nonfinite_f64, double)
                 double ra = 0;                                                                                       \
                 if (ts) {                                                                                            \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = SAT(T, g[j] * r * gc[j]);                                                       \
-                        const T p = SAT(T, d[j] * gh);                                                               \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
+                        const T p = d[j] * gh;                                                                       \
                         h[j] = gh;                                                                                   \
                         ra += p;                                                                                     \
                         ts[j] += p;                                                                                  \
                     }                                                                                                \
                 } else {                                                                                             \
                     _Pragma("omp simd reduction(+ : ra)") for (long j = 0; j < n; j++) {                             \
-                        const T gh = SAT(T, g[j] * r * gc[j]);                                                       \
+                        const T gh = SAT(T, g[j] * r * gc[j]);                                                         \
                         h[j] = gh;                                                                                   \
-                        ra += SAT(T, d[j] * gh);                                                                     \
+                        ra += d[j] * gh;                                                                             \
                     }                                                                                                \
                 }                                                                                                    \
                 if (s_r) s_r[i] = ra;                                                                                \

@@ -609,7 +609,10 @@ class MagnitudeDirection(Optimizer):
             gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1
             lim = gain_grad_limit(theta.dtype)
-            theta.grad.clamp_(-lim, lim)  # the gradient the gains step with, as the C kernel writes it back
+            # the gradient the gains step with, as the C kernel writes it back: clamped, and a NaN — only products of
+            # both signs past the dtype's range make one (|Ŵ| > 1 times a saturated Ĝ; NaN gradients were refused) —
+            # counts as 0, so that gain does not move
+            theta.grad.nan_to_num_(nan=0.0).clamp_(-lim, lim)
             adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), group["lr"],
                          group["betas"], group["eps"], grad_limit=lim)
 

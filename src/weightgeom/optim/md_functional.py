@@ -177,8 +177,9 @@ def split_gradient_log(
             after the base step anyway; avoids allocating — on CPU a fresh large tensor costs a pass of page faults).
 
     Returns:
-        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least and never
-        overflows; Ĝ saturates at ±the dtype's largest number (a finite G times gains above 1 would be ±inf).
+        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least (see the
+        comment on overflow below); Ĝ saturates at ±the dtype's largest number (a finite G times gains above 1 would
+        be ±inf).
     """
     if gamma_row is None and gamma_col is None:
         return None, None, (G.clone() if out is None else out.copy_(G))
@@ -191,14 +192,15 @@ def split_gradient_log(
     P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
     if P.dtype in (torch.float16, torch.bfloat16):
         P = P.float()
-    # no partial sum may overflow (huge products of both signs would give inf − inf = NaN): the products are summed
-    # scaled by 2^-e, 2^e ≥ the longest sum's length, and the sums scaled back (an overflow there is a clean ±inf,
-    # which the gains' Adam clamps to gain_grad_limit). Powers of two commute with rounding: bitwise the plain sums
-    # for any gradient whose products stay above ~1e-34; one pass, where float64 sums cost 1.6 ms per 3072×768 matrix
+    # no partial sum of finite products may overflow (huge products of both signs would give inf − inf = NaN): they
+    # are summed scaled by 2^-e, 2^e ≥ the longest sum's length, and the sums scaled back (an overflow there is a clean
+    # ±inf, which the gains' Adam clamps to gain_grad_limit). Powers of two commute with rounding: bitwise the plain
+    # sums for any gradient whose products stay above ~1e-34; one pass, where float64 sums cost 1.6 ms per 3072×768
+    # matrix. Products themselves past the range (|Ŵ| > 1 times a saturated Ĝ) can still make a NaN sum, which the
+    # gains' update counts as 0, as the C kernels do
     scalar = gamma_row is not None and gamma_row.numel() != P.shape[0]
     e = math.ceil(math.log2(max(2, P.numel() if scalar else max(P.shape))))
-    big = torch.finfo(P.dtype).max
-    P.clamp_(-big, big).mul_(2.0**-e)  # a product past the range (|Ŵ| > 1 times a saturated Ĝ) saturates too
+    P.mul_(2.0**-e)
     s_row = s_col = None
     if gamma_row is not None:
         s_row = (P.sum() if scalar else P.sum(dim=1)).mul_(2.0**e).reshape(gamma_row.shape)
