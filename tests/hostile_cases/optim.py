@@ -344,8 +344,8 @@ CASES: list[Hostile] = [
             "MagnitudeDirection's torch passes (fused=False) over SGD with finite float32 gradients of 1e30 and 3e38 "
             "on the Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero, the gains and "
             "their Adam moments finite and still moving afterwards; also 3e38 after the gains grew to ~3 and on rows "
-            "whose products sum to +inf − inf (sphere and gain sums in float64, γ_r·G·γ_c saturating, the gains' "
-            "gradient clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
+            "whose products sum to +inf − inf (sphere sums in float64, overflow-safe gain sums, γ_r·G·γ_c "
+            "saturating, the gains' gradient clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
             _huge_gradient(False)),
     Hostile("md-c-passes-huge-gradient", "optim",
             "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero, "
