@@ -259,6 +259,20 @@ def _huge_gradient(fused: bool | None):
         tensors = [lin.weight.detach()]
         tensors += [v for st in md.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
         assert all(bool(torch.isfinite(t).all()) for t in tensors), "|Ŵ| > 1, 3e38: not finite"
+        # the 'direct' parameterization (its own, non-log split) with gains of 3: Ĝ saturates there too
+        from weightgeom.optim.md_functional import compose
+
+        lin = torch.nn.Linear(16, 8, bias=False)
+        md = MagnitudeDirection(torch.optim.SGD(lin.parameters(), lr=1e-2), model=lin, fused=fused,
+                                parameterization="direct")
+        with torch.no_grad():
+            md.state[lin.weight]["gain_row"].fill_(3.0)
+            md.state[lin.weight]["gain_col"].fill_(3.0)
+            lin.weight.copy_(compose(md.direction(lin.weight), *md.gain_values(lin.weight)))
+        for huge in (3e38, -3.4e38):
+            lin.weight.grad = torch.full_like(lin.weight, huge)
+            md.step()
+        assert bool(torch.isfinite(lin.weight.detach()).all()), "direct gains, 3e38: W not finite"
 
     return check
 
@@ -343,8 +357,9 @@ CASES: list[Hostile] = [
     Hostile("md-torch-huge-gradient", "optim",
             "MagnitudeDirection's torch passes (fused=False) over SGD with finite float32 gradients of 1e30 and 3e38 "
             "on the Frobenius, row and column spheres: Ŵ stays on its sphere, W finite and nonzero, the gains and "
-            "their Adam moments finite and still moving afterwards; also 3e38 after the gains grew to ~3 and on rows "
-            "whose products sum to +inf − inf (sphere sums in float64, overflow-safe gain sums, γ_r·G·γ_c "
+            "their Adam moments finite and still moving afterwards; also 3e38 after the gains grew to ~3, with the "
+            "`direct` parameterization, and on rows whose products sum to +inf − inf (sphere sums in float64, "
+            "overflow-safe gain sums, γ_r·G·γ_c "
             "saturating, the gains' gradient clamped to 9.2e18; before, W became 0 at 1e30 and NaN at 3e38)",
             _huge_gradient(False)),
     Hostile("md-c-passes-huge-gradient", "optim",

@@ -123,8 +123,10 @@ def split_gradient(
         out: optional (m, n) buffer for Ĝ (must not alias G or D).
 
     Returns:
-        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c).
-        Gain gradients are float32 at least (reductions of low-precision products are accumulated in float32).
+        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c,
+        saturating at ±the dtype's largest number). Gain gradients are float32 at least (reductions of low-precision
+        products are accumulated in float32); a sum of products past the range may be ±inf or NaN, which the gains'
+        update clamps, or counts as 0.
     """
     need = gamma_row is not None or gamma_col is not None
     g_row = g_col = None
@@ -154,6 +156,8 @@ def split_gradient(
         Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
         if gamma_row is not None and gamma_col is not None:
             Gd.mul_(gamma_col.to(G.dtype))
+        big = torch.finfo(G.dtype).max  # as split_gradient_log: a finite G times gains above 1 saturates, not ±inf
+        Gd.clamp_(-big, big)
     return g_row, g_col, Gd
 
 
