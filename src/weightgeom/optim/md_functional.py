@@ -149,16 +149,18 @@ def split_gradient(
             else:
                 hc = gamma_row.reshape(-1).to(H.dtype) @ H
             g_col = hc.reshape(gamma_col.shape)
-    if gamma_row is None and gamma_col is None:
-        Gd = G.clone() if out is None else out.copy_(G)
-    else:
-        first = gamma_row if gamma_row is not None else gamma_col
-        Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
-        if gamma_row is not None and gamma_col is not None:
-            Gd.mul_(gamma_col.to(G.dtype))
-        big = torch.finfo(G.dtype).max  # as split_gradient_log: a finite G times gains above 1 saturates, not ±inf
+    return g_row, g_col, _scaled_gradient(G, gamma_row, gamma_col, out)
+
+
+def _scaled_gradient(G: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
+                     out: torch.Tensor | None) -> torch.Tensor:
+    """Ĝ = γ_r ⊙ G ⊙ γ_c (``compose``), saturating at ±the dtype's largest number where there are gains: a finite G
+    times gains above 1 would otherwise be ±inf, which the base step turns into NaN."""
+    Gd = compose(G, gamma_row, gamma_col, out=out)
+    if gamma_row is not None or gamma_col is not None:
+        big = torch.finfo(G.dtype).max
         Gd.clamp_(-big, big)
-    return g_row, g_col, Gd
+    return Gd
 
 
 def split_gradient_log(
@@ -187,12 +189,7 @@ def split_gradient_log(
     """
     if gamma_row is None and gamma_col is None:
         return None, None, (G.clone() if out is None else out.copy_(G))
-    first = gamma_row if gamma_row is not None else gamma_col
-    Gd = torch.mul(G, first.to(G.dtype), out=out) if out is not None else G * first.to(G.dtype)
-    if gamma_row is not None and gamma_col is not None:
-        Gd.mul_(gamma_col.to(G.dtype))
-    big = torch.finfo(G.dtype).max  # a finite G scaled by gains > 1 can pass the dtype's range: saturate, not inf
-    Gd.clamp_(-big, big)
+    Gd = _scaled_gradient(G, gamma_row, gamma_col, out)
     P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
     if P.dtype in (torch.float16, torch.bfloat16):
         P = P.float()
