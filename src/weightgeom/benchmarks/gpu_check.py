@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda (default; exit 2 without one) or cpu (a quick smoke run of the same sections)")
     ap.add_argument("--iters", type=int, default=10, help="timed steps of the optimizer benchmark on CUDA")
     ap.add_argument("--log", default="gpu_check.log", help="also write everything printed to this file")
+    ap.add_argument("--section-timeout", type=float, default=240.0, metavar="S",
+                    help="seconds one section may run before it is killed and counted as failed (default 240)")
     ap.add_argument("--tests", default=None, metavar="DIR",
                     help="a source checkout's tests/ folder: run its CUDA-marked tests first (default: skip them)")
     args = ap.parse_args(argv)
@@ -137,10 +140,17 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert proc.stdout is not None
-            for line in proc.stdout:
-                say(line.rstrip("\n"))
-            rc = proc.wait()
-            say(f"-- {name}: exit {rc}, {time.perf_counter() - t0:.0f} s")
+            watchdog = threading.Timer(args.section_timeout, proc.kill)  # a hung section must not eat the lease
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    say(line.rstrip("\n"))
+                rc = proc.wait()
+            finally:
+                watchdog.cancel()
+            late = time.perf_counter() - t0 >= args.section_timeout
+            say(f"-- {name}: exit {rc}, {time.perf_counter() - t0:.0f} s"
+                + (f" (killed after --section-timeout {args.section_timeout:g} s)" if late and rc != 0 else ""))
             if rc != 0:
                 failures.append(name)
         say(f"gpu_check: {len(failures)} section(s) failed{': ' + ', '.join(failures) if failures else ''}; "

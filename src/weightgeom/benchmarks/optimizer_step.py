@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         peer_rows = {"muon (ours, default)": CONFIGS["muon (ours, default)"], **peer_rows}
     results = {"machine": info, "hardware": tag, "msign_choice": choice.as_dict(), "iters": iters,
                "layers": args.layers, "warmup": warmup, "shapes": dict(shapes), "rows": {},
-               "peer": {"shapes": dict(peer_shapes), "iters": peer_iters, "warmup": peer_warmup, "rows": {}}}
+               "peer": {"shapes": dict(peer_shapes), "layers": args.layers, "iters": peer_iters, "warmup": peer_warmup,
+                        "rows": {}}}
 
     base = None
     if main_rows:
@@ -259,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         # so torch.optim.Muon's step on one GPT-2-small layer takes over a minute there: timed on fewer shapes/steps.
         pcpu: dict[str, float] = {}
         ptimes, _, ortho = run_rows(peer_rows, peer_shapes, peer_iters, peer_warmup, dev, seed=1, cpu_seconds=pcpu,
-                                    progress="vs torch.optim.Muon")
+                                    layers=args.layers, progress="vs torch.optim.Muon")
         cm = pcpu.get("torch.optim.Muon")
         tm = ptimes.get("torch.optim.Muon")
         few = " (fewer shapes/steps than the table above: bf16 is slow on this CPU)" if (
             args.quick or len(peer_shapes) < len(all_shapes)) else ""
-        print(f"\nvs torch.optim.Muon [{tag}], {', '.join(f'{a} {b}×{c}' for a, (b, c) in peer_shapes)}, median of "
-              f"{peer_iters} after {peer_warmup} warm-up{few}")
+        lay = f" × {args.layers} layers" if args.layers > 1 else ""
+        print(f"\nvs torch.optim.Muon [{tag}], {', '.join(f'{a} {b}×{c}' for a, (b, c) in peer_shapes)}{lay}, "
+              f"median of {peer_iters} after {peer_warmup} warm-up{few}")
         print(f"{'optimizer':34s} {'ms/step':>9s} {'÷ torch Muon':>12s} {'CPU ms':>9s} {'÷ (CPU)':>8s}  "
               f"max|σ/σ_max − 1| of the first update")
         for key, t in ptimes.items():
