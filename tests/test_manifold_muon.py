@@ -669,3 +669,26 @@ def test_first_step_from_a_far_start_is_tangent(name):
     opt.step()
     assert opt.last_stats["w"]["tangent_residual"] < 1e-5
     assert manifolds.get(name).check(W.detach(), tol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gram_dtype", [None, torch.bfloat16])
+def test_cuda_spectral_norm_estimate_replayed_as_a_graph_equals_eager(monkeypatch, gram_dtype):
+    """On a GPU the Lanczos recurrence is replayed as a CUDA graph (captured on first use of a shape): the estimate
+    equals the eager one bitwise (same kernels), on a tall stack, a near-square and a wide matrix, on every replay."""
+    from weightgeom.linalg import graphs
+    from weightgeom.optim.manifold_muon import spectral_norm_estimate
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(3, 400, 64, generator=g), torch.randn(100, 90, generator=g), torch.randn(64, 300, generator=g)]
+    graphs.clear()
+    for A in cases:
+        A = A.cuda()
+        replayed = [spectral_norm_estimate(A * s, gram_dtype=gram_dtype) for s in (1.0, 2.0, 1.0)]
+        with monkeypatch.context() as m:
+            m.setenv(graphs.ENV_VAR, "0")
+            eager = [spectral_norm_estimate(A * s, gram_dtype=gram_dtype) for s in (1.0, 2.0, 1.0)]
+        for r, e in zip(replayed, eager):
+            assert torch.equal(r, e), (r, e)
+    assert graphs._entries and all(e is not None for e in graphs._entries.values())
+    graphs.clear()

@@ -695,3 +695,30 @@ def test_fused_path_clamps_a_huge_gain_gradient_like_the_eager_path(huge):
         assert all(bool(torch.isfinite(t).all()) for t in tensors)
         runs.append(w.detach().clone())
     _close(runs[0], runs[1], 1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_gain_adam_equals_one_by_one(dtype, device):
+    """adam_update_many_ (the gains' Adam in multi-tensor kernels, what MD's eager path runs) is bitwise
+    adam_update_ applied to each θ, and leaves each grad as the gains step with it: NaN → 0, clamped to the limit."""
+    from weightgeom.optim.md_functional import adam_update_, adam_update_many_, gain_grad_limit
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [(7,), (5, 1), (1, 9), (3,)]
+    lim = gain_grad_limit(dtype)
+    thetas = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    grads = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    grads[1][2, 0] = float("nan")
+    grads[2][0, 3] = torch.finfo(dtype).max
+    grads[3][1] = -torch.finfo(dtype).max
+    m = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    v = [torch.rand(s, generator=g, dtype=dtype) for s in shapes]
+    thetas, grads, m, v = ([t.to(device) for t in ts] for ts in (thetas, grads, m, v))
+    ref = [(t.clone(), gr.nan_to_num(nan=0.0).clamp(-lim, lim), a.clone(), b.clone())
+           for t, gr, a, b in zip(thetas, grads, m, v)]
+    for t, gr, a, b in ref:
+        adam_update_(t, gr, a, b, 3, 0.01, (0.9, 0.95), 1e-8)
+    adam_update_many_(thetas, grads, m, v, 3, 0.01, (0.9, 0.95), 1e-8)
+    for (t, gr, a, b), t2, gr2, a2, b2 in zip(ref, thetas, grads, m, v):
+        assert torch.equal(t, t2) and torch.equal(gr, gr2) and torch.equal(a, a2) and torch.equal(b, b2)

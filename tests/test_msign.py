@@ -422,3 +422,34 @@ def test_benchmark_cpu_kind_names_the_class_a_capped_process_runs_at(kind, cap, 
     if uncapped in ("AMX", "AVX512-BF16", "AVX512"):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
         assert cpu_kind() == f"AVX2 (capped; CPU: {uncapped})"
+
+
+@pytest.mark.cuda
+def test_cuda_choice_takes_bf16_where_its_products_are_much_faster(monkeypatch, tmp_path):
+    """The per-device choice measured on a GPU (fresh cache): where a 4096² bf16 product is ≥ 3× faster than a float32
+    one (every GPU with bf16 tensor cores), the choice is bf16 (on an H200 a launch-bound probe had chosen float32)."""
+    import time
+
+    from weightgeom.linalg.autotune import clear_msign_choices, msign_choice
+
+    def seconds(dt):
+        X = torch.randn(4096, 4096, device="cuda", dtype=dt)
+        for _ in range(3):
+            X @ X
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            X @ X
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("WEIGHTGEOM_MSIGN", raising=False)
+    clear_msign_choices()
+    try:
+        choice = msign_choice("cuda")
+    finally:
+        clear_msign_choices()
+    assert choice.source == "benchmark", choice.describe()
+    if seconds(torch.float32) >= 3 * seconds(torch.bfloat16):
+        assert choice.dtype == torch.bfloat16, choice.describe()

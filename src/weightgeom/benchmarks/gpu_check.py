@@ -88,6 +88,7 @@ def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[
     out: list[tuple[str, list[str]]] = [("machine", [py, "-c", _MACHINE])]
     if device == "cuda" and source_tests is not None:
         out.append(("CUDA tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                   "--continue-on-collection-errors",
                                    str(source_tests)]))
     out.append((f"msign accuracy and speed ({device})", [py, "-c", _MSIGN, device]))
     bench = [py, "-m", "weightgeom.cli", "bench"]

@@ -12,7 +12,8 @@ What is measured (well under a second on a 2-core CPU):
    e(D) = max |σᵢ/σ_max − 1| of the direction D after each Polar Express step, in each candidate dtype, and the same
    error of torch.optim.Muon's iteration (Keller Jordan's quintic, 5 steps, computed in float32 — at least as accurate
    as torch's bf16, so the bar is not lowered). Per dtype, ``steps`` is the fewest steps with e ≤ torch's.
-2. Speed: the seconds of one polynomial step (3 matmuls) on a 192×768 matrix in each dtype.
+2. Speed: the seconds of one polynomial step (3 matmuls) in each dtype, on a 192×768 matrix on a CPU and after
+   warm-up calls on a 768×3072 one on a GPU (where a smaller step is launch-bound).
 
 The dtype with the smallest ``steps × seconds per step`` wins; bf16 is only measured for accuracy where its step is
 faster than fp32's. ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
@@ -43,8 +44,14 @@ ENV_VAR = "WEIGHTGEOM_MSIGN"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _PROBE_SHAPE = (128, 384)
 _SPEED_SHAPE = (192, 768)
+# On a GPU a 192×768 step is launch-bound (~30 µs in any dtype) and its first calls in a dtype pay cuBLAS's lazy
+# set-up, so the dtypes are compared on a GPT-2-sized matrix after warm-up calls: measured on an H200, the small shape
+# with one warm-up call timed bf16 at 0.36 ms vs float32 0.11 ms and chose float32, which made our Muon 4× slower
+# there (12 GPT-2-small layers: 41.9 ms vs 10.8 ms in bf16).
+_SPEED_SHAPE_GPU = (768, 3072)
+_GPU_WARMUP, _GPU_TIMED = 3, 5
 _REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: the GPU speed shape and warm-up (choices measured before are measured again)
 # Environment variables that cap the instruction set torch's CPU kernels use (oneDNN: the bf16 matmuls; MKL: the
 # float32 ones): part of the disk cache's key.
 _ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
@@ -64,7 +71,8 @@ class MsignChoice:
         source: ``"benchmark"`` (measured now), ``"cache"`` (measured earlier on this machine), ``"env"`` (forced by
             ``WEIGHTGEOM_MSIGN``), ``"rank0"`` (rank 0's choice, adopted by every rank of a distributed run) or
             ``"fallback"`` (measuring failed: msign's static default).
-        step_seconds: measured seconds of one polynomial step per dtype name (192×768 matrix).
+        step_seconds: measured seconds of one polynomial step per dtype name (192×768 matrix on a CPU, 768×3072 on
+            a GPU).
         errors: orthogonality error of the probe direction per dtype name at the chosen steps, and ``"torch_muon"``
             (the bar).
     """
@@ -166,24 +174,29 @@ def _sync(device: torch.device) -> None:
 
 
 def _step_seconds(dtype: torch.dtype, device: torch.device, budget: float) -> float:
-    """Median seconds of one polynomial step (XXᵀ, then two fused multiply-adds) on a 192×768 matrix; at most 3
-    timed calls (after one untimed call on CUDA), fewer once ``budget`` seconds are spent."""
+    """Median seconds of one polynomial step (XXᵀ, then two fused multiply-adds). CPU: a 192×768 matrix, at most 3
+    timed calls, fewer once ``budget`` seconds are spent (bf16 may be very slow there). GPU: a 768×3072 matrix,
+    ``_GPU_WARMUP`` untimed calls, then ``_GPU_TIMED`` timed ones (a few milliseconds in all)."""
+    gpu = device.type != "cpu"
     g = torch.Generator().manual_seed(0)
-    X = (torch.randn(*_SPEED_SHAPE, generator=g) / 32).to(device=device, dtype=dtype)
+    shape = _SPEED_SHAPE_GPU if gpu else _SPEED_SHAPE
+    X = (torch.randn(*shape, generator=g) / math.sqrt(shape[1])).to(device=device, dtype=dtype)
     a, b, c = MSIGN_PRESETS["polar_express"].coeffs[3]
     times = []
     start = time.perf_counter()
-    for i in range(4 if device.type == "cuda" else 3):
+    for i in range(_GPU_WARMUP + _GPU_TIMED if gpu else 3):
         _sync(device)
         t = time.perf_counter()
         A = X @ X.mT
         B = torch.addmm(A, A, A, beta=b, alpha=c)
         torch.addmm(X, B, X, beta=a)
         _sync(device)
-        if i > 0 or device.type == "cpu":  # CPU: no warm-up needed (and bf16 may be very slow)
+        if not gpu:
             times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget and times:
-            break
+            if time.perf_counter() - start > budget:
+                break
+        elif i >= _GPU_WARMUP:
+            times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
 

@@ -46,6 +46,7 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     SPHERES,
     _check_choice,
     adam_update_,
+    adam_update_many_,
     compose,
     gain_chain,
     gain_chain_log,
@@ -79,6 +80,7 @@ __all__ = [
     "normalize_rows_",
     "compose",
     "adam_update_",
+    "adam_update_many_",
     "is_embedding_name",
 ]
 
@@ -601,20 +603,23 @@ class MagnitudeDirection(Optimizer):
                 p.grad = G
 
     def _update_gains(self) -> None:
-        """Step 5: Adam on every θ that received a gradient."""
+        """Step 5: Adam on every θ that received a gradient, batched per (device, dtype, step count)."""
         group = self._gain_groups[0]
+        batches: dict[tuple, list[torch.Tensor]] = {}
         for theta in group["params"]:
             if theta.grad is None or theta in self._stepped:
                 continue
             gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1
-            lim = gain_grad_limit(theta.dtype)
-            # the gradient the gains step with, as the C kernel writes it back: clamped, and a NaN — only products of
-            # both signs past the dtype's range make one (|Ŵ| > 1 times a saturated Ĝ; NaN gradients were refused) —
-            # counts as 0, so that gain does not move
-            theta.grad.nan_to_num_(nan=0.0).clamp_(-lim, lim)
-            adam_update_(theta, theta.grad, gst["exp_avg"], gst["exp_avg_sq"], int(gst["step"]), group["lr"],
-                         group["betas"], group["eps"], grad_limit=lim)
+            batches.setdefault((theta.device, theta.dtype, int(gst["step"])), []).append(theta)
+        for (_dev, dtype, step), thetas in batches.items():
+            # the gradient the gains step with, as the C kernel writes it back (θ.grad too): clamped, and a NaN —
+            # only products of both signs past the dtype's range make one (|Ŵ| > 1 times a saturated Ĝ; NaN
+            # gradients were refused) — counts as 0, so that gain does not move
+            states = [self.state[t] for t in thetas]
+            adam_update_many_(thetas, [t.grad for t in thetas], [st["exp_avg"] for st in states],
+                              [st["exp_avg_sq"] for st in states], step, group["lr"], group["betas"], group["eps"],
+                              grad_limit=gain_grad_limit(dtype))
 
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightgeom.linalg import column_norms, msign, msign_reference, with_full_precision
+from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
 from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
@@ -297,6 +297,28 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     lead = A.shape[:-2]
     if A.shape[-2] == 0 or n == 0:  # an empty matrix: norm 0
         return A.new_zeros(*lead, 1, 1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
+    v = v / torch.linalg.vector_norm(v)
+    # on a GPU the recurrence's ~13 small kernels per step are launch-bound: replayed as one CUDA graph
+    out = graphs.replay("spectral_norm_estimate", _lanczos_coefficients, A, v, k=k, gram_dtype=gram_dtype)
+    coef, unit = out if out is not None else _lanczos_coefficients(A, v, k=k, gram_dtype=gram_dtype)
+    finite = torch.isfinite(coef).all(dim=-1)
+    coef = torch.where(finite[..., None], coef, 0.0)
+    diag, off = coef[..., :k], coef[..., k:2 * k - 1]
+    T = torch.diag_embed(diag) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+    top = torch.linalg.eigvalsh(T)[..., -1]
+    top = torch.where(finite, top, float("nan"))
+    return (top.clamp_min(0).sqrt().reshape(*lead, 1, 1) * unit.to(torch.float64).sqrt()).to(A.dtype)
+
+
+def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: torch.dtype | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``spectral_norm_estimate``'s recurrence on a tall, non-empty A from the unit start vector v (n, 1): the
+    Lanczos coefficients (..., 2k) in float64 (α₁…α_k, β₁…β_{k−1}, 0) of AᵀA / unit, and unit (..., 1, 1), AᵀA's
+    largest diagonal entry (or 1). No host synchronisation and no host-to-device copy: capturable as a CUDA graph."""
+    n = A.shape[-1]
+    lead = A.shape[:-2]
     if A.shape[-2] >= 2 * n:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
             An = A.to(gram_dtype)
@@ -317,12 +339,10 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     def gram_times(x: torch.Tensor) -> torch.Tensor:
         return G @ x if G is not None else (A.mT @ (A @ x)) / unit
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
     # the Lanczos basis in one preallocated (..., n, k) buffer, filled a column per step (no concatenation)
     Q = A.new_zeros(*lead, n, k)
     q = Q[..., :, :1]
-    q.copy_((v / torch.linalg.vector_norm(v)).expand(*lead, n, 1))
+    q.copy_(v.expand(*lead, n, 1))
     alphas, betas = [], []  # T's diagonal and off-diagonal, (..., 1, 1) each
     # breakdown floor: rounding noise left by the reorthogonalisation is ~eps·‖AᵀA q‖ per entry; a real β of a small
     # top gap (β ~ gap/sqrt(n)) must stay above it, so the floor tracks the largest ‖AᵀA q_j‖ seen, not a constant
@@ -345,13 +365,7 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
         q = Q[..., :, j + 1:j + 2]
         torch.div(w * keep, b.clamp_min(tiny), out=q)  # a zero vector after a breakdown: later α, β are zero
     coef = torch.cat(alphas + betas + [torch.zeros_like(alphas[0])], dim=-1).squeeze(-2).to(torch.float64)
-    finite = torch.isfinite(coef).all(dim=-1)
-    coef = torch.where(finite[..., None], coef, 0.0)
-    diag, off = coef[..., :k], coef[..., k:2 * k - 1]
-    T = torch.diag_embed(diag) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
-    top = torch.linalg.eigvalsh(T)[..., -1]
-    top = torch.where(finite, top, float("nan"))
-    return (top.clamp_min(0).sqrt().reshape(*lead, 1, 1) * unit.to(torch.float64).sqrt()).to(A.dtype)
+    return coef, unit
 
 
 def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:

@@ -318,6 +318,43 @@ def adam_update_(
     return theta.addcdiv_(exp_avg, denom, value=-lr / bc1)
 
 
+def adam_update_many_(
+    thetas: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    grad_limit: float | None = None,
+) -> None:
+    """``adam_update_`` on several θ of one device and dtype at the same ``step``, with each ``grad`` first made the
+    gradient the gains step with, in place: a NaN counts as 0, then clamped to ±``grad_limit``.
+
+    The same arithmetic as ``adam_update_`` per θ (bitwise, on the CPU and on CUDA), in a handful of multi-tensor
+    (``torch._foreach_*``) kernels instead of ~10 kernels per θ: on a GPU the gains' updates are launch-bound
+    (a row and a column vector per matrix, 96 of them on GPT-2 small).
+    """
+    if not thetas:
+        return
+    b1, b2 = betas
+    lim = gain_grad_limit(thetas[0].dtype) if grad_limit is None else grad_limit
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one pass for the NaN → 0 and the clamp (no foreach nan_to_num)
+    flat.nan_to_num_(nan=0.0).clamp_(-lim, lim)
+    clamped = [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    torch._foreach_copy_(grads, clamped)
+    torch._foreach_lerp_(exp_avgs, clamped, 1 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, clamped, clamped, value=1 - b2)
+    bc1 = 1 - b1**step
+    bc2 = 1 - b2**step
+    denom = torch._foreach_div(exp_avg_sqs, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(thetas, exp_avgs, denom, value=-lr / bc1)
+
+
 def fused_step_reference(
     G: torch.Tensor,
     D: torch.Tensor,

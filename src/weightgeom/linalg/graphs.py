@@ -1,0 +1,125 @@
+"""A pure tensor function replayed as a CUDA graph: one launch instead of hundreds of small ones.
+
+Scope: loops of many small kernels with no host synchronisation inside (Lanczos on an n×n Gram matrix: ~13 kernels
+per step, 32 steps), which on a GPU are bound by the CPU's launch rate (~5–10 µs per kernel), not by the GPU. On
+an H200 the 32-step Lanczos of manifold Muon's spectral-norm estimate made up about 1650 of the ~2560 kernels of one
+GPT-2-small layer's step (45 ms). ``replay`` captures such a function once per argument signature (shapes, strides,
+dtypes, device, keyword arguments and the float32 matmul mode) and replays the graph afterwards.
+
+Contract of a replayed function: it reads only its tensor arguments (all on one CUDA device) and keyword arguments
+(hashable, e.g. ints and dtypes), creates no CPU tensors that it copies to the device, never reads a tensor's value
+on the host, and returns a tensor or a tuple of tensors. The arguments are copied into the graph's own input
+buffers on each call and the outputs are returned as fresh clones, so callers see ordinary tensors.
+
+Memory: each captured signature keeps its input copies and a private memory pool for its intermediates (for the
+Lanczos of 12 stacked 3072×768 directions about 0.2 GB) for the life of the process; ``clear()`` frees them.
+
+``WEIGHTGEOM_CUDA_GRAPHS=0`` turns replay off (everything runs eagerly). Replay is also skipped on the CPU, while
+``torch.compile`` traces, inside another capture, and for a signature whose capture failed once (a warning names it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["replay", "enabled", "clear", "ENV_VAR"]
+
+ENV_VAR = "WEIGHTGEOM_CUDA_GRAPHS"
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]
+
+
+_lock = threading.Lock()
+_entries: dict[tuple, _Entry | None] = {}  # None: capture failed for that signature, run eagerly
+
+
+def enabled() -> bool:
+    """Whether graph replay is on (``WEIGHTGEOM_CUDA_GRAPHS`` is not ``"0"``)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def clear() -> None:
+    """Drop every captured graph (their memory is freed once no replay is in flight)."""
+    with _lock:
+        _entries.clear()
+
+
+def _matmul_mode() -> tuple:
+    """The float32 matmul settings a capture bakes in (its kernels are chosen then)."""
+    cuda = torch.backends.cuda.matmul
+    return (torch.get_float32_matmul_precision(), getattr(cuda, "allow_tf32", None),
+            getattr(cuda, "fp32_precision", None), getattr(cuda, "allow_bf16_reduced_precision_reduction", None))
+
+
+def _buffer(a: torch.Tensor) -> torch.Tensor:
+    """An input buffer with ``a``'s strides where they describe dense memory (so the captured kernels see the same
+    layout as an eager call), else contiguous."""
+    if a.is_contiguous() or a.mT.is_contiguous():
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+
+
+def _capture(name: str, fn: Callable, args: tuple[torch.Tensor, ...], kw: dict) -> _Entry | None:
+    dev = args[0].device
+    try:
+        with torch.cuda.device(dev):
+            inputs = [_buffer(a) for a in args]
+            for buf, a in zip(inputs, args):
+                buf.copy_(a)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(*inputs, **kw)  # warm-up: library handles and workspaces are created outside the capture
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(*inputs, **kw)
+            outputs = out if isinstance(out, tuple) else (out,)
+            return _Entry(graph, inputs, outputs)
+    except Exception as e:  # noqa: BLE001 -- any capture failure means: run this signature eagerly
+        warnings.warn(f"weightgeom: CUDA graph capture of {name} failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:120]}); it runs eagerly", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *args: torch.Tensor,
+           **kw) -> tuple[torch.Tensor, ...] | None:
+    """``fn(*args, **kw)`` through a CUDA graph captured on first use of this signature.
+
+    Args:
+        name: the function's name in warnings and in the cache key.
+        fn: a capturable pure function (module docstring).
+        *args: its tensor arguments, all on one CUDA device.
+        **kw: its other arguments (hashable; part of the signature).
+
+    Returns:
+        The outputs as a tuple of fresh tensors, or None where replay does not apply (graphs off, not CUDA, inside
+        ``torch.compile`` or another capture, a signature whose capture failed): the caller then runs ``fn`` itself.
+    """
+    if not args or not enabled() or any(a.device.type != "cuda" for a in args):
+        return None
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (name, fn, args[0].device.index, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args),
+           tuple(sorted(kw.items(), key=lambda kv: kv[0])), _matmul_mode())
+    with _lock, torch.no_grad(), torch.cuda.device(args[0].device):
+        if key not in _entries:
+            _entries[key] = _capture(name, fn, args, kw)
+        entry = _entries[key]
+        if entry is None:
+            return None
+        for buf, a in zip(entry.inputs, args):
+            buf.copy_(a)
+        entry.graph.replay()
+        return tuple(o.clone() for o in entry.outputs)

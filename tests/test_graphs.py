@@ -1,0 +1,62 @@
+"""weightgeom.linalg.graphs: a pure tensor function replayed as a CUDA graph (GPU only; None elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightgeom.linalg import graphs
+
+
+def _step(x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    for _ in range(k):
+        x = torch.tanh(x @ y) + x
+    return x, x.sum(dim=-1)
+
+
+def test_cpu_tensors_and_disabled_replay_return_none(monkeypatch):
+    """The caller runs the function itself on the CPU and when WEIGHTGEOM_CUDA_GRAPHS=0; nothing is captured."""
+    graphs.clear()
+    x, y = torch.randn(4, 8), torch.randn(8, 8)
+    assert graphs.replay("step", _step, x, y, k=3) is None
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    assert not graphs.enabled()
+    assert graphs.replay("step", _step, x, y, k=3) is None and not graphs._entries
+
+
+@pytest.mark.cuda
+def test_cuda_replay_equals_eager_and_recaptures_per_signature():
+    """Replays equal eager calls bitwise for new values of the same signature; another shape or keyword is captured
+    separately; a transposed (dense) input keeps its strides; outputs are fresh tensors, not the graph's buffers."""
+    graphs.clear()
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(8, 8, generator=g).cuda() / 4
+    for shape, k in (((4, 8), 3), ((4, 8), 3), ((6, 8), 3), ((4, 8), 5)):
+        x = torch.randn(shape, generator=g).cuda()
+        out = graphs.replay("step", _step, x, y, k=k)
+        assert out is not None
+        for a, b in zip(out, _step(x, y, k)):
+            assert torch.equal(a, b)
+    assert len(graphs._entries) == 3
+    xt = torch.randn(8, 4, generator=g).cuda().mT
+    out = graphs.replay("step", _step, xt, y, k=3)
+    assert torch.equal(out[0], _step(xt, y, 3)[0])
+    again = graphs.replay("step", _step, xt, y, k=3)
+    assert again[0].data_ptr() != out[0].data_ptr()
+    graphs.clear()
+
+
+@pytest.mark.cuda
+def test_cuda_function_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
+    """A capture that fails (a host read inside) warns once, and that signature returns None (eager) from then on."""
+    graphs.clear()
+
+    def reads(x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.max())
+
+    x = torch.ones(3, device="cuda")
+    with pytest.warns(RuntimeWarning, match="capture of reads failed"):
+        assert graphs.replay("reads", reads, x) is None
+    assert graphs.replay("reads", reads, x) is None
+    assert torch.equal(reads(x), x)  # the device is still usable afterwards
+    graphs.clear()
