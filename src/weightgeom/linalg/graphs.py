@@ -56,10 +56,16 @@ def clear() -> None:
 
 
 def _matmul_mode() -> tuple:
-    """The float32 matmul settings a capture bakes in (its kernels are chosen then)."""
-    cuda = torch.backends.cuda.matmul
-    return (torch.get_float32_matmul_precision(), getattr(cuda, "allow_tf32", None),
-            getattr(cuda, "fp32_precision", None), getattr(cuda, "allow_bf16_reduced_precision_reduction", None))
+    """The float32 matmul settings a capture bakes in (its kernels are chosen then). Each read is guarded: torch
+    raises on reading the legacy ``allow_tf32`` once the legacy and the new (``fp32_precision``) APIs were mixed."""
+    out = []
+    for read in (torch.get_float32_matmul_precision, lambda: torch.backends.cuda.matmul.fp32_precision,
+                 lambda: torch.backends.cuda.matmul.allow_tf32):
+        try:
+            out.append(read())
+        except (AttributeError, RuntimeError) as e:
+            out.append(type(e).__name__)
+    return tuple(out)
 
 
 def _buffer(a: torch.Tensor) -> torch.Tensor:

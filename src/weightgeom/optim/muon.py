@@ -398,7 +398,10 @@ class Muon(torch.optim.Optimizer):
                 ok = None
             else:
                 self._skipped.add_(~ok)
-        self.last_stats = {}
+        if torch.compiler.is_compiling():  # torch 2.11's dynamo cannot rebind an optimizer's attribute in a step
+            self.last_stats.clear()
+        else:  # a fresh dict per step: callers may keep the previous step's (benchmarks, monitors)
+            self.last_stats = {}
         for gi, group, items in work:
             if group["algorithm"] == "adamw":
                 for _, p in items:
