@@ -462,8 +462,11 @@ class Muon(torch.optim.Optimizer):
 
     def _warn_far_retraction(self) -> None:
         """One warning per optimizer when an ``init="retract"`` first step moved a matrix by > FAR_RETRACTION."""
-        far, self._far_retractions = self._far_retractions, {}
-        if not far or self._warned_far_retraction:
+        if not self._far_retractions:  # nothing recorded: no attribute is rebound (torch.compile traces this path)
+            return
+        far = dict(self._far_retractions)
+        self._far_retractions.clear()
+        if self._warned_far_retraction:
             return
         self._warned_far_retraction = True
         name, (dist, manifold) = max(far.items(), key=lambda kv: kv[1][0])
