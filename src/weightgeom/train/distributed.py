@@ -151,15 +151,22 @@ def wrap_model(model: nn.Module, info: DistInfo, parallel: str = "ddp") -> nn.Mo
     raise ValueError(f"config key run.parallel={parallel!r}: must be ddp or fsdp")
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) -> torch.Tensor:
     """Clip the global gradient norm to ``max_norm`` (0 = only measure); returns the norm before clipping.
 
     Works for plain tensors (DDP gradients are already identical on every rank) and FSDP2 DTensor gradient shards
     (squared norms of the local shards are summed over ranks).
+
+    Returns:
+        The global norm as a 0-dim float32 tensor on the gradients' device (0 without gradients). On a GPU nothing
+        here waits for the device: the per-gradient norms are one multi-tensor reduction per dtype, and the clip factor
+        is applied on the device (``max_norm / (norm + 1e-6)``, formed in float64 as on the host, where norm >
+        ``max_norm``, else 1), so read the norm with ``float()`` only when it is needed. On the CPU the gradients are
+        scaled only when the norm exceeds ``max_norm`` (no extra pass; the same products either way).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=info.device)
     if any(is_dtensor(g) for g in grads):
         sq = torch.zeros((), dtype=torch.float32, device=info.device)
         for g in grads:
@@ -168,14 +175,30 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) 
         if info.enabled:
             dist.all_reduce(sq)
         total = sq.sqrt()
+        locals_ = [g.to_local() if is_dtensor(g) else g for g in grads]
     else:
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    norm = float(total)
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for g in grads:
-            (g.to_local() if is_dtensor(g) else g).mul_(coef)
-    return norm
+        # float32 gradients: one multi-tensor norm (bitwise the per-tensor norms on the CPU); others upcast one by one
+        f32 = [g for g in grads if g.dtype == torch.float32]
+        norms = list(torch._foreach_norm(f32)) if f32 else []
+        norms += [torch.linalg.vector_norm(g.float()) for g in grads if g.dtype != torch.float32]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        locals_ = grads
+    if max_norm > 0:
+        if total.device.type == "cpu":  # reading the norm costs nothing here: scale only when clipping
+            norm = float(total)
+            if norm > max_norm:
+                coef = max_norm / (norm + 1e-6)
+                for g in locals_:
+                    g.mul_(coef)
+        else:
+            t64 = total.double()
+            coef = torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), 1.0)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in locals_:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for dtype, gs in by_dtype.items():
+                torch._foreach_mul_(gs, coef.to(dtype))
+    return total
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

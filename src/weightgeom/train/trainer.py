@@ -619,9 +619,14 @@ class _Trainer:
                         _, loss = self.wrapped(x, y)
                     (loss / self.accum_local).backward()
                 loss_sum += loss.detach().float()
-            loss_val = all_reduce_mean(loss_sum.item() / self.accum_local, info)  # one device sync per step
-            self._last_loss = loss_val
             s_next = self.step + 1
+            diag_due = bool(diag_every) and s_next % diag_every == 0 and not self.fsdp
+            pre_clip = self._grad_norms() if diag_due else None  # per-module norms of the raw (unclipped) gradients
+            # clipped on the device; the loss and the gradient norm are then read together: one device sync per step
+            gnorm_t = clip_grad_norm(self.clip_params, tr.grad_clip, info)
+            loss_local, gnorm = torch.stack([loss_sum, gnorm_t.to(loss_sum.device, torch.float32)]).tolist()
+            loss_val = all_reduce_mean(loss_local / self.accum_local, info)
+            self._last_loss = loss_val
             # divergence: checked before the update, so the parameters stay those that produced a finite loss
             if not math.isfinite(loss_val):
                 self.step = s_next
@@ -630,9 +635,6 @@ class _Trainer:
             if why:
                 self.step = s_next
                 return self._diverged(f"loss explosion at step {s_next}: {why}")
-            diag_due = bool(diag_every) and s_next % diag_every == 0 and not self.fsdp
-            pre_clip = self._grad_norms() if diag_due else None  # per-module norms of the raw (unclipped) gradients
-            gnorm = clip_grad_norm(self.clip_params, tr.grad_clip, info)
             if not math.isfinite(gnorm):
                 self.step = s_next
                 return self._diverged(self._grad_reason(gnorm, s_next))
