@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -145,6 +145,31 @@ def _vector(gain: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tens
         return None
     g = gain.to(dtype).reshape(-1)
     return (g.expand(k) if g.numel() == 1 else g).contiguous()
+
+
+_BATCH_ON_CPU = False  # tests set it to run the batched (GPU) path of _elementwise_many on the CPU
+
+
+def _elementwise_many(fn: Callable[..., torch.Tensor], firsts: list[torch.Tensor],
+                      seconds: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``[fn(a) for a in firsts]`` (or ``fn(a, b)`` pairwise) for an elementwise ``fn``; off the CPU, tensors of one
+    device and dtype go through ``fn`` as one concatenated vector (a few kernels instead of a few per tensor: the
+    gains' maps are launch-bound on a GPU, two small vectors per matrix). The CPU keeps one call per tensor (its
+    vectorised kernels may round a vector's tail differently from its body, and launches cost little there)."""
+    out: list[torch.Tensor | None] = [None] * len(firsts)
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(firsts):
+        groups.setdefault((a.device, a.dtype), []).append(i)
+    for (dev, _dtype), idx in groups.items():
+        if (dev.type == "cpu" and not _BATCH_ON_CPU) or len(idx) == 1:
+            for i in idx:
+                out[i] = fn(firsts[i]) if seconds is None else fn(firsts[i], seconds[i])
+            continue
+        flat_a = torch.cat([firsts[i].reshape(-1) for i in idx])
+        res = fn(flat_a) if seconds is None else fn(flat_a, torch.cat([seconds[i].reshape(-1) for i in idx]))
+        for i, piece in zip(idx, res.split([firsts[i].numel() for i in idx])):
+            out[i] = piece.view(firsts[i].shape)
+    return out  # type: ignore[return-value]
 
 
 class MagnitudeDirection(Optimizer):
@@ -351,6 +376,18 @@ class MagnitudeDirection(Optimizer):
         gc = None if c is None else gain_value(c, self.parameterization).reshape(1, -1)
         return gr, gc
 
+    def _gain_values_many(self, ps: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """``gain_values(p)`` for each p (keyed by ``id(p)``), the gains' φ evaluated together
+        (``_elementwise_many``)."""
+        thetas = [self.state[p][k] for p in ps for k in ("gain_row", "gain_col") if k in self.state[p]]
+        vals = dict(zip(map(id, thetas), _elementwise_many(lambda t: gain_value(t, self.parameterization), thetas)))
+        out = {}
+        for p in ps:
+            r, c = self.state[p].get("gain_row"), self.state[p].get("gain_col")
+            out[id(p)] = (None if r is None else vals[id(r)].reshape(-1, 1),
+                          None if c is None else vals[id(c)].reshape(1, -1))
+        return out
+
     def summary(self) -> str:
         """A table: each decoupled matrix with its shape, radius, mean gains and how the last step ran it ("fused",
         "eager-C (why)" or "eager (why)": why the base step is not fused; "-" before the first step)."""
@@ -521,6 +558,8 @@ class MagnitudeDirection(Optimizer):
         self._stepped = set()  # gains already stepped on the fused path
         for p, _G, _group, _why, resync in plan:
             self._adopt(p, resync)
+        gains = self._gain_values_many([p for p, _G, _group, why, _r in plan if why is not None])
+        pending: list[tuple] = []  # (θ, ∂L/∂γ or the log-gain sum, chain): θ.grad set together after the loop
         for p, G, group, why, _resync in plan:
             st = self.state[p]
             D = st["direction"]
@@ -541,7 +580,7 @@ class MagnitudeDirection(Optimizer):
             ckernel = self.fused is None and s is None and self._kernel_passes(p, G, D, st)
             item[7] = ckernel
             self._path[p] = f"{'eager-C' if ckernel else 'eager'} ({why})"
-            gr, gc = self.gain_values(p)
+            gr, gc = gains[id(p)]
             if gr is None and gc is None:
                 Gd = G  # W = Ŵ: the base sees the model's gradient itself
             else:
@@ -555,19 +594,25 @@ class MagnitudeDirection(Optimizer):
                                                 gr is not None, gc is not None)
                     if s_r is not None and gr.numel() == 1:  # one scalar row gain: the sum over every entry
                         s_r = s_r.sum().reshape(1)
-                    self._set_gain_grads(st, s_r, s_c, gain_chain_log)
+                    self._pend_gain_grads(pending, st, s_r, s_c, gain_chain_log)
                     Gd = buf
                 elif self.parameterization != "direct":  # W's storage is scratch until it is recomposed
                     g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
-                    self._set_gain_grads(st, g_row, g_col, gain_chain_log)
+                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain_log)
                 else:
                     g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
-                    self._set_gain_grads(st, g_row, g_col, gain_chain)
+                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain)
             target = D
             if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
                 target = D / s.to(D.dtype)
                 Gd = Gd * s.to(Gd.dtype)
             item[4], item[5] = target, Gd
+        for chain in {c for _t, _g, c in pending}:
+            part = [(t, g) for t, g, c in pending if c is chain]
+            grads = _elementwise_many(lambda th, g, chain=chain: chain(th, g, self.parameterization),
+                                      [t for t, _ in part], [g for _, g in part])
+            for (theta, _), grad in zip(part, grads):
+                theta.grad = grad
 
     def _kernel_passes(self, p: torch.Tensor, G: torch.Tensor, D: torch.Tensor, st: dict) -> bool:
         """Whether this eager matrix's MD passes can run in C (``kernels.md_split``/``md_finish``): plain contiguous
@@ -579,11 +624,13 @@ class MagnitudeDirection(Optimizer):
         return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == D.dtype and t.is_contiguous()
                    for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2 and D.numel() > 0
 
-    def _set_gain_grads(self, st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None, chain) -> None:
+    @staticmethod
+    def _pend_gain_grads(pending: list[tuple], st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None,
+                         chain) -> None:
         for key, g in (("gain_row", g_row), ("gain_col", g_col)):
             if g is not None:
                 theta = st[key]
-                theta.grad = chain(theta, g.reshape(theta.shape).to(theta.dtype), self.parameterization)
+                pending.append((theta, g.reshape(theta.shape).to(theta.dtype), chain))
 
     def _base_step(self, work: list[list]) -> None:
         """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step); matrices already
@@ -624,6 +671,7 @@ class MagnitudeDirection(Optimizer):
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
+        gains = self._gain_values_many([item[0] for item in work if item[6] is None])
         for p, _W, _G, D, new, _Gd, fused, ckernel in work:
             st = self.state[p]
             if fused is not None:  # already recomposed by the fused step
@@ -636,13 +684,13 @@ class MagnitudeDirection(Optimizer):
                 D.copy_(new)
             if ckernel:  # sphere and recomposition in two C passes
                 m, n = D.shape
-                gr, gc = self.gain_values(p)
+                gr, gc = gains[id(p)]
                 kernels.md_finish(D, p.detach(), self.sphere, st["radius"], _vector(gr, m, D.dtype),
                                   _vector(gc, n, D.dtype))
                 torch.autograd.graph.increment_version(p)  # written through a pointer: as an in-place op would
             else:
                 project_to_sphere_(D, st["radius"], self.sphere)
-                compose(D, *self.gain_values(p), out=p)
+                compose(D, *gains[id(p)], out=p)
             self._versions[p] = p._version
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
