@@ -60,3 +60,26 @@ def test_cuda_function_that_reads_a_value_on_the_host_runs_eagerly_with_a_warnin
     assert graphs.replay("reads", reads, x) is None
     assert torch.equal(reads(x), x)  # the device is still usable afterwards
     graphs.clear()
+
+
+def test_size_cap_is_read_from_the_environment_and_validated(monkeypatch):
+    monkeypatch.delenv(graphs.MAX_MB_ENV_VAR, raising=False)
+    assert graphs.max_input_bytes() == 256 << 20
+    monkeypatch.setenv(graphs.MAX_MB_ENV_VAR, "0.5")
+    assert graphs.max_input_bytes() == 1 << 19
+    monkeypatch.setenv(graphs.MAX_MB_ENV_VAR, "inf")
+    assert graphs.max_input_bytes() >= 1 << 62
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv(graphs.MAX_MB_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=graphs.MAX_MB_ENV_VAR):
+            graphs.max_input_bytes()
+
+
+@pytest.mark.cuda
+def test_cuda_arguments_over_the_cap_run_eagerly(monkeypatch):
+    """A call whose arguments exceed the cap is not captured (None: the caller runs eagerly), nothing is kept."""
+    graphs.clear()
+    monkeypatch.setenv(graphs.MAX_MB_ENV_VAR, "0.001")  # ~1 KB
+    x, y = torch.randn(64, 8, device="cuda"), torch.randn(8, 8, device="cuda")
+    assert graphs.replay("step", _step, x, y, k=2) is None and not graphs._entries
+    graphs.clear()

@@ -12,7 +12,11 @@ on the host, and returns a tensor or a tuple of tensors. The arguments are copie
 buffers on each call and the outputs are returned as fresh clones, so callers see ordinary tensors.
 
 Memory: each captured signature keeps its input copies and a private memory pool for its intermediates (for the
-Lanczos of 12 stacked 3072×768 directions about 0.2 GB) for the life of the process; ``clear()`` frees them.
+Lanczos of 12 stacked 3072×768 directions about 0.2 GB) for the life of the process; ``clear()`` frees them. So
+only signatures whose tensor arguments hold at most ``max_input_bytes()`` together (256 MiB; the environment variable
+``WEIGHTGEOM_CUDA_GRAPHS_MAX_MB`` changes it) are captured: larger arguments are compute-bound anyway (the launches
+are then a small part of the time), and a model's whole stacked layer bucket (80 × 8192×28672 float32 is 75 GB)
+must not be copied into a graph's buffers.
 
 ``WEIGHTGEOM_CUDA_GRAPHS=0`` turns replay off (everything runs eagerly). Replay is also skipped on the CPU, while
 ``torch.compile`` traces, inside another capture, and for a signature whose capture failed once (a warning names it).
@@ -20,7 +24,9 @@ Lanczos of 12 stacked 3072×768 directions about 0.2 GB) for the life of the pro
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -28,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["replay", "enabled", "clear", "ENV_VAR"]
+__all__ = ["replay", "enabled", "clear", "max_input_bytes", "ENV_VAR", "MAX_MB_ENV_VAR"]
 
 ENV_VAR = "WEIGHTGEOM_CUDA_GRAPHS"
+MAX_MB_ENV_VAR = "WEIGHTGEOM_CUDA_GRAPHS_MAX_MB"
+_DEFAULT_MAX_MB = 256
 
 
 @dataclass
@@ -47,6 +55,21 @@ _entries: dict[tuple, _Entry | None] = {}  # None: capture failed for that signa
 def enabled() -> bool:
     """Whether graph replay is on (``WEIGHTGEOM_CUDA_GRAPHS`` is not ``"0"``)."""
     return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def max_input_bytes() -> int:
+    """Largest total size of a call's tensor arguments that is captured (``WEIGHTGEOM_CUDA_GRAPHS_MAX_MB``, default
+    256 MiB; a value that is not a number ≥ 0 raises ValueError naming the variable)."""
+    raw = os.environ.get(MAX_MB_ENV_VAR, "").strip()
+    if not raw:
+        return _DEFAULT_MAX_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"{MAX_MB_ENV_VAR}={raw!r} is invalid: use a number of MiB >= 0 (0: never capture)")
+    return sys.maxsize if math.isinf(mb) else int(mb * (1 << 20))  # "inf": no cap
 
 
 def clear() -> None:
@@ -111,11 +134,14 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 
     Returns:
         The outputs as a tuple of fresh tensors, or None where replay does not apply (graphs off, not CUDA, inside
-        ``torch.compile`` or another capture, a signature whose capture failed): the caller then runs ``fn`` itself.
+        ``torch.compile`` or another capture, arguments over ``max_input_bytes()``, a signature whose capture
+        failed): the caller then runs ``fn`` itself.
     """
     if not args or not enabled() or any(a.device.type != "cuda" for a in args):
         return None
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    if sum(a.numel() * a.element_size() for a in args) > max_input_bytes():
         return None
     key = (name, fn, args[0].device.index, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args),
            tuple(sorted(kw.items(), key=lambda kv: kv[0])), _matmul_mode())
