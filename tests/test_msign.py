@@ -453,3 +453,27 @@ def test_cuda_choice_takes_bf16_where_its_products_are_much_faster(monkeypatch, 
     assert choice.source == "benchmark", choice.describe()
     if seconds(torch.float32) >= 3 * seconds(torch.bfloat16):
         assert choice.dtype == torch.bfloat16, choice.describe()
+
+
+@pytest.mark.cuda
+def test_cuda_msign_replayed_as_a_graph_equals_eager(monkeypatch):
+    """On a GPU msign's no-grad path is replayed as a CUDA graph per signature: bitwise the eager result (graphs off),
+    for a tall, a wide, a batched and a continued (start_step) call, on repeated calls with new values."""
+    from weightgeom.linalg import graphs
+
+    graphs.clear()
+    g = torch.Generator().manual_seed(7)
+    calls = [((96, 32), {}), ((32, 96), {"dtype": torch.bfloat16}), ((3, 64, 64), {"method": "muon"}),
+             ((48, 80), {"steps": 8, "start_step": 3})]
+    for shape, kw in calls:
+        for _ in range(2):
+            G = torch.randn(shape, generator=g).cuda()
+            if kw.get("start_step"):
+                G = msign(G, steps=kw["start_step"])  # a continued iteration starts from a normalised iterate
+            replayed = msign(G, **kw)
+            with monkeypatch.context() as m:
+                m.setenv(graphs.ENV_VAR, "0")
+                eager = msign(G, **kw)
+            assert torch.equal(replayed, eager), (shape, kw)
+    assert graphs._entries and all(e is not None for e in graphs._entries.values())
+    graphs.clear()

@@ -129,7 +129,7 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     Args:
         name: the function's name in warnings and in the cache key.
         fn: a capturable pure function (module docstring).
-        *args: its tensor arguments, all on one CUDA device.
+        *args: its tensor arguments, plain tensors (not subclasses) on one CUDA device.
         **kw: its other arguments (hashable; part of the signature).
 
     Returns:
@@ -137,8 +137,8 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
         ``torch.compile`` or another capture, arguments over ``max_input_bytes()``, a signature whose capture
         failed): the caller then runs ``fn`` itself.
     """
-    if not args or not enabled() or any(a.device.type != "cuda" for a in args):
-        return None
+    if not args or not enabled() or any(type(a) is not torch.Tensor or a.device.type != "cuda" for a in args):
+        return None  # the CPU; tensor subclasses (DTensor, Parameter) run eagerly
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return None
     if sum(a.numel() * a.element_size() for a in args) > max_input_bytes():

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightgeom.linalg import graphs
+
 __all__ = ["NSPreset", "MSIGN_PRESETS", "msign", "msign_reference", "default_dtype"]
 
 
@@ -167,20 +169,31 @@ def msign(
     # buffer, so the result does not depend on the layout (an iteration that followed the layout changed results by
     # rounding, which msign amplifies ~1e4× in its small singular directions: DDP and single-process runs then
     # differed by 1e-3 after 5 steps).
+    if G.requires_grad and torch.is_grad_enabled():
+        X = G
+        tall = X.shape[-2] > X.shape[-1]
+        X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
+        triples = preset.triples(steps)[start_step:]
+        X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
+        return _iterate_autograd(X0, triples, tall).reshape(G.shape).to(G.dtype)
+    # on a GPU the ~45 small kernels of a call are launch-bound for GPT-sized matrices: replayed as one CUDA graph
+    out = graphs.replay("msign", _msign_inplace, G, method=method, steps=steps, dtype=dtype, start_step=start_step)
+    return out[0] if out is not None else _msign_inplace(G, method, steps, dtype, start_step)
+
+
+def _msign_inplace(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype, start_step: int) -> torch.Tensor:
+    """``msign``'s no-grad path (validated arguments): preallocated buffers, nothing read on the host (capturable)."""
+    preset = MSIGN_PRESETS[method]
     X = G
     tall = X.shape[-2] > X.shape[-1]
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
     triples = preset.triples(steps)[start_step:]
-    if G.requires_grad and torch.is_grad_enabled():
-        X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
-        X = _iterate_autograd(X0, triples, tall)
-    else:
-        if start_step == 0:
-            X0 = _normalise(X, preset.safety, dtype, inplace=True)
-        else:  # a fresh contiguous buffer: the in-place iteration must not write into the caller's tensor
-            X0 = torch.empty(X.shape, dtype=dtype, device=X.device).copy_(X)
-        X = _iterate_inplace(X0, triples, tall)
+    if start_step == 0:
+        X0 = _normalise(X, preset.safety, dtype, inplace=True)
+    else:  # a fresh contiguous buffer: the in-place iteration must not write into the caller's tensor
+        X0 = torch.empty(X.shape, dtype=dtype, device=X.device).copy_(X)
+    X = _iterate_inplace(X0, triples, tall)
     X = X.reshape(*lead, *X.shape[-2:])
     return X.to(G.dtype)
 
