@@ -58,3 +58,16 @@ def test_cuda_clip_has_no_host_sync_and_matches_the_cpu(scale):
     assert abs(float(n_gpu) - float(n_cpu)) <= 1e-5 * float(n_cpu)
     for a, b in zip(cpu, gpu):
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=2e-6, atol=0)
+
+
+def test_mixed_dtype_gradients_sum_in_their_own_order():
+    """The total sums the per-gradient norms in the gradients' order (float32 ones are reduced together but placed
+    back): bitwise the one-norm-per-gradient formula the trainer used before, with mixed dtypes too."""
+    g = torch.Generator().manual_seed(1)
+    ps = []
+    for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        p = torch.nn.Parameter(torch.zeros(50, dtype=dt))
+        p.grad = (3 * torch.randn(50, generator=g)).to(dt)
+        ps.append(p)
+    ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in ps]))
+    assert torch.equal(clip_grad_norm(ps, 0.0, DistInfo(device=torch.device("cpu"))), ref)

@@ -805,3 +805,22 @@ def test_batched_gain_maps_equal_one_call_per_gain(monkeypatch, gains, param):
         assert all(g is None or torch.isfinite(g).all() for pair in gains_now for g in pair)
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_gains_of_a_matrix_without_gradient_do_not_move_on_a_stale_grad():
+    """model.zero_grad() (not the optimizer's) clears the matrices' gradients but not the gains' θ.grad: a matrix with
+    no gradient in a step must keep its gains (they moved by gain_lr on last step's θ.grad while W stayed put)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    md = MagnitudeDirection(torch.optim.AdamW(m.parameters(), lr=1e-2), model=m, fused=False, gain_lr=0.1)
+    m(torch.randn(8, 4)).sum().backward()
+    md.step()
+    m.zero_grad(set_to_none=True)
+    m[1](torch.randn(8, 4)).sum().backward()  # only the second matrix has a gradient now
+    st0 = md.state[m[0].weight]
+    before = (st0["gain_row"].clone(), st0["gain_col"].clone(), m[0].weight.detach().clone())
+    moved = md.state[m[1].weight]["gain_row"].clone()
+    md.step()
+    assert torch.equal(st0["gain_row"], before[0]) and torch.equal(st0["gain_col"], before[1])
+    assert torch.equal(m[0].weight, before[2])
+    assert not torch.equal(md.state[m[1].weight]["gain_row"], moved)

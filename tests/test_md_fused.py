@@ -722,3 +722,18 @@ def test_batched_gain_adam_equals_one_by_one(dtype, device):
     adam_update_many_(thetas, grads, m, v, 3, 0.01, (0.9, 0.95), 1e-8)
     for (t, gr, a, b), t2, gr2, a2, b2 in zip(ref, thetas, grads, m, v):
         assert torch.equal(t, t2) and torch.equal(gr, gr2) and torch.equal(a, a2) and torch.equal(b, b2)
+
+
+def test_batched_gain_adam_refuses_mixed_lists_before_touching_anything():
+    from weightgeom.optim.md_functional import adam_update_many_
+
+    t32, t64 = torch.zeros(3), torch.zeros(3, dtype=torch.float64)
+    g32, g64 = torch.tensor([float("nan"), 1.0, 2.0]), torch.tensor([1e300, 1.0, 2.0], dtype=torch.float64)
+    before = (g32.clone(), g64.clone())
+    with pytest.raises(ValueError, match="one device and dtype"):
+        adam_update_many_([t32, t64], [g32, g64], [torch.zeros(3), torch.zeros(3, dtype=torch.float64)],
+                          [torch.zeros(3), torch.zeros(3, dtype=torch.float64)], 1, 0.1)
+    with pytest.raises(ValueError, match="step=0"):
+        adam_update_many_([t32], [g32], [torch.zeros(3)], [torch.zeros(3)], 0, 0.1)
+    assert torch.equal(g32.nan_to_num(), before[0].nan_to_num()) and torch.equal(g64, before[1])
+    assert not t32.any() and not t64.any()

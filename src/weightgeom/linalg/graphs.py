@@ -19,7 +19,9 @@ are then a small part of the time), and a model's whole stacked layer bucket (80
 must not be copied into a graph's buffers.
 
 ``WEIGHTGEOM_CUDA_GRAPHS=0`` turns replay off (everything runs eagerly). Replay is also skipped on the CPU, while
-``torch.compile`` traces, inside another capture, and for a signature whose capture failed once (a warning names it).
+``torch.compile`` traces, inside another capture, under ``torch.inference_mode`` or CUDA autocast, and for a
+signature whose capture failed once (a warning names it). Calls from several streams are ordered: a call waits for
+the previous call's use of the buffers (an event), so they cannot overwrite each other's inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class _Entry:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
+    done: torch.cuda.Event | None = None  # recorded after the last call's clones: a call on another stream waits
 
 
 _lock = threading.Lock()
@@ -141,6 +144,10 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
         return None  # the CPU; tensor subclasses (DTensor, Parameter) run eagerly
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return None
+    # inference mode would make the graph's buffers inference tensors (unwritable outside it later); autocast would
+    # change the captured kernels' dtypes without being part of the signature: both run eagerly
+    if torch.is_inference_mode_enabled() or torch.is_autocast_enabled("cuda"):
+        return None
     if sum(a.numel() * a.element_size() for a in args) > max_input_bytes():
         return None
     key = (name, fn, args[0].device.index, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args),
@@ -151,7 +158,14 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
         entry = _entries[key]
         if entry is None:
             return None
+        stream = torch.cuda.current_stream()
+        if entry.done is not None:  # a call on another stream may still be reading the buffers
+            stream.wait_event(entry.done)
         for buf, a in zip(entry.inputs, args):
             buf.copy_(a)
         entry.graph.replay()
-        return tuple(o.clone() for o in entry.outputs)
+        out = tuple(o.clone() for o in entry.outputs)
+        if entry.done is None:
+            entry.done = torch.cuda.Event()
+        entry.done.record(stream)
+        return out

@@ -300,6 +300,7 @@ class MagnitudeDirection(Optimizer):
         # how each matrix was stepped last: "fused", "eager-C (why)" or "eager (why)"
         self._path: dict[torch.Tensor, str] = {}
         self._stepped: set[torch.Tensor] = set()
+        self._fresh: set[int] = set()  # ids of the θ given a gradient by this step (a stale θ.grad is not stepped)
         group = self._gain_groups[0]
         for p in decoupled:
             st = self.state[p]
@@ -613,6 +614,7 @@ class MagnitudeDirection(Optimizer):
                                       [t for t, _ in part], [g for _, g in part])
             for (theta, _), grad in zip(part, grads):
                 theta.grad = grad
+        self._fresh = {id(theta) for theta, _g, _c in pending}
 
     def _kernel_passes(self, p: torch.Tensor, G: torch.Tensor, D: torch.Tensor, st: dict) -> bool:
         """Whether this eager matrix's MD passes can run in C (``kernels.md_split``/``md_finish``): plain contiguous
@@ -650,11 +652,13 @@ class MagnitudeDirection(Optimizer):
                 p.grad = G
 
     def _update_gains(self) -> None:
-        """Step 5: Adam on every θ that received a gradient, batched per (device, dtype, step count)."""
+        """Step 5: Adam on every θ whose matrix gave it a gradient in this step, batched per (device, dtype, step
+        count). A θ.grad left from an earlier step (its matrix has no gradient now, e.g. after ``model.zero_grad()``
+        instead of this optimizer's) is not stepped: the gains would move while W is not recomposed."""
         group = self._gain_groups[0]
         batches: dict[tuple, list[torch.Tensor]] = {}
         for theta in group["params"]:
-            if theta.grad is None or theta in self._stepped:
+            if theta.grad is None or theta in self._stepped or id(theta) not in self._fresh:
                 continue
             gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1

@@ -338,6 +338,12 @@ def adam_update_many_(
     """
     if not thetas:
         return
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    kinds = {(t.device, t.dtype) for t in [*thetas, *grads, *exp_avgs, *exp_avg_sqs]}
+    if len(kinds) != 1 or any(len(v) != len(thetas) for v in lists.values()) or int(step) < 1:
+        raise ValueError(f"adam_update_many_: needs {len(thetas)} θ, grads, exp_avgs and exp_avg_sqs of one device and "
+                         f"dtype and step ≥ 1; got lengths {[len(v) for v in lists.values()]}, (device, dtype) "
+                         f"{sorted(map(str, kinds))}, step={step!r}")
     b1, b2 = betas
     lim = gain_grad_limit(thetas[0].dtype) if grad_limit is None else grad_limit
     flat = torch.cat([g.reshape(-1) for g in grads])  # one pass for the NaN → 0 and the clamp (no foreach nan_to_num)

@@ -177,10 +177,15 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) 
         total = sq.sqrt()
         locals_ = [g.to_local() if is_dtensor(g) else g for g in grads]
     else:
-        # float32 gradients: one multi-tensor norm (bitwise the per-tensor norms on the CPU); others upcast one by one
-        f32 = [g for g in grads if g.dtype == torch.float32]
-        norms = list(torch._foreach_norm(f32)) if f32 else []
-        norms += [torch.linalg.vector_norm(g.float()) for g in grads if g.dtype != torch.float32]
+        # float32 gradients: one multi-tensor norm (bitwise the per-tensor norms on the CPU); others upcast one by one;
+        # stacked in the gradients' order, so the total sums them as before
+        f32 = [i for i, g in enumerate(grads) if g.dtype == torch.float32]
+        norms: list[torch.Tensor | None] = [None] * len(grads)
+        for i, n in zip(f32, torch._foreach_norm([grads[i] for i in f32]) if f32 else []):
+            norms[i] = n
+        for i, g in enumerate(grads):
+            if norms[i] is None:
+                norms[i] = torch.linalg.vector_norm(g.float())
         total = torch.linalg.vector_norm(torch.stack(norms))
         locals_ = grads
     if max_norm > 0:
@@ -196,8 +201,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) 
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for g in locals_:
                 by_dtype.setdefault(g.dtype, []).append(g)
-            for dtype, gs in by_dtype.items():
-                torch._foreach_mul_(gs, coef.to(dtype))
+            for dtype, gs in by_dtype.items():  # a float32 factor for narrower dtypes, as the CPU's g.mul_(float)
+                torch._foreach_mul_(gs, coef if dtype == torch.float64 else coef.float())
     return total
 
 
