@@ -277,6 +277,28 @@ def _huge_gradient(fused: bool | None):
     return check
 
 
+def _stale_gain_grad(fused: bool | None):
+    """Two MD steps, then model.zero_grad() (not the optimizer's: the gains keep their θ.grad) and a backward through
+    the last layer only: the first layer's W and gains do not move; the last layer's do."""
+    def check(tmp_path: Path) -> None:
+        md, model = _md(fused)
+        _train(md, model, 2)
+        first, last = model[0].weight, model[2].weight
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+        model[2](x).pow(2).sum().backward()
+        st0, st2 = md.state[first], md.state[last]
+        before = [t.clone() for t in (first.detach(), st0["gain_row"], st0["gain_col"], st2["gain_row"])]
+        assert first.grad is None and st0["gain_row"].grad is not None  # the stale gradient is there
+        md.step()
+        for now, was, what in zip((first.detach(), st0["gain_row"], st0["gain_col"]), before[:3],
+                                  ("W", "gain_row", "gain_col")):
+            assert torch.equal(now, was), f"the gradient-less layer's {what} moved"
+        assert not torch.equal(st2["gain_row"], before[3]), "the stepped layer's gains did not move"
+
+    return check
+
+
 def _low_precision_mode(mode: str):
     """The process asks for fast float32 matmuls (bf16 arithmetic on AMX/AVX512-BF16 CPUs, TF32 on GPUs): manifold-Muon
     steps are bitwise those of a full-precision process, W stays on its manifold, and the mode is kept."""
@@ -371,4 +393,13 @@ CASES: list[Hostile] = [
             "manifold-Muon (Stiefel) steps equal a full-precision process's bitwise, W stays on its manifold (1e-6) "
             "and the process keeps its mode (before: 3.4e-3 off the manifold after 20 steps)",
             _low_precision_mode("medium")),
+    Hostile("md-torch-stale-gain-grad", "optim",
+            "model.zero_grad() between MagnitudeDirection steps (torch passes, fused=False), then a gradient for one "
+            "layer only: the other layer's gains keep last step's θ.grad but do not move, nor does its W (before: "
+            "its gains took a full Adam step while W stayed, so W and γ_r Ŵ γ_c disagreed)",
+            _stale_gain_grad(False)),
+    Hostile("md-default-stale-gain-grad", "optim",
+            "The same on MD's default path over AdamW (the fused kernel where it loads, stepping each matrix's "
+            "gains with the matrix; else the eager passes)",
+            _stale_gain_grad(None)),
 ]
