@@ -115,7 +115,9 @@ def _capture(name: str, fn: Callable, args: tuple[torch.Tensor, ...], kw: dict) 
                 fn(*inputs, **kw)  # warm-up: library handles and workspaces are created outside the capture
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: only this thread's capture-unsafe calls fail; another thread of the training process
+            # (a DataLoader's pin-memory thread copying a batch) must not be refused while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = fn(*inputs, **kw)
             outputs = out if isinstance(out, tuple) else (out,)
             return _Entry(graph, inputs, outputs)
