@@ -272,6 +272,27 @@ def test_gpu_check_refuses_without_cuda_and_names_the_cpu_smoke_run(capsys, monk
     assert len(err) == 1 and "no CUDA device" in err[0] and "--device cpu" in err[0]
 
 
+def test_gpu_check_kills_a_hung_section_and_repeats_the_verdicts(tmp_path, capsys, monkeypatch):
+    """A section past --section-timeout is killed and counted failed while the next still runs (a GPU lease must not
+    be eaten by one hung benchmark); every target line and test count is repeated in the closing summary."""
+    import sys
+
+    from weightgeom.benchmarks import gpu_check
+
+    py = sys.executable
+    monkeypatch.setattr(gpu_check, "_sections", lambda device, iters, tests: [
+        ("hangs", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"]),
+        ("reports", [py, "-c", "print('ratio 0.4  (target ≤ 1: met)'); print('3 passed, 1 skipped in 2.0s')"]),
+    ])
+    log = tmp_path / "check.log"
+    assert gpu_check.main(["--device", "cpu", "--section-timeout", "2", "--log", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "-- hangs: exit -9" in out and "killed after --section-timeout 2 s" in out
+    summary = out.split("== summary: targets and test results ==", 1)[1]
+    assert "[reports] ratio 0.4  (target ≤ 1: met)" in summary and "[reports] 3 passed, 1 skipped" in summary
+    assert "1 section(s) failed: hangs" in summary and log.read_text().count("== summary") == 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["sweep", "manifolds", "ci", "--steps", "0"], "argument --steps: expected a positive integer"),
     (["sweep", "manifolds", "ci", "--launcher", "bogus"], "argument --launcher: invalid choice"),

@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
 
         t_all = time.perf_counter()
+        verdicts: list[str] = []  # each section's target lines, repeated at the end as the run's summary
         for name, cmd in _sections(args.device, args.iters, tests):
             say(f"== {name} ==")
             t0 = time.perf_counter()
@@ -146,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for line in proc.stdout:
                     say(line.rstrip("\n"))
+                    text = line.strip()
+                    if ("(target" in text or "above target" in text or text.endswith(" ok")
+                            or text.startswith(("FAILED", "ERROR", '{"preset"'))
+                            or (" passed" in text and text[:1].isdigit())):
+                        verdicts.append(f"[{name}] {text}")
                 rc = proc.wait()
             finally:
                 watchdog.cancel()
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" (killed after --section-timeout {args.section_timeout:g} s)" if late and rc != 0 else ""))
             if rc != 0:
                 failures.append(name)
+        if verdicts:
+            say("== summary: targets and test results ==")
+            for v in verdicts:
+                say(v)
         say(f"gpu_check: {len(failures)} section(s) failed{': ' + ', '.join(failures) if failures else ''}; "
             f"{time.perf_counter() - t_all:.0f} s in all; log in {args.log}")
     return 1 if failures else 0
