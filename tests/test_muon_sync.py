@@ -223,6 +223,9 @@ def test_integer_step_counters_of_an_earlier_checkpoint_still_load(monkeypatch):
 def test_cuda_step_runs_under_sync_debug_mode_error():
     model = _model().cuda()
     opt = _opt(model, on_nonfinite="skip")
+    for p in model.parameters():  # a first step outside the debug mode: msign's CUDA graphs are captured here (a
+        p.grad = torch.randn_like(p)  # capture synchronizes once); the steps below replay them, which never syncs
+    opt.step()
     for seed in range(3):
         for p in model.parameters():
             p.grad = torch.randn_like(p)

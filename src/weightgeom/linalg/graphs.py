@@ -20,8 +20,10 @@ must not be copied into a graph's buffers.
 
 ``WEIGHTGEOM_CUDA_GRAPHS=0`` turns replay off (everything runs eagerly). Replay is also skipped on the CPU, while
 ``torch.compile`` traces, inside another capture, under ``torch.inference_mode`` or CUDA autocast, and for a
-signature whose capture failed once (a warning names it). Calls from several streams are ordered: a call waits for
-the previous call's use of the buffers (an event), so they cannot overwrite each other's inputs.
+signature whose capture failed once (a warning names it). A capture synchronizes the device once and empties the
+allocator's cache (``torch.cuda.graph`` does), so none is made under a CUDA sync debug mode
+(``torch.cuda.set_sync_debug_mode``); replays never synchronize. Calls from several streams are ordered: a call waits
+for the previous call's use of the buffers (an event), so they cannot overwrite each other's inputs.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
            tuple(sorted(kw.items(), key=lambda kv: kv[0])), _matmul_mode())
     with _lock, torch.no_grad(), torch.cuda.device(args[0].device):
         if key not in _entries:
+            if torch.cuda.get_sync_debug_mode() != 0:  # a capture synchronizes the device (torch.cuda.graph does)
+                return None
             _entries[key] = _capture(name, fn, args, kw)
         entry = _entries[key]
         if entry is None:
