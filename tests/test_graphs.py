@@ -83,3 +83,16 @@ def test_cuda_arguments_over_the_cap_run_eagerly(monkeypatch):
     x, y = torch.randn(64, 8, device="cuda"), torch.randn(8, 8, device="cuda")
     assert graphs.replay("step", _step, x, y, k=2) is None and not graphs._entries
     graphs.clear()
+
+
+@pytest.mark.cuda
+def test_cuda_captured_inputs_stay_within_four_caps(monkeypatch):
+    """Once the captured signatures' inputs hold 4 × the per-call cap, new signatures run eagerly (None)."""
+    graphs.clear()
+    monkeypatch.setenv(graphs.MAX_MB_ENV_VAR, str(2 * (16 * 8 + 64) * 4 / 2**20))  # two calls' inputs per cap
+    y = torch.randn(8, 8, device="cuda")
+    got = [graphs.replay("step", _step, torch.randn(16 + i, 8, device="cuda"), y, k=1) for i in range(12)]
+    assert all(g is not None for g in got[:6]) and all(g is None for g in got[-3:])
+    held = sum(b.numel() * b.element_size() for e in graphs._entries.values() if e for b in e.inputs)
+    assert held <= 4 * graphs.max_input_bytes()
+    graphs.clear()

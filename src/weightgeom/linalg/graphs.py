@@ -16,7 +16,8 @@ Lanczos of 12 stacked 3072×768 directions about 0.2 GB) for the life of the pro
 only signatures whose tensor arguments hold at most ``max_input_bytes()`` together (256 MiB; the environment variable
 ``WEIGHTGEOM_CUDA_GRAPHS_MAX_MB`` changes it) are captured: larger arguments are compute-bound anyway (the launches
 are then a small part of the time), and a model's whole stacked layer bucket (80 × 8192×28672 float32 is 75 GB)
-must not be copied into a graph's buffers.
+must not be copied into a graph's buffers. New signatures stop being captured once the captured ones' inputs hold
+4 × that (1 GiB by default); later ones run eagerly.
 
 ``WEIGHTGEOM_CUDA_GRAPHS=0`` turns replay off (everything runs eagerly). Replay is also skipped on the CPU, while
 ``torch.compile`` traces, inside another capture, under ``torch.inference_mode`` or CUDA autocast, and for a
@@ -55,6 +56,7 @@ class _Entry:
 
 _lock = threading.Lock()
 _entries: dict[tuple, _Entry | None] = {}  # None: capture failed for that signature, run eagerly
+_TOTAL_FACTOR = 4  # all captured signatures' inputs together stay within this many times max_input_bytes()
 
 
 def enabled() -> bool:
@@ -152,13 +154,17 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     # change the captured kernels' dtypes without being part of the signature: both run eagerly
     if torch.is_inference_mode_enabled() or torch.is_autocast_enabled("cuda"):
         return None
-    if sum(a.numel() * a.element_size() for a in args) > max_input_bytes():
+    size, cap = sum(a.numel() * a.element_size() for a in args), max_input_bytes()
+    if size > cap:
         return None
     key = (name, fn, args[0].device.index, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args),
            tuple(sorted(kw.items(), key=lambda kv: kv[0])), _matmul_mode())
     with _lock, torch.no_grad(), torch.cuda.device(args[0].device):
         if key not in _entries:
             if torch.cuda.get_sync_debug_mode() != 0:  # a capture synchronizes the device (torch.cuda.graph does)
+                return None
+            held = sum(b.numel() * b.element_size() for e in _entries.values() if e is not None for b in e.inputs)
+            if held + size > _TOTAL_FACTOR * cap:  # the graphs held so far are enough memory: run this one eagerly
                 return None
             _entries[key] = _capture(name, fn, args, kw)
         entry = _entries[key]
