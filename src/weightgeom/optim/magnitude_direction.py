@@ -608,7 +608,7 @@ class MagnitudeDirection(Optimizer):
                 target = D / s.to(D.dtype)
                 Gd = Gd * s.to(Gd.dtype)
             item[4], item[5] = target, Gd
-        for chain in {c for _t, _g, c in pending}:
+        for chain in dict.fromkeys(c for _t, _g, c in pending):  # one chain per parameterization, in order
             part = [(t, g) for t, g, c in pending if c is chain]
             grads = _elementwise_many(lambda th, g, chain=chain: chain(th, g, self.parameterization),
                                       [t for t, _ in part], [g for _, g in part])
