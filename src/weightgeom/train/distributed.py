@@ -159,7 +159,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, info: DistInfo) 
 
     Returns:
         The global norm as a 0-dim float32 tensor on the gradients' device (0 without gradients). On a GPU nothing
-        here waits for the device: the per-gradient norms are one multi-tensor reduction per dtype, and the clip factor
+        here waits for the device: the float32 gradients' norms are one multi-tensor reduction, and the clip factor
         is applied on the device (``max_norm / (norm + 1e-6)``, formed in float64 as on the host, where norm >
         ``max_norm``, else 1), so read the norm with ``float()`` only when it is needed. On the CPU the gradients are
         scaled only when the norm exceeds ``max_norm`` (no extra pass; the same products either way).
