@@ -170,10 +170,7 @@ def msign(
     # rounding, which msign amplifies ~1e4× in its small singular directions: DDP and single-process runs then
     # differed by 1e-3 after 5 steps).
     if G.requires_grad and torch.is_grad_enabled():
-        X = G
-        tall = X.shape[-2] > X.shape[-1]
-        X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
-        triples = preset.triples(steps)[start_step:]
+        X, tall, triples = _iteration_input(G, preset, steps, start_step)
         X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
         return _iterate_autograd(X0, triples, tall).reshape(G.shape).to(G.dtype)
     # on a GPU the ~45 small kernels of a call are launch-bound for GPT-sized matrices: replayed as one CUDA graph
@@ -184,18 +181,20 @@ def msign(
 def _msign_inplace(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype, start_step: int) -> torch.Tensor:
     """``msign``'s no-grad path (validated arguments): preallocated buffers, nothing read on the host (capturable)."""
     preset = MSIGN_PRESETS[method]
-    X = G
-    tall = X.shape[-2] > X.shape[-1]
-    lead = X.shape[:-2]
-    X = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X  # one batched (3-D) path for any number of lead dims
-    triples = preset.triples(steps)[start_step:]
+    X, tall, triples = _iteration_input(G, preset, steps, start_step)
     if start_step == 0:
         X0 = _normalise(X, preset.safety, dtype, inplace=True)
     else:  # a fresh contiguous buffer: the in-place iteration must not write into the caller's tensor
         X0 = torch.empty(X.shape, dtype=dtype, device=X.device).copy_(X)
-    X = _iterate_inplace(X0, triples, tall)
-    X = X.reshape(*lead, *X.shape[-2:])
-    return X.to(G.dtype)
+    return _iterate_inplace(X0, triples, tall).reshape(G.shape).to(G.dtype)
+
+
+def _iteration_input(G: torch.Tensor, preset: NSPreset, steps: int, start_step: int
+                     ) -> tuple[torch.Tensor, bool, list[tuple[float, float, float]]]:
+    """(G as a 2-D or 3-D batch — one batched path for any number of lead dims —, whether it is tall, the
+    polynomial steps still to apply)."""
+    X = G.reshape(-1, *G.shape[-2:]) if G.ndim > 3 else G
+    return X, G.shape[-2] > G.shape[-1], preset.triples(steps)[start_step:]
 
 
 def _msign_published(G: torch.Tensor, preset: NSPreset, steps: int, dtype: torch.dtype,

@@ -50,7 +50,6 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     compose,
     gain_chain,
     gain_chain_log,
-    gain_grad_limit,
     gain_init,
     gain_value,
     is_embedding_name,
@@ -663,14 +662,13 @@ class MagnitudeDirection(Optimizer):
             gst = md_fused.gain_adam_state(self.state, theta)
             gst["step"] += 1
             batches.setdefault((theta.device, theta.dtype, int(gst["step"])), []).append(theta)
-        for (_dev, dtype, step), thetas in batches.items():
+        for (_dev, _dtype, step), thetas in batches.items():
             # the gradient the gains step with, as the C kernel writes it back (θ.grad too): clamped, and a NaN —
             # only products of both signs past the dtype's range make one (|Ŵ| > 1 times a saturated Ĝ; NaN
             # gradients were refused) — counts as 0, so that gain does not move
             states = [self.state[t] for t in thetas]
             adam_update_many_(thetas, [t.grad for t in thetas], [st["exp_avg"] for st in states],
-                              [st["exp_avg_sq"] for st in states], step, group["lr"], group["betas"], group["eps"],
-                              grad_limit=gain_grad_limit(dtype))
+                              [st["exp_avg_sq"] for st in states], step, group["lr"], group["betas"], group["eps"])
 
     def _finish(self, work: list[list]) -> None:
         """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
