@@ -31,7 +31,7 @@ import torch
 from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
-           "kernel_cache_dir"]
+           "kernel_cache_dir", "lanczos", "split_bf16_kernel"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -48,6 +48,10 @@ _SIGNATURES = {
         "any_nonfinite_{t}": ([_L, _P, _I], _I),
         "md_split_{t}": ([_L, _L, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         "md_finish_{t}": ([_L, _L, _P, _P, _I, _P, _P, _P, _I], _I),
+    },
+    "linalg": {
+        "lanczos_{t}": ([_L, _L, _P, _P, _D, _P, _P, _I], _I),
+        "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
     },
 }
 
@@ -336,3 +340,48 @@ def any_nonfinite(t: torch.Tensor) -> bool:
     if not ptr:
         return False
     return bool(getattr(lib, f"any_nonfinite_{_SUFFIX[t.dtype]}")(t.numel(), ptr, torch.get_num_threads()))
+
+
+def lanczos(G: torch.Tensor, v: torch.Tensor, k: int, noise: float) -> torch.Tensor:
+    """The Lanczos coefficients (2k float64: α₀…α_{k−1}, β₀…β_{k−2}, 0) of one symmetric n×n matrix G from the unit
+    vector v (n), with full reorthogonalisation and the breakdown floor ``noise``·max‖G q_j‖ (maths: ``linalg.c``;
+    the torch reference is ``weightgeom.optim.manifold_muon._lanczos_coefficients``).
+
+    Raises:
+        RuntimeError: the kernel is unavailable (``unavailable_reason("linalg")``) or out of memory.
+        ValueError: G or v of the wrong device, dtype, size or layout.
+    """
+    lib = load_kernel("linalg")
+    if lib is None:
+        raise RuntimeError(f"linalg kernel unavailable: {unavailable_reason('linalg')}")
+    if G.ndim != 2 or G.shape[0] != G.shape[1] or G.dtype not in _SUFFIX or int(k) < 1:
+        raise ValueError(f"lanczos kernel: G must be a square float32/float64 matrix and k ≥ 1, got {G.dtype} "
+                         f"{tuple(G.shape)}, k={k!r}")
+    n = G.shape[0]
+    _check("G", G, n * n, G.dtype)
+    _check("v", v, n, G.dtype)
+    k = int(k)
+    coef = torch.zeros(2 * k, dtype=torch.float64)
+    Q = torch.empty(k, n, dtype=G.dtype)
+    failed = getattr(lib, f"lanczos_{_SUFFIX[G.dtype]}")(n, k, G.data_ptr(), v.data_ptr(), float(noise),
+                                                        coef.data_ptr(), Q.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise RuntimeError(f"lanczos kernel: out of memory for n={n}")
+    return coef
+
+
+def split_bf16_kernel(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) = (bf16(X), bf16(X − hi)) of a contiguous CPU float32 tensor in one pass (``linalg.c``); the same
+    bits as torch's conversions (round to nearest even) except NaN's sign and payload (a NaN stays a NaN).
+
+    Raises:
+        RuntimeError: the kernel is unavailable. ValueError: X is not a contiguous CPU float32 tensor.
+    """
+    lib = load_kernel("linalg")
+    if lib is None:
+        raise RuntimeError(f"linalg kernel unavailable: {unavailable_reason('linalg')}")
+    _check("X", X, X.numel(), torch.float32)
+    hi = torch.empty(X.shape, dtype=torch.bfloat16)
+    lo = torch.empty(X.shape, dtype=torch.bfloat16)
+    lib.split_bf16_f32(X.numel(), X.data_ptr(), hi.data_ptr(), lo.data_ptr(), torch.get_num_threads())
+    return hi, lo

@@ -16,7 +16,15 @@ What is measured (well under a second on a 2-core CPU):
    warm-up calls on a 768×3072 one on a GPU (where a smaller step is launch-bound).
 
 The dtype with the smallest ``steps × seconds per step`` wins; bf16 is only measured for accuracy where its step is
-faster than fp32's. ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
+faster than fp32's.
+
+3. On a CPU whose torch carries MKL's bf16→float32 gemm: manifold Muon's constraint products (``products``), IEEE
+   float32 or split-bf16 (``weightgeom.linalg.split``). A 768×1536·1536×768 product XᵀA with A exactly bf16 (the
+   commonest of them) is timed both ways; the split wins where it takes ≤ ``SPLIT_WINS`` of the IEEE time (2-core AMX
+   Xeon: ~0.6; on CPUs without AMX a bf16 product is not enough faster). ``WEIGHTGEOM_SPLIT_PRODUCTS=1`` uses the
+   split wherever it is available, ``=0`` never.
+
+``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
 ``"bfloat16:6"``) forces a choice without measuring (tests use it; without ``:STEPS`` the preset's default, 10).
 """
 
@@ -37,8 +45,10 @@ import torch
 from weightgeom._cache import cache_root
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 from weightgeom.linalg.precision import with_full_precision
+from weightgeom.linalg.split import split_available, split_matmul
 
-__all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice"]
+__all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice",
+           "split_products_for", "PRODUCTS", "SPLIT_ENV_VAR", "SPLIT_WINS"]
 
 ENV_VAR = "WEIGHTGEOM_MSIGN"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -51,7 +61,13 @@ _SPEED_SHAPE = (192, 768)
 _SPEED_SHAPE_GPU = (768, 3072)
 _GPU_WARMUP, _GPU_TIMED = 3, 5
 _REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
-_CACHE_VERSION = 2  # 2: the GPU speed shape and warm-up (choices measured before are measured again)
+_CACHE_VERSION = 3  # 2: the GPU speed shape and warm-up; 3: the constraint products (older choices are measured again)
+PRODUCTS = ("ieee", "split_bf16")
+SPLIT_ENV_VAR = "WEIGHTGEOM_SPLIT_PRODUCTS"
+# The split-bf16 constraint products are chosen where the probe product takes at most this fraction of its IEEE time:
+# enough margin that the products with three pieces (the tangent projection) do not lose either.
+SPLIT_WINS = 0.7
+_SPLIT_PROBE = (1536, 768)
 # Environment variables that cap the instruction set torch's CPU kernels use (oneDNN: the bf16 matmuls; MKL: the
 # float32 ones): part of the disk cache's key.
 _ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
@@ -75,6 +91,9 @@ class MsignChoice:
             a GPU).
         errors: orthogonality error of the probe direction per dtype name at the chosen steps, and ``"torch_muon"``
             (the bar).
+        products: manifold Muon's constraint products on this device: ``"ieee"`` (float32) or ``"split_bf16"``
+            (``weightgeom.linalg.split``; CPUs only).
+        product_seconds: the measured seconds of the probe product per kind (empty where not measured).
     """
 
     device: str
@@ -83,6 +102,8 @@ class MsignChoice:
     source: str
     step_seconds: dict[str, float] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
+    products: str = "ieee"
+    product_seconds: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line: dtype, steps, where the choice came from and the measured figures."""
@@ -92,6 +113,10 @@ class MsignChoice:
             parts.append("step " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in self.step_seconds.items()))
         if self.errors:
             parts.append("probe max|σ/σ_max − 1| " + ", ".join(f"{k} {v:.1e}" for k, v in self.errors.items()))
+        prod = f"constraint products {self.products}"
+        if self.product_seconds:
+            prod += " (" + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in self.product_seconds.items()) + ")"
+        parts.append(prod)
         return "; ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -116,13 +141,18 @@ def _memo_key(device: torch.device) -> str:
     return f"{device}|threads={torch.get_num_threads()}" if device.type == "cpu" else str(device)
 
 
-def adopt_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: int) -> MsignChoice:
-    """Use (``dtype``, ``steps``) for ``device`` in this process from now on, e.g. rank 0's choice broadcast to every
-    rank so a distributed run computes every matrix's msign alike (``weightgeom.train.distributed``)."""
+def adopt_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: int,
+                       products: str = "ieee") -> MsignChoice:
+    """Use (``dtype``, ``steps``, ``products``) for ``device`` in this process from now on, e.g. rank 0's choice
+    broadcast to every rank so a distributed run computes every matrix's msign and constraint products alike
+    (``weightgeom.train.distributed``). ``products="split_bf16"`` falls back to ``"ieee"`` where the split is not
+    available in this process."""
     device = torch.device(device)
-    if dtype not in _DTYPES.values() or int(steps) < 1:
-        raise ValueError(f"adopt_msign_choice: dtype={dtype} steps={steps!r} is invalid")
-    choice = MsignChoice(str(device), dtype, int(steps), "rank0")
+    if dtype not in _DTYPES.values() or int(steps) < 1 or products not in PRODUCTS:
+        raise ValueError(f"adopt_msign_choice: dtype={dtype} steps={steps!r} products={products!r} is invalid")
+    if products == "split_bf16" and not split_available(device):
+        products = "ieee"
+    choice = MsignChoice(str(device), dtype, int(steps), "rank0", products=products)
     with _lock:
         _choices[_memo_key(device)] = choice
     return choice
@@ -246,9 +276,48 @@ def _measure(device: torch.device) -> MsignChoice:
         cost = steps * seconds[name]
         if best is None or cost < best[0]:
             best = (cost, dt, steps)
+    products, product_seconds = _measure_products(device)
     if best is None:  # no dtype reached the bar within the preset's steps: the static default, all steps
-        return MsignChoice(str(device), default_dtype(device), max_steps, "fallback", seconds, errors)
-    return MsignChoice(str(device), best[1], best[2], "benchmark", seconds, errors)
+        return MsignChoice(str(device), default_dtype(device), max_steps, "fallback", seconds, errors, products,
+                           product_seconds)
+    return MsignChoice(str(device), best[1], best[2], "benchmark", seconds, errors, products, product_seconds)
+
+
+def _measure_products(device: torch.device) -> tuple[str, dict[str, float]]:
+    """("ieee" or "split_bf16", the probe's seconds per kind): XᵀA for a 1536×768 X and an exactly-bf16 A, median of
+    5 calls after one warm-up each way (~50 ms on a 2-core CPU)."""
+    if not split_available(device):
+        return "ieee", {}
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(*_SPLIT_PROBE, generator=g)
+    A = torch.randn(*_SPLIT_PROBE, generator=g).bfloat16()
+    Af = A.float()
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[2]
+
+    ieee = timed(lambda: X.mT @ Af)
+    split = timed(lambda: split_matmul(X.mT, (A, None)))
+    kind = "split_bf16" if split <= SPLIT_WINS * ieee else "ieee"
+    return kind, {"ieee": ieee, "split_bf16": split}
+
+
+def split_products_for(device: torch.device | str) -> bool:
+    """Whether manifold Muon's constraint products on ``device`` run split-bf16: ``WEIGHTGEOM_SPLIT_PRODUCTS`` = 1
+    (wherever available) or 0 (never), else the device's measured choice (``msign_choice(device).products``)."""
+    device = torch.device(device)
+    raw = os.environ.get(SPLIT_ENV_VAR, "").strip()
+    if raw not in ("", "auto", "0", "1"):
+        raise ValueError(f"{SPLIT_ENV_VAR}={raw!r} is invalid: use auto, 0 or 1")
+    if raw == "0" or not split_available(device):
+        return False
+    return raw == "1" or msign_choice(device).products == "split_bf16"
 
 
 def _load(path: Path, device: torch.device) -> MsignChoice | None:
@@ -256,9 +325,13 @@ def _load(path: Path, device: torch.device) -> MsignChoice | None:
         d = json.loads(path.read_text())
         if d.get("dtype") not in _DTYPES or not int(d.get("steps", 0)) >= 1:
             return None
+        products = d.get("products", "ieee")
+        if products not in PRODUCTS:
+            return None
         return MsignChoice(str(device), _DTYPES[d["dtype"]], int(d["steps"]), "cache",
                            {k: float(v) for k, v in d.get("step_seconds", {}).items()},
-                           {k: float(v) for k, v in d.get("errors", {}).items() if math.isfinite(float(v))})
+                           {k: float(v) for k, v in d.get("errors", {}).items() if math.isfinite(float(v))},
+                           products, {k: float(v) for k, v in d.get("product_seconds", {}).items()})
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from weightgeom.linalg.msign import msign
+from weightgeom.linalg.norms import column_norms
 from weightgeom.linalg.precision import with_full_precision
+from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_matmul
 
-__all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check"]
+__all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check",
+           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "SPLIT_MIN_DIM"]
 
 
 def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -63,6 +66,81 @@ def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: floa
 
     out = torch.baddbmm(flat(C, m, n), flat(A, m, k), flat(B, k, n), alpha=alpha)
     return out.reshape(*lead, m, n)
+
+
+# Constraint products run split-bf16 only when every dimension of the matrices is at least this: smaller products are
+# cheap in IEEE float32 anyway, and their split errors are the largest — a Gram entry of m rows averages m rounding
+# errors of 2⁻¹⁷, so a 20×8 point after a zero step moved by 1.3e-6 (IEEE: 0) while 768-row ones move by ≤ 2e-7.
+SPLIT_MIN_DIM = 256
+
+
+def _split_here(*ts: torch.Tensor | None) -> bool:
+    """Whether the constraint products of these tensors run as split-bf16 products: inside
+    ``weightgeom.linalg.split.split_products()``, on CPU float32 matrices of at least ``SPLIT_MIN_DIM`` rows and
+    columns."""
+    return split_active() and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                                                and min(t.shape[-2:]) >= SPLIT_MIN_DIM) for t in ts)
+
+
+def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = None) -> torch.Tensor:
+    """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype), or inside ``split_products()`` on
+    the CPU the split-bf16 product (``weightgeom.linalg.split``; ~1e-6 relative instead of ~1e-7, 3–5× faster with
+    AMX). ``b_pieces``: B's ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16)."""
+    if not _split_here(A, B):
+        return A @ B
+    return split_matmul(A, b_pieces if b_pieces is not None else B)
+
+
+def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
+                     a_pieces: Pieces | None = None, small: bool = False) -> torch.Tensor:
+    """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched``, or
+    inside ``split_products()`` on the CPU the split-bf16 product accumulated into a float32 copy of C (each matrix of a
+    batch alone: the same bits as one call per matrix).
+
+    ``small``: B (square) is a small correction (its entries ≪ 1 against A's unit-scale columns, as the multiplier of a
+    near-tangent direction or a near-manifold retraction's p(E) − I): B's diagonal is applied exactly, as a float32
+    column scaling, and only its off-diagonal part as one bf16 product — whose error, 2⁻⁸ of a small term, is below the
+    three-product split's (``docs/muon.md``)."""
+    if not _split_here(C, A, B):
+        return addmm_batched(C, A, B, alpha=alpha)
+    lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
+    A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
+    if small:
+        d = B.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
+        out = torch.addcmul(C.expand(*lead, *C.shape[-2:]), A, d, value=alpha)  # C + α·A·diag(B), new row-major
+        if not out.is_contiguous():
+            out = out.contiguous()
+        Bo = B.to(torch.bfloat16)
+        Bo.diagonal(dim1=-2, dim2=-1).zero_()
+        hi = a_pieces[0] if a_pieces is not None else split_bf16(A, lo=False)[0]
+        return split_matmul((hi, None), (Bo, None), out=out, alpha=alpha, beta=1.0)
+    out = C.expand(*lead, *C.shape[-2:]).clone(memory_format=torch.contiguous_format)
+    pa = a_pieces if a_pieces is not None else split_bf16(A)
+    return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
+
+
+def small_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """A@B of two small corrections (e.g. powers of a near-manifold Gram deviation E, ‖E‖ ≪ 1) added to unit-scale
+    terms: inside ``split_products()`` on the CPU one bf16 product accumulated in float32 — its error, 2⁻⁸ of a
+    product of two small factors, is far below float32 rounding of the terms it is added to; else ``A @ B``."""
+    if not _split_here(A, B):
+        return A @ B
+    return split_matmul(split_bf16(A, lo=False), split_bf16(B, lo=False))
+
+
+def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tensor:
+    """XᵀX for the constraint arithmetic: IEEE, or inside ``split_products()`` X_hiᵀX_hi + T + Tᵀ with T = X_hiᵀX_lo
+    (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X itself (the dropped
+    X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
+    if not _split_here(X):
+        return X.mT @ X
+    hi, lo = pieces if pieces is not None else split_bf16(X)
+    G = split_matmul((hi.mT, None), (hi, None))
+    if lo is not None:
+        T = split_matmul((hi.mT, None), (lo, None))
+        G.add_(T).add_(T.mT)
+    G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(X, squared=True))
+    return G
 
 
 def compute_dtype(W: torch.Tensor) -> torch.dtype:

@@ -34,8 +34,9 @@ from weightgeom.linalg.norms import column_norms
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
-    addmm_batched,
     compute_dtype,
+    constraint_addmm,
+    constraint_mm,
     gram_check,
     polar,
     tall,
@@ -72,11 +73,11 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
     """
     d = column_norms(X, squared=True)
-    H = X.mT @ Y if S is None else S
+    H = constraint_mm(X.mT, Y) if S is None else S
     H = off(H + H.mT)
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     lam = torch.where(den > 0, H / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(H))
-    return addmm_batched(Y, X, lam, alpha=-1.0)
+    return constraint_addmm(Y, X, lam, alpha=-1.0)
 
 
 def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:
@@ -155,12 +156,14 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     Z = X.to(compute_dtype(X))
     norms = column_norms(Z, keepdim=True)
     nonzero = norms > 0
+    if method == "polar_express" and bool(nonzero.all()):
+        R = polar_near(Z, scale=norms)  # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed
+        if R is not None:
+            return R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
-    Q = polar_near(Zn) if method == "polar_express" and bool(nonzero.all()) else None
-    if Q is None:
-        Q = polar(Zn, method, steps)
-        if method == "polar_express":
-            Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
+    Q = polar(Zn, method, steps)
+    if method == "polar_express":
+        Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
     return (Q * norms).to(X.dtype)
 
 

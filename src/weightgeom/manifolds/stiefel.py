@@ -14,10 +14,13 @@ from weightgeom.linalg.msign import msign
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
-    addmm_batched,
     compute_dtype,
+    constraint_addmm,
+    constraint_gram,
+    constraint_mm,
     gram_check,
     polar,
+    small_mm,
     tall,
     tall_pair,
     untall,
@@ -52,36 +55,50 @@ def sym(M: torch.Tensor) -> torch.Tensor:
 def gram_deviation(X: torch.Tensor) -> torch.Tensor:
     """E = XᵀX − I for a tall X, in ``compute_dtype(X)`` (float64 for float64 input, else float32)."""
     Xc = X.to(compute_dtype(X))
-    E = Xc.mT @ Xc
+    E = constraint_gram(Xc)
     E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
     return E
 
 
-def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor | None:
+def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Polar factor of a tall X with ‖XᵀX − I‖_F ≤ ``NEAR_TOL``, by the iteration X ← X·p_k(E) (see the constants).
 
     Args:
         X: tall (..., m, n) matrix (a batch is iterated until its worst matrix is done).
-        E: ``gram_deviation(X)`` when the caller has it already.
+        E: ``gram_deviation(X)`` when the caller has it already (not with ``scale``).
+        scale: positive column scales s (..., 1, n): return polar(X·S⁻¹)·S, S = diag(s), without forming X·S⁻¹ — the
+            iteration runs on X with E = S⁻¹XᵀXS⁻¹ − I and the step X ← X + X·S⁻¹(p(E) − I)S, the same maths in
+            scaled coordinates (DGram's column-polar retraction: s = the column norms; two passes over X fewer).
 
     Returns:
-        The polar factor in ``compute_dtype(X)``, or None if X is too far from the manifold (‖E‖_F > NEAR_TOL) or
-        did not converge in ``_NEAR_MAX_ITERS`` iterations — callers then use the Polar Express iteration.
+        The polar factor (times S) in ``compute_dtype(X)``, or None if X is too far from the manifold
+        (‖E‖_F > NEAR_TOL) or did not converge in ``_NEAR_MAX_ITERS`` iterations — callers then use the Polar
+        Express iteration.
     """
     Xc = X.to(compute_dtype(X))
     if Xc.numel() == 0:  # no columns (or rows): nothing to orthonormalise
         return Xc
     tol = NEAR_REMAINDER[Xc.dtype]
+    s = None if scale is None else scale.to(Xc.dtype)
     for _ in range(_NEAR_MAX_ITERS):
         if E is None:
-            E = gram_deviation(Xc)
+            if s is None:
+                E = gram_deviation(Xc)
+            else:
+                E = constraint_gram(Xc) / (s.mT * s)
+                E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
         # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound E's spectral radius
         e, inf = torch.stack([torch.linalg.matrix_norm(E).amax(), E.abs().sum(dim=-1).amax()]).tolist()
         if not e <= NEAR_TOL:  # also NaN
             return None
         rho = min(e, inf)
         order = next((k for k, c in enumerate(_ORDER_REMAINDER, 1) if c * rho**k * e <= tol), None)
-        Xc = addmm_batched(Xc, Xc, _near_correction(E, order or 3))  # X·p(E) = X + X·(p(E) − I), fused
+        F = _near_correction(E, order or 3)
+        if s is not None:
+            F = F * (s / s.mT)  # S⁻¹FS: F_ij·s_j/s_i
+        # X·p(E) = X + X·(p(E) − I), fused; p(E) − I is a small correction (‖E‖_F ≤ NEAR_TOL)
+        Xc = constraint_addmm(Xc, Xc, F, small=True)
         if order is not None:
             return Xc
         E = None
@@ -89,23 +106,22 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None) -> torch.Tensor |
 
 
 def _near_correction(E: torch.Tensor, order: int) -> torch.Tensor:
-    """p_order(E) − I for order 1, 2 or 3 (Horner form, no identity matrices; order − 1 n×n×n products)."""
+    """p_order(E) − I = −E/2 (+ 3E²/8 (− 5E³/16)) for order 1, 2 or 3 (order − 1 n×n×n products, each of small
+    factors only — ``small_mm``, one bf16 product inside ``split_products()`` — added to the exact first-order term)."""
+    F = E * -0.5
     if order == 1:
-        return E * -0.5
-    if order == 2:
-        F = E * 0.375
-    else:
-        F = E * -0.3125
-        F.diagonal(dim1=-2, dim2=-1).add_(0.375)
-        F = E @ F
-    F.diagonal(dim1=-2, dim2=-1).add_(-0.5)
-    return E @ F
+        return F
+    E2 = small_mm(E, E)
+    F.add_(E2, alpha=0.375)
+    if order == 3:
+        F.add_(small_mm(E2, E), alpha=-0.3125)
+    return F
 
 
 def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
     """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I."""
-    L = sym(X.mT @ Y if S is None else S)
-    return addmm_batched(Y, X, L, alpha=-1.0)
+    L = sym(constraint_mm(X.mT, Y) if S is None else S)
+    return constraint_addmm(Y, X, L, alpha=-1.0)
 
 
 class Stiefel(Manifold):

@@ -23,8 +23,10 @@ from collections.abc import Callable
 
 import torch
 
+from weightgeom import kernels
 from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
-from weightgeom.manifolds.base import Manifold, addmm_batched, tall, untall
+from weightgeom.linalg.split import split_active, split_bf16, split_matmul
+from weightgeom.manifolds.base import Manifold, addmm_batched, constraint_mm, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
@@ -67,7 +69,10 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
     """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3)."""
     X, t = tall(W)
     Y = G.mT if t else G
-    S = X.mT @ Y
+    if X.dtype == Y.dtype == torch.bfloat16 and split_active() and X.device.type == "cpu":
+        S = split_matmul((X.mT, None), (Y, None))  # bf16 factors, the product accumulated and returned in float32
+    else:
+        S = X.mT @ Y
     return -0.25 * manifold.P(S + S.mT)
 
 
@@ -159,7 +164,8 @@ def manifold_direction(
     gnorm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
     scale = n**0.5 / (gnorm + _NORM_EPS) if normalize else None
     if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
-        Xf = X.to(feed_dtype)
+        # the bf16 copy is X's split piece X_hi: inside split_products() the constraint products reuse it
+        Xf = split_bf16(X, lo=False)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
         Yf = torch.empty(Y.shape, dtype=feed_dtype, device=Y.device)  # row-major whatever Y's layout
         if scale is None:
             Yf.copy_(Y)
@@ -181,9 +187,11 @@ def manifold_direction(
     shrink = 1.0
     iters = 0
     for k in range(steps):
-        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
+        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
+        A = A.to(X.dtype)
         iters = k + 1
-        S, H, rv = _residual(X, A, manifold)
+        S, H, rv = _residual(X, A, manifold, exact)
         residual = float(rv.max())
         if last:
             best = (residual, A, Lam, S, rv)
@@ -201,8 +209,10 @@ def manifold_direction(
         Lam = Lam - alpha * H
     residual, A, Lam, S, rv = best
     if final_msign_fn is not None:
-        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype))).to(X.dtype)
-        S, H, rv = _residual(X, A, manifold)
+        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        exact = (A, None) if A.dtype == torch.bfloat16 else None
+        A = A.to(X.dtype)
+        S, H, rv = _residual(X, A, manifold, exact)
         residual = float(rv.max())
     if rv is None:  # no finite iterate: report it as such
         rv = torch.full(X.shape[:-2], float("nan"), dtype=X.dtype, device=X.device)
@@ -302,7 +312,16 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     v = v / torch.linalg.vector_norm(v)
     # on a GPU the recurrence's ~13 small kernels per step are launch-bound: replayed as one CUDA graph
     out = graphs.replay("spectral_norm_estimate", _lanczos_coefficients, A, v, k=k, gram_dtype=gram_dtype)
-    coef, unit = out if out is not None else _lanczos_coefficients(A, v, k=k, gram_dtype=gram_dtype)
+    if out is not None:
+        coef, unit = out
+    elif A.device.type == "cpu" and A.ndim > 2 and A.shape[:-2].numel() > 1:
+        # one matrix at a time on a CPU: a batched matrix-vector product (bmm) is 2–3× slower there than one mm per
+        # matrix (768² Grams: 183 µs against 2 × 40 µs, AMX), and the recurrence is those products
+        parts = [_lanczos_coefficients(a, v, k=k, gram_dtype=gram_dtype) for a in A.reshape(-1, *A.shape[-2:])]
+        coef = torch.stack([c for c, _ in parts]).reshape(*lead, -1)
+        unit = torch.stack([u for _, u in parts]).reshape(*lead, 1, 1)
+    else:
+        coef, unit = _lanczos_coefficients(A, v, k=k, gram_dtype=gram_dtype)
     finite = torch.isfinite(coef).all(dim=-1)
     coef = torch.where(finite[..., None], coef, 0.0)
     diag, off = coef[..., :k], coef[..., k:2 * k - 1]
@@ -319,10 +338,14 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
     largest diagonal entry (or 1). No host synchronisation and no host-to-device copy: capturable as a CUDA graph."""
     n = A.shape[-1]
     lead = A.shape[:-2]
-    if A.shape[-2] >= 2 * n:  # tall: form the Gram once, each step is an n×n product
+    # inside split_products() a bf16 Gram is one bf16 product accumulated in float32, cheaper than the 2·k m×n
+    # matrix-vector products even for a square A (768²: 0.6 ms against ~4 ms, AMX)
+    split_gram = gram_dtype == torch.bfloat16 and split_active() and A.device.type == "cpu" \
+        and A.dtype == torch.float32
+    if A.shape[-2] >= 2 * n or split_gram:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
             An = A.to(gram_dtype)
-            G = (An.mT @ An).to(A.dtype)
+            G = split_matmul((An.mT, None), (An, None)) if split_gram else (An.mT @ An).to(A.dtype)
             G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True))
         else:
             G = A.mT @ A
@@ -335,6 +358,10 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
     unit = torch.where(top_diag > 0, top_diag, 1.0)
     if G is not None:
         G = G / unit
+    noise = LANCZOS_BREAKDOWN * torch.finfo(A.dtype).eps * n**0.5
+    if G is not None and G.ndim == 2 and G.device.type == "cpu" and kernels.load_kernel("linalg") is not None:
+        # one C loop (kernels/linalg.c, the same recurrence): ~1.4 ms per 768² Gram against ~5 ms of torch dispatch
+        return kernels.lanczos(G.contiguous(), v.reshape(-1).contiguous(), k, noise).reshape(1, 2 * k)[0], unit
 
     def gram_times(x: torch.Tensor) -> torch.Tensor:
         return G @ x if G is not None else (A.mT @ (A @ x)) / unit
@@ -344,9 +371,8 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
     q = Q[..., :, :1]
     q.copy_(v.expand(*lead, n, 1))
     alphas, betas = [], []  # T's diagonal and off-diagonal, (..., 1, 1) each
-    # breakdown floor: rounding noise left by the reorthogonalisation is ~eps·‖AᵀA q‖ per entry; a real β of a small
-    # top gap (β ~ gap/sqrt(n)) must stay above it, so the floor tracks the largest ‖AᵀA q_j‖ seen, not a constant
-    noise = LANCZOS_BREAKDOWN * torch.finfo(A.dtype).eps * n**0.5
+    # breakdown floor (``noise``): rounding noise left by the reorthogonalisation is ~eps·‖AᵀA q‖ per entry; a real β
+    # of a small top gap (β ~ gap/sqrt(n)) must stay above it, so the floor tracks the largest ‖AᵀA q_j‖ seen
     scale = torch.zeros_like(q[..., :1, :])
     tiny = torch.finfo(A.dtype).tiny
     for j in range(k):
@@ -373,10 +399,11 @@ def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor
     return addmm_batched(Y, X, PL, alpha=2.0)
 
 
-def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(S, H, r) on tall views: S = XᵀA, the residual matrix H = P(S + Sᵀ) and its size ‖H‖_F/n per matrix."""
-    S = X.mT @ A
+def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
+              a_pieces: tuple[torch.Tensor, None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(S, H, r) on tall views: S = XᵀA, the residual matrix H = P(S + Sᵀ) and its size ‖H‖_F/n per matrix.
+    ``a_pieces``: (A in bf16, None) when A is exactly bf16 (``constraint_mm``'s split then takes two products)."""
+    S = constraint_mm(X.mT, A, a_pieces)
     H = manifold.P(S + S.mT)
     return S, H, torch.linalg.matrix_norm(H) / X.shape[-1]
 

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from weightgeom import manifolds
-from weightgeom.linalg import MSIGN_PRESETS, full_precision, msign, msign_choice
+from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
+from weightgeom.linalg.autotune import split_products_for
+from weightgeom.linalg.split import split_products
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
@@ -236,6 +238,7 @@ class Muon(torch.optim.Optimizer):
         # msign settings per device for the groups that take the per-device choice (resolved when a group is added,
         # so the step only looks them up: no benchmark, lock or environment read inside a compiled step).
         self._msign_choices: dict[str, tuple[torch.dtype, int]] = {}
+        self._split: dict[str, bool] = {}  # device -> manifold groups' constraint products split-bf16 there
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -247,7 +250,7 @@ class Muon(torch.optim.Optimizer):
         it with ``int()`` only when needed — that is a host sync on a GPU)."""
         return self._skipped
 
-    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "msign_auto", "_manifolds", "last_stats",
+    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "_split", "msign_auto", "_manifolds", "last_stats",
                   "_far_retractions", "_warned_far_retraction")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -312,6 +315,18 @@ class Muon(torch.optim.Optimizer):
             self._msign_choices[key] = (choice.dtype, choice.steps)
             self.msign_auto.setdefault(key, choice.as_dict())
         return self._msign_choices[key]
+
+    def _split_for(self, X: torch.Tensor) -> bool:
+        """Whether a manifold step on X runs its constraint products split-bf16 (``weightgeom.linalg.split``): float32
+        on a device whose per-device choice says so (``split_products_for``), looked up once per optimizer and
+        device."""
+        if X.dtype != torch.float32 or X.device.type != "cpu":
+            return False
+        memo = self.__dict__.setdefault("_split", {})
+        key = str(X.device)
+        if key not in memo:
+            memo[key] = split_products_for(X.device)
+        return memo[key]
 
     @staticmethod
     def _name(group: dict[str, Any], i: int, gi: int) -> str:
@@ -506,7 +521,8 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
         for dev, c in self.msign_auto.items():
-            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})")
+            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']}); "
+                         f"manifold constraint products {'split_bf16' if split_products_for(dev) else 'ieee'}")
         return "\n".join(lines)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
@@ -584,7 +600,7 @@ class Muon(torch.optim.Optimizer):
             st = self.state[p]
             alone = (int(group["dual_steps"]) != 1 or "momentum_buffer" not in st
                      or p.device.type not in MANIFOLD_BATCH_DEVICES)
-            key = (name,) if alone else (tuple(_matrices(p, group["layout"], group["split"]).shape), p.dtype,
+            key = (name,) if alone else (_tall_shape(_matrices(p, group["layout"], group["split"])), p.dtype,
                                          p.device, "dual_multiplier" in st, "dual_cold" in st)
             buckets.setdefault(key, []).append((name, p))
         for bucket in buckets.values():
@@ -623,10 +639,10 @@ class Muon(torch.optim.Optimizer):
         # in_out matrix; a batch) a row-major copy written back once at the end — on the CPU, in-place updates and fused
         # products into a transposed view cost 3–7× their row-major versions (a 768×3072 Stiefel step took 135 ms
         # against 123 ms for 3072×768 on the AMX Xeon). Elementwise results are the same bits either way.
-        flip = Ws[0].shape[-2] < Ws[0].shape[-1]
-        talls = [w.mT if flip else w for w in Ws]
+        flips = [w.shape[-2] < w.shape[-1] for w in Ws]  # per matrix: a bucket holds W and Wᵀ shapes alike
+        talls = [w.mT if f else w for w, f in zip(Ws, flips)]
         copied = not (one and talls[0].is_contiguous())
-        X = (talls[0].contiguous() if one else torch.stack(talls)) if copied else talls[0]
+        X = (layout.stacked(talls)[0] if one else layout.stacked(talls)) if copied else talls[0]
         Xs = [X] if one else X.unbind(0)  # the working tall matrices (the parameter's own view when not copied)
         if group["init"] == "retract":
             for (name, _), V, first in zip(entries, Xs, firsts):
@@ -638,8 +654,8 @@ class Muon(torch.optim.Optimizer):
                     if dist > FAR_RETRACTION:
                         self._far_retractions[name] = (dist, manifold.name)
                     V.copy_(R)
-        Gt = [u.mT if flip else u for u in Us]
-        G = Gt[0].contiguous() if one else torch.stack(Gt)
+        Gt = [u.mT if f else u for u, f in zip(Us, flips)]
+        G = (Gt[0] if Gt[0].is_contiguous() else layout.stacked(Gt)[0]) if one else layout.stacked(Gt)
         X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
         G32 = G.to(X32.dtype)
         inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
@@ -652,13 +668,14 @@ class Muon(torch.optim.Optimizer):
             return got[0] if one else torch.stack(got)
 
         info: dict[str, Any] = {}
-        direction, lam, _, iters = manifold_direction(  # on the tall matrices: the direction comes back tall
-            X32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
-            tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], project=group["dual_project"],
-            final_msign_fn=final, stats=info, cold0=stacked("dual_cold"), final_continues=continues,
-            normalize=group["dual_normalize"], keep=group["dual_keep"],
-            feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None,
-        )
+        with split_products(self._split_for(X32)):  # the constraint products split-bf16 where that is faster
+            direction, lam, _, iters = manifold_direction(  # on the tall matrices: the direction comes back tall
+                X32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
+                tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"],
+                project=group["dual_project"], final_msign_fn=final, stats=info, cold0=stacked("dual_cold"),
+                final_continues=continues, normalize=group["dual_normalize"], keep=group["dual_keep"],
+                feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None,
+            )
         # per-matrix statistics (worst block of a split matrix): one host read for the bucket
         res = info["residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
         dres = info["dual_residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
@@ -671,11 +688,17 @@ class Muon(torch.optim.Optimizer):
                          group["weight_decay"])
         retract = group["init"] == "retract"
         if retract or copied:
-            R = _retract(manifold, X) if retract else X  # tall, like X
-            for Wj, Rj in zip(Ws, [R] if one else R.unbind(0)):
-                Wj.copy_(Rj.mT if flip else Rj)
+            with split_products(self._split_for(X32)):
+                R = _retract(manifold, X) if retract else X  # tall, like X
+            for Wj, Rj, f in zip(Ws, [R] if one else R.unbind(0), flips):
+                layout.copy_(Wj, Rj.mT if f else Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
+
+
+def _tall_shape(W: torch.Tensor) -> tuple[int, ...]:
+    """The shape of W's tall view (rows ≥ columns): W and Wᵀ share a manifold-Muon bucket."""
+    return (*W.shape[:-2], max(W.shape[-2:]), min(W.shape[-2:]))
 
 
 def _step_counter(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:

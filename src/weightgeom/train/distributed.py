@@ -83,14 +83,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
 
 
 def _agree_msign_choice(device: torch.device) -> None:
-    """Every rank adopts rank 0's per-device msign choice (dtype, Polar Express steps), so which rank owns a matrix
-    never changes how its direction is computed (each node would otherwise measure its own, and a close timing can
-    pick bf16 on one and fp32 on another)."""
+    """Every rank adopts rank 0's per-device msign choice (dtype, Polar Express steps, constraint products), so which
+    rank owns a matrix never changes how its direction is computed (each node would otherwise measure its own, and a
+    close timing can pick bf16 on one and fp32 on another)."""
     mine = msign_choice(device) if dist.get_rank() == 0 else None
-    box = [None if mine is None else (str(mine.dtype).replace("torch.", ""), mine.steps)]
+    box = [None if mine is None else (str(mine.dtype).replace("torch.", ""), mine.steps, mine.products)]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    dtype_name, steps = box[0]
-    adopt_msign_choice(device, getattr(torch, dtype_name), steps)
+    dtype_name, steps, products = box[0]
+    adopt_msign_choice(device, getattr(torch, dtype_name), steps, products)
 
 
 def cleanup(info: DistInfo) -> None:

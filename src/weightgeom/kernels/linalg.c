@@ -1,0 +1,114 @@
+/* Small CPU kernels for manifold Muon's step (weightgeom.optim.manifold_muon, weightgeom.linalg.split).
+ *
+ * lanczos_{f32,f64}: the recurrence of weightgeom.optim.manifold_muon._lanczos_coefficients on one symmetric n×n
+ * matrix G (row-major; the Gram AᵀA already divided by its largest diagonal entry) from the unit start vector v, in
+ * the same order of operations: for j = 0..k-1
+ *     w = G q_j;  scale = max(scale, ‖w‖);  α_j = q_jᵀ w
+ *     twice: c = Q_jᵀ w, w = w − Q_j c          (full reorthogonalisation against q_0..q_j)
+ *     β_j = ‖w‖ if ‖w‖ > noise·scale else 0 (breakdown: the recurrence ends, later α, β are 0)
+ *     q_{j+1} = w / max(β_j, tiny) if not broken down else 0
+ * coef receives α_0..α_{k-1}, β_0..β_{k-2}, 0 (2k doubles). Vectors are in the matrix's type, dot products and norms
+ * are summed in double. The torch version is the reference (tests compare the two); this one exists because on a CPU
+ * its ~15 tensor operations per step cost ~5 ms per 768×768 Gram in dispatch alone, against ~1 ms here.
+ *
+ * split_bf16_f32: X (n floats) -> hi = bf16(X), lo = bf16(X - hi) (round to nearest even, as torch's conversion),
+ * one pass instead of torch's four, the same bits but for NaN's sign and payload (torch's vectorised and scalar
+ * conversions differ there themselves); x − hi is NaN or ±inf where hi is not finite, as in torch.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PAR_MIN 65536 /* a matrix-vector product below this many entries runs on one thread */
+
+#define DEF_LANCZOS(NAME, T, TINY)                                                                                   \
+    int NAME(long n, long k, const T *G, const T *v, double noise, double *coef, T *Q, int nthreads) {              \
+        T *w = (T *)malloc(sizeof(T) * n);                                                                          \
+        double *c = (double *)malloc(sizeof(double) * (k > 0 ? k : 1));                                             \
+        if (!w || !c) {                                                                                             \
+            free(w);                                                                                                \
+            free(c);                                                                                                \
+            return 1;                                                                                               \
+        }                                                                                                           \
+        memset(Q, 0, sizeof(T) * n * k);                                                                            \
+        memset(coef, 0, sizeof(double) * 2 * k);                                                                    \
+        memcpy(Q, v, sizeof(T) * n);                                                                                \
+        double scale = 0.0;                                                                                         \
+        for (long j = 0; j < k; j++) {                                                                              \
+            const T *q = Q + j * n;                                                                                 \
+            _Pragma("omp parallel for schedule(static) num_threads(n * n >= PAR_MIN ? nthreads : 1)")               \
+            for (long i = 0; i < n; i++) {                                                                          \
+                const T *g = G + i * n;                                                                             \
+                T s = 0;                                                                                            \
+                _Pragma("omp simd reduction(+:s)")                                                                  \
+                for (long l = 0; l < n; l++) s += g[l] * q[l];                                                      \
+                w[i] = s;                                                                                           \
+            }                                                                                                       \
+            double nw = 0.0, a = 0.0;                                                                               \
+            for (long i = 0; i < n; i++) {                                                                          \
+                nw += (double)w[i] * w[i];                                                                          \
+                a += (double)q[i] * w[i];                                                                           \
+            }                                                                                                       \
+            nw = sqrt(nw);                                                                                          \
+            if (nw > scale || isnan(nw)) scale = nw;                                                                \
+            coef[j] = a;                                                                                            \
+            for (int pass = 0; pass < 2; pass++) {                                                                  \
+                for (long p = 0; p <= j; p++) {                                                                     \
+                    const T *qp = Q + p * n;                                                                        \
+                    double s = 0.0;                                                                                 \
+                    for (long i = 0; i < n; i++) s += (double)qp[i] * w[i];                                         \
+                    c[p] = s;                                                                                       \
+                }                                                                                                   \
+                for (long p = 0; p <= j; p++) {                                                                     \
+                    const T *qp = Q + p * n;                                                                        \
+                    const T cp = (T)c[p];                                                                           \
+                    for (long i = 0; i < n; i++) w[i] -= qp[i] * cp;                                                \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (j == k - 1) break;                                                                                  \
+            double b = 0.0;                                                                                         \
+            for (long i = 0; i < n; i++) b += (double)w[i] * w[i];                                                  \
+            b = sqrt(b);                                                                                            \
+            int keep = b > noise * scale;                                                                           \
+            coef[k + j] = keep ? b : 0.0;                                                                           \
+            T *qn = Q + (j + 1) * n;                                                                                \
+            const T inv = keep ? (T)(1.0 / (b > TINY ? b : TINY)) : (T)0;                                           \
+            for (long i = 0; i < n; i++) qn[i] = w[i] * inv;                                                        \
+        }                                                                                                           \
+        free(w);                                                                                                    \
+        free(c);                                                                                                    \
+        return 0;                                                                                                   \
+    }
+
+DEF_LANCZOS(lanczos_f32, float, FLT_MIN)
+DEF_LANCZOS(lanczos_f64, double, DBL_MIN)
+
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN: a quiet NaN (c10::BFloat16's scalar choice) */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthreads) {
+    _Pragma("omp parallel for schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)")
+    for (long i = 0; i < n; i++) {
+        uint16_t h = to_bf16(x[i]);
+        float r = x[i] - from_bf16(h);
+        hi[i] = h;
+        lo[i] = to_bf16(r);
+    }
+}

@@ -1,0 +1,241 @@
+"""Float32 products from bf16 pieces ("split-bf16"): near-float32 accuracy at bf16 matmul speed on CPUs with AMX.
+
+Why: manifold Muon's constraint arithmetic (XᵀA, the tangent projection A − X·L, the retraction's Gram XᵀX and
+X + X·F) must be accurate far below bf16's 2⁻⁹, so it ran as IEEE float32 products — on a CPU with AMX about 5× slower
+per flop than bf16 ones, and ~40 % of a manifold step. Here a float32 matrix is split into two bf16 pieces,
+X = X_hi + X_lo + r with X_hi = bf16(X), X_lo = bf16(X − X_hi) and |r| ≤ 2⁻¹⁷|X| entrywise, and a product is the sum
+of the pieces' products (hi·hi + hi·lo + lo·hi; lo·lo is 2⁻¹⁸ of it and dropped), each a bf16 matmul that
+accumulates and returns float32 (MKL's ``cblas_gemm_bf16bf16f32``, which ships inside torch's CPU library on x86).
+A piece that is zero (a factor that is already bf16, like the output of a bf16 msign) is skipped.
+
+Accuracy (``SPLIT_REL_ERROR``: < 2⁻¹⁵ of (|A|·|B|)_ij per entry in the worst case, tested against float64): measured,
+the largest entry error relative to the largest entry of |A|·|B| is ~1e-6 on GPT-2-sized Gaussian factors (IEEE
+float32: ~1.5e-7; one bf16 product: ~8e-4); with an exactly-bf16 factor (two products) ~6e-7.
+
+Speed (2-core Xeon with AMX, 3072×768 @ 768×768): IEEE float32 10.3–12.3 ms, one bf16→float32 product 2.1 ms, so
+three products 6.5 ms and two 4.3 ms. On a CPU without AMX a bf16 product is not 3× faster than float32 and the split
+loses: ``weightgeom.linalg.autotune`` times both at first use and records which one the device uses
+(``MsignChoice.products``); the optimizer enters ``split_products()`` only where the split won.
+
+Everything here is CPU-only and float32-only; ``split_matmul`` falls back to IEEE float32 (``torch.matmul`` inside
+``full_precision``) where the MKL routine is missing, for other devices or dtypes, and outside ``split_products()``
+when asked through ``constraint_*`` helpers (see ``weightgeom.manifolds.base``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from weightgeom import kernels
+from weightgeom.linalg.precision import full_precision
+
+__all__ = ["split_available", "split_bf16", "split_matmul", "split_products", "split_active", "bf16_gemm_",
+           "SPLIT_REL_ERROR", "unavailable_reason"]
+
+# Worst-case error of one entry of a split product relative to (|A|·|B|)_ij, apart from float32 accumulation (≤ k·2⁻²⁴
+# for an inner dimension k, as in any float32 product): each factor's pieces miss ≤ 2⁻¹⁷ of it and the dropped lo·lo
+# term is ≤ 2⁻¹⁸, so < 2⁻¹⁵. Measured, as max|C − AB| / max(|A|·|B|) on float32 Gaussian factors of GPT-2-small
+# shapes: 0.55–1.07e-6 (IEEE float32 0.6–1.6e-7, one bf16 product 4.8–8.7e-4; an exactly-bf16 factor 3.0–6.4e-7).
+SPLIT_REL_ERROR = 2.0**-15
+
+_RowMajor, _NoTrans, _Trans = 101, 111, 112
+_L, _P, _F = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_float
+_lock = threading.Lock()
+_gemm: object | None = None  # the ctypes function, False when unavailable, None before the first look
+_reason = ""
+_state = threading.local()
+
+
+def _load() -> object | None:
+    """MKL's cblas_gemm_bf16bf16f32 from torch's CPU library, checked on a small product; None (with a reason)
+    where it is missing or wrong. Integer arguments are passed as 64-bit values: on x86-64 that reads correctly for
+    both MKL's 32-bit (LP64) and 64-bit (ILP64) interfaces."""
+    global _gemm, _reason
+    with _lock:
+        if _gemm is not None:
+            return _gemm or None
+        _gemm = False
+        if os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS", "").strip() == "0":
+            _reason = "WEIGHTGEOM_SPLIT_PRODUCTS=0"
+            return None
+        try:
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _libname()))
+            fn = lib.cblas_gemm_bf16bf16f32
+        except (OSError, AttributeError) as e:
+            _reason = f"no MKL bf16 gemm in torch's CPU library ({str(e).splitlines()[0][:80]})"
+            return None
+        fn.argtypes = [_L, _L, _L, _L, _L, _L, _F, _P, _L, _P, _L, _F, _P, _L]
+        fn.restype = None
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(5, 7, generator=g).bfloat16()
+        b = torch.randn(7, 3, generator=g).bfloat16()
+        c = torch.full((5, 3), 1.0)
+        fn(_RowMajor, _NoTrans, _NoTrans, 5, 3, 7, 2.0, a.data_ptr(), 7, b.data_ptr(), 3, 0.5, c.data_ptr(), 3)
+        ref = 2.0 * (a.double() @ b.double()) + 0.5
+        if not torch.allclose(c.double(), ref, rtol=1e-5, atol=1e-5):
+            _reason = "MKL bf16 gemm failed its self-test"
+            return None
+        _gemm = fn
+        return fn
+
+
+def _libname() -> str:
+    return {"win32": "torch_cpu.dll", "darwin": "libtorch_cpu.dylib"}.get(sys.platform, "libtorch_cpu.so")
+
+
+def unavailable_reason() -> str:
+    """Why ``split_available`` is False on a CPU ("" when it is True or not yet looked up)."""
+    _load()
+    return _reason
+
+
+def split_available(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16→float32 products can run on ``device`` (a CPU whose torch carries MKL's bf16 gemm)."""
+    return torch.device(device).type == "cpu" and _load() is not None
+
+
+@contextlib.contextmanager
+def split_products(enabled: bool = True) -> Iterator[None]:
+    """Inside (this thread only): the ``constraint_*`` products of ``weightgeom.manifolds.base`` on CPU float32
+    tensors use ``split_matmul``, and ``split_bf16`` remembers the pieces of the tensors it split (until the block
+    ends or the tensor is modified in place), so a matrix used in several products is split once. Nests;
+    ``enabled=False`` turns it off for the block."""
+    prev, prev_memo = getattr(_state, "on", False), getattr(_state, "memo", None)
+    _state.on = bool(enabled) and split_available()
+    _state.memo = {} if _state.on else None
+    try:
+        yield
+    finally:
+        _state.on, _state.memo = prev, prev_memo
+
+
+def split_active() -> bool:
+    """Whether this thread is inside ``split_products()`` (and the routine is available)."""
+    return getattr(_state, "on", False)
+
+
+def _memo_key(X: torch.Tensor) -> tuple | None:
+    try:
+        version = X._version
+    except RuntimeError:  # an inference tensor has no version counter: not remembered
+        return None
+    return (X.untyped_storage().data_ptr(), X.storage_offset(), tuple(X.shape), X.stride(), version, X.dtype)
+
+
+def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(X_hi, X_lo) in bf16 with X ≈ X_hi + X_lo to 2⁻¹⁷ relative per entry (float32 X); ``lo=False``: (X_hi, None),
+    the plain bf16 rounding. Inside ``split_products()`` the pieces of a tensor split before (same storage, view and
+    in-place version) are returned again instead of recomputed."""
+    if X.ndim >= 2 and not X.is_contiguous() and X.mT.is_contiguous():  # a transposed view: split the row-major
+        hi, low = split_bf16(X.mT, lo)  # matrix (elementwise passes over a transposed view are ~4× slower), view back
+        return hi.mT, (low.mT if low is not None else None)
+    memo = getattr(_state, "memo", None)
+    key = _memo_key(X) if memo is not None else None
+    hi = low = None
+    if key is not None and key in memo:
+        _, hi, low = memo[key]
+        if low is not None or not lo:
+            return hi, (low if lo else None)
+    if lo and X.device.type == "cpu" and X.dtype == torch.float32 and X.is_contiguous() \
+            and kernels.load_kernel("linalg") is not None:
+        hi, low = kernels.split_bf16_kernel(X)  # one pass (kernels/linalg.c), the same bits
+    else:
+        hi = X.to(torch.bfloat16) if hi is None else hi
+        if lo:
+            low = hi.float()  # X − hi in same-dtype passes: a mixed-dtype subtraction is 4× slower on the CPU
+            torch.sub(X, low, out=low)
+            low = low.to(torch.bfloat16)
+    if key is not None:
+        memo[key] = (X, hi, low)  # X kept alive: its storage address cannot be reused while remembered
+    return hi, low
+
+
+def _operand(T: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(tensor, transpose flag, leading dimension) for a 2-D bf16 operand: row-major or a transposed row-major view
+    as they are, anything else copied row-major."""
+    r, c = T.shape
+    if T.stride(1) == 1 and T.stride(0) >= max(1, c):
+        return T, _NoTrans, T.stride(0)
+    if T.stride(0) == 1 and T.stride(1) >= max(1, r):
+        return T, _Trans, T.stride(1)
+    T = T.contiguous()
+    return T, _NoTrans, max(1, c)
+
+
+def bf16_gemm_(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
+               beta: float = 0.0) -> torch.Tensor:
+    """C ← α·A@B + β·C in place, A (m, k) and B (k, n) bf16, C (m, n) float32 row-major (2-D; no broadcasting).
+    β = 0 ignores C's old values (NaN included). Requires ``split_available()``."""
+    fn = _load()
+    if fn is None:
+        raise RuntimeError(f"bf16_gemm_: unavailable: {_reason}")
+    m, k = A.shape
+    n = B.shape[1]
+    if B.shape[0] != k or C.shape != (m, n) or C.dtype != torch.float32 or A.dtype != torch.bfloat16 \
+            or B.dtype != torch.bfloat16 or C.stride(1) != 1 or C.stride(0) < max(1, n):
+        raise ValueError(f"bf16_gemm_: shapes/dtypes/layout do not fit: C {tuple(C.shape)} {C.dtype} "
+                         f"stride {C.stride()}, A {tuple(A.shape)} {A.dtype}, B {tuple(B.shape)} {B.dtype}")
+    if m == 0 or n == 0:
+        return C
+    if k == 0:
+        return C.mul_(beta) if beta != 0.0 else C.zero_()
+    A, ta, lda = _operand(A)
+    B, tb, ldb = _operand(B)
+    fn(_RowMajor, ta, tb, m, n, k, float(alpha), A.data_ptr(), lda, B.data_ptr(), ldb, float(beta),
+       C.data_ptr(), C.stride(0))
+    return C
+
+
+Pieces = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.Tensor | None = None,
+                 alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+    """α·A@B (+ β·out) in float32 from the split-bf16 pieces of A and B (batched over leading dims, no broadcasting
+    beyond what ``torch.matmul`` of equal batch shapes does).
+
+    Args:
+        A, B: float32 tensors (..., m, k) and (..., k, n), or their pieces ``(hi, lo)`` from ``split_bf16`` (lo None
+            when the factor is exactly bf16: then its lo products are skipped).
+        out: float32 (..., m, n) to accumulate into with β (row-major matrices; written in place and returned);
+            None: a new tensor (β unused).
+        alpha, beta: scalars.
+
+    Returns:
+        The product in float32. Falls back to an IEEE float32 ``torch`` product where the MKL routine is missing.
+    """
+    if _load() is None:  # no MKL routine: the IEEE float32 product (of the pieces' sum where pieces were given)
+        a = A if not isinstance(A, tuple) else A[0].float() + (A[1].float() if A[1] is not None else 0)
+        b = B if not isinstance(B, tuple) else B[0].float() + (B[1].float() if B[1] is not None else 0)
+        with full_precision():
+            prod = torch.matmul(a, b)
+        if out is None:
+            return prod.mul_(alpha) if alpha != 1.0 else prod
+        return out.mul_(beta).add_(prod, alpha=alpha) if beta != 0.0 else out.copy_(prod.mul_(alpha))
+    pa = A if isinstance(A, tuple) else split_bf16(A)
+    pb = B if isinstance(B, tuple) else split_bf16(B)
+    lead = pa[0].shape[:-2]
+    m, n = pa[0].shape[-2], pb[0].shape[-1]
+    if out is None:
+        out = torch.empty(*lead, m, n, dtype=torch.float32, device=pa[0].device)
+        beta = 0.0
+    terms = [(pa[0], pb[0])]
+    if pb[1] is not None:
+        terms.append((pa[0], pb[1]))
+    if pa[1] is not None:
+        terms.append((pa[1], pb[0]))
+    flat = out.reshape(-1, m, n)
+    if flat.data_ptr() != out.data_ptr() or (out.ndim > 2 and not out.is_contiguous()):
+        raise ValueError("split_matmul: out must be a contiguous batch of row-major matrices")
+    fa = [(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])) for x, y in terms]
+    for i in range(flat.shape[0]):
+        for j, (x, y) in enumerate(fa):
+            bf16_gemm_(flat[i], x[i], y[i], alpha, beta if j == 0 else 1.0)
+    return out

@@ -1,0 +1,322 @@
+"""Split-bf16 products (weightgeom.linalg.split), the constraint-product helpers that use them, the C Lanczos and split
+kernels (kernels/linalg.c), blocked layout copies, and manifold Muon with the split on and off."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from weightgeom import kernels, manifolds
+from weightgeom.linalg import autotune, layout
+from weightgeom.linalg import split as S
+from weightgeom.manifolds.base import SPLIT_MIN_DIM, constraint_addmm, constraint_gram, constraint_mm, small_mm
+from weightgeom.manifolds.dgram import dgram_retract_column_polar
+from weightgeom.manifolds.stiefel import polar_near
+from weightgeom.optim import Muon
+from weightgeom.optim.manifold_muon import LANCZOS_BREAKDOWN, _lanczos_coefficients, spectral_norm_estimate
+
+# The MKL routine ships in torch's x86 CPU library; elsewhere the split falls back to IEEE products (tested below
+# with the routine hidden), so the tests that need the routine itself say why they cannot run.
+needs_split = pytest.mark.skipif(not S.split_available("cpu"), reason=f"no split-bf16 products: "
+                                 f"{S.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(kernels.load_kernel("linalg") is None,
+                                  reason=f"no C kernel: {kernels.unavailable_reason('linalg')}")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _within_bound(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
+    """|C − AB| ≤ (SPLIT_REL_ERROR + k·2⁻²⁴)·(|A|·|B|) entrywise (AB in float64; k the inner dimension)."""
+    ref = A.double() @ B.double()
+    bound = (S.SPLIT_REL_ERROR + A.shape[-1] * 2.0**-24) * (A.double().abs() @ B.double().abs())
+    return bool(((C.double() - ref).abs() <= bound).all())
+
+
+# ---- split_bf16 ------------------------------------------------------------------------------------------------------
+def test_split_pieces_reconstruct_to_2_pow_minus_17():
+    X = torch.randn(300, 200, generator=_gen()) * torch.logspace(-6, 6, 200)
+    hi, lo = S.split_bf16(X)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    err = ((hi.double() + lo.double() - X.double()).abs() / X.double().abs()).max()
+    assert err <= 2.0**-17
+    assert torch.equal(hi, X.bfloat16())  # hi is torch's own rounding
+
+
+@needs_kernel
+def test_split_kernel_and_torch_path_give_the_same_bits(monkeypatch):
+    X = torch.randn(513, 257, generator=_gen(1))
+    # rounding up to ±inf, a subnormal, a signed zero, ±inf, NaN
+    X[0, :7] = torch.tensor([3.4e38, -3.4e38, 1e-40, -0.0, float("inf"), float("-inf"), float("nan")])
+    hi_k, lo_k = kernels.split_bf16_kernel(X)
+    monkeypatch.setattr(kernels, "load_kernel", lambda name="md_adam": None)
+    hi_t, lo_t = S.split_bf16(X)
+    for k, t in ((hi_k, hi_t), (lo_k, lo_t)):  # bit for bit, but NaN (its sign and payload vary by CPU path)
+        nan = t.isnan()
+        assert torch.equal(k.isnan(), nan)
+        assert torch.equal(k.view(torch.int16)[~nan], t.view(torch.int16)[~nan])
+
+
+def test_split_of_a_transposed_view_is_the_transposed_split():
+    X = torch.randn(64, 300, generator=_gen(2))
+    hi, lo = S.split_bf16(X.mT)
+    hi2, lo2 = S.split_bf16(X)
+    assert hi.shape == (300, 64) and torch.equal(hi, hi2.mT) and torch.equal(lo, lo2.mT)
+
+
+def test_split_memo_is_per_block_and_sees_in_place_changes():
+    X = torch.randn(50, 40, generator=_gen(3))
+    with S.split_products():
+        a = S.split_bf16(X)
+        assert S.split_bf16(X)[0] is a[0]  # remembered
+        X.add_(1.0)  # a new version: split again
+        b = S.split_bf16(X)
+        assert b[0] is not a[0] and torch.equal(b[0], X.bfloat16())
+    c = S.split_bf16(X)
+    assert c[0] is not b[0]  # outside the block nothing is remembered
+
+
+def test_split_products_is_thread_local():
+    seen = []
+    with S.split_products():
+        t = threading.Thread(target=lambda: seen.append(S.split_active()))
+        t.start()
+        t.join()
+        inside = S.split_active()
+    assert seen == [False] and inside == S.split_available() and not S.split_active()
+
+
+# ---- split_matmul / bf16_gemm_ -----------------------------------------------------------------------------------
+SHAPES = [((96, 64), (64, 80)), ((300, 257), (257, 31)), ((1, 5), (5, 1)), ((2, 40, 30), (2, 30, 20))]
+
+
+@needs_split
+@pytest.mark.parametrize("sa,sb", SHAPES)
+@pytest.mark.parametrize("layout_a", ["row", "transposed"])
+def test_split_matmul_matches_float64(sa, sb, layout_a):
+    g = _gen(4)
+    A = torch.randn(*sa, generator=g)
+    if layout_a == "transposed":
+        A = A.mT.contiguous().mT
+    B = torch.randn(*sb, generator=g) * 1e-3
+    C = S.split_matmul(A, B)
+    assert _within_bound(C, A, B)
+    assert not torch.equal(C, A @ B) or A.shape[-1] < 3  # the split really ran
+    Bb = B.bfloat16()  # an exactly-bf16 factor: its lo piece is skipped, the product is as accurate
+    assert _within_bound(S.split_matmul(A, (Bb, None)), A, Bb.float())
+
+
+@needs_split
+def test_split_matmul_accumulates_with_alpha_and_beta():
+    g = _gen(5)
+    A, B, C = torch.randn(70, 50, generator=g), torch.randn(50, 60, generator=g), torch.randn(70, 60, generator=g)
+    out = S.split_matmul(A, B, out=C.clone(), alpha=-0.5, beta=2.0)
+    ref = 2.0 * C.double() - 0.5 * (A.double() @ B.double())
+    bound = 0.5 * (S.SPLIT_REL_ERROR + 50 * 2.0**-24) * (A.double().abs() @ B.double().abs()) + 1e-6 * C.abs()
+    assert bool(((out.double() - ref).abs() <= bound).all())
+
+
+@needs_split
+def test_bf16_gemm_refuses_bad_operands_and_handles_empty():
+    a, b = torch.randn(4, 3).bfloat16(), torch.randn(3, 2).bfloat16()
+    for C, A, B in [(torch.empty(4, 2, dtype=torch.bfloat16), a, b), (torch.empty(4, 3), a, b),
+                    (torch.empty(4, 2), a.float(), b), (torch.empty(2, 4).mT, a, b)]:
+        with pytest.raises(ValueError, match="bf16_gemm_"):
+            S.bf16_gemm_(C, A, B)
+    C = torch.full((4, 2), 3.0)
+    S.bf16_gemm_(C, torch.empty(4, 0, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.bfloat16), beta=0.5)
+    assert torch.equal(C, torch.full((4, 2), 1.5))
+    C = torch.full((4, 2), float("nan"))
+    S.bf16_gemm_(C, a, b)  # β = 0 ignores C
+    assert torch.isfinite(C).all()
+
+
+def test_split_matmul_falls_back_to_ieee_without_the_routine(monkeypatch):
+    monkeypatch.setattr(S, "_load", lambda: None)
+    g = _gen(6)
+    A, B = torch.randn(30, 20, generator=g), torch.randn(20, 10, generator=g)
+    assert not S.split_available()
+    torch.testing.assert_close(S.split_matmul(A, B), A @ B, rtol=1e-6, atol=1e-6)
+
+
+# ---- constraint products ---------------------------------------------------------------------------------------------
+@needs_split
+def test_constraint_products_split_only_large_cpu_float32_matrices():
+    g = _gen(7)
+    n = SPLIT_MIN_DIM
+    X, A = torch.randn(2 * n, n, generator=g) / n, torch.randn(2 * n, n, generator=g) / n
+    L = torch.randn(n, n, generator=g) * 1e-3
+    small_X = X[:, : n - 1]
+    with S.split_products():
+        S_split = constraint_mm(X.mT, A)
+        P_split = constraint_addmm(A, X, L, alpha=-1.0)
+        G_split = constraint_gram(X)
+        # below SPLIT_MIN_DIM, and in float64: exactly the IEEE products
+        assert torch.equal(constraint_mm(small_X.mT, A[:, : n - 1]), small_X.mT @ A[:, : n - 1])
+        assert torch.equal(constraint_gram(X.double()), X.double().mT @ X.double())
+    assert not torch.equal(S_split, X.mT @ A)  # the split really ran
+    assert _within_bound(S_split, X.mT, A)
+    ref = A.double() - X.double() @ L.double()
+    assert float((P_split.double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+    assert torch.equal(G_split.diagonal(), (X * X).sum(0))  # the diagonal summed in float32 from X itself
+    assert _within_bound(G_split, X.mT, X)
+
+
+@needs_split
+def test_small_products_keep_the_identity_part_exact():
+    """``small=True``: C + α·A·B with B = diag + small off-diagonal — the diagonal as an exact column scaling."""
+    g = _gen(8)
+    n = SPLIT_MIN_DIM
+    X = torch.randn(2 * n, n, generator=g)
+    F = 1e-4 * torch.randn(n, n, generator=g)
+    F.diagonal().copy_(torch.linspace(-0.3, 0.3, n))
+    with S.split_products():
+        out = constraint_addmm(X, X, F, small=True)
+        E = 1e-3 * torch.randn(n, n, generator=g)
+        E2 = small_mm(E, E)
+    ref = X.double() + X.double() @ F.double()
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
+    assert float((E2.double() - E.double() @ E.double()).abs().max()) <= 1e-2 * float((E @ E).abs().max())
+
+
+# ---- manifold Muon, split on and off -------------------------------------------------------------------------------
+@needs_split
+@pytest.mark.parametrize("name", ["stiefel", "dgram"])
+def test_manifold_muon_with_split_products_stays_tangent_and_on_the_manifold(name, monkeypatch):
+    """512×256, 256×512 and 256² matrices, 6 steps with the split forced on (the per-device msign, and a float32 one)
+    and off: the split runs' tangent residual ≤ 1e-6 and weights on the manifold to 2e-6; with a float32 msign the
+    split run's weights within 1e-5 (relative) of the IEEE run's."""
+    g = _gen(9)
+    shapes = [(512, 256), (256, 512), (256, 256)]
+    init = [0.02 * torch.randn(s, generator=g) for s in shapes]
+    grads = [[1e-3 * torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
+    runs = {}
+    for flag, dtype in (("1", None), ("1", torch.float32), ("0", torch.float32)):
+        monkeypatch.setenv(autotune.SPLIT_ENV_VAR, flag)
+        ps = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = Muon([{"params": ps, "names": [f"w{i}" for i in range(3)]}], lr=0.02, manifold=name,
+                   msign_dtype=dtype)
+        assert opt._split_for(ps[0].detach()) == (flag == "1")
+        for gr in grads:
+            for p, x in zip(ps, gr):
+                p.grad = x
+            opt.step()
+            res = max(s["tangent_residual"] for s in opt.last_stats.values())
+            assert res <= 1e-6
+        runs[flag, dtype] = [p.detach().clone() for p in ps]
+    man = manifolds.get(name)
+    for a in runs["1", None] + runs["1", torch.float32]:  # the split's floor: max |cos| 4–9e-7 (IEEE: ~1e-7)
+        assert man.check(a, tol=2e-6), man.check(a, tol=2e-6).reason
+    # with a float32 msign (a bf16 one would turn differences of 1e-7 into bf16 rounding flips) the split run follows
+    # the IEEE one
+    for a, b in zip(runs["1", torch.float32], runs["0", torch.float32]):
+        assert float((a - b).norm() / b.norm()) <= 1e-5
+
+
+def test_split_env_var_is_validated_and_zero_turns_the_split_off(monkeypatch):
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="WEIGHTGEOM_SPLIT_PRODUCTS"):
+        autotune.split_products_for("cpu")
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "0")
+    assert not autotune.split_products_for("cpu")
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "1")
+    assert autotune.split_products_for("cpu") == S.split_available("cpu")
+
+
+def test_products_choice_is_measured_cached_and_adopted(tmp_path, monkeypatch):
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    monkeypatch.delenv(autotune.SPLIT_ENV_VAR, raising=False)
+    monkeypatch.setenv("WEIGHTGEOM_CACHE_DIR", str(tmp_path))
+    autotune.clear_msign_choices()
+    try:
+        for faster in (True, False):
+            monkeypatch.setattr(autotune, "_measure_products",
+                                lambda device, f=faster: ("split_bf16" if f and S.split_available() else "ieee",
+                                                          {"ieee": 1.0, "split_bf16": 0.5 if f else 0.9}))
+            autotune.clear_msign_choices()
+            for p in (tmp_path / "msign").glob("*.json"):
+                p.unlink()
+            c = autotune.msign_choice("cpu")
+            assert c.products == ("split_bf16" if faster and S.split_available() else "ieee")
+            assert "constraint products" in c.describe()
+            assert autotune.split_products_for("cpu") == (c.products == "split_bf16")
+            autotune.clear_msign_choices()
+            assert autotune.msign_choice("cpu").products == c.products  # from the disk cache
+        adopted = autotune.adopt_msign_choice("cpu", torch.float32, 5, "split_bf16")
+        assert adopted.products == ("split_bf16" if S.split_available() else "ieee")
+        with pytest.raises(ValueError, match="products"):
+            autotune.adopt_msign_choice("cpu", torch.float32, 5, "tf32")
+    finally:
+        autotune.clear_msign_choices()
+
+
+# ---- the C Lanczos recurrence ----------------------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spectrum", ["gaussian", "cluster", "identity"])
+def test_lanczos_kernel_matches_the_torch_recurrence(dtype, spectrum):
+    n, k = 96, 24
+    g = _gen(10)
+    if spectrum == "identity":  # an invariant subspace at once: both break down after the first step
+        G = torch.eye(n, dtype=dtype)
+    else:
+        A = torch.randn(3 * n, n, generator=g, dtype=torch.float64)
+        if spectrum == "cluster":
+            U, _, Vh = torch.linalg.svd(A, full_matrices=False)
+            A = U @ torch.diag(torch.cat([torch.tensor([1.05, 1.02]), torch.ones(n - 2)]).double()) @ Vh
+        G = A.mT @ A
+        G = (G / G.diagonal().max()).to(dtype)
+    v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(dtype)
+    v = v / v.norm()
+    noise = LANCZOS_BREAKDOWN * torch.finfo(dtype).eps * n**0.5
+    ours = kernels.lanczos(G.contiguous(), v.reshape(-1).contiguous(), k, noise)
+    # the torch recurrence on the same matrix (its near-square path multiplies by GᵀG: use a Gram factor instead)
+    L = torch.linalg.cholesky(G.double() + 1e-12 * torch.eye(n, dtype=torch.float64)).mT.to(dtype)
+    ref, unit = _lanczos_coefficients(torch.cat([L, torch.zeros_like(L)]), v, k=k, gram_dtype=None)
+    ref = ref * unit.reshape(()).double()
+    def top(c: torch.Tensor) -> torch.Tensor:
+        off = c[k:2 * k - 1]
+        return torch.linalg.eigvalsh(torch.diag_embed(c[:k]) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1))[-1]
+
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert abs(float(top(ours) - top(ref))) <= tol * float(top(ref))
+    if spectrum == "identity":
+        assert torch.equal(ours[k:], torch.zeros(k, dtype=torch.float64))
+
+
+@needs_kernel
+def test_spectral_norm_estimate_same_with_and_without_the_kernel(monkeypatch):
+    A = torch.randn(2, 600, 200, generator=_gen(11))
+    with_kernel = spectral_norm_estimate(A)
+    monkeypatch.setattr(kernels, "load_kernel", lambda name="md_adam": None)
+    without = spectral_norm_estimate(A)
+    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=0)
+    exact = torch.linalg.matrix_norm(A.double(), ord=2).reshape(2, 1, 1)
+    assert float(((with_kernel.double() - exact) / exact).abs().max()) <= 1e-3
+
+
+# ---- layout copies and DGram's scaled retraction ------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(300, 700), (700, 300), (3, 400, 300), (10, 20)])
+def test_blocked_copy_equals_copy(shape):
+    src = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=_gen(12)).mT
+    dst = torch.empty(shape)
+    assert layout.copy_(dst, src) is dst and torch.equal(dst, src)
+    back = torch.empty(*shape[:-2], shape[-1], shape[-2]).mT  # a transposed destination
+    assert layout.copy_(back, dst) is back and torch.equal(back, dst)
+    assert torch.equal(layout.stacked([src, src + 1]), torch.stack([src, src + 1]))
+
+
+def test_scaled_polar_near_is_the_normalised_one():
+    """polar_near(Z, scale=d) = polar_near(Z/d)·d — DGram's column-polar retraction without forming Z/d."""
+    g = _gen(13)
+    Q, _ = torch.linalg.qr(torch.randn(200, 50, generator=g, dtype=torch.float64))
+    d = torch.exp(torch.randn(1, 50, generator=g, dtype=torch.float64))
+    Z = (Q + 1e-3 * torch.randn(200, 50, generator=g, dtype=torch.float64)) * d
+    norms = Z.norm(dim=0, keepdim=True)
+    torch.testing.assert_close(polar_near(Z, scale=norms), polar_near(Z / norms) * norms, rtol=1e-12, atol=1e-14)
+    R = dgram_retract_column_polar(Z)
+    assert manifolds.get("dgram").check(R, tol=1e-12)
+    torch.testing.assert_close(R.norm(dim=0, keepdim=True), norms, rtol=1e-12, atol=0)
