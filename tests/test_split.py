@@ -320,3 +320,119 @@ def test_scaled_polar_near_is_the_normalised_one():
     R = dgram_retract_column_polar(Z)
     assert manifolds.get("dgram").check(R, tol=1e-12)
     torch.testing.assert_close(R.norm(dim=0, keepdim=True), norms, rtol=1e-12, atol=0)
+
+
+# ---- hostile inputs (each failed before its fix) ---------------------------------------------------------------------
+@needs_split
+@pytest.mark.parametrize("repoint", ["set_", "resize_", "data"])
+def test_memo_never_hands_out_another_tensors_pieces(repoint):
+    """A tensor re-pointed to other memory inside the block: its old address may be reused by a new tensor of the same
+    shape and version; the memo keys on the storage object (kept alive), so the new tensor is split afresh."""
+    B = torch.randn(300, 300, generator=_gen(20))
+    with S.split_products():
+        for _ in range(10):
+            X = torch.randn(300, 300)
+            S.split_matmul(X, B)
+            if repoint == "set_":
+                X.set_(torch.empty(0))
+            elif repoint == "resize_":
+                X.resize_(1000, 1000)
+            else:
+                X.data = torch.empty(0)
+            Z = torch.randn(300, 300)
+            assert _within_bound(S.split_matmul(Z, B), Z, B)
+
+
+@needs_split
+def test_split_matmul_broadcasts_like_matmul_and_handles_empty_and_other_dtypes():
+    g = _gen(21)
+    A, B = torch.randn(4, 5, generator=g), torch.randn(3, 5, 6, generator=g)
+    out = S.split_matmul(A, B)
+    assert out.shape == (3, 4, 6) and _within_bound(out, A.expand(3, 4, 5), B)
+    assert S.split_matmul(torch.randn(2, 1, 4, 5), torch.randn(3, 5, 2)).shape == (2, 3, 4, 2)
+    assert torch.equal(S.split_matmul(torch.randn(4, 0), torch.randn(0, 3)), torch.zeros(4, 3))
+    assert S.split_matmul(torch.randn(0, 5), torch.randn(5, 3)).shape == (0, 3)
+    D = torch.randn(50, 50, dtype=torch.float64, generator=g)
+    r = S.split_matmul(D, D)  # not float32: the IEEE product in its dtype
+    assert r.dtype == torch.float64 and torch.allclose(r, D @ D, rtol=1e-12, atol=1e-12)
+    M = torch.empty(300, 300, device="meta")  # not on the CPU: torch's product, never a pointer to MKL
+    assert S.split_matmul(M, M).device.type == "meta"
+    with pytest.raises(ValueError, match="CPU"):
+        S.bf16_gemm_(torch.empty(3, 3, device="meta"), torch.empty(3, 3, dtype=torch.bfloat16),
+                     torch.empty(3, 3, dtype=torch.bfloat16))
+    R = torch.randn(40, 30, requires_grad=True)  # autograd: the differentiable IEEE product
+    S.split_matmul(R, R.mT).sum().backward()
+    assert R.grad is not None and torch.isfinite(R.grad).all()
+
+
+@needs_split
+def test_split_products_keep_extreme_values_finite_or_infinite_like_ieee():
+    big = S.split_matmul(torch.full((1, 1), 3.4e38), torch.full((1, 1), 0.25))
+    assert torch.isfinite(big).all() and abs(float(big) / 8.5e37 - 1) < 1e-5
+    inf = S.split_matmul(torch.tensor([[float("inf"), 1.0]]), torch.tensor([[2.0], [1.0]]))
+    assert float(inf) == float("inf")
+    hi, lo = S.split_bf16(torch.tensor([3.4e38, -float("inf")]))
+    assert torch.isfinite(hi).all() and float(lo[1]) == -float("inf")
+
+
+@needs_split
+def test_proj_tangent_broadcasts_inside_the_split_block():
+    for name in ("stiefel", "dgram"):
+        man = manifolds.get(name)
+        X = man.retract(torch.randn(600, 300, generator=_gen(22)))
+        A = torch.randn(3, 600, 300, generator=_gen(23))
+        ref = man.proj_tangent_tall(X, A)
+        with S.split_products():
+            got = man.proj_tangent_tall(X, A)
+        assert float((got - ref).norm() / ref.norm()) <= 1e-5
+
+
+def test_norm_estimate_takes_bf16_input_on_the_cpu():
+    A = torch.randn(600, 200, generator=_gen(24))
+    exact = float(torch.linalg.matrix_norm(A.double(), ord=2))
+    for dt in (torch.bfloat16, torch.float16):
+        assert abs(float(spectral_norm_estimate(A.to(dt))) / exact - 1) < 1e-2
+
+
+def test_split_choice_is_resolved_when_the_group_is_added(monkeypatch):
+    """An invalid WEIGHTGEOM_SPLIT_PRODUCTS fails at construction, not halfway through a step; set later it is not
+    read by steps (their choice was made when the group was added)."""
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="WEIGHTGEOM_SPLIT_PRODUCTS"):
+        Muon([torch.nn.Parameter(torch.randn(64, 32))], manifold="stiefel")
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "0")
+    a, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(64, 32))
+    opt = Muon([{"params": [a]}, {"params": [b], "manifold": "stiefel"}])
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "yes")
+    a.grad, b.grad = torch.randn(64, 32), torch.randn(64, 32)
+    opt.step()
+    assert "manifold constraint products ieee" in opt.summary()
+
+
+def test_forced_msign_still_measures_the_products_once(monkeypatch):
+    monkeypatch.setenv(autotune.ENV_VAR, "float32")
+    monkeypatch.delenv(autotune.SPLIT_ENV_VAR, raising=False)
+    calls = []
+    monkeypatch.setattr(autotune, "_measure_products", lambda device: calls.append(device) or ("split_bf16", {}))
+    autotune.clear_msign_choices()
+    try:
+        first = autotune.split_products_for("cpu")
+        again = autotune.split_products_for("cpu")
+        assert first == again == S.split_available() and len(calls) == (1 if S.split_available() else 0)
+    finally:
+        autotune.clear_msign_choices()
+
+
+def test_blocked_copy_of_a_tensor_onto_its_own_transpose_is_refused_like_torch():
+    X = torch.randn(512, 512)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        layout.copy_(X, X.mT)
+
+
+def test_dgram_retraction_keeps_tiny_and_huge_columns_accurate():
+    g = _gen(25)
+    Q, _ = torch.linalg.qr(torch.randn(40, 10, generator=g, dtype=torch.float64))
+    for scale in (1e-20, 1e18):
+        Z = ((Q + 1e-4 * torch.randn(40, 10, generator=g, dtype=torch.float64)) * scale).float()
+        R = dgram_retract_column_polar(Z)
+        assert manifolds.get("dgram").check(R, tol=1e-6), manifolds.get("dgram").check(R, tol=1e-6).reason

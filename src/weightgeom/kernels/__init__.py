@@ -371,8 +371,9 @@ def lanczos(G: torch.Tensor, v: torch.Tensor, k: int, noise: float) -> torch.Ten
 
 
 def split_bf16_kernel(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) = (bf16(X), bf16(X − hi)) of a contiguous CPU float32 tensor in one pass (``linalg.c``); the same
-    bits as torch's conversions (round to nearest even) except NaN's sign and payload (a NaN stays a NaN).
+    """(hi, lo) = (bf16(X clamped to ±bf16's largest finite value), bf16(X − hi)) of a contiguous CPU float32 tensor
+    in one pass (``linalg.c``); the same bits as ``weightgeom.linalg.split.split_bf16``'s torch path except NaN's sign
+    and payload (a NaN stays a NaN).
 
     Raises:
         RuntimeError: the kernel is unavailable. ValueError: X is not a contiguous CPU float32 tensor.

@@ -11,9 +11,9 @@
  * are summed in double. The torch version is the reference (tests compare the two); this one exists because on a CPU
  * its ~15 tensor operations per step cost ~5 ms per 768×768 Gram in dispatch alone, against ~1 ms here.
  *
- * split_bf16_f32: X (n floats) -> hi = bf16(X), lo = bf16(X - hi) (round to nearest even, as torch's conversion),
- * one pass instead of torch's four, the same bits but for NaN's sign and payload (torch's vectorised and scalar
- * conversions differ there themselves); x − hi is NaN or ±inf where hi is not finite, as in torch.
+ * split_bf16_f32: X (n floats) -> hi = bf16(X clamped to ±BF16_MAX), lo = bf16(X - hi), rounded to nearest even as
+ * torch's conversion: one pass instead of torch's four, the same bits but for NaN's sign and payload (torch's
+ * vectorised and scalar conversions differ there themselves). ±inf gives hi = ±BF16_MAX, lo = ±inf.
  */
 #include <float.h>
 #include <math.h>
@@ -88,6 +88,8 @@
 DEF_LANCZOS(lanczos_f32, float, FLT_MIN)
 DEF_LANCZOS(lanczos_f64, double, DBL_MIN)
 
+#define BF16_MAX 3.38953138925153547590e38f /* bf16's largest finite value (= weightgeom.linalg.split.BF16_MAX) */
+
 static inline uint16_t to_bf16(float x) {
     uint32_t u;
     memcpy(&u, &x, 4);
@@ -106,7 +108,8 @@ static inline float from_bf16(uint16_t h) {
 void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthreads) {
     _Pragma("omp parallel for schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)")
     for (long i = 0; i < n; i++) {
-        uint16_t h = to_bf16(x[i]);
+        const float c = x[i] > BF16_MAX ? BF16_MAX : (x[i] < -BF16_MAX ? -BF16_MAX : x[i]); /* NaN passes */
+        uint16_t h = to_bf16(c);
         float r = x[i] - from_bf16(h);
         hi[i] = h;
         lo[i] = to_bf16(r);

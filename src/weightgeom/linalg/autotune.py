@@ -25,7 +25,8 @@ faster than fp32's.
    split wherever it is available, ``=0`` never.
 
 ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
-``"bfloat16:6"``) forces a choice without measuring (tests use it; without ``:STEPS`` the preset's default, 10).
+``"bfloat16:6"``) forces a choice without measuring (tests use it; without ``:STEPS`` the preset's default, 10); the
+constraint products are then measured alone, once per process and device, when a manifold group first asks.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ _ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTI
 
 _lock = threading.Lock()
 _choices: dict[str, MsignChoice] = {}
+_forced_products: dict[str, str] = {}  # device -> products, measured where WEIGHTGEOM_MSIGN forces the msign choice
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ def clear_msign_choices() -> None:
     """Forget the choices made in this process (the disk cache stays); the next ``msign_choice`` looks again."""
     with _lock:
         _choices.clear()
+        _forced_products.clear()
 
 
 def _forced(device: torch.device) -> MsignChoice | None:
@@ -283,6 +286,7 @@ def _measure(device: torch.device) -> MsignChoice:
     return MsignChoice(str(device), best[1], best[2], "benchmark", seconds, errors, products, product_seconds)
 
 
+@with_full_precision  # the IEEE side is timed at IEEE precision whatever the process's float32 matmul mode
 def _measure_products(device: torch.device) -> tuple[str, dict[str, float]]:
     """("ieee" or "split_bf16", the probe's seconds per kind): XᵀA for a 1536×768 X and an exactly-bf16 A, median of
     5 calls after one warm-up each way (~50 ms on a 2-core CPU)."""
@@ -317,7 +321,17 @@ def split_products_for(device: torch.device | str) -> bool:
         raise ValueError(f"{SPLIT_ENV_VAR}={raw!r} is invalid: use auto, 0 or 1")
     if raw == "0" or not split_available(device):
         return False
-    return raw == "1" or msign_choice(device).products == "split_bf16"
+    if raw == "1":
+        return True
+    choice = msign_choice(device)
+    if choice.source == "env":  # msign forced without measuring: the products are measured on their own, once
+        key = _memo_key(device)
+        with _lock:
+            if key not in _forced_products:
+                with torch.no_grad():
+                    _forced_products[key] = _measure_products(device)[0]
+            return _forced_products[key] == "split_bf16"
+    return choice.products == "split_bf16"
 
 
 def _load(path: Path, device: torch.device) -> MsignChoice | None:

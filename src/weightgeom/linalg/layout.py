@@ -23,7 +23,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` for same-shape tensors, blocked on the CPU when exactly one of them is a transposed view of
     row-major (..., r, c) memory and the matrices are large; the same values either way."""
     if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.shape != src.shape or dst.ndim < 2
-            or dst.shape[-2:].numel() < BLOCKED_MIN):
+            or dst.shape[-2:].numel() < BLOCKED_MIN
+            or dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):  # aliased: torch's checks
         return dst.copy_(src)
     out = dst
     if not dst.is_contiguous() and dst.mT.is_contiguous() and src.is_contiguous():

@@ -37,7 +37,7 @@ from weightgeom import kernels
 from weightgeom.linalg.precision import full_precision
 
 __all__ = ["split_available", "split_bf16", "split_matmul", "split_products", "split_active", "bf16_gemm_",
-           "SPLIT_REL_ERROR", "unavailable_reason"]
+           "SPLIT_REL_ERROR", "BF16_MAX", "unavailable_reason"]
 
 # Worst-case error of one entry of a split product relative to (|A|·|B|)_ij, apart from float32 accumulation (≤ k·2⁻²⁴
 # for an inner dimension k, as in any float32 product): each factor's pieces miss ≤ 2⁻¹⁷ of it and the dropped lo·lo
@@ -121,23 +121,34 @@ def split_active() -> bool:
     return getattr(_state, "on", False)
 
 
-def _memo_key(X: torch.Tensor) -> tuple | None:
+# bf16's largest finite value: hi pieces are clamped to it, so a float32 above it (which would round to inf) keeps a
+# finite hi and the rest in lo, and ±inf becomes ±this + ±inf (the sum stays ±inf).
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+def _memo_key(X: torch.Tensor) -> tuple[tuple, object] | None:
+    """(key, the storage to keep alive) of X's pieces in the memo: the storage object itself (a tensor re-pointed
+    with ``set_`` or ``.data =`` gets another), its data address, the view and the in-place version."""
     try:
         version = X._version
     except RuntimeError:  # an inference tensor has no version counter: not remembered
         return None
-    return (X.untyped_storage().data_ptr(), X.storage_offset(), tuple(X.shape), X.stride(), version, X.dtype)
+    st = X.untyped_storage()
+    return (st._cdata, st.data_ptr(), X.storage_offset(), tuple(X.shape), X.stride(), version, X.dtype), st
 
 
 def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(X_hi, X_lo) in bf16 with X ≈ X_hi + X_lo to 2⁻¹⁷ relative per entry (float32 X); ``lo=False``: (X_hi, None),
-    the plain bf16 rounding. Inside ``split_products()`` the pieces of a tensor split before (same storage, view and
-    in-place version) are returned again instead of recomputed."""
+    """(X_hi, X_lo) in bf16 with X ≈ X_hi + X_lo to 2⁻¹⁷ relative per entry (float32 X; hi = bf16(X) clamped to
+    ±``BF16_MAX``, lo = bf16(X − hi)); ``lo=False``: (X_hi, None). Inside ``split_products()`` the pieces of a tensor
+    split before in the block (same storage, view and in-place version) are returned again instead of recomputed —
+    writes that bypass the version counter (through ``.data`` or a NumPy view) are not seen, so do not make them to
+    a tensor inside the block."""
     if X.ndim >= 2 and not X.is_contiguous() and X.mT.is_contiguous():  # a transposed view: split the row-major
         hi, low = split_bf16(X.mT, lo)  # matrix (elementwise passes over a transposed view are ~4× slower), view back
         return hi.mT, (low.mT if low is not None else None)
     memo = getattr(_state, "memo", None)
-    key = _memo_key(X) if memo is not None else None
+    found = _memo_key(X) if memo is not None else None
+    key = found[0] if found is not None else None
     hi = low = None
     if key is not None and key in memo:
         _, hi, low = memo[key]
@@ -147,13 +158,13 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
             and kernels.load_kernel("linalg") is not None:
         hi, low = kernels.split_bf16_kernel(X)  # one pass (kernels/linalg.c), the same bits
     else:
-        hi = X.to(torch.bfloat16) if hi is None else hi
+        hi = X.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16) if hi is None else hi
         if lo:
             low = hi.float()  # X − hi in same-dtype passes: a mixed-dtype subtraction is 4× slower on the CPU
             torch.sub(X, low, out=low)
             low = low.to(torch.bfloat16)
     if key is not None:
-        memo[key] = (X, hi, low)  # X kept alive: its storage address cannot be reused while remembered
+        memo[key] = (found[1], hi, low)  # the storage kept alive: its address cannot be reused while remembered
     return hi, low
 
 
@@ -176,6 +187,9 @@ def bf16_gemm_(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float =
     fn = _load()
     if fn is None:
         raise RuntimeError(f"bf16_gemm_: unavailable: {_reason}")
+    if any(t.device.type != "cpu" for t in (C, A, B)) or A.ndim != 2 or B.ndim != 2 or C.ndim != 2:
+        raise ValueError(f"bf16_gemm_: C, A and B must be 2-D CPU tensors, got {C.device.type} {tuple(C.shape)}, "
+                         f"{A.device.type} {tuple(A.shape)}, {B.device.type} {tuple(B.shape)}")
     m, k = A.shape
     n = B.shape[1]
     if B.shape[0] != k or C.shape != (m, n) or C.dtype != torch.float32 or A.dtype != torch.bfloat16 \
@@ -196,46 +210,67 @@ def bf16_gemm_(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float =
 Pieces = tuple[torch.Tensor, torch.Tensor | None]
 
 
+def _ieee(T: torch.Tensor | Pieces) -> torch.Tensor:
+    return T if not isinstance(T, tuple) else T[0].float() + (T[1].float() if T[1] is not None else 0)
+
+
+def _splittable(T: torch.Tensor | Pieces) -> bool:
+    """A CPU float32 tensor outside autograd, or bf16 CPU pieces."""
+    if isinstance(T, tuple):
+        return all(x is None or (x.device.type == "cpu" and x.dtype == torch.bfloat16) for x in T)
+    return T.device.type == "cpu" and T.dtype == torch.float32 and not T.requires_grad
+
+
 def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.Tensor | None = None,
                  alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
-    """α·A@B (+ β·out) in float32 from the split-bf16 pieces of A and B (batched over leading dims, no broadcasting
-    beyond what ``torch.matmul`` of equal batch shapes does).
+    """α·A@B (+ β·out) in float32 from the split-bf16 pieces of A and B, with ``torch.matmul``'s batch broadcasting.
 
     Args:
         A, B: float32 tensors (..., m, k) and (..., k, n), or their pieces ``(hi, lo)`` from ``split_bf16`` (lo None
             when the factor is exactly bf16: then its lo products are skipped).
-        out: float32 (..., m, n) to accumulate into with β (row-major matrices; written in place and returned);
-            None: a new tensor (β unused).
+        out: float32 (..., m, n) of the broadcast batch shape to accumulate into with β (written in place and
+            returned); None: a new tensor (β unused).
         alpha, beta: scalars.
 
     Returns:
-        The product in float32. Falls back to an IEEE float32 ``torch`` product where the MKL routine is missing.
+        The product in float32. The IEEE product (``torch.matmul`` in full precision, in the inputs' dtype) instead
+        where the MKL routine is missing, and for tensors that are not CPU float32 or that require grad (the split
+        has no autograd). Range: the bound ``SPLIT_REL_ERROR`` holds for entries above ~1e-30 in magnitude; the lo
+        pieces of smaller ones are subnormal and may be flushed, leaving bf16's 2⁻⁹.
     """
-    if _load() is None:  # no MKL routine: the IEEE float32 product (of the pieces' sum where pieces were given)
-        a = A if not isinstance(A, tuple) else A[0].float() + (A[1].float() if A[1] is not None else 0)
-        b = B if not isinstance(B, tuple) else B[0].float() + (B[1].float() if B[1] is not None else 0)
+    if _load() is None or not (_splittable(A) and _splittable(B)) or (out is not None and out.requires_grad):
         with full_precision():
-            prod = torch.matmul(a, b)
+            prod = torch.matmul(_ieee(A), _ieee(B))
         if out is None:
-            return prod.mul_(alpha) if alpha != 1.0 else prod
+            return prod * alpha if alpha != 1.0 else prod
         return out.mul_(beta).add_(prod, alpha=alpha) if beta != 0.0 else out.copy_(prod.mul_(alpha))
     pa = A if isinstance(A, tuple) else split_bf16(A)
     pb = B if isinstance(B, tuple) else split_bf16(B)
-    lead = pa[0].shape[:-2]
-    m, n = pa[0].shape[-2], pb[0].shape[-1]
+    if pa[0].ndim < 2 or pb[0].ndim < 2 or pa[0].shape[-1] != pb[0].shape[-2]:
+        raise ValueError(f"split_matmul: shapes {tuple(pa[0].shape)} and {tuple(pb[0].shape)} cannot be multiplied")
+    lead = torch.broadcast_shapes(pa[0].shape[:-2], pb[0].shape[:-2])
+    m, k, n = pa[0].shape[-2], pa[0].shape[-1], pb[0].shape[-1]
     if out is None:
-        out = torch.empty(*lead, m, n, dtype=torch.float32, device=pa[0].device)
+        out = torch.empty(*lead, m, n, dtype=torch.float32)
         beta = 0.0
+    elif out.shape != (*lead, m, n) or out.dtype != torch.float32 or out.device.type != "cpu":
+        raise ValueError(f"split_matmul: out must be a CPU float32 tensor of shape {(*lead, m, n)}, got "
+                         f"{out.device.type} {out.dtype} {tuple(out.shape)}")
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.mul_(beta) if beta != 0.0 else out.zero_()
     terms = [(pa[0], pb[0])]
     if pb[1] is not None:
         terms.append((pa[0], pb[1]))
     if pa[1] is not None:
         terms.append((pa[1], pb[0]))
-    flat = out.reshape(-1, m, n)
-    if flat.data_ptr() != out.data_ptr() or (out.ndim > 2 and not out.is_contiguous()):
-        raise ValueError("split_matmul: out must be a contiguous batch of row-major matrices")
-    fa = [(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])) for x, y in terms]
+    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    if target is not out and beta != 0.0:
+        target.copy_(out)
+    flat = target.view(-1, m, n)
+    fa = [(x.expand(*lead, m, k).reshape(-1, m, k), y.expand(*lead, k, n).reshape(-1, k, n)) for x, y in terms]
     for i in range(flat.shape[0]):
         for j, (x, y) in enumerate(fa):
             bf16_gemm_(flat[i], x[i], y[i], alpha, beta if j == 0 else 1.0)
-    return out
+    return out.copy_(target) if target is not out else out

@@ -156,14 +156,23 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     Z = X.to(compute_dtype(X))
     norms = column_norms(Z, keepdim=True)
     nonzero = norms > 0
-    if method == "polar_express" and bool(nonzero.all()):
-        R = polar_near(Z, scale=norms)  # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed
+    fi = torch.finfo(Z.dtype)
+    lo, hi = (norms.amin(), norms.amax()) if norms.numel() else (torch.ones(()), torch.ones(()))
+    low, high = torch.stack([lo, hi]).tolist()  # one host read
+    Q = None
+    if method == "polar_express" and fi.tiny**0.25 <= low and high <= fi.max**0.25:
+        # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
+        # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
+        R = polar_near(Z, scale=norms)
         if R is not None:
             return R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
-    Q = polar(Zn, method, steps)
-    if method == "polar_express":
-        Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
+    if method == "polar_express" and low > 0:
+        Q = polar_near(Zn)
+    if Q is None:
+        Q = polar(Zn, method, steps)
+        if method == "polar_express":
+            Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
     return (Q * norms).to(X.dtype)
 
 

@@ -359,7 +359,8 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
     if G is not None:
         G = G / unit
     noise = LANCZOS_BREAKDOWN * torch.finfo(A.dtype).eps * n**0.5
-    if G is not None and G.ndim == 2 and G.device.type == "cpu" and kernels.load_kernel("linalg") is not None:
+    if G is not None and G.ndim == 2 and G.device.type == "cpu" and G.dtype in (torch.float32, torch.float64) \
+            and kernels.load_kernel("linalg") is not None:
         # one C loop (kernels/linalg.c, the same recurrence): ~1.4 ms per 768² Gram against ~5 ms of torch dispatch
         return kernels.lanczos(G.contiguous(), v.reshape(-1).contiguous(), k, noise).reshape(1, 2 * k)[0], unit
 

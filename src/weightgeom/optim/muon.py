@@ -301,6 +301,9 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
         if group["manifold"] is not None:
             self._manifold(group)  # resolve now so an unknown name fails at construction
+            for p in group["params"]:  # and the constraint products' choice (it may measure, or reject the env var)
+                if p.device.type == "cpu" and p.dtype != torch.float64:
+                    self._split_device(p.device)
         if uses_msign_choice(group):
             for p in group["params"]:
                 if p.dtype != torch.float64:
@@ -317,15 +320,19 @@ class Muon(torch.optim.Optimizer):
         return self._msign_choices[key]
 
     def _split_for(self, X: torch.Tensor) -> bool:
-        """Whether a manifold step on X runs its constraint products split-bf16 (``weightgeom.linalg.split``): float32
-        on a device whose per-device choice says so (``split_products_for``), looked up once per optimizer and
-        device."""
+        """Whether a manifold step on X (its float32 working copy) runs its constraint products split-bf16
+        (``weightgeom.linalg.split``): float32 on a device whose per-device choice says so (``split_products_for``),
+        looked up once per optimizer and device — when the group was added, so a step never measures or reads the
+        environment."""
         if X.dtype != torch.float32 or X.device.type != "cpu":
             return False
+        return self._split_device(X.device)
+
+    def _split_device(self, device: torch.device) -> bool:
         memo = self.__dict__.setdefault("_split", {})
-        key = str(X.device)
+        key = str(device)
         if key not in memo:
-            memo[key] = split_products_for(X.device)
+            memo[key] = split_products_for(device)
         return memo[key]
 
     @staticmethod
@@ -521,8 +528,10 @@ class Muon(torch.optim.Optimizer):
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
         for dev, c in self.msign_auto.items():
-            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']}); "
-                         f"manifold constraint products {'split_bf16' if split_products_for(dev) else 'ieee'}")
+            split = self.__dict__.get("_split", {}).get(dev)
+            products = "" if split is None else f"; manifold constraint products {'split_bf16' if split else 'ieee'}"
+            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
+                         f"{products}")
         return "\n".join(lines)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
