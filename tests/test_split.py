@@ -194,6 +194,9 @@ def test_manifold_muon_with_split_products_stays_tangent_and_on_the_manifold(nam
     init = [0.02 * torch.randn(s, generator=g) for s in shapes]
     grads = [[1e-3 * torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
     runs = {}
+    gemms = []
+    real = S.bf16_gemm_
+    monkeypatch.setattr(S, "bf16_gemm_", lambda *a, **k: gemms.append(1) or real(*a, **k))
     for flag, dtype in (("1", None), ("1", torch.float32), ("0", torch.float32)):
         monkeypatch.setenv(autotune.SPLIT_ENV_VAR, flag)
         ps = [torch.nn.Parameter(w.clone()) for w in init]
@@ -203,7 +206,10 @@ def test_manifold_muon_with_split_products_stays_tangent_and_on_the_manifold(nam
         for gr in grads:
             for p, x in zip(ps, gr):
                 p.grad = x
+            gemms.clear()
             opt.step()
+            # the split ran for every matrix (the 512×256 one is stepped in place: a parameter, requires_grad)
+            assert (len(gemms) >= 3 * 4) == (flag == "1")
             res = max(s["tangent_residual"] for s in opt.last_stats.values())
             assert res <= 1e-6
         runs[flag, dtype] = [p.detach().clone() for p in ps]

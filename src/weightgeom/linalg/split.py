@@ -215,10 +215,11 @@ def _ieee(T: torch.Tensor | Pieces) -> torch.Tensor:
 
 
 def _splittable(T: torch.Tensor | Pieces) -> bool:
-    """A CPU float32 tensor outside autograd, or bf16 CPU pieces."""
+    """A CPU float32 tensor that autograd does not track here (no grad required, or grad mode off), or bf16 CPU
+    pieces."""
     if isinstance(T, tuple):
         return all(x is None or (x.device.type == "cpu" and x.dtype == torch.bfloat16) for x in T)
-    return T.device.type == "cpu" and T.dtype == torch.float32 and not T.requires_grad
+    return T.device.type == "cpu" and T.dtype == torch.float32 and not (T.requires_grad and torch.is_grad_enabled())
 
 
 def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.Tensor | None = None,
@@ -238,7 +239,7 @@ def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.
         has no autograd). Range: the bound ``SPLIT_REL_ERROR`` holds for entries above ~1e-30 in magnitude; the lo
         pieces of smaller ones are subnormal and may be flushed, leaving bf16's 2⁻⁹.
     """
-    if _load() is None or not (_splittable(A) and _splittable(B)) or (out is not None and out.requires_grad):
+    if _load() is None or not (_splittable(A) and _splittable(B)) or (out is not None and not _splittable(out)):
         with full_precision():
             prod = torch.matmul(_ieee(A), _ieee(B))
         if out is None:

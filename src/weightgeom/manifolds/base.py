@@ -79,7 +79,8 @@ def _split_here(*ts: torch.Tensor | None) -> bool:
     ``weightgeom.linalg.split.split_products()``, on CPU float32 matrices of at least ``SPLIT_MIN_DIM`` rows and
     columns."""
     return split_active() and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
-                                                and not t.requires_grad and min(t.shape[-2:]) >= SPLIT_MIN_DIM)
+                                                and not (t.requires_grad and torch.is_grad_enabled())
+                                                and min(t.shape[-2:]) >= SPLIT_MIN_DIM)
                                   for t in ts)
 
 
