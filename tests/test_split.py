@@ -442,3 +442,20 @@ def test_dgram_retraction_keeps_tiny_and_huge_columns_accurate():
         Z = ((Q + 1e-4 * torch.randn(40, 10, generator=g, dtype=torch.float64)) * scale).float()
         R = dgram_retract_column_polar(Z)
         assert manifolds.get("dgram").check(R, tol=1e-6), manifolds.get("dgram").check(R, tol=1e-6).reason
+
+
+@needs_split
+def test_a_parameter_stepped_in_place_gets_the_split_products(monkeypatch):
+    """A contiguous tall parameter is the working matrix itself (it requires grad; the step runs without grad mode):
+    its products split too (they had fallen back to IEEE)."""
+    monkeypatch.setenv(autotune.SPLIT_ENV_VAR, "1")
+    gemms = []
+    real = S.bf16_gemm_
+    monkeypatch.setattr(S, "bf16_gemm_", lambda *a, **k: gemms.append(1) or real(*a, **k))
+    p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(26)))
+    opt = Muon([p], lr=0.02, manifold="stiefel")
+    for _ in range(2):
+        p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(27))
+        gemms.clear()
+        opt.step()
+    assert len(gemms) >= 8  # XᵀA (2), the projection (3), the Gram (2), the retraction's update (1), ...
