@@ -27,7 +27,7 @@ from weightgeom.linalg.precision import with_full_precision
 from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_matmul
 
 __all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check",
-           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "SPLIT_MIN_DIM"]
+           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "split_here", "SPLIT_MIN_DIM"]
 
 
 def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -74,7 +74,7 @@ def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: floa
 SPLIT_MIN_DIM = 256
 
 
-def _split_here(*ts: torch.Tensor | None) -> bool:
+def split_here(*ts: torch.Tensor | None) -> bool:
     """Whether the constraint products of these tensors run as split-bf16 products: inside
     ``weightgeom.linalg.split.split_products()``, on CPU float32 matrices of at least ``SPLIT_MIN_DIM`` rows and
     columns."""
@@ -88,7 +88,7 @@ def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = No
     """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype), or inside ``split_products()`` on
     the CPU the split-bf16 product (``weightgeom.linalg.split``; ~1e-6 relative instead of ~1e-7, 3–5× faster with
     AMX). ``b_pieces``: B's ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16)."""
-    if not _split_here(A, B):
+    if not split_here(A, B):
         return A @ B
     return split_matmul(A, b_pieces if b_pieces is not None else B)
 
@@ -103,7 +103,7 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     near-tangent direction or a near-manifold retraction's p(E) − I): B's diagonal is applied exactly, as a float32
     column scaling, and only its off-diagonal part as one bf16 product — whose error, 2⁻⁸ of a small term, is below the
     three-product split's (``docs/muon.md``)."""
-    if not _split_here(C, A, B):
+    if not split_here(C, A, B):
         return addmm_batched(C, A, B, alpha=alpha)
     lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
     A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
@@ -125,7 +125,7 @@ def small_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """A@B of two small corrections (e.g. powers of a near-manifold Gram deviation E, ‖E‖ ≪ 1) added to unit-scale
     terms: inside ``split_products()`` on the CPU one bf16 product accumulated in float32 — its error, 2⁻⁸ of a
     product of two small factors, is far below float32 rounding of the terms it is added to; else ``A @ B``."""
-    if not _split_here(A, B):
+    if not split_here(A, B):
         return A @ B
     return split_matmul(split_bf16(A, lo=False), split_bf16(B, lo=False))
 
@@ -134,7 +134,7 @@ def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tens
     """XᵀX for the constraint arithmetic: IEEE, or inside ``split_products()`` X_hiᵀX_hi + T + Tᵀ with T = X_hiᵀX_lo
     (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X itself (the dropped
     X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
-    if not _split_here(X):
+    if not split_here(X):
         return X.mT @ X
     hi, lo = pieces if pieces is not None else split_bf16(X)
     G = split_matmul((hi.mT, None), (hi, None))

@@ -36,9 +36,11 @@ from weightgeom.manifolds.base import (
     Manifold,
     compute_dtype,
     constraint_addmm,
+    constraint_gram,
     constraint_mm,
     gram_check,
     polar,
+    split_here,
     tall,
     tall_pair,
     untall,
@@ -74,9 +76,10 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     """
     d = column_norms(X, squared=True)
     H = constraint_mm(X.mT, Y) if S is None else S
-    H = off(H + H.mT)
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
-    lam = torch.where(den > 0, H / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(H))
+    den.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))  # Λ's diagonal: H_ii / inf = 0 (Off)
+    # d_i + d_j = 0 only for two zero columns, whose H_ij = x_iᵀy_j + y_iᵀx_j is exactly 0: 0 / tiny = 0
+    lam = (H + H.mT).div_(den.clamp_min_(torch.finfo(den.dtype).tiny))
     return constraint_addmm(Y, X, lam, alpha=-1.0)
 
 
@@ -154,7 +157,12 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     completed exactly (``complete_small_columns``).
     """
     Z = X.to(compute_dtype(X))
-    norms = column_norms(Z, keepdim=True)
+    G = None
+    if split_here(Z):  # the split Gram's diagonal is the columns' squared norms summed from Z: one pass, not two
+        G = constraint_gram(Z)
+        norms = G.diagonal(dim1=-2, dim2=-1).sqrt().unsqueeze(-2)
+    else:
+        norms = column_norms(Z, keepdim=True)
     nonzero = norms > 0
     fi = torch.finfo(Z.dtype)
     lo, hi = (norms.amin(), norms.amax()) if norms.numel() else (torch.ones(()), torch.ones(()))
@@ -163,7 +171,11 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     if method == "polar_express" and fi.tiny**0.25 <= low and high <= fi.max**0.25:
         # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
         # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
-        R = polar_near(Z, scale=norms)
+        E = None
+        if G is not None:  # the scaled deviation polar_near would form first
+            E = G / (norms.mT * norms)
+            E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+        R = polar_near(Z, E=E, scale=norms)
         if R is not None:
             return R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))

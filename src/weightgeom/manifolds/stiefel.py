@@ -66,7 +66,8 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
 
     Args:
         X: tall (..., m, n) matrix (a batch is iterated until its worst matrix is done).
-        E: ``gram_deviation(X)`` when the caller has it already (not with ``scale``).
+        E: the deviation the first iteration would form, when the caller has it already: ``gram_deviation(X)``, or
+            with ``scale`` S⁻¹XᵀXS⁻¹ − I.
         scale: positive column scales s (..., 1, n): return polar(X·S⁻¹)·S, S = diag(s), without forming X·S⁻¹ — the
             iteration runs on X with E = S⁻¹XᵀXS⁻¹ − I and the step X ← X + X·S⁻¹(p(E) − I)S, the same maths in
             scaled coordinates (DGram's column-polar retraction: s = the column norms; two passes over X fewer).
