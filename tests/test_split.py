@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightgeom import kernels, manifolds
-from weightgeom.linalg import autotune, layout
+from weightgeom.linalg import autotune, column_norms, layout
 from weightgeom.linalg import split as S
 from weightgeom.manifolds.base import SPLIT_MIN_DIM, constraint_addmm, constraint_gram, constraint_mm, small_mm
 from weightgeom.manifolds.dgram import dgram_retract_column_polar
@@ -161,7 +161,7 @@ def test_constraint_products_split_only_large_cpu_float32_matrices():
     assert _within_bound(S_split, X.mT, A)
     ref = A.double() - X.double() @ L.double()
     assert float((P_split.double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
-    assert torch.equal(G_split.diagonal(), (X * X).sum(0))  # the diagonal summed in float32 from X itself
+    assert torch.equal(G_split.diagonal(), column_norms(X, squared=True))  # the diagonal summed from X itself
     assert _within_bound(G_split, X.mT, X)
 
 
@@ -459,3 +459,16 @@ def test_a_parameter_stepped_in_place_gets_the_split_products(monkeypatch):
         gemms.clear()
         opt.step()
     assert len(gemms) >= 8  # XᵀA (2), the projection (3), the Gram (2), the retraction's update (1), ...
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_column_norms_kernel_matches_torch(dtype, monkeypatch):
+    X = torch.randn(2, 700, 300, generator=_gen(28), dtype=dtype) * torch.logspace(-3, 3, 300, dtype=dtype)
+    for V in (X, X.mT, X[0], X[0].mT):
+        got = column_norms(V)
+        ref = V.double().square().sum(-2).sqrt()
+        tol = 4 * torch.finfo(dtype).eps if dtype == torch.float32 else 1e-13  # float64: 700 terms summed in order
+        assert got.dtype == dtype and float(((got.double() - ref) / ref).abs().max()) <= tol
+    monkeypatch.setattr(kernels, "load_kernel", lambda name="md_adam": None)
+    torch.testing.assert_close(column_norms(X), X.square().sum(-2).sqrt())

@@ -31,7 +31,7 @@ import torch
 from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
-           "kernel_cache_dir", "lanczos", "split_bf16_kernel"]
+           "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -52,6 +52,7 @@ _SIGNATURES = {
     "linalg": {
         "lanczos_{t}": ([_L, _L, _P, _P, _D, _P, _P, _I], _I),
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
+        "colsumsq_{t}": ([_L, _L, _P, _L, _I, _P, _I], None),
     },
 }
 
@@ -386,3 +387,25 @@ def split_bf16_kernel(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.empty(X.shape, dtype=torch.bfloat16)
     lib.split_bf16_f32(X.numel(), X.data_ptr(), hi.data_ptr(), lo.data_ptr(), torch.get_num_threads())
     return hi, lo
+
+
+def column_sumsq(X: torch.Tensor) -> torch.Tensor | None:
+    """Σ_i X_ij² per column of a 2-D CPU float32/float64 matrix stored row- or column-major (a transposed view), summed
+    in double in one read pass (``linalg.c``), in X's dtype; None where the kernel is unavailable or X's layout is
+    neither (callers then use torch)."""
+    if X.ndim != 2 or X.device.type != "cpu" or X.dtype not in _SUFFIX or X.numel() == 0:
+        return None
+    m, n = X.shape
+    if X.stride(1) == 1 and X.stride(0) >= n:
+        colmajor, ld = 0, X.stride(0)
+    elif X.stride(0) == 1 and X.stride(1) >= m:
+        colmajor, ld = 1, X.stride(1)
+    else:
+        return None
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    out = torch.empty(n, dtype=X.dtype)
+    getattr(lib, f"colsumsq_{_SUFFIX[X.dtype]}")(m, n, X.data_ptr(), ld, colmajor, out.data_ptr(),
+                                                 torch.get_num_threads())
+    return out

@@ -115,3 +115,56 @@ void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthr
         lo[i] = to_bf16(r);
     }
 }
+
+/* colsumsq_{f32,f64}: out[j] = sum_i X[i,j]^2 of an m×n matrix, summed in double (weightgeom.linalg.norms.column_norms
+ * on the CPU: one read pass, no temporary; torch's square-then-sum writes and reads an m×n temporary). Row-major
+ * (row stride ld, unit column stride) when colmajor = 0, else column-major (column stride ld, unit row stride).
+ * out is in the matrix's type. */
+#define DEF_COLSUMSQ(NAME, T)                                                                                         \
+    void NAME(long m, long n, const T *X, long ld, int colmajor, T *out, int nthreads) {                             \
+        const int nt = m * n >= PAR_MIN ? nthreads : 1;                                                              \
+        if (colmajor) {                                                                                              \
+            _Pragma("omp parallel for schedule(static) num_threads(nt)")                                            \
+            for (long j = 0; j < n; j++) {                                                                           \
+                const T *c = X + j * ld;                                                                             \
+                double s = 0.0;                                                                                      \
+                _Pragma("omp simd reduction(+:s)")                                                                   \
+                for (long i = 0; i < m; i++) s += (double)c[i] * c[i];                                               \
+                out[j] = (T)s;                                                                                       \
+            }                                                                                                        \
+            return;                                                                                                  \
+        }                                                                                                            \
+        const long chunk = (n + nt - 1) / nt;                                                                        \
+        _Pragma("omp parallel num_threads(nt)")                                                                      \
+        {                                                                                                            \
+            int t = 0;                                                                                               \
+            _PRAGMA_THREAD_NUM                                                                                       \
+            const long j0 = t * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;                                         \
+            if (j0 < j1) {                                                                                           \
+                double *acc = (double *)calloc((size_t)(j1 - j0), sizeof(double));                                   \
+                if (acc) {                                                                                           \
+                    for (long i = 0; i < m; i++) {                                                                   \
+                        const T *r = X + i * ld + j0;                                                                \
+                        _Pragma("omp simd")                                                                          \
+                        for (long j = 0; j < j1 - j0; j++) acc[j] += (double)r[j] * r[j];                            \
+                    }                                                                                                \
+                    for (long j = j0; j < j1; j++) out[j] = (T)acc[j - j0];                                          \
+                    free(acc);                                                                                       \
+                } else {                                                                                             \
+                    for (long j = j0; j < j1; j++) {                                                                 \
+                        double s = 0.0;                                                                              \
+                        for (long i = 0; i < m; i++) s += (double)X[i * ld + j] * X[i * ld + j];                     \
+                        out[j] = (T)s;                                                                               \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
+
+#ifdef _OPENMP
+#define _PRAGMA_THREAD_NUM t = omp_get_thread_num();
+#else
+#define _PRAGMA_THREAD_NUM
+#endif
+DEF_COLSUMSQ(colsumsq_f32, float)
+DEF_COLSUMSQ(colsumsq_f64, double)
