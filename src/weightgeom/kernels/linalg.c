@@ -120,9 +120,19 @@ void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthr
  * on the CPU: one read pass, no temporary; torch's square-then-sum writes and reads an m×n temporary). Row-major
  * (row stride ld, unit column stride) when colmajor = 0, else column-major (column stride ld, unit row stride).
  * out is in the matrix's type. */
+/* Threads a parallel region will really have: without OpenMP the pragmas are ignored and the region runs once. */
+static inline int team(int want) {
+#ifdef _OPENMP
+    return want > 0 ? want : 1;
+#else
+    (void)want;
+    return 1;
+#endif
+}
+
 #define DEF_COLSUMSQ(NAME, T)                                                                                         \
     void NAME(long m, long n, const T *X, long ld, int colmajor, T *out, int nthreads) {                             \
-        const int nt = m * n >= PAR_MIN ? nthreads : 1;                                                              \
+        const int nt = team(m * n >= PAR_MIN ? nthreads : 1);                                                        \
         if (colmajor) {                                                                                              \
             _Pragma("omp parallel for schedule(static) num_threads(nt)")                                            \
             for (long j = 0; j < n; j++) {                                                                           \
