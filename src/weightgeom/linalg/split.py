@@ -62,9 +62,6 @@ def _load() -> object | None:
         if _gemm is not None:
             return _gemm or None
         _gemm = False
-        if os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS", "").strip() == "0":
-            _reason = "WEIGHTGEOM_SPLIT_PRODUCTS=0"
-            return None
         try:
             lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _libname()))
             fn = lib.cblas_gemm_bf16bf16f32
