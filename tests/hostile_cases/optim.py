@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hostile_cases import Hostile
+from hostile_cases import Hostile, assert_one_line_error, cli
 
 __all__ = ["CASES", "snapshot", "assert_unchanged"]
 
@@ -337,6 +337,73 @@ def _low_precision_mode(mode: str):
     return check
 
 
+def _split_products_medium_mode(tmp_path: Path) -> None:
+    """Manifold Muon with its constraint products forced split-bf16, in a process that asked for bf16 float32 matmuls:
+    the steps equal a full-precision process's bitwise (the split calls MKL's bf16 gemm itself, the rest runs at full
+    precision) and W stays on its manifold to the split's floor."""
+    import os
+    import warnings
+
+    from weightgeom import manifolds
+    from weightgeom.optim import Muon
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(512, 256) * 0.02)
+        opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, manifold="dgram")
+        for _ in range(6):
+            p.grad = torch.randn_like(p) * 1e-3
+            opt.step()
+        return p.detach().clone()
+
+    old = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
+    os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = "1"
+    mk = torch.backends.mkldnn.matmul
+    before = mk.fp32_precision
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            full = run()
+            torch.set_float32_matmul_precision("medium")
+            low = run()
+    finally:
+        mk.fp32_precision = before
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        if old is None:
+            os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
+        else:
+            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = old
+    assert torch.equal(full, low), "steps differ from a full-precision process"
+    assert manifolds.get("dgram").check(low, tol=2e-6)
+
+
+def _bad_split_env(tmp_path: Path) -> None:
+    """WEIGHTGEOM_SPLIT_PRODUCTS=yes: `weightgeom train` of a manifold config stops before any step with one line
+    naming the variable and exit 2; no checkpoint is written."""
+    import os
+
+    import yaml
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+        "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
+        "optim": {"name": "muon", "strategy": "all-stiefel"},
+        "train": {"max_steps": 2, "eval_every": 2, "eval_iters": 1, "log_every": 1, "ckpt_every": 1},
+    }))
+    old = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
+    os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = "yes"
+    try:
+        res = cli("train", cfg, "--out", tmp_path / "run", "--no-progress")
+    finally:
+        if old is None:
+            os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
+        else:
+            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = old
+    assert_one_line_error(res, "WEIGHTGEOM_SPLIT_PRODUCTS")
+    assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.safetensors"))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 NAN, INF = float("nan"), float("inf")
 CASES: list[Hostile] = [
@@ -393,6 +460,16 @@ CASES: list[Hostile] = [
             "manifold-Muon (Stiefel) steps equal a full-precision process's bitwise, W stays on its manifold (1e-6) "
             "and the process keeps its mode (before: 3.4e-3 off the manifold after 20 steps)",
             _low_precision_mode("medium")),
+    Hostile("manifold-muon-split-products-medium-mode", "optim",
+            "Manifold Muon (DGram, 512×256) with its constraint products forced split-bf16 "
+            "(WEIGHTGEOM_SPLIT_PRODUCTS=1) in a process that set torch.set_float32_matmul_precision('medium'): "
+            "steps equal a full-precision process's bitwise and W stays on its manifold (2e-6)",
+            _split_products_medium_mode),
+    Hostile("manifold-muon-bad-split-env", "optim",
+            "WEIGHTGEOM_SPLIT_PRODUCTS=yes: `weightgeom train` of a manifold-Muon config stops before any step with "
+            "one line naming the variable, exit 2, no checkpoint (before it was read inside the first step, after "
+            "other groups had stepped)",
+            _bad_split_env),
     Hostile("md-torch-stale-gain-grad", "optim",
             "model.zero_grad() between MagnitudeDirection steps (torch passes, fused=False), then a gradient for one "
             "layer only: the other layer's gains keep last step's θ.grad but do not move, nor does its W (before: "
