@@ -17,9 +17,9 @@ three products 6.5 ms and two 4.3 ms. On a CPU without AMX a bf16 product is not
 loses: ``weightgeom.linalg.autotune`` times both at first use and records which one the device uses
 (``MsignChoice.products``); the optimizer enters ``split_products()`` only where the split won.
 
-Everything here is CPU-only and float32-only; ``split_matmul`` falls back to IEEE float32 (``torch.matmul`` inside
-``full_precision``) where the MKL routine is missing, for other devices or dtypes, and outside ``split_products()``
-when asked through ``constraint_*`` helpers (see ``weightgeom.manifolds.base``).
+Everything here is CPU-only and float32-only; ``split_matmul`` falls back to the IEEE product (``torch.matmul`` inside
+``full_precision``) where the MKL routine is missing, for other devices or dtypes and for inputs autograd tracks; the
+``constraint_*`` helpers of ``weightgeom.manifolds.base`` take the split only inside ``split_products()``.
 """
 
 from __future__ import annotations
