@@ -472,3 +472,59 @@ def test_column_norms_kernel_matches_torch(dtype, monkeypatch):
         assert got.dtype == dtype and float(((got.double() - ref) / ref).abs().max()) <= tol
     monkeypatch.setattr(kernels, "load_kernel", lambda name="md_adam": None)
     torch.testing.assert_close(column_norms(X), X.square().sum(-2).sqrt())
+
+
+# ---- hostile trial 2 (each failed before its fix) ----------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("env", ["OMP_DYNAMIC=true", "OMP_THREAD_LIMIT=1"])
+def test_column_norms_right_when_openmp_starts_fewer_threads(env):
+    """The column-sum kernel splits columns over the team OpenMP really started (it may start fewer than asked)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from weightgeom.linalg.norms import column_norms; torch.manual_seed(0); "
+            "torch.set_num_threads(2); X = torch.randn(512, 256); "
+            "print(int((~torch.isclose(column_norms(X).double(), X.double().norm(dim=0), rtol=1e-5)).sum()))")
+    k, v = env.split("=")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, k: v})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+
+
+def test_column_norms_keeps_forward_ad_vmap_and_small_batches_on_torch():
+    import torch.autograd.forward_ad as fwAD
+
+    X, V = torch.randn(512, 256, generator=_gen(30)), torch.randn(512, 256, generator=_gen(31))
+    ref_t = (X * V).sum(0) / X.norm(dim=0)  # d‖x_j‖ along V
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(column_norms(fwAD.make_dual(X, V))).tangent
+    assert tangent is not None and torch.allclose(tangent, ref_t, rtol=1e-4, atol=1e-6)
+    B = torch.randn(3, 512, 256, generator=_gen(32))
+    torch.testing.assert_close(torch.func.vmap(column_norms)(B), B.norm(dim=-2))
+    _, jt = torch.func.jvp(column_norms, (X,), (V,))
+    torch.testing.assert_close(jt, ref_t, rtol=1e-4, atol=1e-6)
+    calls = []
+    real = kernels.column_sumsq
+    try:
+        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+        column_norms(torch.randn(5000, 4, 4))  # many small matrices: torch's reduction, no call per matrix
+    finally:
+        kernels.column_sumsq = real
+    assert not calls
+
+
+def test_dgram_projection_stays_finite_when_a_diagonal_entry_overflows():
+    from weightgeom.manifolds.dgram import dgram_proj_tangent
+
+    X = torch.linalg.qr(torch.randn(64, 8, generator=_gen(33)))[0]
+    X[:, 0] *= 1.5e19  # ‖x_0‖² = 2.25e38, finite; (XᵀY + YᵀX)_00 overflows to inf
+    Y = torch.randn(64, 8, generator=_gen(34))
+    Y[:, 0] = X[:, 0]
+    assert torch.isfinite(dgram_proj_tangent(X, Y)).all()
+
+
+def test_summary_names_the_products_when_msign_is_set_explicitly():
+    W = torch.nn.Parameter(torch.randn(300, 300))
+    opt = Muon([W], lr=0.02, manifold="stiefel", msign_dtype=torch.float32, ns_steps=5)
+    assert "manifold constraint products on cpu" in opt.summary()

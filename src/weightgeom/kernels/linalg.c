@@ -144,11 +144,12 @@ static inline int team(int want) {
             }                                                                                                        \
             return;                                                                                                  \
         }                                                                                                            \
-        const long chunk = (n + nt - 1) / nt;                                                                        \
         _Pragma("omp parallel num_threads(nt)")                                                                      \
         {                                                                                                            \
-            int t = 0;                                                                                               \
+            /* the team OpenMP really started (OMP_DYNAMIC / OMP_THREAD_LIMIT may give fewer than asked) */          \
+            int t = 0, team_size = 1;                                                                                \
             _PRAGMA_THREAD_NUM                                                                                       \
+            const long chunk = (n + team_size - 1) / team_size;                                                      \
             const long j0 = t * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;                                         \
             if (j0 < j1) {                                                                                           \
                 double *acc = (double *)calloc((size_t)(j1 - j0), sizeof(double));                                   \
@@ -172,7 +173,9 @@ static inline int team(int want) {
     }
 
 #ifdef _OPENMP
-#define _PRAGMA_THREAD_NUM t = omp_get_thread_num();
+#define _PRAGMA_THREAD_NUM                                                                                           \
+    t = omp_get_thread_num();                                                                                        \
+    team_size = omp_get_num_threads();
 #else
 #define _PRAGMA_THREAD_NUM
 #endif

@@ -34,7 +34,7 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
     out_dtype = X.real.dtype if X.is_complex() else X.dtype
     Xc = X.abs() if X.is_complex() else X
     Xc = Xc if Xc.dtype in (torch.float32, torch.float64) else Xc.float()
-    s = _sumsq_kernel(Xc) if not torch.is_grad_enabled() or not Xc.requires_grad else None
+    s = _sumsq_kernel(Xc) if _plain(Xc) else None
     if s is None:
         s = Xc.square().sum(dim=-2, keepdim=keepdim)
     elif keepdim:
@@ -45,10 +45,20 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
     return s.to(out_dtype)
 
 
+def _plain(X: torch.Tensor) -> bool:
+    """Whether X is an ordinary tensor no autograd mode tracks here: not requiring grad under grad mode, no forward-mode
+    tangent, not wrapped by torch.func (vmap, grad, jvp) — the kernel reads its memory and has no derivative."""
+    if type(X) is not torch.Tensor or (X.requires_grad and torch.is_grad_enabled()):
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(X):
+        return False
+    return torch.autograd.forward_ad.unpack_dual(X).tangent is None
+
+
 def _sumsq_kernel(X: torch.Tensor) -> torch.Tensor | None:
     """Column sums of squares of a CPU (batch of) row- or column-major matrices by the C kernel (one read pass, summed
     in double: ~2× torch's square-then-sum on cache-resident 3072×768 float32), or None (torch then)."""
-    if X.device.type != "cpu" or X.ndim < 2 or X.numel() < _KERNEL_MIN:
+    if X.device.type != "cpu" or X.ndim < 2 or X.shape[-2] * X.shape[-1] < _KERNEL_MIN:
         return None
     mats = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X.unsqueeze(0)
     if X.ndim > 2 and mats.data_ptr() != X.data_ptr():

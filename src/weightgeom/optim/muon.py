@@ -527,11 +527,15 @@ class Muon(torch.optim.Optimizer):
             where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
+        splits = self.__dict__.get("_split", {})
         for dev, c in self.msign_auto.items():
-            split = self.__dict__.get("_split", {}).get(dev)
+            split = splits.get(dev)
             products = "" if split is None else f"; manifold constraint products {'split_bf16' if split else 'ieee'}"
             lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
                          f"{products}")
+        for dev, split in splits.items():  # manifold groups with their msign set explicitly
+            if dev not in self.msign_auto:
+                lines.append(f"manifold constraint products on {dev}: {'split_bf16' if split else 'ieee'}")
         return "\n".join(lines)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
