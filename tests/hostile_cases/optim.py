@@ -299,11 +299,14 @@ def _stale_gain_grad(fused: bool | None):
     return check
 
 
-def _low_precision_mode(mode: str):
+def _low_precision_mode(mode: str, shape: tuple[int, int] = (192, 64), manifold: str = "stiefel", steps: int = 10,
+                        tol: float = 1e-6, split: str | None = None):
     """The process asks for fast float32 matmuls (bf16 arithmetic on AMX/AVX512-BF16 CPUs, TF32 on GPUs): manifold-Muon
-    steps are bitwise those of a full-precision process, W stays on its manifold, and the mode is kept."""
+    steps are bitwise those of a full-precision process, W stays on its manifold (``tol``), and the mode is kept.
+    ``split``: WEIGHTGEOM_SPLIT_PRODUCTS for the runs (the split calls MKL's bf16 gemm itself, whatever the mode)."""
 
     def check(tmp_path: Path) -> None:
+        import os
         import warnings
 
         from weightgeom import manifolds
@@ -311,15 +314,18 @@ def _low_precision_mode(mode: str):
 
         def run() -> torch.Tensor:
             torch.manual_seed(0)
-            p = torch.nn.Parameter(torch.randn(192, 64) * 0.02)
-            opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, manifold="stiefel")
-            for _ in range(10):
+            p = torch.nn.Parameter(torch.randn(*shape) * 0.02)
+            opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, manifold=manifold)
+            for _ in range(steps):
                 p.grad = torch.randn_like(p) * 1e-3
                 opt.step()
             return p.detach().clone()
 
         levels = (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul)
         before = [b.fp32_precision for b in levels]
+        env = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
+        if split is not None:
+            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = split
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -331,50 +337,14 @@ def _low_precision_mode(mode: str):
         finally:
             for b, v in zip(levels, before):
                 b.fp32_precision = v
+            if env is None:
+                os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
+            else:
+                os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = env
         assert torch.equal(full, low), "steps differ from a full-precision process"
-        assert manifolds.get("stiefel").check(low, tol=1e-6)
+        assert manifolds.get(manifold).check(low, tol=tol)
 
     return check
-
-
-def _split_products_medium_mode(tmp_path: Path) -> None:
-    """Manifold Muon with its constraint products forced split-bf16, in a process that asked for bf16 float32 matmuls:
-    the steps equal a full-precision process's bitwise (the split calls MKL's bf16 gemm itself, the rest runs at full
-    precision) and W stays on its manifold to the split's floor."""
-    import os
-    import warnings
-
-    from weightgeom import manifolds
-    from weightgeom.optim import Muon
-
-    def run() -> torch.Tensor:
-        torch.manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(512, 256) * 0.02)
-        opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, manifold="dgram")
-        for _ in range(6):
-            p.grad = torch.randn_like(p) * 1e-3
-            opt.step()
-        return p.detach().clone()
-
-    old = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
-    os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = "1"
-    mk = torch.backends.mkldnn.matmul
-    before = mk.fp32_precision
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            full = run()
-            torch.set_float32_matmul_precision("medium")
-            low = run()
-    finally:
-        mk.fp32_precision = before
-        torch.backends.cuda.matmul.fp32_precision = "none"
-        if old is None:
-            os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
-        else:
-            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = old
-    assert torch.equal(full, low), "steps differ from a full-precision process"
-    assert manifolds.get("dgram").check(low, tol=2e-6)
 
 
 def _bad_split_env(tmp_path: Path) -> None:
@@ -464,7 +434,7 @@ CASES: list[Hostile] = [
             "Manifold Muon (DGram, 512×256) with its constraint products forced split-bf16 "
             "(WEIGHTGEOM_SPLIT_PRODUCTS=1) in a process that set torch.set_float32_matmul_precision('medium'): "
             "steps equal a full-precision process's bitwise and W stays on its manifold (2e-6)",
-            _split_products_medium_mode),
+            _low_precision_mode("medium", shape=(512, 256), manifold="dgram", steps=6, tol=2e-6, split="1")),
     Hostile("manifold-muon-bad-split-env", "optim",
             "WEIGHTGEOM_SPLIT_PRODUCTS=yes: `weightgeom train` of a manifold-Muon config stops before any step with "
             "one line naming the variable, exit 2, no checkpoint (before it was read inside the first step, after "
