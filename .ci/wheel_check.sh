@@ -33,7 +33,7 @@ import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = ["weightgeom/benchmarks/optimizer_step.py", "weightgeom/benchmarks/_common.py",
         "weightgeom/experiments/presets/md-ci.toml", "weightgeom/configs/tiny-shakespeare.toml",
-        "weightgeom/kernels/md_adam.c"]
+        "weightgeom/kernels/md_adam.c", "weightgeom/kernels/linalg.c"]
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"
 print(f"wheel holds {len(names)} files, the presets, configs, kernels and benchmarks among them")
