@@ -109,7 +109,7 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
     if small:
         d = B.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
-        if C is A or (C.shape == A.shape and C.data_ptr() == A.data_ptr() and C.stride() == A.stride()):
+        if C.shape == A.shape and C.data_ptr() == A.data_ptr() and C.stride() == A.stride():  # C is A (a view of)
             out = A * (1.0 + alpha * d)  # X + X·diag(F) = X·(1 + diag(F)): one read of X, not two
         else:
             out = torch.addcmul(C.expand(*lead, *C.shape[-2:]), A, d, value=alpha)  # C + α·A·diag(B), new

@@ -45,7 +45,7 @@ from weightgeom.manifolds.base import (
     tall_pair,
     untall,
 )
-from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near
+from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near, scaled_gram_deviation
 
 __all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_column_polar", "dgram_retract_polar",
            "dgram_retract_paper", "polar_near_columns",
@@ -172,10 +172,7 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     if method == "polar_express" and fi.tiny**0.25 <= low and high <= fi.max**0.25:
         # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
         # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
-        E = None
-        if G is not None:  # the scaled deviation polar_near would form first
-            E = G / (norms.mT * norms)
-            E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+        E = None if G is None else scaled_gram_deviation(G, norms)  # what polar_near would form first
         R = polar_near(Z, E=E, scale=norms)
         if R is not None:
             return R.to(X.dtype)

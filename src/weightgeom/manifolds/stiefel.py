@@ -26,7 +26,8 @@ from weightgeom.manifolds.base import (
     untall,
 )
 
-__all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "polar_near", "NEAR_TOL", "NEAR_REMAINDER"]
+__all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "scaled_gram_deviation", "polar_near",
+           "NEAR_TOL", "NEAR_REMAINDER"]
 
 _METHODS = ("polar_express", "svd")
 _RETRACTIONS = ("polar", "paper")
@@ -60,6 +61,14 @@ def gram_deviation(X: torch.Tensor) -> torch.Tensor:
     return E
 
 
+def scaled_gram_deviation(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """S⁻¹GS⁻¹ − I (a new tensor) for a Gram matrix G = XᵀX and column scales s (..., 1, n), S = diag(s): the Gram
+    deviation of X·S⁻¹ without forming it."""
+    E = G / (s.mT * s)
+    E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+    return E
+
+
 def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
                scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Polar factor of a tall X with ‖XᵀX − I‖_F ≤ ``NEAR_TOL``, by the iteration X ← X·p_k(E) (see the constants).
@@ -67,7 +76,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
     Args:
         X: tall (..., m, n) matrix (a batch is iterated until its worst matrix is done).
         E: the deviation the first iteration would form, when the caller has it already: ``gram_deviation(X)``, or
-            with ``scale`` S⁻¹XᵀXS⁻¹ − I.
+            with ``scale`` S⁻¹XᵀXS⁻¹ − I (``scaled_gram_deviation``).
         scale: positive column scales s (..., 1, n): return polar(X·S⁻¹)·S, S = diag(s), without forming X·S⁻¹ — the
             iteration runs on X with E = S⁻¹XᵀXS⁻¹ − I and the step X ← X + X·S⁻¹(p(E) − I)S, the same maths in
             scaled coordinates (DGram's column-polar retraction: s = the column norms; two passes over X fewer).
@@ -84,11 +93,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
     s = None if scale is None else scale.to(Xc.dtype)
     for _ in range(_NEAR_MAX_ITERS):
         if E is None:
-            if s is None:
-                E = gram_deviation(Xc)
-            else:
-                E = constraint_gram(Xc) / (s.mT * s)
-                E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+            E = gram_deviation(Xc) if s is None else scaled_gram_deviation(constraint_gram(Xc), s)
         # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound E's spectral radius
         e, inf = torch.stack([torch.linalg.matrix_norm(E).amax(), E.abs().sum(dim=-1).amax()]).tolist()
         if not e <= NEAR_TOL:  # also NaN

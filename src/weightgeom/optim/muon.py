@@ -655,7 +655,7 @@ class Muon(torch.optim.Optimizer):
         flips = [w.shape[-2] < w.shape[-1] for w in Ws]  # per matrix: a bucket holds W and Wᵀ shapes alike
         talls = [w.mT if f else w for w, f in zip(Ws, flips)]
         copied = not (one and talls[0].is_contiguous())
-        X = (layout.stacked(talls)[0] if one else layout.stacked(talls)) if copied else talls[0]
+        X = _row_major(talls) if copied else talls[0]
         Xs = [X] if one else X.unbind(0)  # the working tall matrices (the parameter's own view when not copied)
         if group["init"] == "retract":
             for (name, _), V, first in zip(entries, Xs, firsts):
@@ -668,7 +668,7 @@ class Muon(torch.optim.Optimizer):
                         self._far_retractions[name] = (dist, manifold.name)
                     V.copy_(R)
         Gt = [u.mT if f else u for u, f in zip(Us, flips)]
-        G = (Gt[0] if Gt[0].is_contiguous() else layout.stacked(Gt)[0]) if one else layout.stacked(Gt)
+        G = Gt[0] if one and Gt[0].is_contiguous() else _row_major(Gt)
         X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
         G32 = G.to(X32.dtype)
         inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
@@ -707,6 +707,12 @@ class Muon(torch.optim.Optimizer):
                 layout.copy_(Wj, Rj.mT if f else Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
+
+
+def _row_major(mats: list[torch.Tensor]) -> torch.Tensor:
+    """A row-major copy of one matrix, or of several stacked (``layout.stacked``: transposed views copied in blocks)."""
+    out = layout.stacked(mats)
+    return out[0] if len(mats) == 1 else out
 
 
 def _tall_shape(W: torch.Tensor) -> tuple[int, ...]:
