@@ -164,8 +164,9 @@ def manifold_direction(
     gnorm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
     scale = n**0.5 / (gnorm + _NORM_EPS) if normalize else None
     if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
-        # the bf16 copy is X's split piece X_hi: inside split_products() the constraint products reuse it
-        Xf = split_bf16(X, lo=False)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
+        # the bf16 copy is X's split piece X_hi: inside split_products() X is split into both pieces here, in one
+        # pass, and the constraint products (XᵀA, the projection) reuse them
+        Xf = split_bf16(X)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
         Yf = torch.empty(Y.shape, dtype=feed_dtype, device=Y.device)  # row-major whatever Y's layout
         if scale is None:
             Yf.copy_(Y)
