@@ -492,6 +492,24 @@ def test_column_norms_right_when_openmp_starts_fewer_threads(env):
     assert out.stdout.strip() == "0"
 
 
+@needs_kernel
+def test_column_norms_kernel_reads_a_parameter_in_an_optimizer_step():
+    """A manifold step takes the column norms of the parameter itself (an nn.Parameter, not a plain Tensor): under
+    no_grad that is the kernel's work, not torch's square-then-sum (3 of a GPT-2 layer's 4 matrices fell back)."""
+    calls = []
+    real = kernels.column_sumsq
+    p = torch.nn.Parameter(torch.randn(512, 256, generator=_gen(35)))
+    try:
+        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+        with torch.no_grad():
+            got = column_norms(p)
+        with_grad = column_norms(p)  # autograd tracks it: torch's differentiable reduction
+    finally:
+        kernels.column_sumsq = real
+    assert len(calls) == 1 and with_grad.requires_grad
+    torch.testing.assert_close(got, p.detach().norm(dim=0))
+
+
 def test_column_norms_keeps_forward_ad_vmap_and_small_batches_on_torch():
     import torch.autograd.forward_ad as fwAD
 

@@ -46,9 +46,10 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
 
 
 def _plain(X: torch.Tensor) -> bool:
-    """Whether X is an ordinary tensor no autograd mode tracks here: not requiring grad under grad mode, no forward-mode
-    tangent, not wrapped by torch.func (vmap, grad, jvp) — the kernel reads its memory and has no derivative."""
-    if type(X) is not torch.Tensor or (X.requires_grad and torch.is_grad_enabled()):
+    """Whether X is an ordinary tensor (or ``nn.Parameter``: an optimizer step reads the parameter itself) no autograd
+    mode tracks here: not requiring grad under grad mode, no forward-mode tangent, not wrapped by torch.func (vmap,
+    grad, jvp) — the kernel reads its memory and has no derivative. Other subclasses keep torch's reduction."""
+    if type(X) not in _PLAIN_TYPES or (X.requires_grad and torch.is_grad_enabled()):
         return False
     if torch._C._functorch.is_functorch_wrapped_tensor(X):
         return False
@@ -69,5 +70,6 @@ def _sumsq_kernel(X: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(parts).reshape(*X.shape[:-2], X.shape[-1])
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Matrices below this many entries keep torch's reduction (the kernel call's overhead would dominate).
 _KERNEL_MIN = 1 << 16
