@@ -257,6 +257,35 @@ def test_batched_equals_looped(make, dtype):
 
 @params_m
 @params_dtype
+@pytest.mark.parametrize("split", [False, True], ids=["ieee", "split"])
+@pytest.mark.parametrize("shape", [(300, 260), (2, 300, 260), (7, 4)], ids=str)
+def test_proj_tangent_tall_overwrite_a_gives_the_same_values(make, dtype, split, shape):
+    """``overwrite_a=True`` (the dual ascent's projection of its own A) gives the bits of the non-overwriting call,
+    writes nothing but A, and whatever it returns — A's memory or a new tensor — holds the projection. S given or
+    not; split-bf16 products (inside ``split_products``, the CPU's default) or IEEE ones."""
+    from weightgeom.linalg.split import split_products
+
+    m = make()
+    X = tall(point(m, shape, dtype))[0]
+    A = rand(*X.shape, dtype=dtype, seed=3)
+    with split_products(split):
+        for S in (None, X.mT @ A):
+            ref = m.proj_tangent_tall(X, A, S)
+            X0, A1 = X.clone(), A.clone()
+            got = m.proj_tangent_tall(X, A1, S, overwrite_a=True)
+            assert torch.equal(got, ref) and torch.equal(X, X0)
+            assert got.data_ptr() == A1.data_ptr() or torch.equal(A1, A)  # in A, or A left as it was
+    # A that is X, a transposed view, a batch broadcast from one matrix: never written in place, same values
+    Ab = rand(*X.shape[-2:], dtype=dtype, seed=4)
+    views = [X, A.mT.contiguous().mT] + ([Ab.expand(*X.shape)] if X.ndim > 2 else [])
+    for Y in views:
+        Y0 = Y.clone()
+        got = m.proj_tangent_tall(X, Y, None, overwrite_a=True)
+        assert torch.equal(Y, Y0) and torch.equal(got, m.proj_tangent_tall(X, Y0))
+
+
+@params_m
+@params_dtype
 def test_wide_is_transposed_tall(make, dtype):
     m = make()
     W = rand(7, 4, dtype=dtype)

@@ -94,7 +94,7 @@ def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = No
 
 
 def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
-                     a_pieces: Pieces | None = None, small: bool = False) -> torch.Tensor:
+                     a_pieces: Pieces | None = None, small: bool = False, overwrite_c: bool = False) -> torch.Tensor:
     """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched``, or
     inside ``split_products()`` on the CPU the split-bf16 product accumulated into a float32 copy of C (each matrix of a
     batch alone: the same bits as one call per matrix).
@@ -102,7 +102,14 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     ``small``: B (square) is a small correction (its entries ≪ 1 against A's unit-scale columns, as the multiplier of a
     near-tangent direction or a near-manifold retraction's p(E) − I): B's diagonal is applied exactly, as a float32
     column scaling, and only its off-diagonal part as one bf16 product — whose error, 2⁻⁸ of a small term, is below the
-    three-product split's (``docs/muon.md``)."""
+    three-product split's (``docs/muon.md``).
+
+    ``overwrite_c``: the caller no longer needs C, so a row-major C of the result's shape and dtype that shares no
+    memory with A or B accumulates the result in place (returned) instead of in a copy; otherwise ignored."""
+    if overwrite_c and not small and _writable_result(C, A, B):
+        if not split_here(C, A, B):
+            return C.addmm_(A, B, alpha=alpha) if C.ndim == 2 else addmm_batched(C, A, B, alpha=alpha)
+        return split_matmul(a_pieces if a_pieces is not None else split_bf16(A), B, out=C, alpha=alpha, beta=1.0)
     if not split_here(C, A, B):
         return addmm_batched(C, A, B, alpha=alpha)
     lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
@@ -122,6 +129,21 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     out = C.expand(*lead, *C.shape[-2:]).clone(memory_format=torch.contiguous_format)
     pa = a_pieces if a_pieces is not None else split_bf16(A)
     return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
+
+
+def _writable_result(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether C + A@B may be accumulated into C itself: C row-major, of the broadcast result's shape and of the
+    dtype the product gives, sharing no memory with A or B."""
+    if C.ndim < 2 or A.ndim < 2 or B.ndim < 2 or not C.is_contiguous():
+        return False
+    try:
+        lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
+    except RuntimeError:
+        return False
+    if C.shape != (*lead, A.shape[-2], B.shape[-1]) or not C.dtype == A.dtype == B.dtype:
+        return False
+    mem = C.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != mem for t in (A, B))
 
 
 def small_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -285,10 +307,15 @@ class Manifold(ABC):
         """Euclidean-orthogonal projection of A onto the tangent space at the manifold point W."""
 
     @with_full_precision
-    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
+                          overwrite_a: bool = False) -> torch.Tensor:
         """``proj_tangent`` on tall views X, A (m ≥ n), given S = XᵀA when the caller has computed it already (the dual
         ascent has: its residual is P(S + Sᵀ)). Manifolds whose projection is A − X·L(S) override this to skip that
-        m×n×n product; the default ignores S."""
+        m×n×n product (and must accept ``overwrite_a``); the default ignores S.
+
+        ``overwrite_a``: the caller no longer needs A, so the result may be written into A's memory (a projection
+        A − X·L then accumulates into A instead of into a copy of it: one m×n pass fewer); the result may or may not
+        be A. X is never written. Same values either way."""
         return self.proj_tangent(X, A)
 
     @with_full_precision

@@ -67,12 +67,14 @@ def off(S: torch.Tensor) -> torch.Tensor:
     return R
 
 
-def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
+def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None,
+                       overwrite_y: bool = False) -> torch.Tensor:
     """Y − X·Λ, Λ_ij = (XᵀY + YᵀX)_ij / (d_i + d_j) off the diagonal, d = diag(XᵀX), on the tall view.
 
     Exact orthogonal projection when XᵀX is diagonal (a manifold point); otherwise the off-diagonal of XᵀX is
     ignored. Pairs of zero columns (d_i + d_j = 0) get Λ_ij = 0: the constraint between them is vacuous.
     ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
+    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``).
     """
     d = column_norms(X, squared=True)
     H = constraint_mm(X.mT, Y) if S is None else S
@@ -81,7 +83,7 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     # d_i + d_j = 0 only for two zero columns, whose H_ij = x_iᵀy_j + y_iᵀx_j is exactly 0: 0 / tiny = 0
     lam = (H + H.mT).div_(den.clamp_min_(torch.finfo(den.dtype).tiny))
     lam.diagonal(dim1=-2, dim2=-1).zero_()  # also where H_ii overflowed (inf / inf)
-    return constraint_addmm(Y, X, lam, alpha=-1.0)
+    return constraint_addmm(Y, X, lam, alpha=-1.0, overwrite_c=overwrite_y)
 
 
 def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:
@@ -247,9 +249,11 @@ class DGram(Manifold):
         X, Y, t = tall_pair(W, A)
         return untall(dgram_proj_tangent(X, Y), t)
 
-    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
-        """A − X·Λ(S) on tall views, S = XᵀA (computed when None); see ``dgram_proj_tangent``."""
-        return dgram_proj_tangent(X, A, S)
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
+                          overwrite_a: bool = False) -> torch.Tensor:
+        """A − X·Λ(S) on tall views, S = XᵀA (computed when None); see ``dgram_proj_tangent``; ``overwrite_a`` as
+        ``Manifold``'s."""
+        return dgram_proj_tangent(X, A, S, overwrite_y=overwrite_a)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """|cos θ_ij| ≤ tol between every pair of columns of the tall view; the reason names the worst pair."""

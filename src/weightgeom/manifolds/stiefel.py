@@ -124,10 +124,12 @@ def _near_correction(E: torch.Tensor, order: int) -> torch.Tensor:
     return F
 
 
-def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
-    """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I."""
+def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None,
+                         overwrite_y: bool = False) -> torch.Tensor:
+    """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I.
+    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``)."""
     L = sym(constraint_mm(X.mT, Y) if S is None else S)
-    return constraint_addmm(Y, X, L, alpha=-1.0)
+    return constraint_addmm(Y, X, L, alpha=-1.0, overwrite_c=overwrite_y)
 
 
 class Stiefel(Manifold):
@@ -186,9 +188,10 @@ class Stiefel(Manifold):
         X, Y, t = tall_pair(W, A)
         return untall(stiefel_proj_tangent(X, Y), t)
 
-    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None) -> torch.Tensor:
-        """A − X·sym(S) on tall views, S = XᵀA (computed when None)."""
-        return stiefel_proj_tangent(X, A, S)
+    def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
+                          overwrite_a: bool = False) -> torch.Tensor:
+        """A − X·sym(S) on tall views, S = XᵀA (computed when None); ``overwrite_a`` as ``Manifold``'s."""
+        return stiefel_proj_tangent(X, A, S, overwrite_y=overwrite_a)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """Unit column norms and pairwise |cos| ≤ tol on the tall view; the reason names the worst column pair."""

@@ -183,24 +183,26 @@ def manifold_direction(
     else:
         Lam = Lambda0.to(X.dtype)
     last = keep == "last"
-    best = (float("inf"), X, Lam, None, None)  # (residual, A, Λ, XᵀA, per-matrix residuals)
+    # (residual, A, Λ, XᵀA, per-matrix residuals, whether A is this call's own tensor: the widened copy of a
+    # narrower msign output, which the projection may then overwrite)
+    best = (float("inf"), X, Lam, None, None, False)
     prev = float("inf")
     shrink = 1.0
     iters = 0
     for k in range(steps):
         A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
         exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
-        A = A.to(X.dtype)
+        A, owned = _widened(A, X.dtype)
         iters = k + 1
         S, H, rv = _residual(X, A, manifold, exact)
         residual = float(rv.max())
         if last:
-            best = (residual, A, Lam, S, rv)
+            best = (residual, A, Lam, S, rv, owned)
             if residual < tol or k == steps - 1:
                 break
         else:
             if residual < best[0]:
-                best = (residual, A, Lam, S, rv)
+                best = (residual, A, Lam, S, rv, owned)
             if residual <= tol or k == steps - 1:
                 break
             if residual > prev:
@@ -208,11 +210,11 @@ def manifold_direction(
             prev = residual
         alpha = lr * shrink * ((1.0 - k / steps) if schedule == "linear" else 1.0)
         Lam = Lam - alpha * H
-    residual, A, Lam, S, rv = best
+    residual, A, Lam, S, rv, owned = best
     if final_msign_fn is not None:
         A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
         exact = (A, None) if A.dtype == torch.bfloat16 else None
-        A = A.to(X.dtype)
+        A, owned = _widened(A, X.dtype)
         S, H, rv = _residual(X, A, manifold, exact)
         residual = float(rv.max())
     if rv is None:  # no finite iterate: report it as such
@@ -223,9 +225,10 @@ def manifold_direction(
         stats["dual_lr_final"] = lr * shrink
         stats["cold_multiplier"] = cold
     if project:
-        Ap = manifold.proj_tangent_tall(X, A, S)
+        Ap = manifold.proj_tangent_tall(X, A, S, overwrite_a=owned)
         norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype)
-        fresh = Ap.data_ptr() not in (A.data_ptr(), X.data_ptr())  # in place only on the projection's own tensor
+        # in place only on a tensor of this call's own: the projection's, or A's widened copy it may have written into
+        fresh = Ap.data_ptr() != X.data_ptr() and (owned or Ap.data_ptr() != A.data_ptr())
         # to unit spectral norm, up or down: the constrained optimum has ‖A‖₂ = 1, and a projection that removed a
         # large normal part (DGram after one dual step: ‖A‖₂ ≈ 0.15–0.9) would otherwise shorten the step
         inv = torch.where(norm == 0, 0.0, 1.0 / norm)  # a zero direction stays zero; NaN stays NaN
@@ -394,6 +397,13 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
         torch.div(w * keep, b.clamp_min(tiny), out=q)  # a zero vector after a breakdown: later α, β are zero
     coef = torch.cat(alphas + betas + [torch.zeros_like(alphas[0])], dim=-1).squeeze(-2).to(torch.float64)
     return coef, unit
+
+
+def _widened(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(A in ``dtype``, whether that is a new tensor of this call's own). An msign output already in ``dtype`` is not
+    claimed: a caller's ``msign_fn`` may hand back memory it keeps."""
+    W = A.to(dtype)
+    return W, W is not A
 
 
 def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
