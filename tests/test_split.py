@@ -546,3 +546,89 @@ def test_summary_names_the_products_when_msign_is_set_explicitly():
     W = torch.nn.Parameter(torch.randn(300, 300))
     opt = Muon([W], lr=0.02, manifold="stiefel", msign_dtype=torch.float32, ns_steps=5)
     assert "manifold constraint products on cpu" in opt.summary()
+
+
+# ---- sym_sum: S + Sᵀ of the constraint arithmetic's n×n matrices ----------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("n", [128, 131, 200, 768])
+@pytest.mark.parametrize("alpha", [1.0, 0.5, -0.25, 0.3])
+def test_sym_sum_kernel_gives_torchs_bits(n, alpha):
+    """The C kernel (8×8 blocks turned in registers, a ragged edge when 8 ∤ n) gives torch's expressions' bits: new
+    alpha·(S + Sᵀ), accumulated (out + S) + Sᵀ (alpha ≠ 1: to rounding); on a row-strided S too (a slice of a wider
+    matrix); NaN/inf propagate; a new result never reads the garbage of its buffer."""
+    from weightgeom.linalg.layout import sym_sum
+
+    big = torch.randn(n, n + 5, generator=_gen(40))
+    big[3, 7], big[n - 1, 0] = float("nan"), float("inf")
+    calls = []
+    real = kernels.symsum
+    tol = 0 if alpha == 1.0 else 1e-6  # accumulating, torch rounds out + alpha·S as one multiply-add
+    for Sm in (big[:, :n], big[:, :n].contiguous()):
+        want = Sm + Sm.mT if alpha == 1.0 else alpha * (Sm + Sm.mT)
+        calls.clear()
+        try:
+            kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
+            got = sym_sum(Sm, alpha)
+            out = torch.randn(n, n, generator=_gen(41))
+            ref = out.clone().add_(Sm, alpha=alpha).add_(Sm.mT, alpha=alpha)
+            acc = sym_sum(Sm, alpha, out=out)
+        finally:
+            kernels.symsum = real
+        assert len(calls) == 2
+        assert torch.allclose(got, want, equal_nan=True, rtol=0, atol=0)
+        assert acc is out and torch.allclose(out, ref, equal_nan=True, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_sym_sum_batches_broadcasts_and_falls_back_where_the_kernel_does_not_fit():
+    from weightgeom.linalg.layout import sym_sum
+
+    B = torch.randn(3, 2, 160, 160, generator=_gen(42))
+    torch.testing.assert_close(sym_sum(B), B + B.mT, rtol=0, atol=0)
+    out = torch.randn(2, 160, 160, generator=_gen(43))
+    ref = out.clone().add_(B[0, 0]).add_(B[0, 0].mT)
+    torch.testing.assert_close(sym_sum(B[0, 0], out=out), ref, rtol=0, atol=0)  # one matrix into a batch
+    calls = []
+    real = kernels.symsum
+    try:
+        kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
+        D = torch.randn(200, 200, dtype=torch.float64, generator=_gen(44))
+        torch.testing.assert_close(sym_sum(D, 0.5), 0.5 * (D + D.mT), rtol=0, atol=0)  # float64: torch
+        small = torch.randn(20, 20, generator=_gen(45))
+        torch.testing.assert_close(sym_sum(small), small + small.mT, rtol=0, atol=0)  # below SYM_SUM_MIN
+        T = torch.randn(200, 200, generator=_gen(46))
+        torch.testing.assert_close(sym_sum(T.mT), T.mT + T, rtol=0, atol=0)  # column-major S: torch
+        R = torch.randn(200, 200, generator=_gen(47), requires_grad=True)
+        sym_sum(R, 0.5).sum().backward()  # autograd tracks R: torch's differentiable expression
+        torch.testing.assert_close(R.grad, torch.ones(200, 200))
+        V = torch.randn(4, 200, 200, generator=_gen(48))
+        torch.testing.assert_close(torch.func.vmap(sym_sum)(V), V + V.mT, rtol=0, atol=0)
+    finally:
+        kernels.symsum = real
+    assert not calls
+    with pytest.raises(ValueError, match="sym_sum"):
+        sym_sum(torch.randn(3, 4))
+    A = torch.randn(200, 200, generator=_gen(49))
+    A0 = A.clone()
+    with pytest.raises(ValueError, match="sym_sum: out shares memory with S"):
+        sym_sum(A[:100, :100], out=A[100:, 100:])
+    assert torch.equal(A, A0)
+
+
+@needs_kernel
+def test_manifold_step_sums_its_symmetric_parts_in_the_kernel():
+    """The dual ascent's residual P(S + Sᵀ), the cold start, the DGram multiplier and the split Gram's T + Tᵀ go
+    through the kernel (torch's S + S.mT reads S.mT a row apart per element: 3× slower at 768²)."""
+    calls = []
+    real = kernels.symsum
+    p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(50)))
+    opt = Muon([p], lr=0.02, manifold="dgram")
+    try:
+        kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
+        for _ in range(2):
+            p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(51))
+            calls.clear()
+            opt.step()
+    finally:
+        kernels.symsum = real
+    assert len(calls) >= 3

@@ -31,7 +31,7 @@ import torch
 from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
-           "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq"]
+           "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -52,6 +52,7 @@ _SIGNATURES = {
     "linalg": {
         "lanczos_{t}": ([_L, _L, _P, _P, _D, _P, _P, _I], _I),
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
+        "symsum_f32": ([_L, _P, _L, _P, _L, _D, _I, _I], None),
         "colsumsq_{t}": ([_L, _L, _P, _L, _I, _P, _I], None),
     },
 }
@@ -408,4 +409,23 @@ def column_sumsq(X: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(n, dtype=X.dtype)
     getattr(lib, f"colsumsq_{_SUFFIX[X.dtype]}")(m, n, X.data_ptr(), ld, colmajor, out.data_ptr(),
                                                  torch.get_num_threads())
+    return out
+
+
+def symsum(S: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, accumulate: bool = False) -> torch.Tensor | None:
+    """out = alpha·(S + Sᵀ), or with ``accumulate`` out ← (out + alpha·S) + alpha·Sᵀ, for one square CPU float32
+    matrix S with unit column stride and a row-major out of its shape and dtype that shares no memory with it
+    (``linalg.c``: 8×8 blocks transposed in vector registers); torch's bits, but for accumulating with alpha ≠ 1 (torch
+    rounds out + alpha·S as one multiply-add).
+    Returns out, or None where the kernel is unavailable or the arguments do not fit (callers then use torch)."""
+    if S.ndim != 2 or S.shape[0] != S.shape[1] or S.device.type != "cpu" or S.dtype != torch.float32 \
+            or out.shape != S.shape or out.dtype != S.dtype or out.device.type != "cpu" or S.numel() == 0 \
+            or S.stride(1) != 1 or out.stride(1) != 1 or S.stride(0) < S.shape[1] or out.stride(0) < S.shape[1] \
+            or out.untyped_storage().data_ptr() == S.untyped_storage().data_ptr():
+        return None
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    lib.symsum_f32(S.shape[0], S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0), float(alpha),
+                   int(bool(accumulate)), torch.get_num_threads())
     return out

@@ -14,6 +14,11 @@
  * split_bf16_f32: X (n floats) -> hi = bf16(X clamped to ±BF16_MAX), lo = bf16(X - hi), rounded to nearest even as
  * torch's conversion: one pass instead of torch's four, the same bits but for NaN's sign and payload (torch's
  * vectorised and scalar conversions differ there themselves). ±inf gives hi = ±BF16_MAX, lo = ±inf.
+ *
+ * symsum_f32: out = alpha·(S + Sᵀ) of one n×n matrix (beta = 0: out is not read), or out ← (out + alpha·S) +
+ * alpha·Sᵀ (beta = 1), in torch's order of operations for alpha·(S + S.mT) and out.add_(S).add_(S.mT): the same bits
+ * (torch rounds out + alpha·S with alpha ≠ 1 as one multiply-add; this kernel, compiled as ISO C, does not). Rows of S and out are ld apart; out must not overlap S. In 8×8 blocks, the transposed one turned in vector
+ * registers: torch reads S.mT with a stride of a row per element (768×768: 0.33 ms; here 0.11 ms, 2-core AMX Xeon).
  */
 #include <float.h>
 #include <math.h>
@@ -181,3 +186,66 @@ static inline int team(int want) {
 #endif
 DEF_COLSUMSQ(colsumsq_f32, float)
 DEF_COLSUMSQ(colsumsq_f64, double)
+
+/* 8-wide float vectors (GCC/clang vector extensions: AVX registers where the CPU has them, pairs of SSE/NEON ones
+ * otherwise) and the 8×8 transpose of symsum_f32 in three rounds of two-source shuffles. */
+typedef float v8f __attribute__((vector_size(32)));
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUF8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+typedef int v8i __attribute__((vector_size(32)));
+#define SHUF8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, (v8i){i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline void transpose8(v8f r[8]) {
+    v8f t[8], u[8];
+    for (int k = 0; k < 4; k++) { /* interleave row pairs */
+        t[2 * k] = SHUF8(r[2 * k], r[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[2 * k + 1] = SHUF8(r[2 * k], r[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int k = 0; k < 2; k++)
+        for (int h = 0; h < 2; h++) { /* pairs of pairs */
+            u[4 * k + 2 * h] = SHUF8(t[4 * k + h], t[4 * k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[4 * k + 2 * h + 1] = SHUF8(t[4 * k + h], t[4 * k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int k = 0; k < 4; k++) { /* 128-bit halves */
+        r[k] = SHUF8(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[k + 4] = SHUF8(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+void symsum_f32(long n, const float *S, long lds, float *out, long ldo, double alpha, int beta, int nthreads) {
+    const long nb = (n + 7) / 8;
+    const int nt = team(n * n >= PAR_MIN ? nthreads : 1);
+    const float a = (float)alpha;
+    _Pragma("omp parallel for schedule(static) num_threads(nt)")
+    for (long bi = 0; bi < nb; bi++) {
+        const long i0 = bi * 8;
+        for (long j0 = 0; j0 < n; j0 += 8) {
+            if (i0 + 8 <= n && j0 + 8 <= n) {
+                v8f t[8]; /* t[k] = S[j0..j0+8, i0 + k]: the transposed block */
+                for (int k = 0; k < 8; k++) t[k] = load8(S + (j0 + k) * lds + i0);
+                transpose8(t);
+                for (int k = 0; k < 8; k++) {
+                    float *o = out + (i0 + k) * ldo + j0;
+                    const v8f s = load8(S + (i0 + k) * lds + j0);
+                    store8(o, beta ? (load8(o) + a * s) + a * t[k] : a * (s + t[k]));
+                }
+            } else { /* the ragged edge */
+                for (long i = i0; i < i0 + 8 && i < n; i++)
+                    for (long j = j0; j < j0 + 8 && j < n; j++) {
+                        float *o = out + i * ldo + j;
+                        *o = beta ? (*o + a * S[i * lds + j]) + a * S[j * lds + i] : a * (S[i * lds + j] + S[j * lds + i]);
+                    }
+            }
+        }
+    }
+}

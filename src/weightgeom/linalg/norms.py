@@ -34,7 +34,7 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
     out_dtype = X.real.dtype if X.is_complex() else X.dtype
     Xc = X.abs() if X.is_complex() else X
     Xc = Xc if Xc.dtype in (torch.float32, torch.float64) else Xc.float()
-    s = _sumsq_kernel(Xc) if _plain(Xc) else None
+    s = _sumsq_kernel(Xc) if plain(Xc) else None
     if s is None:
         s = Xc.square().sum(dim=-2, keepdim=keepdim)
     elif keepdim:
@@ -45,7 +45,7 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
     return s.to(out_dtype)
 
 
-def _plain(X: torch.Tensor) -> bool:
+def plain(X: torch.Tensor) -> bool:
     """Whether X is an ordinary tensor (or ``nn.Parameter``: an optimizer step reads the parameter itself) no autograd
     mode tracks here: not requiring grad under grad mode, no forward-mode tangent, not wrapped by torch.func (vmap,
     grad, jvp) — the kernel reads its memory and has no derivative. Other subclasses keep torch's reduction."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
 from weightgeom.linalg.norms import column_norms
 from weightgeom.linalg.precision import with_full_precision
@@ -165,7 +166,7 @@ def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tens
     G = split_matmul((hi.mT, None), (hi, None))
     if lo is not None:
         T = split_matmul((hi.mT, None), (lo, None))
-        G.add_(T).add_(T.mT)
+        sym_sum(T, out=G)  # G + T + Tᵀ
     G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(X, squared=True))
     return G
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.norms import column_norms
 from weightgeom.manifolds.base import (
     CheckResult,
@@ -81,7 +82,7 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     den.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))  # Λ's diagonal: H_ii / inf = 0 (Off), zeroed below too
     # d_i + d_j = 0 only for two zero columns, whose H_ij = x_iᵀy_j + y_iᵀx_j is exactly 0: 0 / tiny = 0
-    lam = (H + H.mT).div_(den.clamp_min_(torch.finfo(den.dtype).tiny))
+    lam = sym_sum(H).div_(den.clamp_min_(torch.finfo(den.dtype).tiny))
     lam.diagonal(dim1=-2, dim2=-1).zero_()  # also where H_ii overflowed (inf / inf)
     return constraint_addmm(Y, X, lam, alpha=-1.0, overwrite_c=overwrite_y)
 

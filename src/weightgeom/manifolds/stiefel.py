@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
 from weightgeom.manifolds.base import (
     CheckResult,
@@ -50,7 +51,7 @@ _NEAR_MAX_ITERS = 4
 
 def sym(M: torch.Tensor) -> torch.Tensor:
     """Symmetric part (M + Mᵀ)/2 of a batch of square matrices."""
-    return 0.5 * (M + M.mT)
+    return sym_sum(M, 0.5)
 
 
 def gram_deviation(X: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from weightgeom import kernels
 from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
+from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.split import split_active, split_bf16, split_matmul
 from weightgeom.manifolds.base import Manifold, addmm_batched, constraint_mm, tall, untall
 
@@ -61,7 +62,7 @@ _NORM_EPS = 1e-30
 
 
 def _sym(S: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (S + S.mT)
+    return sym_sum(S, 0.5)
 
 
 @with_full_precision
@@ -73,7 +74,7 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
         S = split_matmul((X.mT, None), (Y, None))  # bf16 factors, the product accumulated and returned in float32
     else:
         S = X.mT @ Y
-    return -0.25 * manifold.P(S + S.mT)
+    return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same bits
 
 
 @with_full_precision
@@ -416,7 +417,7 @@ def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     """(S, H, r) on tall views: S = XᵀA, the residual matrix H = P(S + Sᵀ) and its size ‖H‖_F/n per matrix.
     ``a_pieces``: (A in bf16, None) when A is exactly bf16 (``constraint_mm``'s split then takes two products)."""
     S = constraint_mm(X.mT, A, a_pieces)
-    H = manifold.P(S + S.mT)
+    H = manifold.P(sym_sum(S))
     return S, H, torch.linalg.matrix_norm(H) / X.shape[-1]
 
 
