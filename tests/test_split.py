@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightgeom import kernels, manifolds
-from weightgeom.linalg import autotune, column_norms, layout
+from weightgeom.linalg import autotune, column_norms, layout, msign
 from weightgeom.linalg import split as S
 from weightgeom.manifolds.base import SPLIT_MIN_DIM, constraint_addmm, constraint_gram, constraint_mm, small_mm
 from weightgeom.manifolds.dgram import dgram_retract_column_polar
@@ -632,3 +632,53 @@ def test_manifold_step_sums_its_symmetric_parts_in_the_kernel():
     finally:
         kernels.symsum = real
     assert len(calls) >= 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3072, 768), (2, 300, 200), (5, 5)], ids=str)
+def test_scaled_bf16_kernel_gives_torchs_mixed_multiply_bits(shape):
+    """bf16(X·scale) in one C pass: torch.mul(X, scale, out=<bf16>)'s bits — overflow to inf, a value rounding past
+    bf16's largest finite one, subnormals — but NaN's payload; per-matrix scales of a batch; a layout it cannot read
+    or a mismatched scale gives None (the caller then uses torch)."""
+    X = torch.randn(shape, generator=_gen(60)) * 3
+    flat = X.view(-1)
+    flat[0], flat[1], flat[2], flat[3], flat[4] = float("inf"), 3.3e38, float("nan"), 1e-40, -2.0**-133
+    s = torch.rand(*shape[:-2], 1, 1, generator=_gen(61)) + 0.5
+    got = kernels.scaled_bf16(X, s)
+    want = torch.empty(shape, dtype=torch.bfloat16)
+    torch.mul(X, s, out=want)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    one = torch.tensor(0.75)
+    torch.testing.assert_close(kernels.scaled_bf16(X, one).float(), (X * 0.75).to(torch.bfloat16).float(),
+                               rtol=0, atol=0, equal_nan=True)
+    assert kernels.scaled_bf16(X.mT, one) is None  # not row-major
+    assert kernels.scaled_bf16(X, torch.ones(7, 1, 1)) is None  # a scale per matrix of another batch
+    assert kernels.scaled_bf16(X.double(), one) is None
+
+
+@needs_kernel
+def test_manifold_direction_narrows_the_scaled_gradient_in_the_kernel():
+    """The bf16 copy of the normalised gradient that feeds msign is one C pass (torch's mixed-dtype multiply was ~4×
+    slower); the direction is the bits of the torch path's."""
+    from weightgeom.optim import manifold_direction
+
+    man = manifolds.get("dgram")
+    W = man.retract(torch.randn(600, 280, generator=_gen(62)))
+    G = torch.randn(600, 280, generator=_gen(63))
+
+    def ms(Z):
+        return msign(Z, steps=5, dtype=torch.bfloat16)
+
+    calls = []
+    real = kernels.scaled_bf16
+    try:
+        kernels.scaled_bf16 = lambda *a: calls.append(1) or real(*a)
+        with S.split_products():
+            A1 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
+        kernels.scaled_bf16 = lambda *a: None
+        with S.split_products():
+            A2 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
+    finally:
+        kernels.scaled_bf16 = real
+    assert calls and torch.equal(A1, A2)

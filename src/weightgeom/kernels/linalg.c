@@ -121,6 +121,13 @@ void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthr
     }
 }
 
+/* scale_bf16_f32: out = bf16(x·s), rounded to nearest even as torch's conversion of the float32 product (torch's
+ * mixed-dtype torch.mul(x, s, out=<bf16>) gives the same bits but for NaN's sign and payload, at ~4× the time). */
+void scale_bf16_f32(long n, const float *x, float s, uint16_t *out, int nthreads) {
+    _Pragma("omp parallel for schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)")
+    for (long i = 0; i < n; i++) out[i] = to_bf16(x[i] * s);
+}
+
 /* colsumsq_{f32,f64}: out[j] = sum_i X[i,j]^2 of an m×n matrix, summed in double (weightgeom.linalg.norms.column_norms
  * on the CPU: one read pass, no temporary; torch's square-then-sum writes and reads an m×n temporary). Row-major
  * (row stride ld, unit column stride) when colmajor = 0, else column-major (column stride ld, unit row stride).

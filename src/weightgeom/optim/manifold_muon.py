@@ -168,11 +168,7 @@ def manifold_direction(
         # the bf16 copy is X's split piece X_hi: inside split_products() X is split into both pieces here, in one
         # pass, and the constraint products (XᵀA, the projection) reuse them
         Xf = split_bf16(X)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
-        Yf = torch.empty(Y.shape, dtype=feed_dtype, device=Y.device)  # row-major whatever Y's layout
-        if scale is None:
-            Yf.copy_(Y)
-        else:
-            torch.mul(Y, scale, out=Yf)
+        Yf = _narrow_scaled(Y, scale, feed_dtype)
     else:
         Xf = X
         Yf = Y if scale is None else Y * scale
@@ -398,6 +394,18 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
         torch.div(w * keep, b.clamp_min(tiny), out=q)  # a zero vector after a breakdown: later α, β are zero
     coef = torch.cat(alphas + betas + [torch.zeros_like(alphas[0])], dim=-1).squeeze(-2).to(torch.float64)
     return coef, unit
+
+
+def _narrow_scaled(Y: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A new row-major ``dtype`` copy of Y·scale (Y when scale is None), whatever Y's layout: on the CPU a bf16 copy
+    of a row-major float32 Y in one C pass (``kernels.scaled_bf16``; torch's mixed-dtype multiply gives the same bits
+    at ~4× the time, 3072×768: 2.1 ms in a step)."""
+    if scale is not None and dtype == torch.bfloat16 and Y.is_contiguous() and not Y.requires_grad:
+        out = kernels.scaled_bf16(Y, scale)
+        if out is not None:
+            return out
+    Yf = torch.empty(Y.shape, dtype=dtype, device=Y.device)
+    return Yf.copy_(Y) if scale is None else torch.mul(Y, scale, out=Yf)
 
 
 def _widened(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
