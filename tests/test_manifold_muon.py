@@ -469,6 +469,14 @@ def test_sampled_tangent_residual(name):
         est = sampled_tangent_residual(X, A, man)
         assert 0.75 * exact <= est <= 1.33 * exact, (exact, est)
     assert sampled_tangent_residual(X, man.proj_tangent(X, _grad(400, 200, seed=3)), man) < 1e-12
+    # the sample is exactly the rows J = 84..115 of the full P(XᵀA + AᵀX), per matrix of a batch
+    from weightgeom.optim.manifold_muon import _sampled_residuals
+
+    Xb = torch.stack([X, _point(name, 400, 200, seed=5)])
+    Ab = torch.stack([_grad(400, 200, seed=4), _grad(400, 200, seed=6)])
+    H = man.P(Xb.mT @ Ab + Ab.mT @ Xb)[..., 84:116, :]
+    want = torch.linalg.matrix_norm(H) * ((200 / 32) ** 0.5 / 200)
+    torch.testing.assert_close(_sampled_residuals(Xb, Ab, man), want, rtol=1e-12, atol=0)
 
 
 def _record_msign_dtypes(monkeypatch) -> list:

@@ -19,6 +19,7 @@ units and Λ can be warm-started across steps whatever the gradient scale.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -268,11 +269,24 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
         return manifold.tangent_residual(X, A)
     j0 = (n - columns) // 2
     J = slice(j0, j0 + columns)
-    block = X.mT @ A[..., J] + A.mT @ X[..., J]  # (..., n, |J|): columns J of XᵀA + AᵀX
-    Z = X.new_zeros(*X.shape[:-2], n, n)
-    Z[..., J] = block
-    H = manifold.P(Z)[..., J]
+    # rows J of XᵀA + AᵀX (its columns J transposed: the same entries), as A_JᵀX + X_JᵀA with row-major copies of
+    # the thin m×|J| factors: 0.67 against 0.95 ms per product for 3072×768 (AMX), where Xᵀ·A[:, J] reads both strided
+    block = A[..., J].contiguous().mT @ X + X[..., J].contiguous().mT @ A  # (..., |J|, n)
+    H = block * _rows_of_P(manifold, n, J, X.dtype, X.device)  # P acts entrywise: its selection of rows J
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
+
+
+def _rows_of_P(manifold: Manifold, n: int, J: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rows J of P(1) (n×n all-ones): the 0/1 selection of the entrywise projector P, remembered per manifold
+    (weakly: a manifold object that goes away takes its masks along)."""
+    key = (n, J.start, J.stop, dtype, device)
+    masks = _P_ROWS.setdefault(manifold, {})
+    if key not in masks:
+        masks[key] = manifold.P(torch.ones(n, n, dtype=dtype, device=device))[J].contiguous()
+    return masks[key]
+
+
+_P_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @with_full_precision
