@@ -52,9 +52,11 @@ def test_split_kernel_and_torch_path_give_the_same_bits(monkeypatch):
     # rounding up to ±inf, a subnormal, a signed zero, ±inf, NaN
     X[0, :7] = torch.tensor([3.4e38, -3.4e38, 1e-40, -0.0, float("inf"), float("-inf"), float("nan")])
     hi_k, lo_k = kernels.split_bf16_kernel(X)
+    hi_only, none = kernels.split_bf16_kernel(X, lo=False)  # hi alone: the same hi
+    assert none is None and S.split_bf16(X, lo=False)[1] is None
     monkeypatch.setattr(kernels, "load_kernel", lambda name="md_adam": None)
     hi_t, lo_t = S.split_bf16(X)
-    for k, t in ((hi_k, hi_t), (lo_k, lo_t)):  # bit for bit, but NaN (its sign and payload vary by CPU path)
+    for k, t in ((hi_k, hi_t), (lo_k, lo_t), (hi_only, hi_t)):  # bit for bit, but NaN (its sign and payload vary)
         nan = t.isnan()
         assert torch.equal(k.isnan(), nan)
         assert torch.equal(k.view(torch.int16)[~nan], t.view(torch.int16)[~nan])

@@ -373,10 +373,10 @@ def lanczos(G: torch.Tensor, v: torch.Tensor, k: int, noise: float) -> torch.Ten
     return coef
 
 
-def split_bf16_kernel(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_bf16_kernel(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(hi, lo) = (bf16(X clamped to ±bf16's largest finite value), bf16(X − hi)) of a contiguous CPU float32 tensor
     in one pass (``linalg.c``); the same bits as ``weightgeom.linalg.split.split_bf16``'s torch path except NaN's sign
-    and payload (a NaN stays a NaN).
+    and payload (a NaN stays a NaN). ``lo=False``: (hi, None).
 
     Raises:
         RuntimeError: the kernel is unavailable. ValueError: X is not a contiguous CPU float32 tensor.
@@ -386,9 +386,10 @@ def split_bf16_kernel(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError(f"linalg kernel unavailable: {unavailable_reason('linalg')}")
     _check("X", X, X.numel(), torch.float32)
     hi = torch.empty(X.shape, dtype=torch.bfloat16)
-    lo = torch.empty(X.shape, dtype=torch.bfloat16)
-    lib.split_bf16_f32(X.numel(), X.data_ptr(), hi.data_ptr(), lo.data_ptr(), torch.get_num_threads())
-    return hi, lo
+    low = torch.empty(X.shape, dtype=torch.bfloat16) if lo else None
+    lib.split_bf16_f32(X.numel(), X.data_ptr(), hi.data_ptr(), low.data_ptr() if lo else None,
+                       torch.get_num_threads())
+    return hi, low
 
 
 def scaled_bf16(X: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:

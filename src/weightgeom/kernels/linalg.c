@@ -13,7 +13,7 @@
  *
  * split_bf16_f32: X (n floats) -> hi = bf16(X clamped to ±BF16_MAX), lo = bf16(X - hi), rounded to nearest even as
  * torch's conversion: one pass instead of torch's four, the same bits but for NaN's sign and payload (torch's
- * vectorised and scalar conversions differ there themselves). ±inf gives hi = ±BF16_MAX, lo = ±inf.
+ * vectorised and scalar conversions differ there themselves). ±inf gives hi = ±BF16_MAX, lo = ±inf. lo = NULL: hi alone.
  *
  * symsum_f32: out = alpha·(S + Sᵀ) of one n×n matrix (beta = 0: out is not read), or out ← (out + alpha·S) +
  * alpha·Sᵀ (beta = 1), in torch's order of operations for alpha·(S + S.mT) and out.add_(S).add_(S.mT): the same bits
@@ -111,6 +111,12 @@ static inline float from_bf16(uint16_t h) {
 }
 
 void split_bf16_f32(long n, const float *x, uint16_t *hi, uint16_t *lo, int nthreads) {
+    if (!lo) { /* hi alone */
+        _Pragma("omp parallel for schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)")
+        for (long i = 0; i < n; i++)
+            hi[i] = to_bf16(x[i] > BF16_MAX ? BF16_MAX : (x[i] < -BF16_MAX ? -BF16_MAX : x[i]));
+        return;
+    }
     _Pragma("omp parallel for schedule(static) num_threads(n >= PAR_MIN ? nthreads : 1)")
     for (long i = 0; i < n; i++) {
         const float c = x[i] > BF16_MAX ? BF16_MAX : (x[i] < -BF16_MAX ? -BF16_MAX : x[i]); /* NaN passes */

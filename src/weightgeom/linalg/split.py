@@ -151,9 +151,9 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
         _, hi, low = memo[key]
         if low is not None or not lo:
             return hi, (low if lo else None)
-    if lo and X.device.type == "cpu" and X.dtype == torch.float32 and X.is_contiguous() \
+    if (lo or hi is None) and X.device.type == "cpu" and X.dtype == torch.float32 and X.is_contiguous() \
             and kernels.load_kernel("linalg") is not None:
-        hi, low = kernels.split_bf16_kernel(X)  # one pass (kernels/linalg.c), the same bits
+        hi, low = kernels.split_bf16_kernel(X, lo)  # one pass (kernels/linalg.c), the same bits
     else:
         hi = X.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16) if hi is None else hi
         if lo:
