@@ -486,7 +486,10 @@ def test_column_norms_right_when_openmp_starts_fewer_threads(env):
 
     code = ("import torch; from weightgeom.linalg.norms import column_norms; torch.manual_seed(0); "
             "torch.set_num_threads(2); X = torch.randn(512, 256); "
-            "print(int((~torch.isclose(column_norms(X).double(), X.double().norm(dim=0), rtol=1e-5)).sum()))")
+            "from weightgeom import kernels; h, s = kernels.bf16_with_column_sumsq(X); "
+            "print(int((~torch.isclose(column_norms(X).double(), X.double().norm(dim=0), rtol=1e-5)).sum()) "
+            "+ int((~torch.isclose(s.double(), X.double().square().sum(0), rtol=1e-5)).sum()) "
+            "+ int((h != X.bfloat16()).sum()))")
     k, v = env.split("=")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, k: v})
@@ -684,3 +687,31 @@ def test_manifold_direction_narrows_the_scaled_gradient_in_the_kernel():
     finally:
         kernels.scaled_bf16 = real
     assert calls and torch.equal(A1, A2)
+
+
+@needs_kernel
+def test_bf16_with_column_sumsq_is_the_copy_and_the_column_norms_in_one_pass():
+    """The norm estimate's bf16 Gram factor and its exact diagonal from one read of A: torch's bf16 conversion bits
+    (overflow to inf), column_norms' squared values bit for bit (both summed in double, row by row); a row-strided
+    view too; anything else None. The estimate is the same with the kernel as without it."""
+    from weightgeom.optim.manifold_muon import spectral_norm_estimate
+
+    X = torch.randn(700, 300, generator=_gen(70)) * torch.logspace(-3, 3, 300)
+    X[0, 0], X[1, 1] = float("inf"), 3.4e38
+    for V in (X, torch.randn(400, 350, generator=_gen(71))[:, :300]):
+        hi, sums = kernels.bf16_with_column_sumsq(V)
+        assert torch.equal(hi, V.to(torch.bfloat16)) and torch.equal(sums, column_norms(V, squared=True))
+    assert kernels.bf16_with_column_sumsq(X.mT) is None and kernels.bf16_with_column_sumsq(X.double()) is None
+    A = torch.randn(1536, 512, generator=_gen(72))
+    calls = []
+    real = kernels.bf16_with_column_sumsq
+    try:
+        kernels.bf16_with_column_sumsq = lambda x: calls.append(1) or real(x)
+        with S.split_products():
+            fast = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
+        kernels.bf16_with_column_sumsq = lambda x: None
+        with S.split_products():
+            slow = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
+    finally:
+        kernels.bf16_with_column_sumsq = real
+    assert calls and torch.equal(fast, slow)

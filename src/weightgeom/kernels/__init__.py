@@ -31,7 +31,8 @@ import torch
 from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
-           "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16"]
+           "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16",
+           "bf16_with_column_sumsq"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -53,6 +54,7 @@ _SIGNATURES = {
         "lanczos_{t}": ([_L, _L, _P, _P, _D, _P, _P, _I], _I),
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
+        "bf16_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _I], _I),
         "symsum_f32": ([_L, _P, _L, _P, _L, _D, _I, _I], None),
         "colsumsq_{t}": ([_L, _L, _P, _L, _I, _P, _I], None),
     },
@@ -413,6 +415,25 @@ def scaled_bf16(X: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     for x, o, s in zip(mats.unbind(0), outs.unbind(0), scales):
         lib.scale_bf16_f32(x.numel(), x.data_ptr(), s, o.data_ptr(), torch.get_num_threads())
     return out
+
+
+def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(X in bf16 — torch's ``X.to(torch.bfloat16)`` bits but for NaN's payload —, Σ_i X_ij² per column in float32,
+    summed in double) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``): a bf16 Gram's factor and
+    its exact diagonal. None where the kernel is unavailable, X does not fit, or memory runs out (callers then use
+    torch)."""
+    if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
+            or X.stride(0) < X.shape[1]:
+        return None
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    m, n = X.shape
+    hi = torch.empty(m, n, dtype=torch.bfloat16)
+    sums = torch.empty(n, dtype=torch.float32)
+    if lib.bf16_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), sums.data_ptr(), torch.get_num_threads()):
+        return None
+    return hi, sums
 
 
 def column_sumsq(X: torch.Tensor) -> torch.Tensor | None:

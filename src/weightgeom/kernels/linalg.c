@@ -200,6 +200,40 @@ static inline int team(int want) {
 DEF_COLSUMSQ(colsumsq_f32, float)
 DEF_COLSUMSQ(colsumsq_f64, double)
 
+/* bf16_colsumsq_f32: hi = bf16(X) (torch's conversion: no clamp, overflow rounds to inf) of a row-major m×n float32
+ * matrix (row stride ld; hi contiguous) and sums[j] = sum_i X[i,j]^2 summed in double, in one read pass: the bf16
+ * copy and the exact diagonal of a bf16 Gram (weightgeom.optim.manifold_muon's norm estimate). Columns are split
+ * over the threads OpenMP really starts. Returns nonzero when out of memory (nothing reliable written). */
+int bf16_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, float *sums, int nthreads) {
+    int failed = 0;
+    const int nt = team(m * n >= PAR_MIN ? nthreads : 1);
+    _Pragma("omp parallel num_threads(nt) reduction(|:failed)")
+    {
+        int t = 0, team_size = 1;
+        _PRAGMA_THREAD_NUM
+        const long chunk = (n + team_size - 1) / team_size;
+        const long j0 = t * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        if (j0 < j1) {
+            double *acc = (double *)calloc((size_t)(j1 - j0), sizeof(double));
+            if (!acc) {
+                failed = 1;
+            } else {
+                for (long i = 0; i < m; i++) {
+                    const float *r = X + i * ld + j0;
+                    uint16_t *h = hi + i * n + j0;
+                    for (long j = 0; j < j1 - j0; j++) {
+                        acc[j] += (double)r[j] * r[j];
+                        h[j] = to_bf16(r[j]);
+                    }
+                }
+                for (long j = j0; j < j1; j++) sums[j] = (float)acc[j - j0];
+                free(acc);
+            }
+        }
+    }
+    return failed;
+}
+
 /* 8-wide float vectors (GCC/clang vector extensions: AVX registers where the CPU has them, pairs of SSE/NEON ones
  * otherwise) and the 8×8 transpose of symsum_f32 in three rounds of two-source shuffles. */
 typedef float v8f __attribute__((vector_size(32)));
@@ -260,5 +294,32 @@ void symsum_f32(long n, const float *S, long lds, float *out, long ldo, double a
                     }
             }
         }
+    }
+}
+
+/* transpose_f32: dst = srcᵀ, dst r×c (row stride ldd), src c×r (row stride lds), not overlapping. 8×8 blocks turned
+ * in vector registers (as symsum_f32), visited in 32×32 tiles so a tile's source rows stay in cache; the ragged edge
+ * element by element. weightgeom.linalg.layout.copy_ uses it for a transposed view of a row-major float32 matrix:
+ * torch's copy reads it with a stride of a row per element (768×3072: 2.2–2.5 ms; blocked in torch ~1.0 ms). */
+#define TR_TILE 32
+void transpose_f32(long r, long c, const float *src, long lds, float *dst, long ldd, int nthreads) {
+    const long rb = (r + TR_TILE - 1) / TR_TILE, cb = (c + TR_TILE - 1) / TR_TILE;
+    const int nt = team(r * c >= PAR_MIN ? nthreads : 1);
+    _Pragma("omp parallel for schedule(static) num_threads(nt)")
+    for (long t = 0; t < rb * cb; t++) {
+        const long I0 = (t / cb) * TR_TILE, J0 = (t % cb) * TR_TILE;
+        const long I1 = I0 + TR_TILE < r ? I0 + TR_TILE : r, J1 = J0 + TR_TILE < c ? J0 + TR_TILE : c;
+        for (long i0 = I0; i0 < I1; i0 += 8)
+            for (long j0 = J0; j0 < J1; j0 += 8) {
+                if (i0 + 8 <= I1 && j0 + 8 <= J1) {
+                    v8f b[8]; /* b[k] = src[j0 + k, i0..i0+8] */
+                    for (int k = 0; k < 8; k++) b[k] = load8(src + (j0 + k) * lds + i0);
+                    transpose8(b);
+                    for (int k = 0; k < 8; k++) store8(dst + (i0 + k) * ldd + j0, b[k]);
+                } else {
+                    for (long i = i0; i < i0 + 8 && i < I1; i++)
+                        for (long j = j0; j < j0 + 8 && j < J1; j++) dst[i * ldd + j] = src[j * lds + i];
+                }
+            }
     }
 }

@@ -27,6 +27,7 @@ import torch
 from weightgeom import kernels
 from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
 from weightgeom.linalg.layout import sym_sum
+from weightgeom.linalg.norms import plain
 from weightgeom.linalg.split import split_active, split_bf16, split_matmul
 from weightgeom.manifolds.base import Manifold, addmm_batched, constraint_mm, tall, untall
 
@@ -359,9 +360,11 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
         and A.dtype == torch.float32
     if A.shape[-2] >= 2 * n or split_gram:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
-            An = A.to(gram_dtype)
+            # the bf16 factor and the exact diagonal (column sums of squares) in one C pass over A where it can
+            fused = kernels.bf16_with_column_sumsq(A) if split_gram and A.ndim == 2 and plain(A) else None
+            An, diag = fused if fused is not None else (A.to(gram_dtype), None)
             G = split_matmul((An.mT, None), (An, None)) if split_gram else (An.mT @ An).to(A.dtype)
-            G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True))
+            G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True) if diag is None else diag)
         else:
             G = A.mT @ A
         top_diag = G.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).unsqueeze(-1)
