@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from weightgeom import kernels
 from weightgeom.linalg import MSIGN_PRESETS, msign, msign_reference
 
 # Tolerances, measured on the shapes below (cond ≤ 4 inputs) with torch 2.13 CPU:
@@ -477,3 +478,104 @@ def test_cuda_msign_replayed_as_a_graph_equals_eager(monkeypatch):
             assert torch.equal(replayed, eager), (shape, kw)
     assert graphs._entries and all(e is not None for e in graphs._entries.values())
     graphs.clear()
+
+
+# ---- the CPU bf16 normalisation kernel (msign's first pass) ---------------------------------------------------
+_needs_linalg_kernel = pytest.mark.skipif(kernels.load_kernel("linalg") is None,
+                                          reason="no C compiler for weightgeom.kernels")
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def normalise_path(request, monkeypatch):
+    """msign's bf16 normalisation by torch's passes or by the C kernel (every matrix size takes the kernel)."""
+    import importlib
+
+    ms = importlib.import_module("weightgeom.linalg.msign")  # the module (the package exports the function msign)
+
+    if request.param == "kernel":
+        if kernels.load_kernel("linalg") is None:
+            pytest.skip("no C compiler for weightgeom.kernels")
+        monkeypatch.setattr(ms, "NORMALISE_KERNEL_MIN", 1)
+    else:
+        monkeypatch.setattr(ms, "NORMALISE_KERNEL_MIN", 1 << 62)
+    return request.param
+
+
+# hostile and ordinary inputs: (name, G as a function of a generator)
+_NORMALISE_CASES = {
+    "gaussian": lambda g: torch.randn(300, 260, generator=g),
+    "tiny 1e-40 (subnormal)": lambda g: 1e-40 * torch.randn(300, 260, generator=g),
+    "tiny 1e-23": lambda g: 1e-23 * torch.randn(300, 260, generator=g),
+    "huge 1e37": lambda g: 1e37 * torch.randn(300, 260, generator=g),
+    "zero": lambda g: torch.zeros(300, 260),
+    "one spike": lambda g: torch.zeros(300, 260).index_put_((torch.tensor([7]), torch.tensor([9])), torch.tensor(3.0)),
+    "batch with a zero matrix": lambda g: (torch.randn(3, 200, 120, generator=g)
+                                           * torch.tensor([1.0, 0.0, 5.0]).view(3, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NORMALISE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_normalisation_kernel_matches_torchs_passes(case, dtype, normalise_path):
+    """msign's input normalised to bf16 (G / (‖G‖_F·safety)): the C kernel (norm summed in double, one rounding)
+    and torch's passes (power-of-two prescale, norm of the bf16 copy, a bf16 multiply) agree to one bf16 rounding of
+    the result's largest entry, for hostile scales too; a zero matrix stays exactly zero, never NaN."""
+    from weightgeom.linalg.msign import _normalise
+
+    G = _NORMALISE_CASES[case](torch.Generator().manual_seed(9)).to(dtype)
+    got = _normalise(G, 1.01, torch.bfloat16, inplace=True)
+    ref = G.double() / (torch.linalg.vector_norm(G.double(), dim=(-2, -1), keepdim=True) * 1.01).clamp_min(1e-300)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    err = (got.double() - ref).abs().amax(dim=(-2, -1))
+    top = ref.abs().amax(dim=(-2, -1))
+    # the kernel rounds once (2⁻⁹ of an entry); torch's passes round the prescaled copy, the bf16 scale and the
+    # product (measured up to 0.0059 of the largest entry)
+    tol = 2.0**-8 if normalise_path == "kernel" else 2.0**-7
+    assert (err <= tol * top).all(), (case, float((err / top.clamp_min(1e-300)).max()))
+
+
+def test_bf16_normalisation_kernel_keeps_nan_and_inf_semantics(normalise_path):
+    """An inf or NaN entry: NaN where it was, the rest of its matrix zero (the scale is 0), the batch's other
+    matrices untouched — the same on both paths."""
+    from weightgeom.linalg.msign import _normalise
+
+    G = torch.randn(2, 300, 260, generator=torch.Generator().manual_seed(10))
+    G[0, 3, 4] = float("inf")
+    G[0, 5, 6] = float("nan")
+    got = _normalise(G, 1.01, torch.bfloat16, inplace=True)
+    assert got[0, 3, 4].isnan() and got[0, 5, 6].isnan()
+    rest = got[0].clone()
+    rest[3, 4] = rest[5, 6] = 0
+    assert torch.equal(rest, torch.zeros_like(rest))
+    assert torch.isfinite(got[1]).all() and float(got[1].abs().max()) > 0
+
+
+@_needs_linalg_kernel
+def test_bf16_normalisation_kernel_bits_do_not_depend_on_threads_or_layout():
+    """The kernel's norm is summed over fixed ranges added in order: 1 and 2 threads give the same bits (DDP ranks
+    and single-process runs agree); a transposed view normalises as its row-major copy."""
+    import subprocess
+    import sys
+
+    code = ("import torch, sys; from weightgeom.linalg.msign import _normalise; "
+            "torch.set_num_threads(int(sys.argv[1]));"
+            "G = torch.randn(1536, 768, generator=torch.Generator().manual_seed(11));"
+            "print(int(_normalise(G, 1.01, torch.bfloat16, inplace=True).view(torch.int16).double().sum()))")
+    outs = [subprocess.run([sys.executable, "-c", code, t], capture_output=True, text=True, timeout=120)
+            for t in ("1", "2")]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr + outs[1].stderr
+    assert outs[0].stdout == outs[1].stdout
+    from weightgeom.linalg.msign import _normalise
+
+    G = torch.randn(768, 1536, generator=torch.Generator().manual_seed(12))
+    assert torch.equal(_normalise(G.mT, 1.01, torch.bfloat16, inplace=True),
+                       _normalise(G.mT.contiguous(), 1.01, torch.bfloat16, inplace=True))
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (260, 300), (2, 300, 260)], ids=str)
+def test_bf16_msign_through_either_normalisation_is_orthogonal(shape, normalise_path):
+    """The whole bf16 msign (default Polar Express steps) is as orthogonal through the kernel as through torch's
+    passes: singular values within BF16_SV_TOL of 1 (well-conditioned input)."""
+    G = well_conditioned(*shape, dtype=torch.float32)
+    s = torch.linalg.svdvals(msign(G, dtype=torch.bfloat16).double())
+    assert float((s - 1).abs().max()) < BF16_SV_TOL

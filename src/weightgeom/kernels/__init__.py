@@ -32,7 +32,7 @@ from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
            "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16",
-           "bf16_with_column_sumsq"]
+           "bf16_with_column_sumsq", "normalise_bf16"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -55,6 +55,8 @@ _SIGNATURES = {
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
         "bf16_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _I], _I),
+        "normalise_bf16_f32": ([_L, _P, _P, _D, _D, _I], _D),
+        "normalise_bf16_bf16": ([_L, _P, _P, _D, _D, _I], _D),
         "symsum_f32": ([_L, _P, _L, _P, _L, _D, _I, _I], None),
         "colsumsq_{t}": ([_L, _L, _P, _L, _I, _P, _I], None),
     },
@@ -434,6 +436,25 @@ def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if lib.bf16_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), sums.data_ptr(), torch.get_num_threads()):
         return None
     return hi, sums
+
+
+def normalise_bf16(X: torch.Tensor, safety: float, eps: float) -> torch.Tensor | None:
+    """bf16(X / (‖X‖_F·safety + eps)) per matrix of a contiguous CPU float32 or bf16 (batch of) matrices, in two passes
+    (``linalg.c``: the norm summed in double, independent of the thread count; the quotient rounded once), a new
+    tensor; a zero matrix stays zero. None where the kernel is unavailable or X does not fit (callers use torch)."""
+    if X.device.type != "cpu" or X.dtype not in (torch.float32, torch.bfloat16) or X.ndim < 2 \
+            or not X.is_contiguous() or X.numel() == 0:
+        return None
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    fn = lib.normalise_bf16_f32 if X.dtype == torch.float32 else lib.normalise_bf16_bf16
+    out = torch.empty(X.shape, dtype=torch.bfloat16)
+    per = X.shape[-2] * X.shape[-1]
+    xp, op = X.data_ptr(), out.data_ptr()
+    for b in range(X.numel() // per):
+        fn(per, xp + b * per * X.element_size(), op + b * per * 2, float(safety), float(eps), torch.get_num_threads())
+    return out
 
 
 def column_sumsq(X: torch.Tensor) -> torch.Tensor | None:

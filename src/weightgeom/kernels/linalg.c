@@ -323,3 +323,47 @@ void transpose_f32(long r, long c, const float *src, long lds, float *dst, long 
             }
     }
 }
+
+/* normalise_bf16_{f32,bf16}: out = bf16(x / (‖x‖_F·safety + eps)) of n entries (one matrix), ‖x‖_F summed in double in
+ * one read pass — no prescale needed: double holds the square of every float32 — and the quotient formed in double
+ * before rounding (a norm below float32's range cannot overflow the scale); a zero matrix stays zero, inf/NaN
+ * entries leave NaN where they are and zeros elsewhere (the scale is 0), as weightgeom.linalg.msign's torch path.
+ * The sum is over NORM_CHUNKS fixed ranges added in order, so it does not depend on the number of threads.
+ * Returns the norm. */
+#define NORM_CHUNKS 64
+#define DEF_NORMALISE(NAME, T, LOAD)                                                                                 \
+    double NAME(long n, const T *x, uint16_t *out, double safety, double eps, int nthreads) {                       \
+        const int nt = team(n >= PAR_MIN ? nthreads : 1);                                                            \
+        double part[NORM_CHUNKS], top[NORM_CHUNKS];                                                                  \
+        const long chunk = (n + NORM_CHUNKS - 1) / NORM_CHUNKS;                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)")                                                 \
+        for (int c = 0; c < NORM_CHUNKS; c++) {                                                                      \
+            const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;                                         \
+            double ss = 0.0, mx = 0.0;                                                                               \
+            _Pragma("omp simd reduction(+:ss) reduction(max:mx)")                                                    \
+            for (long i = i0; i < i1; i++) {                                                                         \
+                const double v = LOAD(x[i]);                                                                         \
+                ss += v * v;                                                                                         \
+                mx = mx > fabs(v) ? mx : fabs(v);                                                                    \
+            }                                                                                                        \
+            part[c] = ss;                                                                                            \
+            top[c] = mx;                                                                                             \
+        }                                                                                                            \
+        double ss = 0.0, mx = 0.0;                                                                                   \
+        for (int c = 0; c < NORM_CHUNKS; c++) {                                                                      \
+            ss += part[c];                                                                                           \
+            mx = mx > top[c] ? mx : top[c];                                                                          \
+        }                                                                                                            \
+        const double norm = sqrt(ss);                                                                                \
+        /* eps as the torch path adds it: to the norm of X prescaled by the power of two that brings max|x| into    \
+         * [1, 2) (there a guard against 0; for a matrix of tiny entries, added to the raw norm, it would dominate) */ \
+        const double p2 = mx > 0 && isfinite(mx) ? exp2(floor(log2(mx))) : 1.0;                                       \
+        const double s = norm > 0 ? 1.0 / (norm * safety + eps * p2) : 0.0; /* NaN norm: not > 0, scale 0 */        \
+        _Pragma("omp parallel for simd schedule(static) num_threads(nt)")                                           \
+        for (long i = 0; i < n; i++) out[i] = to_bf16((float)(LOAD(x[i]) * s));                                     \
+        return norm;                                                                                                 \
+    }
+#define LOAD_F32(v) ((double)(v))
+#define LOAD_BF16(v) ((double)from_bf16(v))
+DEF_NORMALISE(normalise_bf16_f32, float, LOAD_F32)
+DEF_NORMALISE(normalise_bf16_bf16, uint16_t, LOAD_BF16)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightgeom import kernels
 from weightgeom.linalg import graphs
 
 __all__ = ["NSPreset", "MSIGN_PRESETS", "msign", "msign_reference", "default_dtype"]
@@ -87,6 +88,9 @@ _PUBLISHED_EPS = 1e-7
 
 # Added to the Frobenius norm before dividing: keeps a zero input at exactly zero output (never 0/0 = NaN).
 _NORM_EPS = 1e-30
+# Matrices of at least this many entries are normalised by the C kernel on the CPU (``_normalise``); smaller ones keep
+# torch's passes (the call's overhead would dominate).
+NORMALISE_KERNEL_MIN = 1 << 16
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -227,6 +231,14 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     gradient) and one of huge entries overflows. ``inplace=True`` writes into a fresh buffer with ``out=`` (not
     differentiable).
     """
+    if inplace and dtype == torch.bfloat16 and X.device.type == "cpu" and X.dtype in (torch.float32, torch.bfloat16) \
+            and X.shape[-2] * X.shape[-1] >= NORMALISE_KERNEL_MIN:
+        # one read pass for the norm (summed in double: no prescale) and one for the quotient, in C (kernels/linalg.c):
+        # torch's five passes (max, prescale, norm, scale) and its mixed-dtype multiply took ~4× as long; a row-major
+        # copy first for any other layout, so the sum's order, and the result, do not depend on it
+        out = kernels.normalise_bf16(X.contiguous(), safety, _NORM_EPS)
+        if out is not None:
+            return out
     # Accumulate the norm in at least float32 (a bf16 sum of squares loses digits); never narrow float64.
     norm_dtype = torch.float64 if X.dtype == torch.float64 or dtype == torch.float64 else torch.float32
     # max |x|, exact in any dtype: ~6× faster on the CPU than vector_norm(ord=inf) (0.55 vs 3.7 ms, 3072×768); in
