@@ -731,3 +731,26 @@ def test_cuda_spectral_norm_estimate_replayed_as_a_graph_equals_eager(monkeypatc
             assert torch.equal(r, e), (r, e)
     assert graphs._entries and all(e is not None for e in graphs._entries.values())
     graphs.clear()
+
+
+@pytest.mark.parametrize("name", ["stiefel", "dgram"])
+@pytest.mark.parametrize("shape", [(600, 280), (280, 600)], ids=str)
+def test_in_place_retraction_steps_as_retract_then_copy(name, shape, monkeypatch):
+    """The optimizer retracts a row-major tall parameter in place (``Manifold.retract_``: the last near-manifold
+    update written into the parameter, no m×n result allocated and copied back); its steps are bitwise those of the
+    retract-then-copy default, for a tall parameter and a wide one (stepped on a row-major working copy)."""
+    from weightgeom.manifolds.base import Manifold
+
+    def run(in_place: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(_point(name, *shape, dtype=torch.float32).contiguous())
+        opt = Muon([p], lr=0.02, manifold=name)
+        cls = type(manifolds.get(name))
+        with monkeypatch.context() as mp:
+            if not in_place:
+                mp.setattr(cls, "retract_", Manifold.retract_)
+            for k in range(3):
+                p.grad = _grad(*shape, seed=20 + k, dtype=torch.float32)
+                opt.step()
+        return p.detach().clone()
+
+    assert torch.equal(run(True), run(False))

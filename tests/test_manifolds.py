@@ -286,6 +286,43 @@ def test_proj_tangent_tall_overwrite_a_gives_the_same_values(make, dtype, split,
 
 @params_m
 @params_dtype
+@pytest.mark.parametrize("split", [False, True], ids=["ieee", "split"])
+@pytest.mark.parametrize("shape", [(300, 260), (260, 300), (2, 300, 260), (7, 4)], ids=str)
+@pytest.mark.parametrize("dist", [1e-3, 0.3, 3.0], ids=["near", "mid", "far"])
+@pytest.mark.parametrize("layout", ["row_major", "col_major"])
+def test_retract_in_place_gives_retracts_bits(make, dtype, split, shape, dist, layout):
+    """``retract_`` (the optimizer's in-place retraction; Stiefel and DGram write their last near-manifold update
+    into a row-major W directly) returns W holding ``retract``'s bits, near the manifold or far from it, tall or wide,
+    row- or column-major, batched, with split-bf16 or IEEE products."""
+    from weightgeom.linalg.split import split_products
+
+    m = make()
+    W = (point(m, shape, dtype) + dist * rand(*shape, dtype=dtype, seed=5) / max(shape[-2:]) ** 0.5).contiguous()
+    if layout == "col_major":
+        W = W.mT.contiguous().mT
+    with split_products(split):
+        ref = m.retract(W.clone())
+        V = W.clone()
+        got = m.retract_(V)
+    assert got is V and torch.equal(V, ref)
+
+
+def test_polar_near_in_place_leaves_x_untouched_when_it_gives_up(monkeypatch):
+    """polar_near(inplace=True) writes X only in the update it knows to be its last: a call that runs out of
+    iterations (returns None) leaves X as it was, and the retraction then falls back on the original point."""
+    from weightgeom.linalg.split import split_products
+
+    X = point(Stiefel(), (300, 260), torch.float32) + 0.3 * rand(300, 260, dtype=torch.float32, seed=6) / 300**0.5
+    X0 = X.clone()
+    monkeypatch.setattr(stiefel_mod, "_NEAR_MAX_ITERS", 1)
+    with split_products(True):
+        assert stiefel_mod.polar_near(X, inplace=True) is None
+        assert torch.equal(X, X0)
+        assert torch.equal(Stiefel().retract_(X), Stiefel().retract(X0))
+
+
+@params_m
+@params_dtype
 def test_wide_is_transposed_tall(make, dtype):
     m = make()
     W = rand(7, 4, dtype=dtype)

@@ -105,8 +105,17 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     column scaling, and only its off-diagonal part as one bf16 product — whose error, 2⁻⁸ of a small term, is below the
     three-product split's (``docs/muon.md``).
 
-    ``overwrite_c``: the caller no longer needs C, so a row-major C of the result's shape and dtype that shares no
-    memory with A or B accumulates the result in place (returned) instead of in a copy; otherwise ignored."""
+    ``overwrite_c``: the caller no longer needs C, so a row-major C of the result's shape and dtype accumulates the
+    result in place (returned) instead of in a copy — with ``small`` also when C is A (X + X·F: X's bf16 piece is
+    taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
+    if overwrite_c and small and split_here(C, A, B) and C is A and C.is_contiguous() and B.ndim == 2 \
+            and C.ndim == 2:
+        d = B.diagonal().unsqueeze(-2)
+        hi = a_pieces[0] if a_pieces is not None else split_bf16(A, lo=False)[0]  # before A changes
+        Bo = B.to(torch.bfloat16)
+        Bo.diagonal().zero_()
+        A.mul_(1.0 + alpha * d)
+        return split_matmul((hi, None), (Bo, None), out=A, alpha=alpha, beta=1.0)
     if overwrite_c and not small and _writable_result(C, A, B):
         if not split_here(C, A, B):
             return C.addmm_(A, B, alpha=alpha) if C.ndim == 2 else addmm_batched(C, A, B, alpha=alpha)
@@ -277,7 +286,7 @@ class Manifold(ABC):
     # Methods that run inside ``full_precision()`` in every subclass (wrapped at class creation): a process-wide
     # TF32/bf16 float32-matmul mode would otherwise leave retracted points ~1e-3 off the manifold and make ``check``
     # measure with that error (weightgeom.linalg.precision).
-    FULL_PRECISION_METHODS = ("retract", "proj_tangent", "proj_tangent_tall", "constraint_violation",
+    FULL_PRECISION_METHODS = ("retract", "retract_", "proj_tangent", "proj_tangent_tall", "constraint_violation",
                               "tangent_residual", "check", "random_point")
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -302,6 +311,16 @@ class Manifold(ABC):
     @abstractmethod
     def retract(self, W: torch.Tensor) -> torch.Tensor:
         """Map W (either orientation, batched) onto the manifold; idempotent on manifold points."""
+
+    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+        """In place: W ← ``retract(W)``, returned (torch's trailing-underscore convention; W writable, float32 or
+        float64). The default computes ``retract(W)`` and copies it in; Stiefel and DGram write their near-manifold
+        retraction's last update into W directly — no m×n result allocated and copied (the optimizer retracts its
+        parameters this way every step). Same values as ``retract``."""
+        R = self.retract(W)
+        if R is not W:
+            W.copy_(R)
+        return W
 
     @abstractmethod
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

@@ -153,12 +153,13 @@ def complete_small_columns(Z: torch.Tensor, Q: torch.Tensor, norms: torch.Tensor
 
 
 def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
-                               steps: int | None = None) -> torch.Tensor:
+                               steps: int | None = None, inplace: bool = False) -> torch.Tensor:
     """polar(X·D⁻¹)·D on the tall view, D = diag(‖x_j‖); a zero column stays zero.
 
     The polar factor is ``stiefel.polar_near`` when the column-normalised X is near orthonormal (every column nonzero),
     else ``polar`` with ``method``; with Polar Express, columns it leaves unresolved (nearly parallel columns) are
-    completed exactly (``complete_small_columns``).
+    completed exactly (``complete_small_columns``). ``inplace``: the result is written into X (returned), the
+    near-manifold path's last update directly (X in the compute dtype), any other by a copy.
     """
     Z = X.to(compute_dtype(X))
     G = None
@@ -176,9 +177,9 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
         # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
         # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
         E = None if G is None else scaled_gram_deviation(G, norms)  # what polar_near would form first
-        R = polar_near(Z, E=E, scale=norms)
+        R = polar_near(Z, E=E, scale=norms, inplace=inplace)
         if R is not None:
-            return R.to(X.dtype)
+            return X.copy_(R) if inplace and R is not X else R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
     if method == "polar_express" and low > 0:
         Q = polar_near(Zn)
@@ -186,7 +187,7 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
         Q = polar(Zn, method, steps)
         if method == "polar_express":
             Q = complete_small_columns(Zn, Q, nonzero.to(Zn.dtype))
-    return (Q * norms).to(X.dtype)
+    return X.copy_(Q * norms) if inplace else (Q * norms).to(X.dtype)
 
 
 def dgram_retract_paper(X: torch.Tensor) -> torch.Tensor:
@@ -244,6 +245,15 @@ class DGram(Manifold):
         if self.retraction == "column_polar":
             return untall(dgram_retract_column_polar(X, self.method, self.steps), t)
         return untall(dgram_retract_polar(X, self.method, self.steps), t)
+
+    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+        """``retract`` in place (``Manifold.retract_``): the column-polar retraction of a near-manifold W takes its last
+        update in place."""
+        X, _ = tall(W)
+        if self.retraction == "column_polar" and X.dtype == compute_dtype(X):
+            dgram_retract_column_polar(X, self.method, self.steps, inplace=True)
+            return W
+        return super().retract_(W)
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·Λ with Λ_ij = (WᵀA + AᵀW)_ij/(d_i + d_j) off-diagonal, d = diag(WᵀW) (tall view)."""

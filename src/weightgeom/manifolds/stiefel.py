@@ -71,7 +71,7 @@ def scaled_gram_deviation(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor | None:
+               scale: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor | None:
     """Polar factor of a tall X with ‖XᵀX − I‖_F ≤ ``NEAR_TOL``, by the iteration X ← X·p_k(E) (see the constants).
 
     Args:
@@ -81,6 +81,8 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         scale: positive column scales s (..., 1, n): return polar(X·S⁻¹)·S, S = diag(s), without forming X·S⁻¹ — the
             iteration runs on X with E = S⁻¹XᵀXS⁻¹ − I and the step X ← X + X·S⁻¹(p(E) − I)S, the same maths in
             scaled coordinates (DGram's column-polar retraction: s = the column norms; two passes over X fewer).
+        inplace: write the last update into X itself (returned) when X is already in the compute dtype — only the
+            update the iteration knows to be its last: a call that returns None leaves X untouched.
 
     Returns:
         The polar factor (times S) in ``compute_dtype(X)``, or None if X is too far from the manifold
@@ -105,7 +107,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         if s is not None:
             F = F * (s / s.mT)  # S⁻¹FS: F_ij·s_j/s_i
         # X·p(E) = X + X·(p(E) − I), fused; p(E) − I is a small correction (‖E‖_F ≤ NEAR_TOL)
-        Xc = constraint_addmm(Xc, Xc, F, small=True)
+        Xc = constraint_addmm(Xc, Xc, F, small=True, overwrite_c=inplace and order is not None and Xc is X)
         if order is not None:
             return Xc
         E = None
@@ -183,6 +185,18 @@ class Stiefel(Manifold):
             if R is not None:
                 return untall(R, t).to(W.dtype)
         return polar(W, self.method, self.steps)
+
+    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+        """``retract`` in place (``Manifold.retract_``): a near-manifold W takes its last polar update in place."""
+        X, _ = tall(W)
+        if self.retraction != "paper" and self.method == "polar_express" and X.numel() > 0 \
+                and X.dtype == compute_dtype(X):
+            R = polar_near(X, inplace=True)  # X itself where its last update ran in place, else a new tensor
+            if R is not None:
+                if R is not X:
+                    X.copy_(R)
+                return W
+        return super().retract_(W)
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·sym(WᵀA) on the tall view (orthogonal projection when W is on the manifold)."""

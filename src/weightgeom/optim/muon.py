@@ -699,10 +699,14 @@ class Muon(torch.optim.Optimizer):
             self.last_stats[name] = {"tangent_residual": res[j], "dual_iters": iters, "dual_residual": dres[j]}
             apply_update(Xs[j], direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
                          group["weight_decay"])
-        retract = group["init"] == "retract"
-        if retract or copied:
+        R = X  # tall, like X
+        if group["init"] == "retract":
             with split_products(self._split_for(X32)):
-                R = _retract(manifold, X) if retract else X  # tall, like X
+                if X.dtype in (torch.float32, torch.float64):
+                    manifold.retract_(X)  # in place: the parameter's own view, or the working copy
+                else:
+                    R = _retract(manifold, X)  # computed in float32, a new tensor in X's dtype
+        if copied or R is not X:
             for Wj, Rj, f in zip(Ws, [R] if one else R.unbind(0), flips):
                 layout.copy_(Wj, Rj.mT if f else Rj)
         for p in ps:
