@@ -287,9 +287,9 @@ def test_proj_tangent_tall_overwrite_a_gives_the_same_values(make, dtype, split,
 @params_m
 @params_dtype
 @pytest.mark.parametrize("split", [False, True], ids=["ieee", "split"])
-@pytest.mark.parametrize("shape", [(300, 260), (260, 300), (2, 300, 260), (7, 4)], ids=str)
-@pytest.mark.parametrize("dist", [1e-3, 0.3, 3.0], ids=["near", "mid", "far"])
-@pytest.mark.parametrize("layout", ["row_major", "col_major"])
+@pytest.mark.parametrize("shape", [(300, 260), (2, 300, 260), (7, 4)], ids=str)
+@pytest.mark.parametrize("dist", [1e-3, 3.0], ids=["near", "far"])
+@pytest.mark.parametrize("layout", ["row_major", "col_major"])  # col_major: a wide matrix's tall view
 def test_retract_in_place_gives_retracts_bits(make, dtype, split, shape, dist, layout):
     """``retract_`` (the optimizer's in-place retraction; Stiefel and DGram write their last near-manifold update
     into a row-major W directly) returns W holding ``retract``'s bits, near the manifold or far from it, tall or wide,
