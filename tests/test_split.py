@@ -715,3 +715,34 @@ def test_bf16_with_column_sumsq_is_the_copy_and_the_column_norms_in_one_pass():
     finally:
         kernels.bf16_with_column_sumsq = real
     assert calls and torch.equal(fast, slow)
+
+
+@needs_kernel
+def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
+    """Inside split_products() a matrix's split also sums its columns' squares (one read pass: the pieces' and
+    column_sumsq's bits), and split_column_sumsq hands them out while the matrix is unchanged — the DGram projection's
+    d and the split Gram's diagonal — so a manifold step reads no matrix again just for its column norms."""
+    X = torch.randn(700, 300, generator=_gen(80))
+    hi, lo, sums = kernels.split_with_column_sumsq(X)
+    assert torch.equal(hi, kernels.split_bf16_kernel(X)[0]) and torch.equal(sums, column_norms(X, squared=True))
+    assert torch.equal(lo.view(torch.int16), kernels.split_bf16_kernel(X)[1].view(torch.int16))
+    calls = []
+    real = kernels.column_sumsq
+    try:
+        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+        with S.split_products():
+            S.split_bf16(X)
+            calls.clear()
+            got = S.split_column_sumsq(X)
+            assert not calls and torch.equal(got, sums)  # from the split's pass: no other
+            X.mul_(2.0)  # changed in place: summed again
+            torch.testing.assert_close(S.split_column_sumsq(X), 4 * sums, rtol=1e-6, atol=0)
+        p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(81)))
+        opt = Muon([p], lr=0.02, manifold="dgram")
+        for _ in range(2):
+            p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(82))
+            calls.clear()
+            opt.step()
+    finally:
+        kernels.column_sumsq = real
+    assert not calls  # the step's column norms all came from its split passes

@@ -32,7 +32,7 @@ from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
            "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16",
-           "bf16_with_column_sumsq", "normalise_bf16"]
+           "bf16_with_column_sumsq", "normalise_bf16", "split_with_column_sumsq"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -55,6 +55,7 @@ _SIGNATURES = {
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
         "bf16_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _I], _I),
+        "split_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _P, _I], _I),
         "normalise_bf16_f32": ([_L, _P, _P, _D, _D, _I], _D),
         "normalise_bf16_bf16": ([_L, _P, _P, _D, _D, _I], _D),
         "symsum_f32": ([_L, _P, _L, _P, _L, _D, _I, _I], None),
@@ -436,6 +437,26 @@ def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if lib.bf16_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), sums.data_ptr(), torch.get_num_threads()):
         return None
     return hi, sums
+
+
+def split_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(hi, lo, Σ_i X_ij² per column) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``):
+    ``split_bf16_kernel``'s pieces and ``column_sumsq``'s sums, bit for bit. None where the kernel is unavailable, X
+    does not fit, or memory runs out (callers then use the separate passes)."""
+    if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
+            or X.stride(0) < X.shape[1]:
+        return None
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    m, n = X.shape
+    hi = torch.empty(m, n, dtype=torch.bfloat16)
+    lo = torch.empty(m, n, dtype=torch.bfloat16)
+    sums = torch.empty(n, dtype=torch.float32)
+    if lib.split_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), lo.data_ptr(), sums.data_ptr(),
+                              torch.get_num_threads()):
+        return None
+    return hi, lo, sums
 
 
 def normalise_bf16(X: torch.Tensor, safety: float, eps: float) -> torch.Tensor | None:

@@ -367,3 +367,42 @@ void transpose_f32(long r, long c, const float *src, long lds, float *dst, long 
 #define LOAD_BF16(v) ((double)from_bf16(v))
 DEF_NORMALISE(normalise_bf16_f32, float, LOAD_F32)
 DEF_NORMALISE(normalise_bf16_bf16, uint16_t, LOAD_BF16)
+
+/* split_colsumsq_f32: split_bf16_f32's hi and lo (contiguous m×n) of a row-major m×n float32 matrix (row stride ld)
+ * and its column sums of squares (summed in double row by row: colsumsq_f32's bits) in one read pass — the split
+ * pieces and the Gram diagonal the constraint arithmetic needs from the same matrix. Columns are split over the threads
+ * OpenMP really starts. Returns nonzero when out of memory (nothing reliable written). */
+int split_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, uint16_t *lo, float *sums,
+                       int nthreads) {
+    int failed = 0;
+    const int nt = team(m * n >= PAR_MIN ? nthreads : 1);
+    _Pragma("omp parallel num_threads(nt) reduction(|:failed)")
+    {
+        int t = 0, team_size = 1;
+        _PRAGMA_THREAD_NUM
+        const long chunk = (n + team_size - 1) / team_size;
+        const long j0 = t * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        if (j0 < j1) {
+            double *acc = (double *)calloc((size_t)(j1 - j0), sizeof(double));
+            if (!acc) {
+                failed = 1;
+            } else {
+                for (long i = 0; i < m; i++) {
+                    const float *r = X + i * ld + j0;
+                    uint16_t *h = hi + i * n + j0, *l = lo + i * n + j0;
+                    for (long j = 0; j < j1 - j0; j++) {
+                        const float x = r[j];
+                        const float c = x > BF16_MAX ? BF16_MAX : (x < -BF16_MAX ? -BF16_MAX : x);
+                        const uint16_t b = to_bf16(c);
+                        acc[j] += (double)x * x;
+                        h[j] = b;
+                        l[j] = to_bf16(x - from_bf16(b));
+                    }
+                }
+                for (long j = j0; j < j1; j++) sums[j] = (float)acc[j - j0];
+                free(acc);
+            }
+        }
+    }
+    return failed;
+}

@@ -34,9 +34,11 @@ from collections.abc import Iterator
 import torch
 
 from weightgeom import kernels
+from weightgeom.linalg.norms import column_norms
 from weightgeom.linalg.precision import full_precision
 
 __all__ = ["split_available", "split_bf16", "split_matmul", "split_products", "split_active", "bf16_gemm_",
+           "split_column_sumsq",
            "SPLIT_REL_ERROR", "BF16_MAX", "unavailable_reason"]
 
 # Worst-case error of one entry of a split product relative to (|A|·|B|)_ij, apart from float32 accumulation (≤ k·2⁻²⁴
@@ -147,11 +149,17 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
     found = _memo_key(X) if memo is not None else None
     key = found[0] if found is not None else None
     hi = low = None
+    sums = None
     if key is not None and key in memo:
-        _, hi, low = memo[key]
+        _, hi, low, sums = memo[key]
         if low is not None or not lo:
             return hi, (low if lo else None)
-    if (lo or hi is None) and X.device.type == "cpu" and X.dtype == torch.float32 and X.is_contiguous() \
+    fused = None
+    if lo and key is not None and X.ndim == 2:  # remembered: its column sums of squares in the same pass
+        fused = kernels.split_with_column_sumsq(X)
+    if fused is not None:
+        hi, low, sums = fused
+    elif (lo or hi is None) and X.device.type == "cpu" and X.dtype == torch.float32 and X.is_contiguous() \
             and kernels.load_kernel("linalg") is not None:
         hi, low = kernels.split_bf16_kernel(X, lo)  # one pass (kernels/linalg.c), the same bits
     else:
@@ -161,8 +169,19 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
             torch.sub(X, low, out=low)
             low = low.to(torch.bfloat16)
     if key is not None:
-        memo[key] = (found[1], hi, low)  # the storage kept alive: its address cannot be reused while remembered
+        memo[key] = (found[1], hi, low, sums)  # the storage kept alive: its address cannot be reused while remembered
     return hi, low
+
+
+def split_column_sumsq(X: torch.Tensor) -> torch.Tensor:
+    """Σ_i X_ij² per column of a (batch of) matrices, (..., n), in X's dtype: inside ``split_products()`` those of a
+    matrix split in the block (summed in the split's pass, ``kernels.split_with_column_sumsq``: column_norms' bits),
+    else ``column_norms(X, squared=True)``."""
+    memo = getattr(_state, "memo", None)
+    found = _memo_key(X) if memo is not None else None
+    if found is not None and found[0] in memo and memo[found[0]][3] is not None:
+        return memo[found[0]][3]
+    return column_norms(X, squared=True)
 
 
 def _operand(T: torch.Tensor) -> tuple[torch.Tensor, int, int]:

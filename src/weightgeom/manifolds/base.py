@@ -23,9 +23,8 @@ import torch
 
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
-from weightgeom.linalg.norms import column_norms
 from weightgeom.linalg.precision import with_full_precision
-from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_matmul
+from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_column_sumsq, split_matmul
 
 __all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check",
            "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "split_here", "SPLIT_MIN_DIM"]
@@ -176,7 +175,7 @@ def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tens
     if lo is not None:
         T = split_matmul((hi.mT, None), (lo, None))
         sym_sum(T, out=G)  # G + T + Tᵀ
-    G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(X, squared=True))
+    G.diagonal(dim1=-2, dim2=-1).copy_(split_column_sumsq(X))  # summed in X's split pass
     return G
 
 

@@ -32,6 +32,7 @@ import torch
 
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.norms import column_norms
+from weightgeom.linalg.split import split_column_sumsq
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
@@ -77,7 +78,7 @@ def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None 
     ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
     ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``).
     """
-    d = column_norms(X, squared=True)
+    d = split_column_sumsq(X)  # column_norms(X, squared=True); inside split_products() from X's split pass
     H = constraint_mm(X.mT, Y) if S is None else S
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     den.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))  # Λ's diagonal: H_ii / inf = 0 (Off), zeroed below too
