@@ -55,6 +55,7 @@
                 w[i] = s;                                                                                           \
             }                                                                                                       \
             double nw = 0.0, a = 0.0;                                                                               \
+            _Pragma("omp simd reduction(+:nw, a)")                                                                  \
             for (long i = 0; i < n; i++) {                                                                          \
                 nw += (double)w[i] * w[i];                                                                          \
                 a += (double)q[i] * w[i];                                                                           \
@@ -66,6 +67,7 @@
                 for (long p = 0; p <= j; p++) {                                                                     \
                     const T *qp = Q + p * n;                                                                        \
                     double s = 0.0;                                                                                 \
+                    _Pragma("omp simd reduction(+:s)")                                                              \
                     for (long i = 0; i < n; i++) s += (double)qp[i] * w[i];                                         \
                     c[p] = s;                                                                                       \
                 }                                                                                                   \
@@ -77,6 +79,7 @@
             }                                                                                                       \
             if (j == k - 1) break;                                                                                  \
             double b = 0.0;                                                                                         \
+            _Pragma("omp simd reduction(+:b)")                                                                      \
             for (long i = 0; i < n; i++) b += (double)w[i] * w[i];                                                  \
             b = sqrt(b);                                                                                            \
             int keep = b > noise * scale;                                                                           \
