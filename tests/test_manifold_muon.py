@@ -754,3 +754,20 @@ def test_in_place_retraction_steps_as_retract_then_copy(name, shape, monkeypatch
         return p.detach().clone()
 
     assert torch.equal(run(True), run(False))
+
+
+def test_sampled_residual_ignores_non_finite_entries_that_p_discards():
+    """Hostile trial 3: the sampled rows are selected by P's mask with where, not multiplied by it — an inf (a legal
+    DGram point with a column of norm 1e20, A = X) or NaN (Euclidean: P = 0) in a discarded entry gave NaN."""
+    from weightgeom.optim.manifold_muon import sampled_tangent_residual
+
+    m, n = 512, 384
+    X = torch.zeros(m, n)
+    X[torch.arange(n), torch.arange(n)] = 1.0
+    X[200, 200] = 1e20
+    dg = manifolds.get("dgram")
+    assert float(dg.tangent_residual(X, X.clone())) == 0.0
+    assert sampled_tangent_residual(X, X.clone(), dg, columns=64) == 0.0
+    A = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
+    A[300, 5] = float("nan")
+    assert sampled_tangent_residual(X, A, manifolds.get("euclidean"), columns=64) == 0.0

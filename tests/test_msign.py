@@ -579,3 +579,18 @@ def test_bf16_msign_through_either_normalisation_is_orthogonal(shape, normalise_
     G = well_conditioned(*shape, dtype=torch.float32)
     s = torch.linalg.svdvals(msign(G, dtype=torch.bfloat16).double())
     assert float((s - 1).abs().max()) < BF16_SV_TOL
+
+
+@_needs_linalg_kernel
+def test_bf16_normalisation_kernel_leaves_forward_ad_to_torch():
+    """Hostile trial 3: a forward-mode dual tensor went through the C kernel, which reads the primal only — the
+    tangent was silently dropped (None). Now such tensors take torch's passes: a tangent, or torch's own error."""
+    import torch.autograd.forward_ad as fwAD
+
+    G = torch.randn(300, 256, generator=torch.Generator().manual_seed(13))
+    with fwAD.dual_level():
+        try:
+            out = msign(fwAD.make_dual(G, torch.randn_like(G)), dtype=torch.bfloat16)
+        except NotImplementedError:  # torch's out= path has no forward-mode rule: loud, as for small matrices
+            return
+        assert fwAD.unpack_dual(out).tangent is not None

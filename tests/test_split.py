@@ -746,3 +746,48 @@ def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
     finally:
         kernels.column_sumsq = real
     assert not calls  # the step's column norms all came from its split passes
+
+
+# ---- hostile trial 3 (each failed before its fix) ----------------------------------------------------------------
+def test_a_product_written_into_a_tensor_forgets_its_remembered_pieces():
+    """MKL writes an overwritten A (the projection into A) behind torch's back: the write bumps A's version, so a
+    later product with A in the same split_products() block splits A again instead of reusing its old pieces."""
+    man = manifolds.get("stiefel")
+    X = man.retract(torch.randn(768, 256, generator=_gen(90)))
+    A = torch.randn(768, 256, generator=_gen(91))
+    with S.split_products():
+        Sm = constraint_mm(X.mT, A)  # splits and remembers A
+        P = man.proj_tangent_tall(X, A, Sm, overwrite_a=True)
+        S2 = constraint_mm(X.mT, A)
+    ref = X.mT @ P
+    assert float((S2 - ref).abs().max()) <= 1e-4 * float(ref.abs().max() + 1)
+
+
+def test_overwrite_is_ignored_where_an_in_place_write_is_not_allowed():
+    """A leaf that requires grad (grad mode on) or an inference tensor outside inference mode is not written: the
+    projection comes back as a new tensor with the non-overwriting call's values."""
+    man = manifolds.get("stiefel")
+    X = man.retract(torch.randn(300, 100, generator=_gen(92)))
+    A = torch.randn(300, 100, generator=_gen(93), requires_grad=True)
+    torch.testing.assert_close(man.proj_tangent_tall(X, A, overwrite_a=True), man.proj_tangent_tall(X, A))
+    with torch.inference_mode():
+        B = torch.randn(300, 100, generator=_gen(94))
+    B0 = B.clone()
+    for split in (False, True):
+        with S.split_products(split):
+            got = man.proj_tangent_tall(X, B, overwrite_a=True)
+            assert torch.equal(B, B0) and torch.equal(got, man.proj_tangent_tall(X, B0))
+
+
+@needs_kernel
+def test_split_column_sums_are_column_norms_bits_at_every_size_and_a_fresh_tensor():
+    """Below column_norms' kernel size torch sums in float32: there the split does not sum the columns (its double
+    sums would differ in the last bits); what split_column_sumsq returns is the caller's own tensor."""
+    for shape in ((300, 100), (700, 300)):
+        X = torch.randn(*shape, generator=_gen(95))
+        with S.split_products():
+            S.split_bf16(X)
+            a = S.split_column_sumsq(X)
+            assert torch.equal(a, column_norms(X, squared=True))
+            a.zero_()
+            assert torch.equal(S.split_column_sumsq(X), column_norms(X, squared=True))

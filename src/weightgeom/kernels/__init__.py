@@ -422,9 +422,9 @@ def scaled_bf16(X: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
 
 def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(X in bf16 — torch's ``X.to(torch.bfloat16)`` bits but for NaN's payload —, Σ_i X_ij² per column in float32,
-    summed in double) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``): a bf16 Gram's factor and
-    its exact diagonal. None where the kernel is unavailable, X does not fit, or memory runs out (callers then use
-    torch)."""
+    summed in double: ``column_sumsq``'s bits) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``):
+    a bf16 Gram's factor and its exact diagonal. None where the kernel is unavailable, X does not fit, or memory runs
+    out (callers then use torch)."""
     if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
             or X.stride(0) < X.shape[1]:
         return None
@@ -441,7 +441,8 @@ def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def split_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(hi, lo, Σ_i X_ij² per column) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``):
-    ``split_bf16_kernel``'s pieces and ``column_sumsq``'s sums, bit for bit. None where the kernel is unavailable, X
+    ``split_bf16_kernel``'s pieces and ``column_sumsq``'s sums, bit for bit (``column_norms``' for matrices of at
+    least its kernel's 65536 entries; below, torch sums in float32). None where the kernel is unavailable, X
     does not fit, or memory runs out (callers then use the separate passes)."""
     if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
             or X.stride(0) < X.shape[1]:

@@ -14,6 +14,7 @@ import torch
 
 from weightgeom import kernels
 from weightgeom.linalg import graphs
+from weightgeom.linalg.norms import plain
 
 __all__ = ["NSPreset", "MSIGN_PRESETS", "msign", "msign_reference", "default_dtype"]
 
@@ -232,7 +233,7 @@ def _normalise(X: torch.Tensor, safety: float, dtype: torch.dtype, inplace: bool
     differentiable).
     """
     if inplace and dtype == torch.bfloat16 and X.device.type == "cpu" and X.dtype in (torch.float32, torch.bfloat16) \
-            and X.shape[-2] * X.shape[-1] >= NORMALISE_KERNEL_MIN:
+            and X.shape[-2] * X.shape[-1] >= NORMALISE_KERNEL_MIN and plain(X):  # no forward-AD tangent, no vmap
         # one read pass for the norm (summed in double: no prescale) and one for the quotient, in C (kernels/linalg.c):
         # torch's five passes (max, prescale, norm, scale) and its mixed-dtype multiply took ~4× as long; a row-major
         # copy first for any other layout, so the sum's order, and the result, do not depend on it

@@ -72,4 +72,4 @@ def _sumsq_kernel(X: torch.Tensor) -> torch.Tensor | None:
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Matrices below this many entries keep torch's reduction (the kernel call's overhead would dominate).
-_KERNEL_MIN = 1 << 16
+COLUMN_KERNEL_MIN = _KERNEL_MIN = 1 << 16

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from weightgeom import kernels
-from weightgeom.linalg.norms import column_norms
+from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, column_norms, plain
 from weightgeom.linalg.precision import full_precision
 
 __all__ = ["split_available", "split_bf16", "split_matmul", "split_products", "split_active", "bf16_gemm_",
@@ -155,7 +155,8 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
         if low is not None or not lo:
             return hi, (low if lo else None)
     fused = None
-    if lo and key is not None and X.ndim == 2:  # remembered: its column sums of squares in the same pass
+    if lo and key is not None and X.ndim == 2 and X.numel() >= COLUMN_KERNEL_MIN:
+        # remembered: its column sums of squares in the same pass (column_norms' bits: its kernel's sizes only)
         fused = kernels.split_with_column_sumsq(X)
     if fused is not None:
         hi, low, sums = fused
@@ -174,13 +175,14 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
 
 
 def split_column_sumsq(X: torch.Tensor) -> torch.Tensor:
-    """Σ_i X_ij² per column of a (batch of) matrices, (..., n), in X's dtype: inside ``split_products()`` those of a
-    matrix split in the block (summed in the split's pass, ``kernels.split_with_column_sumsq``: column_norms' bits),
-    else ``column_norms(X, squared=True)``."""
+    """Σ_i X_ij² per column of a (batch of) matrices, (..., n), in X's dtype, a new tensor — ``column_norms(X,
+    squared=True)``'s bits: inside ``split_products()`` those of a matrix split in the block, summed in the split's
+    pass (``kernels.split_with_column_sumsq``; matrices of at least ``COLUMN_KERNEL_MIN`` entries, where column_norms
+    sums in double too), else column_norms itself (also for an X that autograd tracks)."""
     memo = getattr(_state, "memo", None)
-    found = _memo_key(X) if memo is not None else None
+    found = _memo_key(X) if memo is not None and plain(X) else None
     if found is not None and found[0] in memo and memo[found[0]][3] is not None:
-        return memo[found[0]][3]
+        return memo[found[0]][3].clone()  # the caller's own: an in-place edit of it cannot reach the memo
     return column_norms(X, squared=True)
 
 
@@ -220,6 +222,7 @@ def bf16_gemm_(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float =
     B, tb, ldb = _operand(B)
     fn(_RowMajor, ta, tb, m, n, k, float(alpha), A.data_ptr(), lda, B.data_ptr(), ldb, float(beta),
        C.data_ptr(), C.stride(0))
+    torch.autograd.graph.increment_version(C)  # written behind torch's back: remembered pieces of C are stale
     return C
 
 

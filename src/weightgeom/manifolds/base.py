@@ -108,7 +108,7 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     result in place (returned) instead of in a copy — with ``small`` also when C is A (X + X·F: X's bf16 piece is
     taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
     if overwrite_c and small and split_here(C, A, B) and C is A and C.is_contiguous() and B.ndim == 2 \
-            and C.ndim == 2:
+            and C.ndim == 2 and _writable_in_place(C):
         d = B.diagonal().unsqueeze(-2)
         hi = a_pieces[0] if a_pieces is not None else split_bf16(A, lo=False)[0]  # before A changes
         Bo = B.to(torch.bfloat16)
@@ -140,10 +140,18 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
 
 
+def _writable_in_place(C: torch.Tensor) -> bool:
+    """Whether torch allows an in-place write to C here: not a tensor autograd tracks (grad mode on and C requiring
+    grad), not an inference tensor outside inference mode."""
+    if C.requires_grad and torch.is_grad_enabled():
+        return False
+    return not (C.is_inference() and not torch.is_inference_mode_enabled())
+
+
 def _writable_result(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether C + A@B may be accumulated into C itself: C row-major, of the broadcast result's shape and of the
     dtype the product gives, sharing no memory with A or B."""
-    if C.ndim < 2 or A.ndim < 2 or B.ndim < 2 or not C.is_contiguous():
+    if C.ndim < 2 or A.ndim < 2 or B.ndim < 2 or not C.is_contiguous() or not _writable_in_place(C):
         return False
     try:
         lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])

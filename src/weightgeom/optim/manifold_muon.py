@@ -27,7 +27,7 @@ import torch
 from weightgeom import kernels
 from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
 from weightgeom.linalg.layout import sym_sum
-from weightgeom.linalg.norms import plain
+from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, plain
 from weightgeom.linalg.split import split_active, split_bf16, split_matmul
 from weightgeom.manifolds.base import Manifold, addmm_batched, constraint_mm, tall, untall
 
@@ -76,7 +76,7 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
         S = split_matmul((X.mT, None), (Y, None))  # bf16 factors, the product accumulated and returned in float32
     else:
         S = X.mT @ Y
-    return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same bits
+    return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same values (+0 where that gave −0)
 
 
 @with_full_precision
@@ -273,17 +273,18 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     # rows J of XᵀA + AᵀX (its columns J transposed: the same entries), as A_JᵀX + X_JᵀA with row-major copies of
     # the thin m×|J| factors: 0.67 against 0.95 ms per product for 3072×768 (AMX), where Xᵀ·A[:, J] reads both strided
     block = A[..., J].contiguous().mT @ X + X[..., J].contiguous().mT @ A  # (..., |J|, n)
-    H = block * _rows_of_P(manifold, n, J, X.dtype, X.device)  # P acts entrywise: its selection of rows J
+    # P acts entrywise: its selection of rows J (where, not a product: inf or NaN in a discarded entry stays out)
+    H = torch.where(_rows_of_P(manifold, n, J, X.device), block, 0.0)
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
 
 
-def _rows_of_P(manifold: Manifold, n: int, J: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Rows J of P(1) (n×n all-ones): the 0/1 selection of the entrywise projector P, remembered per manifold
-    (weakly: a manifold object that goes away takes its masks along)."""
-    key = (n, J.start, J.stop, dtype, device)
+def _rows_of_P(manifold: Manifold, n: int, J: slice, device: torch.device) -> torch.Tensor:
+    """Rows J of P(1) ≠ 0 (1: n×n all-ones): the selection of the entrywise projector P as a boolean mask, remembered
+    per manifold (weakly: a manifold object that goes away takes its masks along)."""
+    key = (n, J.start, J.stop, device)
     masks = _P_ROWS.setdefault(manifold, {})
     if key not in masks:
-        masks[key] = manifold.P(torch.ones(n, n, dtype=dtype, device=device))[J].contiguous()
+        masks[key] = (manifold.P(torch.ones(n, n, dtype=torch.float64, device=device))[J] != 0).contiguous()
     return masks[key]
 
 
@@ -361,7 +362,8 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
     if A.shape[-2] >= 2 * n or split_gram:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
             # the bf16 factor and the exact diagonal (column sums of squares) in one C pass over A where it can
-            fused = kernels.bf16_with_column_sumsq(A) if split_gram and A.ndim == 2 and plain(A) else None
+            fused = (kernels.bf16_with_column_sumsq(A) if split_gram and A.ndim == 2 and plain(A)
+                     and A.numel() >= COLUMN_KERNEL_MIN else None)  # column_norms' bits: its kernel's sizes
             An, diag = fused if fused is not None else (A.to(gram_dtype), None)
             G = split_matmul((An.mT, None), (An, None)) if split_gram else (An.mT @ An).to(A.dtype)
             G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True) if diag is None else diag)
