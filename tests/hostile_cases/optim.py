@@ -299,6 +299,40 @@ def _stale_gain_grad(fused: bool | None):
     return check
 
 
+def _bf16_msign_scales(manifold: str | None):
+    """Muon with a bf16 msign (its CPU normalisation runs in C for matrices of ≥ 65536 entries) on a 512×256
+    parameter, fed gradients of 1e-40 (subnormal), 1e-23, 1e37 and rank 1: every step finite, the update's singular
+    values within the bf16 band of 1 (plain Muon) or W on its manifold (manifold Muon)."""
+
+    def check(tmp_path: Path) -> None:
+        import warnings
+
+        from weightgeom import manifolds
+        from weightgeom.optim import Muon
+
+        g = torch.Generator().manual_seed(0)
+        base = torch.randn(512, 256, generator=g)
+        rank1 = torch.randn(512, 1, generator=g) @ torch.randn(1, 256, generator=g)
+        for G in (1e-40 * base, 1e-23 * base, 1e37 * base, rank1):
+            p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=g))
+            kw = {"manifold": manifold} if manifold else {}
+            opt = Muon([{"params": [p], "names": ["w"]}], lr=0.02, msign_dtype=torch.bfloat16, ns_steps=8, **kw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(2):
+                    before = p.detach().clone()
+                    p.grad = G.clone()
+                    opt.step()
+            assert torch.isfinite(p).all(), f"non-finite parameter after a gradient of scale {float(G.abs().max())}"
+            if manifold:
+                assert manifolds.get(manifold).check(p.detach(), tol=1e-5).ok
+            elif G is not rank1:
+                s = torch.linalg.svdvals((p.detach() - before).double())
+                assert float((s / s.max() - 1).abs().max()) < 0.1, float((s / s.max() - 1).abs().max())
+
+    return check
+
+
 def _low_precision_mode(mode: str, shape: tuple[int, int] = (192, 64), manifold: str = "stiefel", steps: int = 10,
                         tol: float = 1e-6, split: str | None = None):
     """The process asks for fast float32 matmuls (bf16 arithmetic on AMX/AVX512-BF16 CPUs, TF32 on GPUs): manifold-Muon
@@ -425,6 +459,14 @@ CASES: list[Hostile] = [
             "The same with MD's C passes around SGD (the default, eager-C): Ŵ on its sphere, W finite and nonzero, "
             "gains finite and moving",
             _huge_gradient(None)),
+    Hostile("muon-bf16-msign-hostile-scales", "optim",
+            "Muon with a bf16 msign (on the CPU its input normalisation runs in C: the norm summed in double, no "
+            "prescale) on gradients of 1e-40 (subnormal), 1e-23, 1e37 and rank 1: steps finite, the update "
+            "orthogonal to bf16's band",
+            _bf16_msign_scales(None)),
+    Hostile("manifold-muon-bf16-msign-hostile-scales", "optim",
+            "The same for manifold Muon (DGram): steps finite and W on its manifold (1e-5)",
+            _bf16_msign_scales("dgram")),
     Hostile("manifold-muon-medium-matmul-mode", "optim",
             "torch.set_float32_matmul_precision('medium') (float32 matmuls in bf16 on AMX/AVX512-BF16 CPUs): "
             "manifold-Muon (Stiefel) steps equal a full-precision process's bitwise, W stays on its manifold (1e-6) "
