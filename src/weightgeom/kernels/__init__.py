@@ -32,7 +32,8 @@ from weightgeom._cache import cache_root
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
            "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16",
-           "bf16_with_column_sumsq", "normalise_bf16", "split_with_column_sumsq"]
+           "bf16_with_column_sumsq", "normalise_bf16", "split_with_column_sumsq", "near_deviation",
+           "near_correction"]
 
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 
@@ -56,6 +57,8 @@ _SIGNATURES = {
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
         "bf16_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _I], _I),
         "split_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _P, _I], _I),
+        "near_deviation_f32": ([_L, _P, _P, _P, _P, _P, _I], None),
+        "near_correction_f32": ([_L, _P, _P, _P, _P, _P, _P, _I], None),
         "normalise_bf16_f32": ([_L, _P, _P, _D, _D, _I], _D),
         "normalise_bf16_bf16": ([_L, _P, _P, _D, _D, _I], _D),
         "symsum_f32": ([_L, _P, _L, _P, _L, _D, _I, _I], None),
@@ -518,3 +521,59 @@ def symsum(S: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, accumulate: b
     lib.symsum_f32(S.shape[0], S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0), float(alpha),
                    int(bool(accumulate)), torch.get_num_threads())
     return out
+
+
+def _square_f32(T: torch.Tensor | None, n: int) -> bool:
+    """T is None or a contiguous CPU float32 n×n matrix."""
+    return T is None or (T.shape == (n, n) and T.dtype == torch.float32 and T.device.type == "cpu"
+                         and T.is_contiguous())
+
+
+def near_deviation(G: torch.Tensor, s: torch.Tensor | None, inplace: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+    """(E, E_hi, ‖E‖_F, max row sum of |E|) for E = S⁻¹GS⁻¹ − I (s: (n,) or (1, n) column scales; None: E = G − I) of
+    one contiguous CPU float32 n×n Gram matrix, in one pass (``linalg.c``): torch's ``G / (s.mT * s)`` bits, E_hi
+    its clamped bf16 copy; ``inplace``: E written into G. None where the kernel or the arguments do not fit."""
+    if G.ndim != 2 or G.shape[0] != G.shape[1] or not _square_f32(G, G.shape[0]) or G.numel() == 0:
+        return None
+    n = G.shape[0]
+    if s is not None:
+        s = s.reshape(-1)
+        if s.shape != (n,) or s.dtype != torch.float32 or s.device.type != "cpu":
+            return None
+        s = s.contiguous()
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    E = G if inplace else torch.empty_like(G)
+    E_hi = torch.empty(n, n, dtype=torch.bfloat16)
+    stats = torch.empty(2, dtype=torch.float64)
+    lib.near_deviation_f32(n, G.data_ptr(), None if s is None else s.data_ptr(), E.data_ptr(), E_hi.data_ptr(),
+                           stats.data_ptr(), torch.get_num_threads())
+    fro, row = stats.tolist()
+    return E, E_hi, fro, row
+
+
+def near_correction(E: torch.Tensor, E2: torch.Tensor | None, E3: torch.Tensor | None, s: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(Bo, d) of F = (−E/2 (+ 3/8·E2 (− 5/16·E3)))·(s_j / s_i), one pass (``linalg.c``): d = diag(F) (1, n) float32,
+    Bo = bf16(F) with a zero diagonal — torch's expressions' bits (``F = E * -0.5; F.add_(E2, alpha=0.375)``, ...,
+    ``F * (s / s.mT)``, ``F.to(torch.bfloat16)``). None where the kernel or the arguments do not fit."""
+    if E.ndim != 2 or E.shape[0] != E.shape[1] or E.numel() == 0:
+        return None
+    n = E.shape[0]
+    if not all(_square_f32(T, n) for T in (E, E2, E3)):
+        return None
+    if s is not None:
+        s = s.reshape(-1)
+        if s.shape != (n,) or s.dtype != torch.float32 or s.device.type != "cpu":
+            return None
+        s = s.contiguous()
+    lib = load_kernel("linalg")
+    if lib is None:
+        return None
+    Bo = torch.empty(n, n, dtype=torch.bfloat16)
+    d = torch.empty(1, n, dtype=torch.float32)
+    ptr = [None if T is None else T.data_ptr() for T in (E2, E3, s)]
+    lib.near_correction_f32(n, E.data_ptr(), *ptr, Bo.data_ptr(), d.data_ptr(), torch.get_num_threads())
+    return Bo, d

@@ -409,3 +409,55 @@ int split_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, ui
     }
     return failed;
 }
+
+/* near_deviation_f32 and near_correction_f32: the n×n arithmetic of one near-manifold polar step
+ * (weightgeom.manifolds.stiefel.polar_near), each one pass instead of torch's ~5.
+ *
+ * near_deviation_f32: E = S⁻¹GS⁻¹ − I from the Gram matrix G (E_ij = G_ij / (s_i·s_j), the product rounded to float
+ * first as torch's G / (s.mT * s); s = NULL: E = G − I), written to E (may be G itself), and E_hi = bf16(E) clamped
+ * to ±BF16_MAX (the bf16 factor of E² and E³); stats[0] = ‖E‖_F, stats[1] = max_i Σ_j |E_ij| (summed in double).
+ *
+ * near_correction_f32: F = −E/2 (+ 3/8·E2 (− 5/16·E3)) added as torch's F.add_(E2, alpha=0.375) does, one fused
+ * multiply-add each, then F_ij·(s_j / s_i) (s = NULL: unscaled); d = diag(F), Bo = bf16(F) with a zero diagonal —
+ * constraint_addmm's small update X + X·diag(F) + X_hi·Bo takes them as they are. The bits of torch's expressions. */
+void near_deviation_f32(long n, const float *G, const float *s, float *E, uint16_t *E_hi, double *stats,
+                        int nthreads) {
+    const int nt = team(n * n >= PAR_MIN ? nthreads : 1);
+    double fro = 0.0, row = 0.0;
+    _Pragma("omp parallel for schedule(static) num_threads(nt) reduction(+:fro) reduction(max:row)")
+    for (long i = 0; i < n; i++) {
+        double r = 0.0, f = 0.0;
+        for (long j = 0; j < n; j++) {
+            float e = s ? G[i * n + j] / (s[i] * s[j]) : G[i * n + j];
+            if (i == j) e -= 1.0f;
+            E[i * n + j] = e;
+            E_hi[i * n + j] = to_bf16(e > BF16_MAX ? BF16_MAX : (e < -BF16_MAX ? -BF16_MAX : e));
+            f += (double)e * e;
+            r += fabs((double)e);
+        }
+        fro += f;
+        if (!(r <= row)) row = r; /* NaN wins */
+    }
+    stats[0] = sqrt(fro);
+    stats[1] = row;
+}
+
+void near_correction_f32(long n, const float *E, const float *E2, const float *E3, const float *s, uint16_t *Bo,
+                         float *d, int nthreads) {
+    const int nt = team(n * n >= PAR_MIN ? nthreads : 1);
+    _Pragma("omp parallel for schedule(static) num_threads(nt)")
+    for (long i = 0; i < n; i++) {
+        for (long j = 0; j < n; j++) {
+            float f = E[i * n + j] * -0.5f;
+            if (E2) f = fmaf(E2[i * n + j], 0.375f, f);
+            if (E3) f = fmaf(E3[i * n + j], -0.3125f, f);
+            if (s) f = f * (s[j] / s[i]);
+            if (i == j) {
+                d[i] = f;
+                Bo[i * n + j] = 0;
+            } else {
+                Bo[i * n + j] = to_bf16(f);
+            }
+        }
+    }
+}

@@ -27,7 +27,8 @@ from weightgeom.linalg.precision import with_full_precision
 from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_column_sumsq, split_matmul
 
 __all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check",
-           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "split_here", "SPLIT_MIN_DIM"]
+           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "near_update", "split_here",
+           "SPLIT_MIN_DIM"]
 
 
 def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -138,6 +139,19 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     out = C.expand(*lead, *C.shape[-2:]).clone(memory_format=torch.contiguous_format)
     pa = a_pieces if a_pieces is not None else split_bf16(A)
     return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
+
+
+def near_update(X: torch.Tensor, d: torch.Tensor, Bo: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """X + X·diag(d) + X_hi·Bo for a 2-D CPU float32 X inside ``split_products()``: a near-manifold retraction's
+    update X·(I + F) with F's diagonal d (1, n) applied exactly and its bf16 off-diagonal part Bo as one product —
+    ``constraint_addmm(X, X, F, small=True)``'s bits, with F already split (``kernels.near_correction``).
+    ``overwrite``: into X itself when it is row-major and writable (X's bf16 piece is taken first)."""
+    hi = split_bf16(X, lo=False)[0]
+    if overwrite and X.is_contiguous() and _writable_in_place(X):
+        out = X.mul_(1.0 + d)
+    else:
+        out = (X * (1.0 + d)).contiguous()
+    return split_matmul((hi, None), (Bo, None), out=out, alpha=1.0, beta=1.0)
 
 
 def _writable_in_place(C: torch.Tensor) -> bool:

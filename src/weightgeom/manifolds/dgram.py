@@ -47,7 +47,7 @@ from weightgeom.manifolds.base import (
     tall_pair,
     untall,
 )
-from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near, scaled_gram_deviation
+from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near
 
 __all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_column_polar", "dgram_retract_polar",
            "dgram_retract_paper", "polar_near_columns",
@@ -177,8 +177,7 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     if method == "polar_express" and fi.tiny**0.25 <= low and high <= fi.max**0.25:
         # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
         # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
-        E = None if G is None else scaled_gram_deviation(G, norms)  # what polar_near would form first
-        R = polar_near(Z, E=E, scale=norms, inplace=inplace)
+        R = polar_near(Z, scale=norms, inplace=inplace, gram=G)  # G: the Gram polar_near would form first
         if R is not None:
             return X.copy_(R) if inplace and R is not X else R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from weightgeom import kernels
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
+from weightgeom.linalg.norms import plain
+from weightgeom.linalg.split import split_bf16, split_matmul
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
@@ -20,8 +23,10 @@ from weightgeom.manifolds.base import (
     constraint_gram,
     constraint_mm,
     gram_check,
+    near_update,
     polar,
     small_mm,
+    split_here,
     tall,
     tall_pair,
     untall,
@@ -62,6 +67,13 @@ def gram_deviation(X: torch.Tensor) -> torch.Tensor:
     return E
 
 
+def gram_deviation_of(G: torch.Tensor) -> torch.Tensor:
+    """G − I (a new tensor) for a Gram matrix G."""
+    E = G.clone()
+    E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+    return E
+
+
 def scaled_gram_deviation(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """S⁻¹GS⁻¹ − I (a new tensor) for a Gram matrix G = XᵀX and column scales s (..., 1, n), S = diag(s): the Gram
     deviation of X·S⁻¹ without forming it."""
@@ -71,7 +83,8 @@ def scaled_gram_deviation(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor | None:
+               scale: torch.Tensor | None = None, inplace: bool = False,
+               gram: torch.Tensor | None = None) -> torch.Tensor | None:
     """Polar factor of a tall X with ‖XᵀX − I‖_F ≤ ``NEAR_TOL``, by the iteration X ← X·p_k(E) (see the constants).
 
     Args:
@@ -83,6 +96,11 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
             scaled coordinates (DGram's column-polar retraction: s = the column norms; two passes over X fewer).
         inplace: write the last update into X itself (returned) when X is already in the compute dtype — only the
             update the iteration knows to be its last: a call that returns None leaves X untouched.
+        gram: X's Gram matrix XᵀX when the caller has it (instead of E; not written).
+
+    Inside ``split_products()`` a 2-D float32 CPU X takes the n×n arithmetic of a step in two C passes
+    (``kernels.near_deviation``, ``kernels.near_correction``: the bits of the torch expressions) and the update
+    X + X·diag(F) + X_hi·bf16(F off its diagonal) directly.
 
     Returns:
         The polar factor (times S) in ``compute_dtype(X)``, or None if X is too far from the manifold
@@ -94,21 +112,42 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         return Xc
     tol = NEAR_REMAINDER[Xc.dtype]
     s = None if scale is None else scale.to(Xc.dtype)
+    fused = Xc.ndim == 2 and Xc.dtype == torch.float32 and split_here(Xc) and plain(Xc) \
+        and (s is None or (s.numel() == Xc.shape[-1] and plain(s))) and kernels.load_kernel("linalg") is not None
     for _ in range(_NEAR_MAX_ITERS):
-        if E is None:
-            E = gram_deviation(Xc) if s is None else scaled_gram_deviation(constraint_gram(Xc), s)
-        # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound E's spectral radius
-        e, inf = torch.stack([torch.linalg.matrix_norm(E).amax(), E.abs().sum(dim=-1).amax()]).tolist()
+        got = None
+        if E is None and fused:
+            G = gram if gram is not None else constraint_gram(Xc)
+            got = kernels.near_deviation(G, s, inplace=G is not gram)
+        if got is not None:
+            E, E_hi, e, inf = got
+        else:
+            if E is None:
+                G = gram if gram is not None else constraint_gram(Xc)
+                E = gram_deviation_of(G) if s is None else scaled_gram_deviation(G, s)
+            # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound E's spectral radius
+            e, inf = torch.stack([torch.linalg.matrix_norm(E).amax(), E.abs().sum(dim=-1).amax()]).tolist()
+        gram = None
         if not e <= NEAR_TOL:  # also NaN
             return None
         rho = min(e, inf)
         order = next((k for k, c in enumerate(_ORDER_REMAINDER, 1) if c * rho**k * e <= tol), None)
-        F = _near_correction(E, order or 3)
-        if s is not None:
-            F = F * (s / s.mT)  # S⁻¹FS: F_ij·s_j/s_i
-        # X·p(E) = X + X·(p(E) − I), fused; p(E) − I is a small correction (‖E‖_F ≤ NEAR_TOL)
-        Xc = constraint_addmm(Xc, Xc, F, small=True, overwrite_c=inplace and order is not None and Xc is X)
-        if order is not None:
+        last = order is not None
+        parts = None
+        if got is not None:  # the powers of E as small_mm forms them, then F, its diagonal and bf16 rest in one pass
+            k = order or 3
+            E2 = split_matmul((E_hi, None), (E_hi, None)) if k >= 2 else None
+            E3 = split_matmul(split_bf16(E2, lo=False), (E_hi, None)) if k == 3 else None
+            parts = kernels.near_correction(E, E2, E3, s)
+        if parts is not None:
+            Xc = near_update(Xc, parts[1], parts[0], overwrite=inplace and last and Xc is X)
+        else:
+            F = _near_correction(E, order or 3)
+            if s is not None:
+                F = F * (s / s.mT)  # S⁻¹FS: F_ij·s_j/s_i
+            # X·p(E) = X + X·(p(E) − I), fused; p(E) − I is a small correction (‖E‖_F ≤ NEAR_TOL)
+            Xc = constraint_addmm(Xc, Xc, F, small=True, overwrite_c=inplace and last and Xc is X)
+        if last:
             return Xc
         E = None
     return None
