@@ -3,7 +3,9 @@ kernels (kernels/linalg.c), blocked layout copies, and manifold Muon with the sp
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,6 +29,29 @@ needs_kernel = pytest.mark.skipif(kernels.load_kernel("linalg") is None,
 
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _two_steps(calls: list, manifold: str, seed: int) -> None:
+    """Two manifold-Muon steps of a 512×256 parameter, ``calls`` cleared before each (it keeps the last step's)."""
+    p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(seed)))
+    opt = Muon([p], lr=0.02, manifold=manifold)
+    for _ in range(2):
+        p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(seed + 1))
+        calls.clear()
+        opt.step()
+
+
+@contextlib.contextmanager
+def _counting(name: str) -> Iterator[list[int]]:
+    """``kernels.<name>`` wrapped to count its calls (the list yielded), restored on exit (also when the body replaced
+    it, e.g. by ``lambda *a, **k: None`` to take its callers' torch path)."""
+    calls: list[int] = []
+    real = getattr(kernels, name)
+    setattr(kernels, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    try:
+        yield calls
+    finally:
+        setattr(kernels, name, real)
 
 
 def _within_bound(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
@@ -454,12 +479,7 @@ def test_a_parameter_stepped_in_place_gets_the_split_products(monkeypatch):
     gemms = []
     real = S.bf16_gemm_
     monkeypatch.setattr(S, "bf16_gemm_", lambda *a, **k: gemms.append(1) or real(*a, **k))
-    p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(26)))
-    opt = Muon([p], lr=0.02, manifold="stiefel")
-    for _ in range(2):
-        p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(27))
-        gemms.clear()
-        opt.step()
+    _two_steps(gemms, "stiefel", 26)
     assert len(gemms) >= 8  # XᵀA (2), the projection (3), the Gram (2), the retraction's update (1), ...
 
 
@@ -501,16 +521,11 @@ def test_column_norms_right_when_openmp_starts_fewer_threads(env):
 def test_column_norms_kernel_reads_a_parameter_in_an_optimizer_step():
     """A manifold step takes the column norms of the parameter itself (an nn.Parameter, not a plain Tensor): under
     no_grad that is the kernel's work, not torch's square-then-sum (3 of a GPT-2 layer's 4 matrices fell back)."""
-    calls = []
-    real = kernels.column_sumsq
     p = torch.nn.Parameter(torch.randn(512, 256, generator=_gen(35)))
-    try:
-        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+    with _counting("column_sumsq") as calls:
         with torch.no_grad():
             got = column_norms(p)
         with_grad = column_norms(p)  # autograd tracks it: torch's differentiable reduction
-    finally:
-        kernels.column_sumsq = real
     assert len(calls) == 1 and with_grad.requires_grad
     torch.testing.assert_close(got, p.detach().norm(dim=0))
 
@@ -527,13 +542,8 @@ def test_column_norms_keeps_forward_ad_vmap_and_small_batches_on_torch():
     torch.testing.assert_close(torch.func.vmap(column_norms)(B), B.norm(dim=-2))
     _, jt = torch.func.jvp(column_norms, (X,), (V,))
     torch.testing.assert_close(jt, ref_t, rtol=1e-4, atol=1e-6)
-    calls = []
-    real = kernels.column_sumsq
-    try:
-        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+    with _counting("column_sumsq") as calls:
         column_norms(torch.randn(5000, 4, 4))  # many small matrices: torch's reduction, no call per matrix
-    finally:
-        kernels.column_sumsq = real
     assert not calls
 
 
@@ -565,20 +575,14 @@ def test_sym_sum_kernel_gives_torchs_bits(n, alpha):
 
     big = torch.randn(n, n + 5, generator=_gen(40))
     big[3, 7], big[n - 1, 0] = float("nan"), float("inf")
-    calls = []
-    real = kernels.symsum
     tol = 0 if alpha == 1.0 else 1e-6  # accumulating, torch rounds out + alpha·S as one multiply-add
     for Sm in (big[:, :n], big[:, :n].contiguous()):
         want = Sm + Sm.mT if alpha == 1.0 else alpha * (Sm + Sm.mT)
-        calls.clear()
-        try:
-            kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
+        with _counting("symsum") as calls:
             got = sym_sum(Sm, alpha)
             out = torch.randn(n, n, generator=_gen(41))
             ref = out.clone().add_(Sm, alpha=alpha).add_(Sm.mT, alpha=alpha)
             acc = sym_sum(Sm, alpha, out=out)
-        finally:
-            kernels.symsum = real
         assert len(calls) == 2
         assert torch.allclose(got, want, equal_nan=True, rtol=0, atol=0)
         assert acc is out and torch.allclose(out, ref, equal_nan=True, rtol=tol, atol=tol)
@@ -593,10 +597,7 @@ def test_sym_sum_batches_broadcasts_and_falls_back_where_the_kernel_does_not_fit
     out = torch.randn(2, 160, 160, generator=_gen(43))
     ref = out.clone().add_(B[0, 0]).add_(B[0, 0].mT)
     torch.testing.assert_close(sym_sum(B[0, 0], out=out), ref, rtol=0, atol=0)  # one matrix into a batch
-    calls = []
-    real = kernels.symsum
-    try:
-        kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
+    with _counting("symsum") as calls:
         D = torch.randn(200, 200, dtype=torch.float64, generator=_gen(44))
         torch.testing.assert_close(sym_sum(D, 0.5), 0.5 * (D + D.mT), rtol=0, atol=0)  # float64: torch
         small = torch.randn(20, 20, generator=_gen(45))
@@ -608,8 +609,6 @@ def test_sym_sum_batches_broadcasts_and_falls_back_where_the_kernel_does_not_fit
         torch.testing.assert_close(R.grad, torch.ones(200, 200))
         V = torch.randn(4, 200, 200, generator=_gen(48))
         torch.testing.assert_close(torch.func.vmap(sym_sum)(V), V + V.mT, rtol=0, atol=0)
-    finally:
-        kernels.symsum = real
     assert not calls
     with pytest.raises(ValueError, match="sym_sum"):
         sym_sum(torch.randn(3, 4))
@@ -624,18 +623,8 @@ def test_sym_sum_batches_broadcasts_and_falls_back_where_the_kernel_does_not_fit
 def test_manifold_step_sums_its_symmetric_parts_in_the_kernel():
     """The dual ascent's residual P(S + Sᵀ), the cold start, the DGram multiplier and the split Gram's T + Tᵀ go
     through the kernel (torch's S + S.mT reads S.mT a row apart per element: 3× slower at 768²)."""
-    calls = []
-    real = kernels.symsum
-    p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(50)))
-    opt = Muon([p], lr=0.02, manifold="dgram")
-    try:
-        kernels.symsum = lambda *a, **k: calls.append(1) or real(*a, **k)
-        for _ in range(2):
-            p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(51))
-            calls.clear()
-            opt.step()
-    finally:
-        kernels.symsum = real
+    with _counting("symsum") as calls:
+        _two_steps(calls, "dgram", 50)
     assert len(calls) >= 3
 
 
@@ -675,17 +664,12 @@ def test_manifold_direction_narrows_the_scaled_gradient_in_the_kernel():
     def ms(Z):
         return msign(Z, steps=5, dtype=torch.bfloat16)
 
-    calls = []
-    real = kernels.scaled_bf16
-    try:
-        kernels.scaled_bf16 = lambda *a: calls.append(1) or real(*a)
+    with _counting("scaled_bf16") as calls:
         with S.split_products():
             A1 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
         kernels.scaled_bf16 = lambda *a: None
         with S.split_products():
             A2 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
-    finally:
-        kernels.scaled_bf16 = real
     assert calls and torch.equal(A1, A2)
 
 
@@ -703,17 +687,12 @@ def test_bf16_with_column_sumsq_is_the_copy_and_the_column_norms_in_one_pass():
         assert torch.equal(hi, V.to(torch.bfloat16)) and torch.equal(sums, column_norms(V, squared=True))
     assert kernels.bf16_with_column_sumsq(X.mT) is None and kernels.bf16_with_column_sumsq(X.double()) is None
     A = torch.randn(1536, 512, generator=_gen(72))
-    calls = []
-    real = kernels.bf16_with_column_sumsq
-    try:
-        kernels.bf16_with_column_sumsq = lambda x: calls.append(1) or real(x)
+    with _counting("bf16_with_column_sumsq") as calls:
         with S.split_products():
             fast = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
         kernels.bf16_with_column_sumsq = lambda x: None
         with S.split_products():
             slow = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
-    finally:
-        kernels.bf16_with_column_sumsq = real
     assert calls and torch.equal(fast, slow)
 
 
@@ -726,10 +705,7 @@ def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
     hi, lo, sums = kernels.split_with_column_sumsq(X)
     assert torch.equal(hi, kernels.split_bf16_kernel(X)[0]) and torch.equal(sums, column_norms(X, squared=True))
     assert torch.equal(lo.view(torch.int16), kernels.split_bf16_kernel(X)[1].view(torch.int16))
-    calls = []
-    real = kernels.column_sumsq
-    try:
-        kernels.column_sumsq = lambda x: calls.append(1) or real(x)
+    with _counting("column_sumsq") as calls:
         with S.split_products():
             S.split_bf16(X)
             calls.clear()
@@ -737,14 +713,7 @@ def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
             assert not calls and torch.equal(got, sums)  # from the split's pass: no other
             X.mul_(2.0)  # changed in place: summed again
             torch.testing.assert_close(S.split_column_sumsq(X), 4 * sums, rtol=1e-6, atol=0)
-        p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(81)))
-        opt = Muon([p], lr=0.02, manifold="dgram")
-        for _ in range(2):
-            p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(82))
-            calls.clear()
-            opt.step()
-    finally:
-        kernels.column_sumsq = real
+        _two_steps(calls, "dgram", 81)
     assert not calls  # the step's column norms all came from its split passes
 
 
@@ -806,15 +775,10 @@ def test_near_retraction_kernels_give_the_torch_expressions_bits(name, dist):
     if name == "dgram":
         X0 = X0 * torch.linspace(0.5, 2.0, 300)
     W = (X0 + dist * torch.randn(900, 300, generator=g) / 30.0).contiguous()
-    calls = []
-    real = kernels.near_deviation
-    try:
-        kernels.near_deviation = lambda *a, **k: calls.append(1) or real(*a, **k)
+    with _counting("near_deviation") as calls:
         with S.split_products():
             fast = man.retract(W)
         kernels.near_deviation = lambda *a, **k: None
         with S.split_products():
             slow = man.retract(W)
-    finally:
-        kernels.near_deviation = real
     assert calls and torch.equal(fast, slow)

@@ -55,7 +55,6 @@ _SIGNATURES = {
         "lanczos_{t}": ([_L, _L, _P, _P, _D, _P, _P, _I], _I),
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
-        "bf16_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _I], _I),
         "split_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _P, _I], _I),
         "near_deviation_f32": ([_L, _P, _P, _P, _P, _P, _I], None),
         "near_correction_f32": ([_L, _P, _P, _P, _P, _P, _P, _I], None),
@@ -428,18 +427,8 @@ def bf16_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     summed in double: ``column_sumsq``'s bits) of a 2-D row-major CPU float32 matrix in one read pass (``linalg.c``):
     a bf16 Gram's factor and its exact diagonal. None where the kernel is unavailable, X does not fit, or memory runs
     out (callers then use torch)."""
-    if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
-            or X.stride(0) < X.shape[1]:
-        return None
-    lib = load_kernel("linalg")
-    if lib is None:
-        return None
-    m, n = X.shape
-    hi = torch.empty(m, n, dtype=torch.bfloat16)
-    sums = torch.empty(n, dtype=torch.float32)
-    if lib.bf16_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), sums.data_ptr(), torch.get_num_threads()):
-        return None
-    return hi, sums
+    out = _split_column_pass(X, lo=False)
+    return None if out is None else (out[0], out[2])
 
 
 def split_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -447,6 +436,11 @@ def split_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     ``split_bf16_kernel``'s pieces and ``column_sumsq``'s sums, bit for bit (``column_norms``' for matrices of at
     least its kernel's 65536 entries; below, torch sums in float32). None where the kernel is unavailable, X
     does not fit, or memory runs out (callers then use the separate passes)."""
+    return _split_column_pass(X, lo=True)
+
+
+def _split_column_pass(X: torch.Tensor, lo: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """``linalg.c``'s split_colsumsq_f32 on X: (hi, lo or None, column sums), or None."""
     if X.ndim != 2 or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or X.stride(1) != 1 \
             or X.stride(0) < X.shape[1]:
         return None
@@ -455,12 +449,12 @@ def split_with_column_sumsq(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         return None
     m, n = X.shape
     hi = torch.empty(m, n, dtype=torch.bfloat16)
-    lo = torch.empty(m, n, dtype=torch.bfloat16)
+    low = torch.empty(m, n, dtype=torch.bfloat16) if lo else None
     sums = torch.empty(n, dtype=torch.float32)
-    if lib.split_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), lo.data_ptr(), sums.data_ptr(),
-                              torch.get_num_threads()):
+    if lib.split_colsumsq_f32(m, n, X.data_ptr(), X.stride(0), hi.data_ptr(), None if low is None else low.data_ptr(),
+                              sums.data_ptr(), torch.get_num_threads()):
         return None
-    return hi, lo, sums
+    return hi, low, sums
 
 
 def normalise_bf16(X: torch.Tensor, safety: float, eps: float) -> torch.Tensor | None:
@@ -529,6 +523,16 @@ def _square_f32(T: torch.Tensor | None, n: int) -> bool:
                          and T.is_contiguous())
 
 
+def _column_scales(s: torch.Tensor | None, n: int) -> torch.Tensor | None | bool:
+    """n column scales as a contiguous CPU float32 vector (None stays None), or False where s is not that."""
+    if s is None:
+        return None
+    s = s.reshape(-1)
+    if s.shape != (n,) or s.dtype != torch.float32 or s.device.type != "cpu":
+        return False
+    return s.contiguous()
+
+
 def near_deviation(G: torch.Tensor, s: torch.Tensor | None, inplace: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
     """(E, E_hi, ‖E‖_F, max row sum of |E|) for E = S⁻¹GS⁻¹ − I (s: (n,) or (1, n) column scales; None: E = G − I) of
@@ -537,13 +541,8 @@ def near_deviation(G: torch.Tensor, s: torch.Tensor | None, inplace: bool = Fals
     if G.ndim != 2 or G.shape[0] != G.shape[1] or not _square_f32(G, G.shape[0]) or G.numel() == 0:
         return None
     n = G.shape[0]
-    if s is not None:
-        s = s.reshape(-1)
-        if s.shape != (n,) or s.dtype != torch.float32 or s.device.type != "cpu":
-            return None
-        s = s.contiguous()
-    lib = load_kernel("linalg")
-    if lib is None:
+    s, lib = _column_scales(s, n), load_kernel("linalg")
+    if s is False or lib is None:
         return None
     E = G if inplace else torch.empty_like(G)
     E_hi = torch.empty(n, n, dtype=torch.bfloat16)
@@ -562,15 +561,8 @@ def near_correction(E: torch.Tensor, E2: torch.Tensor | None, E3: torch.Tensor |
     if E.ndim != 2 or E.shape[0] != E.shape[1] or E.numel() == 0:
         return None
     n = E.shape[0]
-    if not all(_square_f32(T, n) for T in (E, E2, E3)):
-        return None
-    if s is not None:
-        s = s.reshape(-1)
-        if s.shape != (n,) or s.dtype != torch.float32 or s.device.type != "cpu":
-            return None
-        s = s.contiguous()
-    lib = load_kernel("linalg")
-    if lib is None:
+    s, lib = _column_scales(s, n), load_kernel("linalg")
+    if not all(_square_f32(T, n) for T in (E, E2, E3)) or s is False or lib is None:
         return None
     Bo = torch.empty(n, n, dtype=torch.bfloat16)
     d = torch.empty(1, n, dtype=torch.float32)

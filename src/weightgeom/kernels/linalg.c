@@ -203,40 +203,6 @@ static inline int team(int want) {
 DEF_COLSUMSQ(colsumsq_f32, float)
 DEF_COLSUMSQ(colsumsq_f64, double)
 
-/* bf16_colsumsq_f32: hi = bf16(X) (torch's conversion: no clamp, overflow rounds to inf) of a row-major m×n float32
- * matrix (row stride ld; hi contiguous) and sums[j] = sum_i X[i,j]^2 summed in double, in one read pass: the bf16
- * copy and the exact diagonal of a bf16 Gram (weightgeom.optim.manifold_muon's norm estimate). Columns are split
- * over the threads OpenMP really starts. Returns nonzero when out of memory (nothing reliable written). */
-int bf16_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, float *sums, int nthreads) {
-    int failed = 0;
-    const int nt = team(m * n >= PAR_MIN ? nthreads : 1);
-    _Pragma("omp parallel num_threads(nt) reduction(|:failed)")
-    {
-        int t = 0, team_size = 1;
-        _PRAGMA_THREAD_NUM
-        const long chunk = (n + team_size - 1) / team_size;
-        const long j0 = t * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-        if (j0 < j1) {
-            double *acc = (double *)calloc((size_t)(j1 - j0), sizeof(double));
-            if (!acc) {
-                failed = 1;
-            } else {
-                for (long i = 0; i < m; i++) {
-                    const float *r = X + i * ld + j0;
-                    uint16_t *h = hi + i * n + j0;
-                    for (long j = 0; j < j1 - j0; j++) {
-                        acc[j] += (double)r[j] * r[j];
-                        h[j] = to_bf16(r[j]);
-                    }
-                }
-                for (long j = j0; j < j1; j++) sums[j] = (float)acc[j - j0];
-                free(acc);
-            }
-        }
-    }
-    return failed;
-}
-
 /* 8-wide float vectors (GCC/clang vector extensions: AVX registers where the CPU has them, pairs of SSE/NEON ones
  * otherwise) and the 8×8 transpose of symsum_f32 in three rounds of two-source shuffles. */
 typedef float v8f __attribute__((vector_size(32)));
@@ -371,10 +337,12 @@ void transpose_f32(long r, long c, const float *src, long lds, float *dst, long 
 DEF_NORMALISE(normalise_bf16_f32, float, LOAD_F32)
 DEF_NORMALISE(normalise_bf16_bf16, uint16_t, LOAD_BF16)
 
-/* split_colsumsq_f32: split_bf16_f32's hi and lo (contiguous m×n) of a row-major m×n float32 matrix (row stride ld)
- * and its column sums of squares (summed in double row by row: colsumsq_f32's bits) in one read pass — the split
- * pieces and the Gram diagonal the constraint arithmetic needs from the same matrix. Columns are split over the threads
- * OpenMP really starts. Returns nonzero when out of memory (nothing reliable written). */
+/* split_colsumsq_f32: the split pieces of a row-major m×n float32 matrix (row stride ld) — hi = bf16(X) clamped to
+ * ±BF16_MAX and lo = bf16(X − hi), split_bf16_f32's bits; lo = NULL: hi = bf16(X) unclamped, torch's conversion (an
+ * overflow rounds to inf) — and its column sums of squares (summed in double row by row: colsumsq_f32's bits), in
+ * one read pass: the pieces (or a bf16 Gram's factor) and the Gram diagonal from the same matrix. hi and lo are
+ * contiguous; columns are split over the threads OpenMP really starts. Returns nonzero when out of memory (nothing
+ * reliable written). */
 int split_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, uint16_t *lo, float *sums,
                        int nthreads) {
     int failed = 0;
@@ -392,14 +360,21 @@ int split_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, ui
             } else {
                 for (long i = 0; i < m; i++) {
                     const float *r = X + i * ld + j0;
-                    uint16_t *h = hi + i * n + j0, *l = lo + i * n + j0;
-                    for (long j = 0; j < j1 - j0; j++) {
-                        const float x = r[j];
-                        const float c = x > BF16_MAX ? BF16_MAX : (x < -BF16_MAX ? -BF16_MAX : x);
-                        const uint16_t b = to_bf16(c);
-                        acc[j] += (double)x * x;
-                        h[j] = b;
-                        l[j] = to_bf16(x - from_bf16(b));
+                    uint16_t *h = hi + i * n + j0;
+                    if (lo) {
+                        uint16_t *l = lo + i * n + j0;
+                        for (long j = 0; j < j1 - j0; j++) {
+                            const float x = r[j];
+                            const uint16_t b = to_bf16(x > BF16_MAX ? BF16_MAX : (x < -BF16_MAX ? -BF16_MAX : x));
+                            acc[j] += (double)x * x;
+                            h[j] = b;
+                            l[j] = to_bf16(x - from_bf16(b));
+                        }
+                    } else {
+                        for (long j = 0; j < j1 - j0; j++) {
+                            acc[j] += (double)r[j] * r[j];
+                            h[j] = to_bf16(r[j]);
+                        }
                     }
                 }
                 for (long j = j0; j < j1; j++) sums[j] = (float)acc[j - j0];
