@@ -56,7 +56,7 @@ _SIGNATURES = {
         "split_bf16_f32": ([_L, _P, _P, _P, _I], None),
         "scale_bf16_f32": ([_L, _P, ctypes.c_float, _P, _I], None),
         "split_colsumsq_f32": ([_L, _L, _P, _L, _P, _P, _P, _I], _I),
-        "near_deviation_f32": ([_L, _P, _P, _P, _P, _P, _I], None),
+        "near_deviation_f32": ([_L, _P, _P, _P, _P, _P, _I], _I),
         "near_correction_f32": ([_L, _P, _P, _P, _P, _P, _P, _I], None),
         "normalise_bf16_f32": ([_L, _P, _P, _D, _D, _I], _D),
         "normalise_bf16_bf16": ([_L, _P, _P, _D, _D, _I], _D),
@@ -514,6 +514,7 @@ def symsum(S: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, accumulate: b
         return None
     lib.symsum_f32(S.shape[0], S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0), float(alpha),
                    int(bool(accumulate)), torch.get_num_threads())
+    torch.autograd.graph.increment_version(out)  # written behind torch's back: saved tensors and memo entries see it
     return out
 
 
@@ -537,7 +538,9 @@ def near_deviation(G: torch.Tensor, s: torch.Tensor | None, inplace: bool = Fals
                    ) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
     """(E, E_hi, ‖E‖_F, max row sum of |E|) for E = S⁻¹GS⁻¹ − I (s: (n,) or (1, n) column scales; None: E = G − I) of
     one contiguous CPU float32 n×n Gram matrix, in one pass (``linalg.c``): torch's ``G / (s.mT * s)`` bits, E_hi
-    its clamped bf16 copy; ``inplace``: E written into G. None where the kernel or the arguments do not fit."""
+    its clamped bf16 copy; the norms summed in double (independent of the thread count; torch's path sums them in
+    float32: they only choose the series order); ``inplace``: E written into G. None where the kernel or the
+    arguments do not fit."""
     if G.ndim != 2 or G.shape[0] != G.shape[1] or not _square_f32(G, G.shape[0]) or G.numel() == 0:
         return None
     n = G.shape[0]
@@ -547,8 +550,11 @@ def near_deviation(G: torch.Tensor, s: torch.Tensor | None, inplace: bool = Fals
     E = G if inplace else torch.empty_like(G)
     E_hi = torch.empty(n, n, dtype=torch.bfloat16)
     stats = torch.empty(2, dtype=torch.float64)
-    lib.near_deviation_f32(n, G.data_ptr(), None if s is None else s.data_ptr(), E.data_ptr(), E_hi.data_ptr(),
-                           stats.data_ptr(), torch.get_num_threads())
+    if lib.near_deviation_f32(n, G.data_ptr(), None if s is None else s.data_ptr(), E.data_ptr(), E_hi.data_ptr(),
+                              stats.data_ptr(), torch.get_num_threads()):
+        return None
+    if E is G:
+        torch.autograd.graph.increment_version(G)  # written behind torch's back
     fro, row = stats.tolist()
     return E, E_hi, fro, row
 

@@ -390,16 +390,19 @@ int split_colsumsq_f32(long m, long n, const float *X, long ld, uint16_t *hi, ui
  *
  * near_deviation_f32: E = S⁻¹GS⁻¹ − I from the Gram matrix G (E_ij = G_ij / (s_i·s_j), the product rounded to float
  * first as torch's G / (s.mT * s); s = NULL: E = G − I), written to E (may be G itself), and E_hi = bf16(E) clamped
- * to ±BF16_MAX (the bf16 factor of E² and E³); stats[0] = ‖E‖_F, stats[1] = max_i Σ_j |E_ij| (summed in double).
+ * to ±BF16_MAX (the bf16 factor of E² and E³); stats[0] = ‖E‖_F, stats[1] = max_i Σ_j |E_ij| (summed in double, rows
+ * added in order: independent of the thread count). Returns nonzero when out of memory (nothing reliable written).
  *
  * near_correction_f32: F = −E/2 (+ 3/8·E2 (− 5/16·E3)) added as torch's F.add_(E2, alpha=0.375) does, one fused
  * multiply-add each, then F_ij·(s_j / s_i) (s = NULL: unscaled); d = diag(F), Bo = bf16(F) with a zero diagonal —
- * constraint_addmm's small update X + X·diag(F) + X_hi·Bo takes them as they are. The bits of torch's expressions. */
-void near_deviation_f32(long n, const float *G, const float *s, float *E, uint16_t *E_hi, double *stats,
-                        int nthreads) {
+ * constraint_addmm's small update X + X·diag(F) + X_hi·Bo takes them as they are. The bits of torch's expressions
+ * (but the norms, which torch sums in float32: they only choose the series order). */
+int near_deviation_f32(long n, const float *G, const float *s, float *E, uint16_t *E_hi, double *stats,
+                       int nthreads) {
     const int nt = team(n * n >= PAR_MIN ? nthreads : 1);
-    double fro = 0.0, row = 0.0;
-    _Pragma("omp parallel for schedule(static) num_threads(nt) reduction(+:fro) reduction(max:row)")
+    double *rows = (double *)malloc(sizeof(double) * 2 * (n > 0 ? n : 1)); /* per row: Σ e², Σ |e| */
+    if (!rows) return 1;
+    _Pragma("omp parallel for schedule(static) num_threads(nt)")
     for (long i = 0; i < n; i++) {
         double r = 0.0, f = 0.0;
         for (long j = 0; j < n; j++) {
@@ -410,11 +413,18 @@ void near_deviation_f32(long n, const float *G, const float *s, float *E, uint16
             f += (double)e * e;
             r += fabs((double)e);
         }
-        fro += f;
-        if (!(r <= row)) row = r; /* NaN wins */
+        rows[2 * i] = f;
+        rows[2 * i + 1] = r;
     }
+    double fro = 0.0, row = 0.0; /* rows added in order: the same bits for any number of threads */
+    for (long i = 0; i < n; i++) {
+        fro += rows[2 * i];
+        if (!(rows[2 * i + 1] <= row)) row = rows[2 * i + 1]; /* NaN wins */
+    }
+    free(rows);
     stats[0] = sqrt(fro);
     stats[1] = row;
+    return 0;
 }
 
 void near_correction_f32(long n, const float *E, const float *E2, const float *E3, const float *s, uint16_t *Bo,

@@ -100,7 +100,11 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
 
     Inside ``split_products()`` a 2-D float32 CPU X takes the n×n arithmetic of a step in two C passes
     (``kernels.near_deviation``, ``kernels.near_correction``: the bits of the torch expressions) and the update
-    X + X·diag(F) + X_hi·bf16(F off its diagonal) directly.
+    X + X·diag(F) + X_hi·bf16(F off its diagonal) directly — the same result but where ‖E‖ sits on a threshold of
+    the series order (the kernel sums its norms in double, torch in float32; either order meets the tolerance).
+
+    Raises:
+        ValueError: ``scale`` is not of shape (..., 1, n).
 
     Returns:
         The polar factor (times S) in ``compute_dtype(X)``, or None if X is too far from the manifold
@@ -111,6 +115,9 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
     if Xc.numel() == 0:  # no columns (or rows): nothing to orthonormalise
         return Xc
     tol = NEAR_REMAINDER[Xc.dtype]
+    if scale is not None and (scale.ndim < 2 or scale.shape[-2:] != (1, Xc.shape[-1])):
+        raise ValueError(f"polar_near: scale must have shape (..., 1, n) with n = {Xc.shape[-1]} columns, got "
+                         f"{tuple(scale.shape)}")
     s = None if scale is None else scale.to(Xc.dtype)
     fused = Xc.ndim == 2 and Xc.dtype == torch.float32 and split_here(Xc) and plain(Xc) \
         and (s is None or (s.numel() == Xc.shape[-1] and plain(s))) and kernels.load_kernel("linalg") is not None
