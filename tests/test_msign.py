@@ -554,17 +554,14 @@ def test_bf16_normalisation_kernel_keeps_nan_and_inf_semantics(normalise_path):
 def test_bf16_normalisation_kernel_bits_do_not_depend_on_threads_or_layout():
     """The kernel's norm is summed over fixed ranges added in order: 1 and 2 threads give the same bits (DDP ranks
     and single-process runs agree); a transposed view normalises as its row-major copy."""
-    import subprocess
-    import sys
+    from thread_counts import outputs_per_thread_count
 
     code = ("import torch, sys; from weightgeom.linalg.msign import _normalise; "
             "torch.set_num_threads(int(sys.argv[1]));"
             "G = torch.randn(1536, 768, generator=torch.Generator().manual_seed(11));"
             "print(int(_normalise(G, 1.01, torch.bfloat16, inplace=True).view(torch.int16).double().sum()))")
-    outs = [subprocess.run([sys.executable, "-c", code, t], capture_output=True, text=True, timeout=120)
-            for t in ("1", "2")]
-    assert all(o.returncode == 0 for o in outs), outs[0].stderr + outs[1].stderr
-    assert outs[0].stdout == outs[1].stdout
+    one, two = outputs_per_thread_count(code)
+    assert one == two
     from weightgeom.linalg.msign import _normalise
 
     G = torch.randn(768, 1536, generator=torch.Generator().manual_seed(12))

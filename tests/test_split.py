@@ -808,16 +808,13 @@ def test_sym_sum_into_out_bumps_its_version():
 
 @needs_kernel
 def test_near_deviation_norms_do_not_depend_on_the_thread_count():
-    import subprocess
-    import sys
+    from thread_counts import outputs_per_thread_count
 
     code = ("import torch, sys; from weightgeom import kernels; torch.set_num_threads(int(sys.argv[1])); "
             "A = torch.randn(1200, 600, generator=torch.Generator().manual_seed(5)); G = A.mT @ A / 1200; "
             "print(kernels.near_deviation(G, None)[2:])")
-    outs = [subprocess.run([sys.executable, "-c", code, t], capture_output=True, text=True, timeout=120)
-            for t in ("1", "2")]
-    assert all(o.returncode == 0 for o in outs), outs[0].stderr + outs[1].stderr
-    assert outs[0].stdout == outs[1].stdout
+    one, two = outputs_per_thread_count(code)
+    assert one == two
 
 
 def test_polar_near_refuses_a_scale_of_another_shape():
