@@ -106,52 +106,45 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     three-product split's (``docs/muon.md``).
 
     ``overwrite_c``: the caller no longer needs C, so a row-major C of the result's shape and dtype accumulates the
-    result in place (returned) instead of in a copy — with ``small`` also when C is A (X + X·F: X's bf16 piece is
-    taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
-    if overwrite_c and small and split_here(C, A, B) and C is A and C.is_contiguous() and B.ndim == 2 \
-            and C.ndim == 2 and _writable_in_place(C):
-        d = B.diagonal().unsqueeze(-2)
-        hi = a_pieces[0] if a_pieces is not None else split_bf16(A, lo=False)[0]  # before A changes
-        Bo = B.to(torch.bfloat16)
-        Bo.diagonal().zero_()
-        A.mul_(1.0 + alpha * d)
-        return split_matmul((hi, None), (Bo, None), out=A, alpha=alpha, beta=1.0)
+    result in place (returned) instead of in a copy — with ``small`` when C is A (X + X·F, ``near_update``: X's bf16
+    piece is taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
     if overwrite_c and not small and _writable_result(C, A, B):
         if not split_here(C, A, B):
             return C.addmm_(A, B, alpha=alpha) if C.ndim == 2 else addmm_batched(C, A, B, alpha=alpha)
         return split_matmul(a_pieces if a_pieces is not None else split_bf16(A), B, out=C, alpha=alpha, beta=1.0)
     if not split_here(C, A, B):
         return addmm_batched(C, A, B, alpha=alpha)
+    same = C is A
     lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
     A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
     if small:
         d = B.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
-        if C.shape == A.shape and C.data_ptr() == A.data_ptr() and C.stride() == A.stride():  # C is A (a view of)
-            out = A * (1.0 + alpha * d)  # X + X·diag(F) = X·(1 + diag(F)): one read of X, not two
-        else:
-            out = torch.addcmul(C.expand(*lead, *C.shape[-2:]), A, d, value=alpha)  # C + α·A·diag(B), new
-        if not out.is_contiguous():
-            out = out.contiguous()
         Bo = B.to(torch.bfloat16)
         Bo.diagonal(dim1=-2, dim2=-1).zero_()
-        hi = a_pieces[0] if a_pieces is not None else split_bf16(A, lo=False)[0]
+        hi = a_pieces[0] if a_pieces is not None else None
+        if C.shape == A.shape and C.data_ptr() == A.data_ptr() and C.stride() == A.stride():  # C is A (a view of)
+            # X + X·diag(F) = X·(1 + diag(F)): one read of X, not two; into X itself when C is the tensor A
+            return near_update(A, d, Bo, alpha, overwrite=overwrite_c and same, hi=hi)
+        out = torch.addcmul(C.expand(*lead, *C.shape[-2:]), A, d, value=alpha).contiguous()  # C + α·A·diag(B), new
+        hi = hi if hi is not None else split_bf16(A, lo=False)[0]
         return split_matmul((hi, None), (Bo, None), out=out, alpha=alpha, beta=1.0)
     out = C.expand(*lead, *C.shape[-2:]).clone(memory_format=torch.contiguous_format)
     pa = a_pieces if a_pieces is not None else split_bf16(A)
     return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
 
 
-def near_update(X: torch.Tensor, d: torch.Tensor, Bo: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
-    """X + X·diag(d) + X_hi·Bo for a 2-D CPU float32 X inside ``split_products()``: a near-manifold retraction's
-    update X·(I + F) with F's diagonal d (1, n) applied exactly and its bf16 off-diagonal part Bo as one product —
-    ``constraint_addmm(X, X, F, small=True)``'s bits, with F already split (``kernels.near_correction``).
-    ``overwrite``: into X itself when it is row-major and writable (X's bf16 piece is taken first)."""
-    hi = split_bf16(X, lo=False)[0]
+def near_update(X: torch.Tensor, d: torch.Tensor, Bo: torch.Tensor, alpha: float = 1.0, overwrite: bool = False,
+                hi: torch.Tensor | None = None) -> torch.Tensor:
+    """X + α·(X·diag(d) + X_hi·Bo) for a CPU float32 X inside ``split_products()``: a near-manifold retraction's
+    update X·(I + F) with F's diagonal d (..., 1, n) applied exactly and its bf16 off-diagonal part Bo as one product
+    (``constraint_addmm(X, X, F, small=True)``; ``polar_near`` with F split by ``kernels.near_correction``).
+    ``overwrite``: into X itself when it is row-major and writable (X's bf16 piece ``hi`` is taken first)."""
+    hi = hi if hi is not None else split_bf16(X, lo=False)[0]
     if overwrite and X.is_contiguous() and _writable_in_place(X):
-        out = X.mul_(1.0 + d)
+        out = X.mul_(1.0 + alpha * d)
     else:
-        out = (X * (1.0 + d)).contiguous()
-    return split_matmul((hi, None), (Bo, None), out=out, alpha=1.0, beta=1.0)
+        out = (X * (1.0 + alpha * d)).contiguous()
+    return split_matmul((hi, None), (Bo, None), out=out, alpha=alpha, beta=1.0)
 
 
 def _writable_in_place(C: torch.Tensor) -> bool:
