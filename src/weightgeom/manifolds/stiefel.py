@@ -61,15 +61,12 @@ def sym(M: torch.Tensor) -> torch.Tensor:
 
 def gram_deviation(X: torch.Tensor) -> torch.Tensor:
     """E = XᵀX − I for a tall X, in ``compute_dtype(X)`` (float64 for float64 input, else float32)."""
-    Xc = X.to(compute_dtype(X))
-    E = constraint_gram(Xc)
-    E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
-    return E
+    return gram_deviation_of(constraint_gram(X.to(compute_dtype(X))), inplace=True)
 
 
-def gram_deviation_of(G: torch.Tensor) -> torch.Tensor:
-    """G − I (a new tensor) for a Gram matrix G."""
-    E = G.clone()
+def gram_deviation_of(G: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """G − I for a Gram matrix G: a new tensor, or G itself with ``inplace``."""
+    E = G if inplace else G.clone()
     E.diagonal(dim1=-2, dim2=-1).sub_(1.0)
     return E
 
@@ -123,16 +120,15 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         and (s is None or (s.numel() == Xc.shape[-1] and plain(s))) and kernels.load_kernel("linalg") is not None
     for _ in range(_NEAR_MAX_ITERS):
         got = None
-        if E is None and fused:
+        if E is None:
             G = gram if gram is not None else constraint_gram(Xc)
-            got = kernels.near_deviation(G, s, inplace=G is not gram)
+            own = G is not gram  # this call's Gram may become E in place; the caller's is never written
+            got = kernels.near_deviation(G, s, inplace=own) if fused else None
+            if got is None:
+                E = gram_deviation_of(G, inplace=own) if s is None else scaled_gram_deviation(G, s)
         if got is not None:
             E, E_hi, e, inf = got
-        else:
-            if E is None:
-                G = gram if gram is not None else constraint_gram(Xc)
-                E = gram_deviation_of(G) if s is None else scaled_gram_deviation(G, s)
-            # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound E's spectral radius
+        else:  # worst ‖E‖_F and ‖E‖_∞ (max absolute row sum) of the batch, one host read: both bound ρ(E)
             e, inf = torch.stack([torch.linalg.matrix_norm(E).amax(), E.abs().sum(dim=-1).amax()]).tolist()
         gram = None
         if not e <= NEAR_TOL:  # also NaN
