@@ -65,9 +65,10 @@ def sym_sum(S: torch.Tensor, alpha: float = 1.0, out: torch.Tensor | None = None
     if S.ndim < 2 or S.shape[-1] != S.shape[-2]:
         raise ValueError(f"sym_sum: S must be a (batch of) square matrices, got shape {tuple(S.shape)}")
     if out is None:
-        res = torch.empty(S.shape, dtype=S.dtype, device=S.device)
-        if _kernel_each(S, res, alpha, False):
-            return res
+        if _kernel_fits(S):  # the result buffer only where the kernel fills it (a GPU step allocates nothing extra)
+            res = torch.empty(S.shape, dtype=S.dtype, device=S.device)
+            if _kernel_each(S, res, alpha, False):
+                return res
         T = S + S.mT
         return T if alpha == 1.0 else alpha * T
     if out.shape != torch.broadcast_shapes(out.shape, S.shape) or out.dtype != S.dtype:
@@ -82,17 +83,22 @@ def sym_sum(S: torch.Tensor, alpha: float = 1.0, out: torch.Tensor | None = None
     return out.add_(Sb, alpha=alpha).add_(Sb.mT, alpha=alpha)
 
 
+def _kernel_fits(S: torch.Tensor) -> bool:
+    """Whether ``kernels.symsum`` takes S's matrices: CPU float32, row-major rows, at least ``SYM_SUM_MIN`` entries,
+    untracked by autograd, and the kernel built."""
+    return (S.device.type == "cpu" and S.shape[-1] * S.shape[-2] >= SYM_SUM_MIN and S.dtype == torch.float32
+            and plain(S) and S.stride(-1) == 1 and S.stride(-2) >= S.shape[-1]
+            and kernels.load_kernel("linalg") is not None)
+
+
 def _kernel_each(S: torch.Tensor, out: torch.Tensor, alpha: float, accumulate: bool) -> bool:
     """Run ``kernels.symsum`` on every matrix of the batch; False (nothing written) where any does not fit."""
-    if (S.device.type != "cpu" or S.shape[-1] * S.shape[-2] < SYM_SUM_MIN or S.dtype != torch.float32
-            or not plain(S) or not plain(out) or out.untyped_storage().data_ptr() == S.untyped_storage().data_ptr()
-            or S.stride(-1) != 1 or S.stride(-2) < S.shape[-1] or not out.is_contiguous()):
+    if not (_kernel_fits(S) and plain(out) and out.is_contiguous()
+            and out.untyped_storage().data_ptr() != S.untyped_storage().data_ptr()):
         return False
     n = S.shape[-1]
     mats = S.reshape(-1, n, n) if S.ndim > 2 else S.unsqueeze(0)  # a copy only for a batch that is not viewable
     outs = out.view(-1, n, n)
-    if kernels.load_kernel("linalg") is None:
-        return False
     for s, o in zip(mats.unbind(0), outs.unbind(0)):
         if kernels.symsum(s, o, alpha, accumulate) is None:  # not expected after the checks above: torch's values
             if accumulate:
