@@ -266,33 +266,6 @@ void symsum_f32(long n, const float *S, long lds, float *out, long ldo, double a
     }
 }
 
-/* transpose_f32: dst = srcᵀ, dst r×c (row stride ldd), src c×r (row stride lds), not overlapping. 8×8 blocks turned
- * in vector registers (as symsum_f32), visited in 32×32 tiles so a tile's source rows stay in cache; the ragged edge
- * element by element. weightgeom.linalg.layout.copy_ uses it for a transposed view of a row-major float32 matrix:
- * torch's copy reads it with a stride of a row per element (768×3072: 2.2–2.5 ms; blocked in torch ~1.0 ms). */
-#define TR_TILE 32
-void transpose_f32(long r, long c, const float *src, long lds, float *dst, long ldd, int nthreads) {
-    const long rb = (r + TR_TILE - 1) / TR_TILE, cb = (c + TR_TILE - 1) / TR_TILE;
-    const int nt = team(r * c >= PAR_MIN ? nthreads : 1);
-    _Pragma("omp parallel for schedule(static) num_threads(nt)")
-    for (long t = 0; t < rb * cb; t++) {
-        const long I0 = (t / cb) * TR_TILE, J0 = (t % cb) * TR_TILE;
-        const long I1 = I0 + TR_TILE < r ? I0 + TR_TILE : r, J1 = J0 + TR_TILE < c ? J0 + TR_TILE : c;
-        for (long i0 = I0; i0 < I1; i0 += 8)
-            for (long j0 = J0; j0 < J1; j0 += 8) {
-                if (i0 + 8 <= I1 && j0 + 8 <= J1) {
-                    v8f b[8]; /* b[k] = src[j0 + k, i0..i0+8] */
-                    for (int k = 0; k < 8; k++) b[k] = load8(src + (j0 + k) * lds + i0);
-                    transpose8(b);
-                    for (int k = 0; k < 8; k++) store8(dst + (i0 + k) * ldd + j0, b[k]);
-                } else {
-                    for (long i = i0; i < i0 + 8 && i < I1; i++)
-                        for (long j = j0; j < j0 + 8 && j < J1; j++) dst[i * ldd + j] = src[j * lds + i];
-                }
-            }
-    }
-}
-
 /* normalise_bf16_{f32,bf16}: out = bf16(x / (‖x‖_F·safety + eps)) of n entries (one matrix), ‖x‖_F summed in double in
  * one read pass — no prescale needed: double holds the square of every float32 — and the quotient formed in double
  * before rounding (a norm below float32's range cannot overflow the scale); a zero matrix stays zero, inf/NaN
