@@ -4,6 +4,7 @@ kernels (kernels/linalg.c), blocked layout copies, and manifold Muon with the sp
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -32,9 +33,19 @@ def _gen(seed: int = 0) -> torch.Generator:
 
 
 def _two_steps(calls: list, manifold: str, seed: int) -> None:
-    """Two manifold-Muon steps of a 512×256 parameter, ``calls`` cleared before each (it keeps the last step's)."""
+    """Two manifold-Muon steps of a 512×256 parameter with its constraint products split-bf16 (whatever this CPU's
+    choice), ``calls`` cleared before each (it keeps the last step's)."""
     p = torch.nn.Parameter(0.02 * torch.randn(512, 256, generator=_gen(seed)))
-    opt = Muon([p], lr=0.02, manifold=manifold)
+    old = os.environ.get(autotune.PRODUCTS_ENV_VAR)
+    os.environ[autotune.PRODUCTS_ENV_VAR] = "split_bf16"  # read when the group is added
+    try:
+        opt = Muon([p], lr=0.02, manifold=manifold)
+    finally:
+        if old is None:
+            os.environ.pop(autotune.PRODUCTS_ENV_VAR)
+        else:
+            os.environ[autotune.PRODUCTS_ENV_VAR] = old
+    assert opt._products_for(p.detach()) == "split_bf16"
     for _ in range(2):
         p.grad = 1e-3 * torch.randn(512, 256, generator=_gen(seed + 1))
         calls.clear()
@@ -229,7 +240,7 @@ def test_manifold_muon_with_split_products_stays_tangent_and_on_the_manifold(nam
         ps = [torch.nn.Parameter(w.clone()) for w in init]
         opt = Muon([{"params": ps, "names": [f"w{i}" for i in range(3)]}], lr=0.02, manifold=name,
                    msign_dtype=dtype)
-        assert opt._split_for(ps[0].detach()) == (flag == "1")
+        assert (opt._products_for(ps[0].detach()) == "split_bf16") == (flag == "1")
         for gr in grads:
             for p, x in zip(ps, gr):
                 p.grad = x
@@ -620,6 +631,7 @@ def test_sym_sum_batches_broadcasts_and_falls_back_where_the_kernel_does_not_fit
 
 
 @needs_kernel
+@needs_split
 def test_manifold_step_sums_its_symmetric_parts_in_the_kernel():
     """The dual ascent's residual P(S + Sᵀ), the cold start, the DGram multiplier and the split Gram's T + Tᵀ go
     through the kernel (torch's S + S.mT reads S.mT a row apart per element: 3× slower at 768²)."""
@@ -697,6 +709,7 @@ def test_bf16_with_column_sumsq_is_the_copy_and_the_column_norms_in_one_pass():
 
 
 @needs_kernel
+@needs_split
 def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
     """Inside split_products() a matrix's split also sums its columns' squares (one read pass: the pieces' and
     column_sumsq's bits), and split_column_sumsq hands them out while the matrix is unchanged — the DGram projection's

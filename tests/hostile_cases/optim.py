@@ -334,10 +334,11 @@ def _bf16_msign_scales(manifold: str | None):
 
 
 def _low_precision_mode(mode: str, shape: tuple[int, int] = (192, 64), manifold: str = "stiefel", steps: int = 10,
-                        tol: float = 1e-6, split: str | None = None):
+                        tol: float = 1e-6, products: str | None = None):
     """The process asks for fast float32 matmuls (bf16 arithmetic on AMX/AVX512-BF16 CPUs, TF32 on GPUs): manifold-Muon
     steps are bitwise those of a full-precision process, W stays on its manifold (``tol``), and the mode is kept.
-    ``split``: WEIGHTGEOM_SPLIT_PRODUCTS for the runs (the split calls MKL's bf16 gemm itself, whatever the mode)."""
+    ``products``: WEIGHTGEOM_PRODUCTS for the runs (the split calls MKL's bf16 gemm itself, whatever the mode; oneDNN's
+    float32 linear honours the mode, so it must run inside the full-precision guard)."""
 
     def check(tmp_path: Path) -> None:
         import os
@@ -357,9 +358,9 @@ def _low_precision_mode(mode: str, shape: tuple[int, int] = (192, 64), manifold:
 
         levels = (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul)
         before = [b.fp32_precision for b in levels]
-        env = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
-        if split is not None:
-            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = split
+        env = os.environ.get("WEIGHTGEOM_PRODUCTS")
+        if products is not None:
+            os.environ["WEIGHTGEOM_PRODUCTS"] = products
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -372,18 +373,26 @@ def _low_precision_mode(mode: str, shape: tuple[int, int] = (192, 64), manifold:
             for b, v in zip(levels, before):
                 b.fp32_precision = v
             if env is None:
-                os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
+                os.environ.pop("WEIGHTGEOM_PRODUCTS", None)
             else:
-                os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = env
+                os.environ["WEIGHTGEOM_PRODUCTS"] = env
         assert torch.equal(full, low), "steps differ from a full-precision process"
         assert manifolds.get(manifold).check(low, tol=tol)
 
     return check
 
 
-def _bad_split_env(tmp_path: Path) -> None:
-    """WEIGHTGEOM_SPLIT_PRODUCTS=yes: `weightgeom train` of a manifold config stops before any step with one line
+def _bad_products_env(var: str, value: str):
+    """``var=value`` (an invalid value): `weightgeom train` of a manifold config stops before any step with one line
     naming the variable and exit 2; no checkpoint is written."""
+
+    def check(tmp_path: Path) -> None:
+        _bad_env_train(tmp_path, var, value)
+
+    return check
+
+
+def _bad_env_train(tmp_path: Path, var: str, value: str) -> None:
     import os
 
     import yaml
@@ -395,16 +404,16 @@ def _bad_split_env(tmp_path: Path) -> None:
         "optim": {"name": "muon", "strategy": "all-stiefel"},
         "train": {"max_steps": 2, "eval_every": 2, "eval_iters": 1, "log_every": 1, "ckpt_every": 1},
     }))
-    old = os.environ.get("WEIGHTGEOM_SPLIT_PRODUCTS")
-    os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = "yes"
+    old = os.environ.get(var)
+    os.environ[var] = value
     try:
         res = cli("train", cfg, "--out", tmp_path / "run", "--no-progress")
     finally:
         if old is None:
-            os.environ.pop("WEIGHTGEOM_SPLIT_PRODUCTS", None)
+            os.environ.pop(var, None)
         else:
-            os.environ["WEIGHTGEOM_SPLIT_PRODUCTS"] = old
-    assert_one_line_error(res, "WEIGHTGEOM_SPLIT_PRODUCTS")
+            os.environ[var] = old
+    assert_one_line_error(res, var)
     assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.safetensors"))
 
 
@@ -476,12 +485,24 @@ CASES: list[Hostile] = [
             "Manifold Muon (DGram, 512×256) with its constraint products forced split-bf16 "
             "(WEIGHTGEOM_SPLIT_PRODUCTS=1) in a process that set torch.set_float32_matmul_precision('medium'): "
             "steps equal a full-precision process's bitwise and W stays on its manifold (2e-6)",
-            _low_precision_mode("medium", shape=(512, 256), manifold="dgram", steps=6, tol=2e-6, split="1")),
+            _low_precision_mode("medium", shape=(512, 256), manifold="dgram", steps=6, tol=2e-6,
+                                products="split_bf16")),
+    Hostile("manifold-muon-onednn-products-medium-mode", "optim",
+            "Manifold Muon (DGram, 512×256) with its constraint products forced through oneDNN "
+            "(WEIGHTGEOM_PRODUCTS=ieee_onednn; oneDNN's float32 linear follows the process's matmul mode) in a "
+            "process that set torch.set_float32_matmul_precision('medium'): steps equal a full-precision process's "
+            "bitwise and W stays on its manifold (1e-6)",
+            _low_precision_mode("medium", shape=(512, 256), manifold="dgram", steps=6, tol=1e-6,
+                                products="ieee_onednn")),
     Hostile("manifold-muon-bad-split-env", "optim",
             "WEIGHTGEOM_SPLIT_PRODUCTS=yes: `weightgeom train` of a manifold-Muon config stops before any step with "
             "one line naming the variable, exit 2, no checkpoint (before it was read inside the first step, after "
             "other groups had stepped)",
-            _bad_split_env),
+            _bad_products_env("WEIGHTGEOM_SPLIT_PRODUCTS", "yes")),
+    Hostile("manifold-muon-bad-products-env", "optim",
+            "WEIGHTGEOM_PRODUCTS=fast (not auto, ieee, ieee_onednn or split_bf16): `weightgeom train` of a "
+            "manifold-Muon config stops before any step with one line naming the variable, exit 2, no checkpoint",
+            _bad_products_env("WEIGHTGEOM_PRODUCTS", "fast")),
     Hostile("md-torch-stale-gain-grad", "optim",
             "model.zero_grad() between MagnitudeDirection steps (torch passes, fused=False), then a gradient for one "
             "layer only: the other layer's gains keep last step's θ.grad but do not move, nor does its W (before: "

@@ -18,11 +18,15 @@ What is measured (well under a second on a 2-core CPU):
 The dtype with the smallest ``steps × seconds per step`` wins; bf16 is only measured for accuracy where its step is
 faster than fp32's.
 
-3. On a CPU whose torch carries MKL's bf16→float32 gemm: manifold Muon's constraint products (``products``), IEEE
-   float32 or split-bf16 (``weightgeom.linalg.split``). A 768×1536·1536×768 product XᵀA with A exactly bf16 (the
-   commonest of them) is timed both ways; the split wins where it takes ≤ ``SPLIT_WINS`` of the IEEE time (2-core AMX
-   Xeon: ~0.6; on CPUs without AMX a bf16 product is not enough faster). ``WEIGHTGEOM_SPLIT_PRODUCTS=1`` uses the
-   split wherever it is available, ``=0`` never.
+3. On a CPU: manifold Muon's constraint products (``products``): IEEE float32 through torch's BLAS (``"ieee"``,
+   MKL on x86), IEEE float32 through oneDNN (``"ieee_onednn"``, ``weightgeom.linalg.gemm``) or split-bf16
+   (``"split_bf16"``, ``weightgeom.linalg.split``, where torch carries MKL's bf16→float32 gemm). A 768×1536·1536×768
+   product XᵀA with A exactly bf16 (the commonest of them) is timed each way. oneDNN replaces torch's BLAS where it
+   takes ≤ ``ONEDNN_WINS`` of its time (2-core AMD EPYC with AVX-512: ~0.5, MKL runs its AVX2 code on AMD CPUs; an
+   Intel Xeon: ~1), and the split wins where it takes ≤ ``SPLIT_WINS`` of the faster IEEE time (2-core AMX Xeon:
+   ~0.6; on CPUs without AMX a bf16 product is not enough faster). ``WEIGHTGEOM_PRODUCTS`` = ``ieee``,
+   ``ieee_onednn`` or ``split_bf16`` forces one (where available, else ``ieee``); ``WEIGHTGEOM_SPLIT_PRODUCTS=1``
+   (the older switch) uses the split wherever it is available, ``=0`` never (the IEEE kind is still measured).
 
 ``WEIGHTGEOM_MSIGN="float32"`` (or ``"bfloat16"``, ``"float64"``, optionally ``":STEPS"``, e.g.
 ``"bfloat16:6"``) forces a choice without measuring (tests use it; without ``:STEPS`` the preset's default, 10); the
@@ -38,18 +42,21 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from weightgeom._cache import cache_root
+from weightgeom.linalg.gemm import ieee_mm, onednn_available, onednn_products
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 from weightgeom.linalg.precision import with_full_precision
-from weightgeom.linalg.split import split_available, split_matmul
+from weightgeom.linalg.split import split_available, split_matmul, split_products
 
 __all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice",
-           "split_products_for", "PRODUCTS", "SPLIT_ENV_VAR", "SPLIT_WINS"]
+           "split_products_for", "products_for", "constraint_products", "PRODUCTS", "PRODUCTS_ENV_VAR",
+           "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
 
 ENV_VAR = "WEIGHTGEOM_MSIGN"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -62,9 +69,14 @@ _SPEED_SHAPE = (192, 768)
 _SPEED_SHAPE_GPU = (768, 3072)
 _GPU_WARMUP, _GPU_TIMED = 3, 5
 _REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
-_CACHE_VERSION = 3  # 2: the GPU speed shape and warm-up; 3: the constraint products (older choices are measured again)
-PRODUCTS = ("ieee", "split_bf16")
+# 2: the GPU speed shape and warm-up; 3: the constraint products; 4: oneDNN among them (older ones are measured again)
+_CACHE_VERSION = 4
+PRODUCTS = ("ieee", "ieee_onednn", "split_bf16")
+PRODUCTS_ENV_VAR = "WEIGHTGEOM_PRODUCTS"
 SPLIT_ENV_VAR = "WEIGHTGEOM_SPLIT_PRODUCTS"
+# oneDNN takes over the IEEE products where the probe takes at most this fraction of torch's BLAS time: a change of
+# library changes the bits (not the accuracy), so only for a clear gain (AMD EPYC with AVX-512: 0.47–0.6).
+ONEDNN_WINS = 0.8
 # The split-bf16 constraint products are chosen where the probe product takes at most this fraction of its IEEE time:
 # enough margin that the products with three pieces (the tangent projection) do not lose either.
 SPLIT_WINS = 0.7
@@ -75,7 +87,8 @@ _ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTI
 
 _lock = threading.Lock()
 _choices: dict[str, MsignChoice] = {}
-_forced_products: dict[str, str] = {}  # device -> products, measured where WEIGHTGEOM_MSIGN forces the msign choice
+# device -> (products, probe seconds), measured where WEIGHTGEOM_MSIGN forces the msign choice
+_forced_products: dict[str, tuple[str, dict[str, float]]] = {}
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,8 @@ class MsignChoice:
             a GPU).
         errors: orthogonality error of the probe direction per dtype name at the chosen steps, and ``"torch_muon"``
             (the bar).
-        products: manifold Muon's constraint products on this device: ``"ieee"`` (float32) or ``"split_bf16"``
+        products: manifold Muon's constraint products on this device: ``"ieee"`` (float32, torch's BLAS),
+            ``"ieee_onednn"`` (float32 through oneDNN, ``weightgeom.linalg.gemm``; CPUs only) or ``"split_bf16"``
             (``weightgeom.linalg.split``; CPUs only).
         product_seconds: the measured seconds of the probe product per kind (empty where not measured).
     """
@@ -147,17 +161,25 @@ def adopt_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: in
                        products: str = "ieee") -> MsignChoice:
     """Use (``dtype``, ``steps``, ``products``) for ``device`` in this process from now on, e.g. rank 0's choice
     broadcast to every rank so a distributed run computes every matrix's msign and constraint products alike
-    (``weightgeom.train.distributed``). ``products="split_bf16"`` falls back to ``"ieee"`` where the split is not
-    available in this process."""
+    (``weightgeom.train.distributed``). ``products`` ``"split_bf16"`` or ``"ieee_onednn"`` falls back to ``"ieee"``
+    where it is not available in this process."""
     device = torch.device(device)
     if dtype not in _DTYPES.values() or int(steps) < 1 or products not in PRODUCTS:
         raise ValueError(f"adopt_msign_choice: dtype={dtype} steps={steps!r} products={products!r} is invalid")
-    if products == "split_bf16" and not split_available(device):
+    if not _products_available(products, device):
         products = "ieee"
     choice = MsignChoice(str(device), dtype, int(steps), "rank0", products=products)
     with _lock:
         _choices[_memo_key(device)] = choice
     return choice
+
+
+def _products_available(products: str, device: torch.device) -> bool:
+    if products == "split_bf16":
+        return split_available(device)
+    if products == "ieee_onednn":
+        return onednn_available(device)
+    return True
 
 
 def clear_msign_choices() -> None:
@@ -288,9 +310,11 @@ def _measure(device: torch.device) -> MsignChoice:
 
 @with_full_precision  # the IEEE side is timed at IEEE precision whatever the process's float32 matmul mode
 def _measure_products(device: torch.device) -> tuple[str, dict[str, float]]:
-    """("ieee" or "split_bf16", the probe's seconds per kind): XᵀA for a 1536×768 X and an exactly-bf16 A, median of
-    5 calls after one warm-up each way (~50 ms on a 2-core CPU)."""
-    if not split_available(device):
+    """(the constraint products' kind, the probe's seconds per kind measured): XᵀA for a 1536×768 X and an
+    exactly-bf16 A, median of 5 calls after one warm-up each way (~50–100 ms on a 2-core CPU). Not a CPU, or neither
+    oneDNN nor the split available: ("ieee", {})."""
+    split, dnn = split_available(device), onednn_available(device)
+    if device.type != "cpu" or not (split or dnn):
         return "ieee", {}
     g = torch.Generator().manual_seed(0)
     X = torch.randn(*_SPLIT_PROBE, generator=g)
@@ -306,32 +330,84 @@ def _measure_products(device: torch.device) -> tuple[str, dict[str, float]]:
             times.append(time.perf_counter() - t)
         return sorted(times)[2]
 
-    ieee = timed(lambda: X.mT @ Af)
-    split = timed(lambda: split_matmul(X.mT, (A, None)))
-    kind = "split_bf16" if split <= SPLIT_WINS * ieee else "ieee"
-    return kind, {"ieee": ieee, "split_bf16": split}
+    def onednn() -> torch.Tensor:
+        with onednn_products():
+            return ieee_mm(X.mT, Af)
+
+    seconds = {"ieee": timed(lambda: X.mT @ Af)}
+    if dnn:
+        seconds["ieee_onednn"] = timed(onednn)
+    if split:
+        seconds["split_bf16"] = timed(lambda: split_matmul(X.mT, (A, None)))
+    return _pick_products(seconds), seconds
 
 
-def split_products_for(device: torch.device | str) -> bool:
-    """Whether manifold Muon's constraint products on ``device`` run split-bf16: ``WEIGHTGEOM_SPLIT_PRODUCTS`` = 1
-    (wherever available) or 0 (never), else the device's measured choice (``msign_choice(device).products``)."""
+def _pick_products(seconds: dict[str, float]) -> str:
+    """The constraint products' kind from the probe's seconds per kind: oneDNN over torch's BLAS where it takes
+    ≤ ``ONEDNN_WINS`` of its time, then the split over the faster IEEE kind where it takes ≤ ``SPLIT_WINS`` of it."""
+    ieee = "ieee"
+    if "ieee_onednn" in seconds and seconds["ieee_onednn"] <= ONEDNN_WINS * seconds["ieee"]:
+        ieee = "ieee_onednn"
+    if "split_bf16" in seconds and seconds["split_bf16"] <= SPLIT_WINS * seconds[ieee]:
+        return "split_bf16"
+    return ieee
+
+
+def _products_env() -> str | None:
+    """The constraint products forced by the environment (``WEIGHTGEOM_PRODUCTS``, then the older
+    ``WEIGHTGEOM_SPLIT_PRODUCTS=1``), "no-split" for ``WEIGHTGEOM_SPLIT_PRODUCTS=0``, or None (measure); an invalid
+    value raises ValueError naming the variable."""
+    raw = os.environ.get(PRODUCTS_ENV_VAR, "").strip()
+    if raw not in ("", "auto", *PRODUCTS):
+        raise ValueError(f"{PRODUCTS_ENV_VAR}={raw!r} is invalid: use auto, " + ", ".join(PRODUCTS))
+    old = os.environ.get(SPLIT_ENV_VAR, "").strip()
+    if old not in ("", "auto", "0", "1"):
+        raise ValueError(f"{SPLIT_ENV_VAR}={old!r} is invalid: use auto, 0 or 1")
+    if raw not in ("", "auto"):
+        return raw
+    return {"1": "split_bf16", "0": "no-split"}.get(old)
+
+
+def products_for(device: torch.device | str) -> str:
+    """Manifold Muon's constraint products on ``device`` (one of ``PRODUCTS``): ``WEIGHTGEOM_PRODUCTS`` when set (a
+    kind not available here gives ``"ieee"``), ``WEIGHTGEOM_SPLIT_PRODUCTS`` = 1 (the split wherever available) or 0
+    (the measured IEEE kind), else the device's measured choice (``msign_choice(device).products``). Always
+    ``"ieee"`` on a GPU."""
     device = torch.device(device)
-    raw = os.environ.get(SPLIT_ENV_VAR, "").strip()
-    if raw not in ("", "auto", "0", "1"):
-        raise ValueError(f"{SPLIT_ENV_VAR}={raw!r} is invalid: use auto, 0 or 1")
-    if raw == "0" or not split_available(device):
-        return False
-    if raw == "1":
-        return True
+    forced = _products_env()
+    if device.type != "cpu":
+        return "ieee"
+    if forced is not None and forced != "no-split":
+        return forced if _products_available(forced, device) else "ieee"
     choice = msign_choice(device)
+    products, seconds = choice.products, choice.product_seconds
     if choice.source == "env":  # msign forced without measuring: the products are measured on their own, once
         key = _memo_key(device)
         with _lock:
             if key not in _forced_products:
                 with torch.no_grad():
-                    _forced_products[key] = _measure_products(device)[0]
-            return _forced_products[key] == "split_bf16"
-    return choice.products == "split_bf16"
+                    _forced_products[key] = _measure_products(device)
+            products, seconds = _forced_products[key]
+    if forced == "no-split" and products == "split_bf16":
+        products = _pick_products({k: v for k, v in seconds.items() if k != "split_bf16"}) if "ieee" in seconds \
+            else "ieee"
+    return products if _products_available(products, device) else "ieee"
+
+
+@contextlib.contextmanager
+def constraint_products(kind: str) -> Iterator[None]:
+    """Inside (this thread only): manifold Muon's constraint products as ``kind`` says (one of ``PRODUCTS``):
+    ``split_products()`` for ``"split_bf16"``, ``onednn_products()`` for ``"ieee_onednn"``, neither for ``"ieee"``."""
+    if kind not in PRODUCTS:
+        raise ValueError(f"constraint_products: kind={kind!r} is not one of {PRODUCTS}")
+    with split_products(kind == "split_bf16"), onednn_products(kind == "ieee_onednn"):
+        yield
+
+
+def split_products_for(device: torch.device | str) -> bool:
+    """Whether manifold Muon's constraint products on ``device`` run split-bf16 (``products_for(device) ==
+    "split_bf16"``)."""
+    return products_for(device) == "split_bf16"
 
 
 def _load(path: Path, device: torch.device) -> MsignChoice | None:

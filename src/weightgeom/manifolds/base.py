@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightgeom.linalg.gemm import ieee_addmm, ieee_mm
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
 from weightgeom.linalg.precision import with_full_precision
@@ -53,22 +54,6 @@ def tall_pair(W: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return X, (A.mT if t else A), t
 
 
-def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """C + α·A@B as one fused multiply-add (``addmm``, or ``baddbmm`` over any number of leading dims), so a matrix
-    gets bitwise the same result alone as inside a batch (an unfused C + α·(A@B) rounds the product first: in bf16
-    that differs by ~1e-2, which the msign that follows would carry into the step)."""
-    if C.ndim == 2 and A.ndim == 2 and B.ndim == 2:
-        return torch.addmm(C, A, B, alpha=alpha)
-    lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
-    m, n, k = A.shape[-2], B.shape[-1], A.shape[-1]
-
-    def flat(T: torch.Tensor, r: int, c: int) -> torch.Tensor:
-        return T.expand(*lead, r, c).reshape(-1, r, c)
-
-    out = torch.baddbmm(flat(C, m, n), flat(A, m, k), flat(B, k, n), alpha=alpha)
-    return out.reshape(*lead, m, n)
-
-
 # Constraint products run split-bf16 only when every dimension of the matrices is at least this: smaller products are
 # cheap in IEEE float32 anyway, and their split errors are the largest — a Gram entry of m rows averages m rounding
 # errors of 2⁻¹⁷, so a 20×8 point after a zero step moved by 1.3e-6 (IEEE: 0) while 768-row ones move by ≤ 2e-7.
@@ -86,19 +71,21 @@ def split_here(*ts: torch.Tensor | None) -> bool:
 
 
 def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = None) -> torch.Tensor:
-    """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype), or inside ``split_products()`` on
-    the CPU the split-bf16 product (``weightgeom.linalg.split``; ~1e-6 relative instead of ~1e-7, 3–5× faster with
-    AMX). ``b_pieces``: B's ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16)."""
+    """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype; through oneDNN inside
+    ``onednn_products()``, ``weightgeom.linalg.gemm``), or inside ``split_products()`` on the CPU the split-bf16 product
+    (``weightgeom.linalg.split``; ~1e-6 relative instead of ~1e-7, 3–5× faster with AMX). ``b_pieces``: B's
+    ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16)."""
     if not split_here(A, B):
-        return A @ B
+        return ieee_mm(A, B)
     return split_matmul(A, b_pieces if b_pieces is not None else B)
 
 
 def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
                      a_pieces: Pieces | None = None, small: bool = False, overwrite_c: bool = False) -> torch.Tensor:
-    """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched``, or
-    inside ``split_products()`` on the CPU the split-bf16 product accumulated into a float32 copy of C (each matrix of a
-    batch alone: the same bits as one call per matrix).
+    """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched`` (inside
+    ``onednn_products()`` ``ieee_addmm``: oneDNN's product, then one add), or inside ``split_products()`` on the CPU the
+    split-bf16 product accumulated into a float32 copy of C (each matrix of a batch alone: the same bits as one call
+    per matrix).
 
     ``small``: B (square) is a small correction (its entries ≪ 1 against A's unit-scale columns, as the multiplier of a
     near-tangent direction or a near-manifold retraction's p(E) − I): B's diagonal is applied exactly, as a float32
@@ -110,10 +97,10 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     piece is taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
     if overwrite_c and not small and _writable_result(C, A, B):
         if not split_here(C, A, B):
-            return C.addmm_(A, B, alpha=alpha) if C.ndim == 2 else addmm_batched(C, A, B, alpha=alpha)
+            return ieee_addmm(C, A, B, alpha=alpha, inplace=C.ndim == 2)
         return split_matmul(a_pieces if a_pieces is not None else split_bf16(A), B, out=C, alpha=alpha, beta=1.0)
     if not split_here(C, A, B):
-        return addmm_batched(C, A, B, alpha=alpha)
+        return ieee_addmm(C, A, B, alpha=alpha)
     same = C is A
     lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
     A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
@@ -173,18 +160,18 @@ def _writable_result(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
 def small_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """A@B of two small corrections (e.g. powers of a near-manifold Gram deviation E, ‖E‖ ≪ 1) added to unit-scale
     terms: inside ``split_products()`` on the CPU one bf16 product accumulated in float32 — its error, 2⁻⁸ of a
-    product of two small factors, is far below float32 rounding of the terms it is added to; else ``A @ B``."""
+    product of two small factors, is far below float32 rounding of the terms it is added to; else ``ieee_mm``."""
     if not split_here(A, B):
-        return A @ B
+        return ieee_mm(A, B)
     return split_matmul(split_bf16(A, lo=False), split_bf16(B, lo=False))
 
 
 def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tensor:
-    """XᵀX for the constraint arithmetic: IEEE, or inside ``split_products()`` X_hiᵀX_hi + T + Tᵀ with T = X_hiᵀX_lo
-    (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X itself (the dropped
-    X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
+    """XᵀX for the constraint arithmetic: IEEE (``ieee_mm``), or inside ``split_products()`` X_hiᵀX_hi + T + Tᵀ with
+    T = X_hiᵀX_lo (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X itself
+    (the dropped X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
     if not split_here(X):
-        return X.mT @ X
+        return ieee_mm(X.mT, X)
     hi, lo = pieces if pieces is not None else split_bf16(X)
     G = split_matmul((hi.mT, None), (hi, None))
     if lo is not None:

@@ -26,10 +26,11 @@ import torch
 
 from weightgeom import kernels
 from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with_full_precision
+from weightgeom.linalg.gemm import addmm_batched, ieee_addmm, ieee_mm
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, plain
 from weightgeom.linalg.split import split_active, split_bf16, split_matmul
-from weightgeom.manifolds.base import Manifold, addmm_batched, constraint_mm, tall, untall
+from weightgeom.manifolds.base import Manifold, constraint_mm, tall, untall
 
 __all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
@@ -75,7 +76,7 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
     if X.dtype == Y.dtype == torch.bfloat16 and split_active() and X.device.type == "cpu":
         S = split_matmul((X.mT, None), (Y, None))  # bf16 factors, the product accumulated and returned in float32
     else:
-        S = X.mT @ Y
+        S = ieee_mm(X.mT, Y)
     return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same values (+0 where that gave −0)
 
 
@@ -272,7 +273,7 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     J = slice(j0, j0 + columns)
     # rows J of XᵀA + AᵀX (its columns J transposed: the same entries), as A_JᵀX + X_JᵀA with row-major copies of
     # the thin m×|J| factors: 0.67 against 0.95 ms per product for 3072×768 (AMX), where Xᵀ·A[:, J] reads both strided
-    block = A[..., J].contiguous().mT @ X + X[..., J].contiguous().mT @ A  # (..., |J|, n)
+    block = ieee_mm(A[..., J].contiguous().mT, X) + ieee_mm(X[..., J].contiguous().mT, A)  # (..., |J|, n)
     # P acts entrywise: its selection of rows J (where, not a product: inf or NaN in a discarded entry stays out)
     H = torch.where(_rows_of_P(manifold, n, J, X.device), block, 0.0)
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
@@ -368,7 +369,7 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
             G = split_matmul((An.mT, None), (An, None)) if split_gram else (An.mT @ An).to(A.dtype)
             G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True) if diag is None else diag)
         else:
-            G = A.mT @ A
+            G = ieee_mm(A.mT, A)
         top_diag = G.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).unsqueeze(-1)
     else:  # near-square: forming AᵀA costs more than the steps' products with A itself
         G = None
@@ -435,8 +436,9 @@ def _widened(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
 
 
 def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
-    """Y + 2·X·P(Λ) (one fused multiply-add: the same bits for a matrix alone or in a batch)."""
-    return addmm_batched(Y, X, PL, alpha=2.0)
+    """Y + 2·X·P(Λ): one fused multiply-add, or inside ``onednn_products()`` oneDNN's product and one add (either way
+    the same bits for a matrix alone or in a batch)."""
+    return ieee_addmm(Y, X, PL, alpha=2.0)
 
 
 def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,

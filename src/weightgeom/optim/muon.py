@@ -22,8 +22,7 @@ import torch
 
 from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
-from weightgeom.linalg.autotune import split_products_for
-from weightgeom.linalg.split import split_products
+from weightgeom.linalg.autotune import constraint_products, products_for
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
@@ -238,7 +237,7 @@ class Muon(torch.optim.Optimizer):
         # msign settings per device for the groups that take the per-device choice (resolved when a group is added,
         # so the step only looks them up: no benchmark, lock or environment read inside a compiled step).
         self._msign_choices: dict[str, tuple[torch.dtype, int]] = {}
-        self._split: dict[str, bool] = {}  # device -> manifold groups' constraint products split-bf16 there
+        self._products: dict[str, str] = {}  # device -> manifold groups' constraint products there (PRODUCTS)
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -250,7 +249,7 @@ class Muon(torch.optim.Optimizer):
         it with ``int()`` only when needed — that is a host sync on a GPU)."""
         return self._skipped
 
-    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "_split", "msign_auto", "_manifolds", "last_stats",
+    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "_products", "msign_auto", "_manifolds", "last_stats",
                   "_far_retractions", "_warned_far_retraction")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -303,7 +302,7 @@ class Muon(torch.optim.Optimizer):
             self._manifold(group)  # resolve now so an unknown name fails at construction
             for p in group["params"]:  # and the constraint products' choice (it may measure, or reject the env var)
                 if p.device.type == "cpu" and p.dtype != torch.float64:
-                    self._split_device(p.device)
+                    self._products_device(p.device)
         if uses_msign_choice(group):
             for p in group["params"]:
                 if p.dtype != torch.float64:
@@ -319,20 +318,20 @@ class Muon(torch.optim.Optimizer):
             self.msign_auto.setdefault(key, choice.as_dict())
         return self._msign_choices[key]
 
-    def _split_for(self, X: torch.Tensor) -> bool:
-        """Whether a manifold step on X (its float32 working copy) runs its constraint products split-bf16
-        (``weightgeom.linalg.split``): float32 on a device whose per-device choice says so (``split_products_for``),
-        looked up once per optimizer and device — when the group was added, so a step never measures or reads the
-        environment."""
+    def _products_for(self, X: torch.Tensor) -> str:
+        """How a manifold step on X (its float32 working copy) runs its constraint products (one of
+        ``autotune.PRODUCTS``: IEEE through torch's BLAS or oneDNN, or split-bf16): a CPU float32 X takes its
+        device's per-device choice (``products_for``), looked up once per optimizer and device — when the group was
+        added, so a step never measures or reads the environment; anything else ``"ieee"``."""
         if X.dtype != torch.float32 or X.device.type != "cpu":
-            return False
-        return self._split_device(X.device)
+            return "ieee"
+        return self._products_device(X.device)
 
-    def _split_device(self, device: torch.device) -> bool:
-        memo = self.__dict__.setdefault("_split", {})
+    def _products_device(self, device: torch.device) -> str:
+        memo = self.__dict__.setdefault("_products", {})
         key = str(device)
         if key not in memo:
-            memo[key] = split_products_for(device)
+            memo[key] = products_for(device)
         return memo[key]
 
     @staticmethod
@@ -527,15 +526,15 @@ class Muon(torch.optim.Optimizer):
             where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
-        splits = self.__dict__.get("_split", {})
+        kinds = self.__dict__.get("_products", {})
         for dev, c in self.msign_auto.items():
-            split = splits.get(dev)
-            products = "" if split is None else f"; manifold constraint products {'split_bf16' if split else 'ieee'}"
+            kind = kinds.get(dev)
+            products = "" if kind is None else f"; manifold constraint products {kind}"
             lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
                          f"{products}")
-        for dev, split in splits.items():  # manifold groups with their msign set explicitly
+        for dev, kind in kinds.items():  # manifold groups with their msign set explicitly
             if dev not in self.msign_auto:
-                lines.append(f"manifold constraint products on {dev}: {'split_bf16' if split else 'ieee'}")
+                lines.append(f"manifold constraint products on {dev}: {kind}")
         return "\n".join(lines)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
@@ -681,7 +680,7 @@ class Muon(torch.optim.Optimizer):
             return got[0] if one else torch.stack(got)
 
         info: dict[str, Any] = {}
-        with split_products(self._split_for(X32)):  # the constraint products split-bf16 where that is faster
+        with constraint_products(self._products_for(X32)):  # split-bf16 or through oneDNN where that is faster
             direction, lam, _, iters = manifold_direction(  # on the tall matrices: the direction comes back tall
                 X32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
                 tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"],
@@ -701,7 +700,7 @@ class Muon(torch.optim.Optimizer):
                          group["weight_decay"])
         R = X  # tall, like X
         if group["init"] == "retract":
-            with split_products(self._split_for(X32)):
+            with constraint_products(self._products_for(X32)):
                 if X.dtype in (torch.float32, torch.float64):
                     manifold.retract_(X)  # in place: the parameter's own view, or the working copy
                 else:
