@@ -96,6 +96,12 @@ NOT_ELIGIBLE = [
     ("float64", lambda: _t((64, 64), 36).double(), lambda: _t((64, 64), 37).double(), True),
     ("bfloat16", lambda: _t((64, 64), 38).bfloat16(), lambda: _t((64, 64), 39).bfloat16(), True),
     ("1-D B", lambda: _t((64, 64), 40), lambda: _t((64,), 41), True),
+    # layouts oneDNN cannot describe (it raised "could not construct a memory descriptor"): torch's product
+    ("B sliding-window view", lambda: _t((64, 48), 43), lambda: _t((20000,), 44).unfold(0, 50, 1)[:48], True),
+    ("B interleaved strides", lambda: _t((64, 48), 45), lambda: _t((20000,), 46).as_strided((48, 50), (3, 101)), True),
+    ("B.mT interleaved", lambda: _t((64, 48), 47), lambda: _t((20000,), 48).as_strided((48, 50), (101, 3)), True),
+    ("A sliding-window view", lambda: _t((20000,), 49).unfold(0, 48, 1)[:64], lambda: _t((48, 50), 52), True),
+    ("stride-0 rows", lambda: _t((1, 48), 53).expand(64, 48), lambda: _t((48, 50), 54), True),
 ]
 
 
@@ -113,6 +119,91 @@ def test_other_products_are_torchs_bitwise(name, fa, fb, inside, monkeypatch):
             D = ieee_addmm(Cin, A, B, alpha=0.5)
             assert torch.equal(D, torch.addmm(Cin, A, B, alpha=0.5))
     assert torch.equal(C, A @ B) and not seen
+
+
+def test_forward_mode_tangents_are_kept():
+    """oneDNN's op has no forward derivative: a dual or torch.func-wrapped factor takes torch's product (the
+    tangent was silently zero); also through a manifold projection and an addmm with a dual C."""
+    import torch.autograd.forward_ad as fwAD
+
+    A, B, dA = _t((64, 48), 55), _t((48, 40), 56), _t((64, 48), 57)
+    with onednn_products():
+        _, tangent = torch.func.jvp(lambda a: ieee_mm(a, B), (A,), (dA,))
+        assert torch.allclose(tangent, dA @ B, rtol=1e-5, atol=1e-5)
+        with fwAD.dual_level():
+            C = fwAD.make_dual(_t((64, 40), 58), _t((64, 40), 59))
+            out = fwAD.unpack_dual(ieee_addmm(C, A, B, alpha=-1.0))
+            assert out.tangent is not None and torch.equal(out.tangent, fwAD.unpack_dual(C).tangent)
+        W = manifolds.get("stiefel").random_point(256, 64).float()
+        G, dW = _t((256, 64), 60), 1e-3 * _t((256, 64), 61)
+        _, t1 = torch.func.jvp(lambda w: manifolds.get("stiefel").proj_tangent(w, G), (W,), (dW,))
+    _, t0 = torch.func.jvp(lambda w: manifolds.get("stiefel").proj_tangent(w, G), (W,), (dW,))
+    assert float(t0.norm()) > 0 and torch.allclose(t1, t0, rtol=1e-4, atol=1e-6)
+
+
+def test_an_addmm_whose_c_autograd_tracks_is_torchs():
+    A, B = _t((64, 48), 62), _t((48, 40), 63)
+    C = _t((64, 40), 64).requires_grad_()
+    with onednn_products():
+        D = ieee_addmm(C, A, B, alpha=-1.0)
+    assert torch.equal(D, torch.addmm(C, A, B, alpha=-1.0))
+    D.sum().backward()
+    assert torch.equal(C.grad, torch.ones(64, 40))
+
+
+@needs_onednn
+def test_alpha_zero_leaves_c_as_torch_does(calls):
+    A, B, Cin = _t((64, 48), 65), _t((48, 40), 66), _t((64, 40), 67)
+    A[0, 0] = float("nan")
+    A[1, 1] = float("inf")
+    for inplace in (False, True):
+        C = Cin.clone()
+        with onednn_products():
+            D = ieee_addmm(C, A, B, alpha=0.0, inplace=inplace)
+        assert torch.equal(D, Cin) and (D is C) == inplace
+    assert not calls
+
+
+@needs_onednn
+def test_inplace_writes_c_on_every_path(calls):
+    """inplace: the result in C whether oneDNN runs (k ≥ ONEDNN_MIN_DIM) or torch's batched addmm (k below)."""
+    for k in (ONEDNN_MIN_DIM + 16, ONEDNN_MIN_DIM // 2):
+        A, B, Cin = _t((3, 40, k), 68), _t((3, k, 36), 69), _t((3, 40, 36), 70)
+        C = Cin.clone()
+        with onednn_products():
+            D = ieee_addmm(C, A, B, alpha=-1.0, inplace=True)
+        assert D is C and _rel_err(C, A, B, Cin, -1.0) < IEEE_REL
+
+
+@needs_onednn
+def test_results_stay_on_the_inputs_device_whatever_the_default(calls):
+    A, B = _t((2, 40, 36), 71), _t((2, 36, 50), 72)
+    torch.set_default_device("meta")
+    try:
+        with onednn_products():
+            C = ieee_mm(A, B)
+    finally:
+        torch.set_default_device(None)
+    assert C.device.type == "cpu" and calls and _rel_err(C, A, B) < IEEE_REL
+
+
+@needs_onednn
+def test_the_self_test_runs_on_the_cpu_whatever_the_default(monkeypatch):
+    monkeypatch.setattr(gemm, "_op", None)  # looked at again
+    torch.set_default_device("meta")
+    try:
+        ok = gemm.onednn_available("cpu")
+    finally:
+        torch.set_default_device(None)
+    assert ok and gemm.unavailable_reason() == ""
+
+
+@needs_onednn
+def test_mkldnn_disabled_by_the_user_is_respected(calls):
+    A, B = _t((64, 64), 73), _t((64, 64), 74)
+    with torch.backends.mkldnn.flags(enabled=False), onednn_products():
+        C = ieee_mm(A, B)
+    assert torch.equal(C, A @ B) and not calls
 
 
 def test_autograd_tracked_factors_keep_torchs_product_and_gradient():

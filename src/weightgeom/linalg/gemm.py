@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
+from weightgeom.linalg.norms import plain
 from weightgeom.linalg.precision import full_precision
 
 __all__ = ["onednn_available", "onednn_products", "onednn_active", "ieee_mm", "ieee_addmm", "addmm_batched",
@@ -55,8 +56,8 @@ def _load() -> object | None:
                 return None
             op = torch.ops.mkldnn._linear_pointwise
             g = torch.Generator().manual_seed(0)
-            A = torch.randn(48, 40, generator=g)
-            B = torch.randn(40, 36, generator=g)
+            A = torch.randn(48, 40, generator=g, device="cpu")  # whatever torch's default device
+            B = torch.randn(40, 36, generator=g, device="cpu")
             with full_precision(), torch.no_grad():
                 got = [op(A, B.mT, None, "none", [], ""), op(A.mT.contiguous().mT, B.mT, None, "none", [], "")]
             want = A.double() @ B.double()
@@ -117,12 +118,23 @@ def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: floa
     return out.reshape(*lead, m, n)
 
 
+def _matrix_layout(T: torch.Tensor) -> bool:
+    """Whether oneDNN takes T's last two dims as they are: rows or columns unit-stride, the other stride at least
+    the row (column) length — a row-major or column-major matrix, possibly a slice; not a sliding-window or
+    interleaved view (oneDNN refuses those: "could not construct a memory descriptor")."""
+    r, c = T.stride(-2), T.stride(-1)
+    return (c == 1 and r >= T.shape[-1]) or (r == 1 and c >= T.shape[-2])
+
+
 def _eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
-    if not onednn_active():
+    """Whether A @ B goes to oneDNN: inside ``onednn_products()`` with oneDNN enabled (``torch.backends.mkldnn.flags``),
+    CPU float32 factors of at least ``ONEDNN_MIN_DIM`` in every dimension, plain tensors no autograd mode tracks
+    (``norms.plain``: the op has no derivative, backward or forward), matrix layouts oneDNN reads."""
+    if not onednn_active() or not torch.backends.mkldnn.enabled:
         return False
     for T in (A, B):
-        if T.device.type != "cpu" or T.dtype != torch.float32 or T.ndim < 2 or \
-                (T.requires_grad and torch.is_grad_enabled()):
+        if T.device.type != "cpu" or T.dtype != torch.float32 or T.ndim < 2 or not plain(T) \
+                or not _matrix_layout(T):
             return False
     if A.shape[-1] != B.shape[-2]:
         return False  # torch's error message
@@ -146,7 +158,7 @@ def ieee_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     m, k, n = A.shape[-2], A.shape[-1], B.shape[-1]
     a = A.expand(*lead, m, k).reshape(-1, m, k)
     b = B.expand(*lead, k, n).reshape(-1, k, n)
-    out = torch.empty(a.shape[0], m, n, dtype=torch.float32)
+    out = torch.empty(a.shape[0], m, n, dtype=torch.float32, device=A.device)
     for i in range(a.shape[0]):
         out[i] = _mm2(a[i], b[i])
     return out.reshape(*lead, m, n)
@@ -154,16 +166,18 @@ def ieee_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 def ieee_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
                inplace: bool = False) -> torch.Tensor:
-    """C + α·A@B: inside ``onednn_products()``, for factors ``ieee_mm`` sends to oneDNN and a float32 C of the
-    result's shape, the product through oneDNN then one add (C + α·P, computed into P's memory, or into C's when
-    ``inplace``); else ``addmm`` (``baddbmm`` for batches), or ``C.addmm_`` when ``inplace`` and C is 2-D.
-    ``inplace`` requires C writable and sharing no memory with A or B (the caller's check)."""
-    fits = _eligible(A, B) and C.dtype == torch.float32 and C.device.type == "cpu" and \
+    """C + α·A@B: inside ``onednn_products()``, for factors ``ieee_mm`` sends to oneDNN, a nonzero α and a plain float32
+    C of the result's shape, the product through oneDNN then one add (C + α·P, computed into P's memory, or into C's
+    when ``inplace``); else ``addmm`` (``baddbmm`` for batches). ``inplace``: the result is written into C (returned)
+    either way; it requires C writable and sharing no memory with A or B (the caller's check)."""
+    fits = alpha != 0 and _eligible(A, B) and C.dtype == torch.float32 and C.device.type == "cpu" and plain(C) and \
         C.shape == torch.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
-    if not fits:
-        if inplace and C.ndim == 2 and A.ndim == 2 and B.ndim == 2:
+    if not fits:  # torch's fused multiply-add (α = 0 leaves C as it is, NaN in A·B or not)
+        if not inplace:
+            return addmm_batched(C, A, B, alpha=alpha)
+        if C.ndim == 2 and A.ndim == 2 and B.ndim == 2:
             return C.addmm_(A, B, alpha=alpha)
-        return addmm_batched(C, A, B, alpha=alpha)
+        return C.copy_(addmm_batched(C, A, B, alpha=alpha))
     P = ieee_mm(A, B)
     if inplace:
         return C.add_(P, alpha=alpha)
