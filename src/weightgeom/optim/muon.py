@@ -600,6 +600,12 @@ class Muon(torch.optim.Optimizer):
                      group["weight_decay"], ok=ok)
         _step_counter(state, p).add_(1 if ok is None else ok)
 
+    # Never traced by torch.compile: a compiled `opt.step` runs this part eagerly (one graph break). Its buckets are
+    # lists built during the step, and dynamo guarded a traced bucket on its tensors' shapes, not on which parameter
+    # they are: the bucket of one 256×64 matrix replayed for the next one with the first one's optimizer state (its
+    # momentum updated twice, the other's never: 6e-3 off the eager step), and C kernels wrote through the stale
+    # buffers (heap corruption). Manifold groups read their dual ascent on the host anyway, so nothing is lost.
+    @torch.compiler.disable
     def _manifold_group(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
         """A manifold group's step. On a device in ``MANIFOLD_BATCH_DEVICES``, with one dual iteration (the
         default), matrices of the same view shape, dtype and device that are past their first step go through one
