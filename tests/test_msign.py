@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -591,3 +592,37 @@ def test_bf16_normalisation_kernel_leaves_forward_ad_to_torch():
         except NotImplementedError:  # torch's out= path has no forward-mode rule: loud, as for small matrices
             return
         assert fwAD.unpack_dual(out).tangent is not None
+
+
+_GOOD = {"device": "cpu", "dtype": "float32", "steps": 5, "source": "benchmark", "step_seconds": {}, "errors": {},
+         "products": "ieee", "product_seconds": {"ieee": 2.0}}
+BAD_CACHE = {  # a cache file this module did not write: measured again, never a crash
+    "unknown products": json.dumps({**_GOOD, "products": "ieee_fast"}),
+    "products a list": json.dumps({**_GOOD, "products": ["ieee"]}),
+    "dtype a list": json.dumps({**_GOOD, "dtype": ["float32"]}),
+    "steps Infinity": json.dumps({**_GOOD, "steps": float("inf")}),  # int(inf): OverflowError escaped before
+    "steps 1e400": '{"dtype": "float32", "steps": 1e400, "products": "ieee"}',
+    "steps NaN": json.dumps({**_GOOD, "steps": float("nan")}),
+    "steps 10**30": json.dumps({**_GOOD, "steps": 10**30}),
+    "steps 2.5": json.dumps({**_GOOD, "steps": 2.5}),
+    "steps true": json.dumps({**_GOOD, "steps": True}),
+    "steps 0": json.dumps({**_GOOD, "steps": 0}),
+    "figures a list": json.dumps({**_GOOD, "product_seconds": [1, 2]}),
+    "figure a string": json.dumps({**_GOOD, "product_seconds": {"ieee": "fast"}}),
+    "not JSON": "\x00\xff garbage",
+    "a JSON list": "[1, 2]",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("text", BAD_CACHE.values(), ids=BAD_CACHE.keys())
+def test_a_cache_file_it_did_not_write_is_measured_again(fresh_choice, monkeypatch, text):
+    fake = autotune.MsignChoice("cpu", torch.float32, 6, "benchmark")
+    monkeypatch.setattr(autotune, "_measure", lambda device: fake)
+    path = autotune._cache_file(torch.device("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    c = msign_choice("cpu")
+    assert (c.source, c.steps) == ("benchmark", 6)
+    autotune.clear_msign_choices()
+    assert msign_choice("cpu").source == "cache"  # rewritten by the measurement

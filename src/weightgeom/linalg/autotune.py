@@ -410,19 +410,29 @@ def split_products_for(device: torch.device | str) -> bool:
     return products_for(device) == "split_bf16"
 
 
+# A cached step count above this is not one this module wrote (Polar Express presets have ≤ 10): measured again.
+_MAX_CACHED_STEPS = 100
+
+
 def _load(path: Path, device: torch.device) -> MsignChoice | None:
+    """The choice cached at ``path``, or None (measure again) for a missing, unreadable or malformed file: a dtype,
+    products kind or step count this module would not write (steps an integer in [1, 100]), non-finite figures."""
     try:
         d = json.loads(path.read_text())
-        if d.get("dtype") not in _DTYPES or not int(d.get("steps", 0)) >= 1:
+        steps = d.get("steps")
+        if d.get("dtype") not in _DTYPES or isinstance(steps, bool) or not isinstance(steps, (int, float)) \
+                or not (math.isfinite(steps) and steps == int(steps) and 1 <= steps <= _MAX_CACHED_STEPS):
             return None
         products = d.get("products", "ieee")
-        if products not in PRODUCTS:
+        if not isinstance(products, str) or products not in PRODUCTS:
             return None
-        return MsignChoice(str(device), _DTYPES[d["dtype"]], int(d["steps"]), "cache",
-                           {k: float(v) for k, v in d.get("step_seconds", {}).items()},
-                           {k: float(v) for k, v in d.get("errors", {}).items() if math.isfinite(float(v))},
-                           products, {k: float(v) for k, v in d.get("product_seconds", {}).items()})
-    except (OSError, ValueError, TypeError, AttributeError):
+
+        def figures(key: str) -> dict[str, float]:
+            return {str(k): float(v) for k, v in d.get(key, {}).items() if math.isfinite(float(v))}
+
+        return MsignChoice(str(device), _DTYPES[d["dtype"]], int(steps), "cache", figures("step_seconds"),
+                           figures("errors"), products, figures("product_seconds"))
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError):
         return None
 
 
