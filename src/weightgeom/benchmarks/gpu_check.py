@@ -11,7 +11,11 @@ stop the others; the log is also written to ``--log``):
 4. ``weightgeom bench optimizer_step``: our Muon vs torch.optim.Muon, manifold Muon (Stiefel, DGram), AdamW, on one
    GPT-2-small layer and (on CUDA) on all 12, where same-shape matrices are batched;
 5. ``weightgeom bench md_overhead``: the MD wrapper's overhead over AdamW and Muon;
-6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop).
+6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop);
+7. where a manifold step's time goes (``torch.profiler``, 3 steps of Stiefel and DGram on 12 GPT-2-small layers; one
+   layer with ``--device cpu``): wall ms per step, GPU busy ms, kernel launches and host synchronisations per step,
+   and the kernels that take the most GPU time — so a launch-bound step (GPU busy ≪ wall) tells itself from an
+   arithmetic-bound one.
 
 Usage::
 
@@ -82,6 +86,59 @@ for shape in shapes:
 """
 
 
+_PROFILE = r"""
+import sys, time, warnings, torch
+from torch.profiler import ProfilerActivity, profile
+from weightgeom.benchmarks._common import GPT2_SMALL_SHAPES
+from weightgeom.benchmarks.optimizer_step import build
+warnings.filterwarnings("ignore")
+dev, layers = torch.device(sys.argv[1]), int(sys.argv[2])
+cuda = dev.type == "cuda"
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+
+def device_ms(e):
+    return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0) / 1e3
+
+for manifold in ("muon", "stiefel", "dgram"):
+    torch.manual_seed(0)
+    names = [f"h{i}.{n}" for i in range(layers) for n in GPT2_SMALL_SHAPES]
+    params = [torch.nn.Parameter(torch.randn(*s, device=dev) / s[1] ** 0.5)
+              for _ in range(layers) for s in GPT2_SMALL_SHAPES.values()]
+    opt = build("ours", {} if manifold == "muon" else {"manifold": manifold}, params, names)
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    sync()
+    n = 3
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        wall = (time.perf_counter() - t) / n * 1e3
+    ev = prof.key_averages()
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    syncs = sum(e.count for e in ev if e.key in SYNCS)
+    busy = sum(device_ms(e) for e in ev) / n
+    print(f"{manifold:8s} {layers} layer(s) on {dev}: {wall:.1f} ms/step wall (with the randn gradients), "
+          f"GPU busy {busy:.1f} ms, {launches / n:.0f} kernel launches, {syncs / n:.0f} syncs/copies per step")
+    key = (lambda e: device_ms(e)) if cuda else (lambda e: e.self_cpu_time_total)
+    for e in sorted(ev, key=key, reverse=True)[:10]:
+        ms = device_ms(e) / n if cuda else e.self_cpu_time_total / 1e3 / n
+        print(f"    {e.key[:70]:70s} x{e.count / n:6.1f}  {ms:7.2f} ms/step")
+"""
+
+
 def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[str, list[str]]]:
     py = sys.executable
     quick = ["--quick"] if device == "cpu" else []
@@ -104,6 +161,8 @@ def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[
                     [*bench, "train_throughput", "--device", "cuda", "--preset", "gpt2", "--rounds", "5"]))
     else:
         out.append(("tokens/s (CPU preset, quick)", [*bench, "train_throughput", "--device", "cpu", "--quick"]))
+    out.append((f"where a manifold step's time goes ({device})",
+                [py, "-c", _PROFILE, device, "12" if device == "cuda" else "1"]))
     return out
 
 
