@@ -830,33 +830,15 @@ def test_gains_of_a_matrix_without_gradient_do_not_move_on_a_stale_grad():
 def test_compiled_step_equals_eager(base):
     """torch.compile(md.step) (graph breaks allowed), three same-shape matrices, 3 steps: bitwise the eager step.
     Before, dynamo replayed one matrix's traced pass for the next (over AdamW's fused C path: 3.3e-3 off)."""
-    import torch._dynamo
-
+    from compiled_steps import assert_compiled_equals_eager
     from weightgeom.optim import Muon
 
     g = torch.Generator().manual_seed(2)
     init = [0.02 * torch.randn(256, 64, generator=g) for _ in range(3)]
     grads = [[1e-2 * torch.randn(256, 64, generator=g) for _ in init] for _ in range(3)]
-
-    def run(compiled: bool) -> list[torch.Tensor]:
-        ps = [nn.Parameter(w.clone()) for w in init]
-        b = {"adamw": lambda: torch.optim.AdamW(ps, lr=1e-3),
-             "adamw-foreach": lambda: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-             "muon": lambda: Muon(ps, lr=0.02, msign_dtype=torch.float32, ns_steps=8),
-             "stiefel": lambda: Muon([{"params": ps, "manifold": "stiefel"}], lr=0.02, msign_dtype=torch.float32,
-                                     ns_steps=8)}[base]()
-        opt = MagnitudeDirection(b)
-        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
-        for gs in grads:
-            for p, gr in zip(ps, gs):
-                p.grad = gr.clone()
-            step()
-        return [p.detach().clone() for p in ps]
-
-    torch._dynamo.reset()
-    try:
-        eager, compiled = run(False), run(True)
-    finally:
-        torch._dynamo.reset()
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b), float((a - b).abs().max())
+    bases = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+             "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+             "muon": lambda ps: Muon(ps, lr=0.02, msign_dtype=torch.float32, ns_steps=8),
+             "stiefel": lambda ps: Muon([{"params": ps, "manifold": "stiefel"}], lr=0.02,
+                                        msign_dtype=torch.float32, ns_steps=8)}
+    assert_compiled_equals_eager(lambda ps: MagnitudeDirection(bases[base](ps)), init, grads)

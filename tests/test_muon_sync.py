@@ -191,29 +191,17 @@ def test_compiled_step_with_manifold_groups_equals_eager(manifolds):
     """torch.compile(opt.step) (graph breaks allowed) of manifold groups with two same-shape matrices each, C kernels
     on: 3 steps bitwise the eager optimizer's. Before, dynamo replayed one matrix's traced step for the next with the
     first one's state (6e-3 off; C kernels then wrote through stale buffers: heap corruption, the process aborted)."""
+    from compiled_steps import assert_compiled_equals_eager
+
     g = torch.Generator().manual_seed(2)
     init = [0.02 * torch.randn(256, 64, generator=g) for _ in range(2 * len(manifolds))]
     grads = [[1e-2 * torch.randn(256, 64, generator=g) for _ in init] for _ in range(3)]
 
-    def run(compiled: bool) -> list[torch.Tensor]:
-        ps = [torch.nn.Parameter(w.clone()) for w in init]
-        groups = [{"params": ps[2 * i:2 * i + 2], "names": [f"{m}{j}" for j in range(2)], "manifold": m}
-                  for i, m in enumerate(manifolds)]
-        opt = Muon(groups, lr=0.02, msign_dtype=torch.float32, ns_steps=8)
-        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
-        for gs in grads:
-            for p, gr in zip(ps, gs):
-                p.grad = gr.clone()
-            step()
-        return [p.detach().clone() for p in ps]
+    def make(ps: list[torch.nn.Parameter]) -> Muon:
+        return Muon([{"params": ps[2 * i:2 * i + 2], "names": [f"{m}{j}" for j in range(2)], "manifold": m}
+                     for i, m in enumerate(manifolds)], lr=0.02, msign_dtype=torch.float32, ns_steps=8)
 
-    torch._dynamo.reset()
-    try:
-        eager, compiled = run(False), run(True)
-    finally:
-        torch._dynamo.reset()
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b), float((a - b).abs().max())
+    assert_compiled_equals_eager(make, init, grads)
 
 
 def test_on_nonfinite_is_validated_and_in_the_config():
