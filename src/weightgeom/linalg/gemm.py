@@ -142,6 +142,7 @@ def _eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
 
 
 def _mm2(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """A @ B of two 2-D eligible factors: oneDNN's linear of A with the weight Bᵀ, at IEEE precision."""
     with full_precision():
         return _op(A, B.mT, None, "none", [], "")  # type: ignore[operator]  # A @ (Bᵀ)ᵀ, row-major float32
 
