@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
+from weightgeom.linalg.layout import matrix_layout
 from weightgeom.linalg.norms import plain
 from weightgeom.linalg.precision import full_precision
 
@@ -118,23 +119,17 @@ def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: floa
     return out.reshape(*lead, m, n)
 
 
-def _matrix_layout(T: torch.Tensor) -> bool:
-    """Whether oneDNN takes T's last two dims as they are: rows or columns unit-stride, the other stride at least
-    the row (column) length — a row-major or column-major matrix, possibly a slice; not a sliding-window or
-    interleaved view (oneDNN refuses those: "could not construct a memory descriptor")."""
-    r, c = T.stride(-2), T.stride(-1)
-    return (c == 1 and r >= T.shape[-1]) or (r == 1 and c >= T.shape[-2])
-
-
 def _eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether A @ B goes to oneDNN: inside ``onednn_products()`` with oneDNN enabled (``torch.backends.mkldnn.flags``),
     CPU float32 factors of at least ``ONEDNN_MIN_DIM`` in every dimension, plain tensors no autograd mode tracks
-    (``norms.plain``: the op has no derivative, backward or forward), matrix layouts oneDNN reads."""
+    (``norms.plain``: the op has no derivative, backward or forward), row- or column-major matrices
+    (``layout.matrix_layout``: oneDNN refuses a sliding-window or interleaved view — "could not construct a memory
+    descriptor")."""
     if not onednn_active() or not torch.backends.mkldnn.enabled:
         return False
     for T in (A, B):
         if T.device.type != "cpu" or T.dtype != torch.float32 or T.ndim < 2 or not plain(T) \
-                or not _matrix_layout(T):
+                or matrix_layout(T) is None:
             return False
     if A.shape[-1] != B.shape[-2]:
         return False  # torch's error message

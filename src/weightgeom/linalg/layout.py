@@ -16,7 +16,7 @@ import torch
 from weightgeom import kernels
 from weightgeom.linalg.norms import plain
 
-__all__ = ["copy_", "stacked", "sym_sum", "BLOCK", "BLOCKED_MIN", "SYM_SUM_MIN"]
+__all__ = ["copy_", "stacked", "sym_sum", "matrix_layout", "BLOCK", "BLOCKED_MIN", "SYM_SUM_MIN"]
 
 # Destination columns per block. Measured (ms, float32, AMX) for destinations 3072×768 / 768×3072 / 2304×768 /
 # 768×2304: unblocked 2.32 / 2.45 / 1.69 / 1.72; 32 columns 1.00 / 2.46 / 0.96 / 1.79; 64: 1.16 / 1.03 / 0.65 / 0.81;
@@ -26,6 +26,19 @@ BLOCK = 64
 BLOCKED_MIN = 1 << 16
 # Square matrices with fewer entries than this keep torch's S + S.mT (the kernel call's overhead would dominate).
 SYM_SUM_MIN = 1 << 14
+
+
+def matrix_layout(T: torch.Tensor) -> tuple[bool, int] | None:
+    """How the last two dims (r, c) of T lie in memory, as a BLAS-style routine takes a matrix: (False, row stride)
+    when rows are unit-stride and at least c apart (row-major, possibly a slice of a wider one), (True, column
+    stride) when columns are (column-major: a transposed row-major view), else None (a sliding-window, interleaved
+    or broadcast view: callers copy it, or keep torch)."""
+    r, c = T.shape[-2], T.shape[-1]
+    if T.stride(-1) == 1 and T.stride(-2) >= max(1, c):
+        return False, T.stride(-2)
+    if T.stride(-2) == 1 and T.stride(-1) >= max(1, r):
+        return True, T.stride(-1)
+    return None
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

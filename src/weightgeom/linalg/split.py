@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from weightgeom import kernels
+from weightgeom.linalg.layout import matrix_layout
 from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, column_norms, plain
 from weightgeom.linalg.precision import full_precision
 
@@ -189,13 +190,10 @@ def split_column_sumsq(X: torch.Tensor) -> torch.Tensor:
 def _operand(T: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(tensor, transpose flag, leading dimension) for a 2-D bf16 operand: row-major or a transposed row-major view
     as they are, anything else copied row-major."""
-    r, c = T.shape
-    if T.stride(1) == 1 and T.stride(0) >= max(1, c):
-        return T, _NoTrans, T.stride(0)
-    if T.stride(0) == 1 and T.stride(1) >= max(1, r):
-        return T, _Trans, T.stride(1)
-    T = T.contiguous()
-    return T, _NoTrans, max(1, c)
+    lay = matrix_layout(T)
+    if lay is not None:
+        return T, (_Trans if lay[0] else _NoTrans), lay[1]
+    return T.contiguous(), _NoTrans, max(1, T.shape[1])
 
 
 def bf16_gemm_(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
