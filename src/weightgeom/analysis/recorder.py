@@ -32,13 +32,13 @@ and within 1e-6 once σ1/σ2 ≥ 1.04.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from weightgeom._files import open_append, write_atomic
 from weightgeom.analysis.continuity import dominance_ratio, stack_continuity, topk_spread
 from weightgeom.analysis.roles import assign_roles
 from weightgeom.train.callbacks import Callback, TrainContext
@@ -151,11 +151,7 @@ def continuity_rows(tensors: Mapping[str, torch.Tensor], step: int = -1, kind: s
 
 def _write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     """Replace ``path`` with ``rows`` (one JSON line each), atomically."""
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _earlier_rows(path: Path, upto: int) -> list[dict[str, Any]]:
@@ -313,7 +309,7 @@ class ContinuityRecorder(Callback):
         """Append the rows computed since the last flush to ``continuity.jsonl``."""
         if self.path is None or self._flushed == len(self.rows):
             return
-        with open(self.path, "a") as f:
+        with open_append(self.path) as f:
             for r in self.rows[self._flushed:]:
                 f.write(json.dumps(r) + "\n")
         self._flushed = len(self.rows)

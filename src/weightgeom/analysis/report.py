@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from weightgeom._files import write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, AnalysisResult
 
 __all__ = ["summary_table", "format_summary", "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
@@ -183,7 +183,7 @@ def plot_continuity(pairs: pd.DataFrame, path: str | Path, title: str = "") -> P
     fig.legend(h, lab, loc="upper right", ncol=min(len(lab), 9), fontsize=9)
     fig.suptitle(title or "Adjacent-layer continuity per projection role", x=0.01, y=0.995, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
     return Path(path)
 
@@ -215,16 +215,9 @@ def plot_heatmaps(mats: dict[str, np.ndarray], path: str | Path, which: str = "v
     fig.tight_layout(rect=(0, 0, 0.92, 0.94))
     cax = fig.add_axes((0.93, 0.15, 0.015, 0.7))
     fig.colorbar(im, cax=cax, label=f"|cos({which}_i, {which}_j)|")
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
     return Path(path)
-
-
-def _atomic(path: Path, write) -> None:
-    """``write(tmp)`` then rename ``tmp`` onto ``path``: a reader (or an interrupt) never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True, title: str = "") -> list[Path]:
@@ -237,10 +230,10 @@ def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    _atomic(out / "pairs.csv", lambda p: result.pairs.to_csv(p, index=False))
-    _atomic(out / "layers.csv", lambda p: result.layers.to_csv(p, index=False))
+    write_atomic(out / "pairs.csv", lambda p: result.pairs.to_csv(p, index=False))
+    write_atomic(out / "layers.csv", lambda p: result.layers.to_csv(p, index=False))
     s = summary_table(result.pairs)
-    _atomic(out / "summary.csv", s.to_csv)
+    write_atomic(out / "summary.csv", s.to_csv)
     paths += [out / "pairs.csv", out / "layers.csv", out / "summary.csv"]
     doc = {
         "meta": result.meta,
@@ -251,12 +244,12 @@ def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True
         "u1_cos": {k: v.tolist() for k, v in result.u1_cos.items()},
     }
     text = json.dumps(_json_safe(doc), indent=1)
-    _atomic(out / "analysis.json", lambda p: Path(p).write_text(text))
+    write_atomic(out / "analysis.json", text)
     paths.append(out / "analysis.json")
     share = [c for c in result.pairs.columns if c.startswith("share_k")]
     if share:
         runs = shared_basis_runs(result.pairs)
-        _atomic(out / "suggest.csv", lambda p: runs.to_csv(p, index=False))
+        write_atomic(out / "suggest.csv", lambda p: runs.to_csv(p, index=False))
         paths.append(out / "suggest.csv")
         if plots:
             sp = plot_continuity(result.pairs[["role", "layer", "layer_next", *share]], out / "suggest.png",

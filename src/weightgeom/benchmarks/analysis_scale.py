@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from weightgeom._cache import cache_root
+from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import cpu_kind, hardware_tag
 from weightgeom.cli import OneLineParser
 
@@ -139,15 +140,16 @@ def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], mak
     header["__metadata__"] = {"format": "pt"}
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(len(h).to_bytes(8, "little"))
-        f.write(h)
+
+    def chunks():
+        yield len(h).to_bytes(8, "little")
+        yield h
         for name, shp in items:
             t = make(name, shp).contiguous()
             assert t.dtype == torch.bfloat16 and tuple(t.shape) == tuple(shp), name
-            f.write(t.view(torch.int16).numpy().tobytes())
-    os.replace(tmp, path)
+            yield t.view(torch.int16).numpy().tobytes()
+
+    write_atomic(path, chunks(), fsync=False)
 
 
 def generate(shape: Shape, root: Path, seed: int = 0, log=print) -> Path:
@@ -183,10 +185,10 @@ def generate(shape: Shape, root: Path, seed: int = 0, log=print) -> Path:
         log(f"generating {d / fn} ({len(items)} tensors) ...")
         _write_safetensors(d / fn, items, make)
         wmap.update(dict.fromkeys((n for n, _ in items), fn))
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": sum(sizes)},
-                                                                "weight_map": wmap}, indent=1))
-    done.write_text(json.dumps({"shape": asdict(shape), "seed": seed, "bytes": sum(sizes),
-                                "generate_s": time.perf_counter() - t0}))
+    write_atomic(d / "model.safetensors.index.json", json.dumps({"metadata": {"total_size": sum(sizes)},
+                                                                 "weight_map": wmap}, indent=1))
+    write_atomic(done, json.dumps({"shape": asdict(shape), "seed": seed, "bytes": sum(sizes),
+                                   "generate_s": time.perf_counter() - t0}))
     return d
 
 

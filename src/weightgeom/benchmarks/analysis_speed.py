@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._files import write_atomic
 from weightgeom.analysis import analyze_full, load
 from weightgeom.benchmarks._common import hardware_tag
 from weightgeom.cli import OneLineParser
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps(result)
     print(line)
     if args.json:
-        Path(args.json).write_text(line + "\n")
+        write_atomic(args.json, line + "\n")
     return 0 if result["pass"] else 1
 
 

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from weightgeom._files import open_append, write_atomic
 from weightgeom.cli import OneLineParser
 
 _MACHINE = r"""
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
               "version", file=sys.stderr)
         return 2
     failures = []
-    with open(args.log, "w", encoding="utf-8") as log:
+    write_atomic(args.log, "")  # a fresh log file (a link at its name is replaced, never written through)
+    with open_append(args.log) as log:
         def say(line: str) -> None:
             print(line, flush=True)
             log.write(line + "\n")

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import hardware_tag, steady_allocator
 from weightgeom.cli import OneLineParser
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
@@ -160,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(), "hardware": tag,
             "gpu": torch.cuda.get_device_name() if cuda else None}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        write_atomic(args.json, json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._files import write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.benchmarks._common import (
     GPT2_SMALL_SHAPES,
@@ -318,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key} / our Muon = {row['vs_our_muon']:.2f}  (target ≤ {TARGET_MANIFOLD_VS_MUON}, residual "
                   f"{row.get('residual_max', float('nan')):.1e} {'≤' if ok else '>'} {TOL:g})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_atomic(args.json, json.dumps(results, indent=2))
         print(f"wrote {args.json}")
     return 0
 

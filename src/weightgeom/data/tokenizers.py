@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightgeom._files import write_atomic
+
 # sha256 of the files tiktoken's gpt2 encoding downloads (tiktoken_ext.openai_public.gpt2)
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -169,7 +171,7 @@ class CharTokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the vocabulary as JSON."""
-        Path(path).write_text(json.dumps(self.to_meta(), ensure_ascii=False), encoding="utf-8")
+        write_atomic(path, json.dumps(self.to_meta(), ensure_ascii=False))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CharTokenizer:

@@ -59,6 +59,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from weightgeom._files import write_atomic
 from weightgeom.analysis.recorder import CONTINUITY_FILE, continuity_rows
 from weightgeom.experiments.runner import Recipe, RunSpec, Variant
 from weightgeom.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -125,9 +126,7 @@ def post_run(spec: RunSpec, run_dir: Path) -> None:
         rows = []
     if not rows:
         raise ValueError(f"{ck}: no Llama projection weights (layers.N.self_attn.q_proj.weight …) found")
-    with open(run_dir / CONTINUITY_FILE, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    write_atomic(run_dir / CONTINUITY_FILE, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 RECIPE = Recipe(

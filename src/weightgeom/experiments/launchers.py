@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightgeom._files import open_append, write_atomic
 from weightgeom._optional import import_extra
 from weightgeom.cli import Terminated, stop_request_handler
 
@@ -190,10 +191,7 @@ def job_file(out: Path, name: str, suffix: str = ".json") -> Path:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def _read_json(path: Path) -> Any:
@@ -238,7 +236,7 @@ def run_job(path: str, gpus: int, job_key: str = "") -> tuple[str, Any, float]:
     prev = _read_json(path.with_name(path.name[:-len(".json")] + ".attempt.json"))
     retry = bool(key) and isinstance(prev, dict) and prev.get("job_key") == key
     env = {**os.environ, JOB_KEY_ENV: key, RETRY_ENV: "1" if retry else "0"}
-    with open(log_path, "ab") as log:
+    with open_append(log_path, text=False) as log:
         log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on {platform.node()}: "
                   f"{' '.join(run_command(path, gpus))}\n".encode())
         log.flush()

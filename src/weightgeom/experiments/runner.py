@@ -48,6 +48,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from weightgeom._files import write_atomic
 from weightgeom.cli import stop_request_handler
 from weightgeom.train import train
 from weightgeom.train.callbacks import build_callbacks
@@ -667,10 +668,7 @@ def _fmt_s(s: float) -> str:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from weightgeom._cache import cache_root
+from weightgeom._files import write_atomic
 from weightgeom.linalg.gemm import ieee_mm, onednn_available, onednn_products
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 from weightgeom.linalg.precision import with_full_precision
@@ -438,10 +439,7 @@ def _load(path: Path, device: torch.device) -> MsignChoice | None:
 
 def _save(path: Path, choice: MsignChoice) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(choice.as_dict(), indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(choice.as_dict(), indent=1), fsync=False)
     except OSError:
         pass  # an unwritable cache: measure again next process
 

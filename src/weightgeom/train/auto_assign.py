@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from weightgeom import manifolds
+from weightgeom._files import open_append, write_atomic
 from weightgeom.diagnostics.monitors import HFAttention, attention_modules, qk_sigma_prod
 from weightgeom.schema import ConfigError, Section, from_dict, setting
 from weightgeom.train.callbacks import Callback, TrainContext
@@ -206,7 +207,7 @@ class AutoAssign(Callback):
             if ctx.resumed:  # the rows of steps this session redoes move to the .dropped file
                 truncate_jsonl(self._path, ctx.step)
             else:
-                self._path.write_text("")
+                write_atomic(self._path, "")
 
     def _x_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -303,5 +304,5 @@ class AutoAssign(Callback):
     def _write(self, row: dict[str, Any]) -> None:
         if self._path is None:
             return
-        with open(self._path, "a") as f:
+        with open_append(self._path) as f:
             f.write(json.dumps(row, default=str) + "\n")

@@ -29,7 +29,6 @@ import io
 import os
 import random
 import re
-import tempfile
 import time
 import warnings
 from collections import OrderedDict
@@ -39,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from weightgeom._files import write_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "prune_checkpoints", "rng_state", "set_rng_state", "atomic_write_bytes", "checkpoint_name",
@@ -75,59 +76,11 @@ def is_checkpoint_file(head: bytes) -> bool:
     return head.startswith(b"WGCKPT")
 
 
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it where Linux reports it (``os.umask`` is a racy set-and-restore)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write_bytes(path: str | os.PathLike, chunks) -> None:
-    """Write byte ``chunks`` (bytes or an iterable of bytes) to ``path`` atomically (tmp + fsync + os.replace).
-
-    The file gets the permissions an ordinary ``open(path, "w")`` would give (0666 less the umask), not the 0600 of a
-    temporary file, so collaborators on a shared cluster filesystem can read the run as usual.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(chunks, (bytes, bytearray, memoryview)):
-        chunks = [chunks]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    """Write byte ``chunks`` (bytes or an iterable of bytes) to ``path`` atomically: :func:`weightgeom._files.
+    write_atomic` (tmp + fsync + os.replace; a link at ``path`` is replaced, never followed; permissions as an
+    ordinary ``open(path, "w")`` would give)."""
+    write_atomic(path, chunks)
 
 
 # ---- RNG state in a tensors-only form ---------------------------------------------------------------------------

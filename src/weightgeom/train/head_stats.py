@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from weightgeom._files import open_append, write_atomic
 from weightgeom.diagnostics.monitors import MAX_SEQS, SATURATION_THRESHOLD, collect
 from weightgeom.train.callbacks import Callback, TrainContext
 from weightgeom.train.logging import truncate_jsonl
@@ -67,7 +68,7 @@ class HeadStats(Callback):
         if ctx.resumed:  # the rows of steps this session redoes move to the .dropped file
             truncate_jsonl(self._path, ctx.step)
         else:
-            self._path.write_text("")
+            write_atomic(self._path, "")
 
     def on_step_end(self, ctx: TrainContext) -> None:
         if self._path is None or ctx.batch is None or (ctx.step % self.every and ctx.step != ctx.max_steps):
@@ -82,7 +83,7 @@ class HeadStats(Callback):
             ctx.model.train(was_training)
         row: dict[str, Any] = {"step": ctx.step, "split": "heads"}
         row.update({k: v for k, v in d.items() if _KEEP.match(k)})
-        with open(self._path, "a") as f:
+        with open_append(self._path) as f:
             f.write(json.dumps(row) + "\n")
         self.rows += 1
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightgeom.train.checkpoint import atomic_write_bytes
+from weightgeom._files import open_append, write_atomic
 
 __all__ = ["MetricsLogger", "read_metrics", "Progress", "write_json_atomic"]
 
@@ -29,7 +29,7 @@ def _clean(v: Any) -> Any:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (tmp + os.replace)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
+    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 class MetricsLogger:
@@ -54,7 +54,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._f = open_append(self.run_dir / "metrics.jsonl", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -105,7 +105,7 @@ class MetricsLogger:
         if self._f is not None:
             self._f.close()
         dropped = truncate_jsonl(path, step)
-        self._f = open(path, "a", buffering=1)
+        self._f = open_append(path, buffering=1)
         return dropped
 
 
@@ -127,9 +127,9 @@ def truncate_jsonl(path: Path, step: int) -> int:
                 s = math.inf
             (keep if s <= step else drop).append(line)
     if drop:
-        with open(path.with_name(path.name.removesuffix(".jsonl") + ".dropped.jsonl"), "a") as f:
+        with open_append(path.with_name(path.name.removesuffix(".jsonl") + ".dropped.jsonl")) as f:
             f.write("\n".join(drop) + "\n")
-        atomic_write_bytes(path, ("\n".join(keep) + ("\n" if keep else "")).encode())
+        write_atomic(path, "\n".join(keep) + ("\n" if keep else ""))
     return len(drop)
 
 

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightgeom._files import open_append
+
 __all__ = ["read_status", "LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale",
            "archive_previous", "safe_child", "check_relative_name", "remove_if_unused", "RUN_MARKERS", "TRAINER_FILES",
            "check_run_dir_contents", "proc_state"]
@@ -184,7 +186,7 @@ class DirLock:
         if self.held:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / _GUARD_NAME, "a+") as guard:
+        with open_append(self.directory / _GUARD_NAME, text=False) as guard:
             fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
             try:
                 for _ in range(3):
