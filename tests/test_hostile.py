@@ -12,7 +12,7 @@ import pytest
 
 from hostile_cases import Hostile
 
-AREAS = ("loaders", "checkpoints", "rundir", "sweeps", "optim", "data")
+AREAS = ("loaders", "checkpoints", "rundir", "sweeps", "optim", "data", "reports")
 
 
 def _all_cases() -> list[Hostile]:

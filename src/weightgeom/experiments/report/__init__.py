@@ -20,11 +20,14 @@ Sections by recipe:
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from weightgeom._files import write_atomic
 from weightgeom.experiments.report.common import (
     RunData,
     best_value,
@@ -40,6 +43,8 @@ from weightgeom.experiments.report.common import (
     plot_loss_curves,
 )
 from weightgeom.experiments.report.continuity import continuity_section
+from weightgeom.experiments.report.inputs import MANIFEST as MANIFEST_SHAPE
+from weightgeom.experiments.report.inputs import Problems, html_text, load_json, md_code, md_text
 from weightgeom.experiments.report.manifolds import manifolds_section
 from weightgeom.experiments.report.md import md_section
 from weightgeom.experiments.runner import MANIFEST
@@ -52,11 +57,11 @@ def generic_section(runs: Sequence[RunData], out: Path, title: str = "Runs") -> 
     for r in runs:
         v = loss_series(r, "val")
         t = loss_series(r, "train")
-        rows.append([f"`{r.name}`", r.state, r.status.get("step", "—"), fmt(final_value(t), 4),
-                     fmt(final_value(v), 4), fmt(best_value(v), 4), r.status.get("reason") or ""])
-    lines = [f"## {title}", "", md_table(["run", "state", "step", "final train loss", "final val loss",
-                                          "best val loss", "reason"], rows), ""]
-    png = out / f"{re.sub(r'[^a-z0-9]+', '_', title.lower())}_loss.png"
+        rows.append([md_code(r.name), md_text(r.state), r.status.get("step", "—"), fmt(final_value(t), 4),
+                     fmt(final_value(v), 4), fmt(best_value(v), 4), md_text(r.status.get("reason") or "")])
+    lines = [f"## {md_text(title)}", "", md_table(["run", "state", "step", "final train loss", "final val loss",
+                                                   "best val loss", "reason"], rows), ""]
+    png = out / f"{re.sub(r'[^a-z0-9]+', '_', title.lower())[:60]}_loss.png"
     lines += image_lines(plot_loss_curves(group_runs(runs), png, title), "loss curves")
     return "\n".join(lines)
 
@@ -69,7 +74,8 @@ def max_steps_of(run: RunData) -> int | None:
     value = (run.config.get("train") or {}).get("max_steps")
     if value is None:
         value = (run.experiment.get("settings") or {}).get("train.max_steps")
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return int(value) if ok else None
 
 
 def _names(names: list[str], limit: int = 3) -> str:
@@ -81,7 +87,8 @@ def max_steps_warning(runs: Sequence[RunData]) -> str | None:
     """One sentence when runs that are compared with each other were trained for different ``train.max_steps``.
 
     Runs are compared within a recipe's section and config part (e.g. the ``resmlp`` and ``llama`` parts of the
-    continuity recipe may train for different step counts by design). None when every group agrees.
+    continuity recipe may train for different step counts by design). None when every group agrees. Run, recipe and
+    part names are given as they are (plain text for the terminal); :func:`make_report` escapes them for markdown.
     """
     groups: dict[tuple[str, str], dict[int, list[str]]] = {}
     for r in runs:
@@ -102,11 +109,25 @@ def max_steps_warning(runs: Sequence[RunData]) -> str | None:
     return "; ".join(clauses) + "; their losses and optima are not comparable across step counts"
 
 
+def _manifest(directory: Path, problems: Problems) -> dict[str, Any] | None:
+    """A sweep directory's ``sweep.json`` conformed (:data:`~.inputs.MANIFEST`), or None."""
+    return load_json(Path(directory) / MANIFEST, MANIFEST_SHAPE, problems)
+
+
+MAX_PROBLEM_LINES = 10
+"""Warnings printed about unusable files or values (the rest are counted in one more line)."""
+
+
 def make_report(paths: Sequence[str | Path], out: str | Path | None = None, title: str | None = None) -> Path:
     """Write ``report.md`` and its PNGs for the run directories under ``paths``; return the markdown path.
 
-    Runs compared in one section that were trained for different ``train.max_steps`` get a warning: one line on
-    stderr and a note at the top of ``report.md`` (:func:`max_steps_warning`).
+    The directories are untrusted input (a sweep received from someone else): every file is read bounded and typed
+    (:mod:`.inputs`), and what cannot be used is left out with a warning on stderr (one line per problem, at most
+    :data:`MAX_PROBLEM_LINES`) and a note in ``report.md``; every value shown goes through the escaping of
+    :mod:`.inputs`, so ``report.md`` is inert as markdown and as HTML; every file is written by
+    :func:`weightgeom._files.write_atomic` (a link planted at ``report.md`` or a PNG's name is replaced, its target
+    never written). Runs compared in one section that were trained for different ``train.max_steps`` get a warning
+    (:func:`max_steps_warning`).
 
     Args:
         paths: run directories or directories containing them (sweep directories).
@@ -115,16 +136,19 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
     """
     dirs = discover(paths)
     runs = [load_run(d) for d in dirs]
+    problems = Problems()
+    given = [str(Path(p)) for p in paths]
+    manifests: list[tuple[Path, dict[str, Any], bool]] = []  # (sweep.json, its record, a directory given?)
+    for p in dict.fromkeys([*given, *sorted({str(d.parent) for d in dirs})]):
+        man = _manifest(Path(p), problems)
+        if man is not None:
+            manifests.append((Path(p) / MANIFEST, man, p in given))
     order: dict[str, int] = {}
-    for p in list(paths) + sorted({str(d.parent) for d in dirs}):
-        m = Path(p) / MANIFEST
-        if m.exists():
-            try:
-                for r in json.loads(m.read_text()).get("runs", []):
-                    order.setdefault(str(Path(r.get("run_dir", "")).resolve()), len(order))
-            except (OSError, json.JSONDecodeError):
-                pass
-    runs.sort(key=lambda r: (order.get(str(r.path.resolve()), len(order)), str(r.path)))
+    for _, man, _ in manifests:
+        for r in man.get("runs") or []:
+            if r.get("run_dir"):
+                order.setdefault(_resolved(r["run_dir"]), len(order))
+    runs.sort(key=lambda r: (order.get(_resolved(r.path), len(order)), str(r.path)))
     if out is None:
         out = Path(paths[0]) if len(paths) == 1 and not is_run_dir(Path(paths[0])) else Path("report")
     out = Path(out)
@@ -134,43 +158,80 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
     by_recipe: dict[str, list[RunData]] = {}
     for r in runs:
         by_recipe.setdefault(r.recipe or "", []).append(r)
-    parts = [f"# {title or 'weightgeom experiment report'}", ""]
-    manifests = []
-    for p in paths:
-        m = Path(p) / MANIFEST
-        if m.exists():
-            try:
-                manifests.append((m, json.loads(m.read_text())))
-            except json.JSONDecodeError:
-                pass
+    parts = [f"# {md_text(title) if title else 'weightgeom experiment report'}", ""]
     parts.append(f"{len(runs) + len(unfinished)} run directories: "
-                 + ", ".join(sorted({str(d.parent) for d in dirs})) + ".")
+                 + ", ".join(md_code(d) for d in sorted({str(d.parent) for d in dirs})) + ".")
     if unfinished:
         def why(r: RunData) -> str:
-            return f"`{r.name}` ({r.state}" + (f": {r.status['reason']})" if r.status.get("reason") else ")")
+            reason = r.status.get("reason")
+            return f"{md_code(r.name)} ({md_text(r.state)}" + (f": {md_text(reason)})" if reason else ")")
 
         parts.append(f"Left out of the tables and plots ({len(unfinished)} runs not finished): "
                      + ", ".join(why(r) for r in unfinished) + ".")
     warning = max_steps_warning(runs)
     if warning:
         print(f"weightgeom report: warning: {warning}", file=sys.stderr)
-        parts.append(f"**Warning:** {warning}.")
-    for m, man in manifests:
-        cfg = man.get("config", "?")
-        parts.append(f"Sweep `{man.get('recipe', '?')}` on config `{cfg}` ({len(man.get('runs', []))} runs, "
-                     f"{man.get('wall_s', '?')} s): `{m}`.")
+        parts.append(f"**Warning:** {md_text(warning)}.")
+    for m, man, _ in (x for x in manifests if x[2]):
+        wall = man.get("wall_s")
+        parts.append(f"Sweep {md_code(man.get('recipe', '?'))} on config {md_code(man.get('config', '?'))} "
+                     f"({len(man.get('runs') or [])} runs, {fmt(wall) if wall is not None else '?'} s): "
+                     f"{md_code(m)}.")
     parts.append("")
     for recipe in ("manifolds", "continuity", "md"):
         if recipe in by_recipe:
-            parts.append(SECTIONS[recipe](by_recipe.pop(recipe), out))
+            parts.append(_section(recipe, SECTIONS[recipe], by_recipe.pop(recipe), out, problems))
     for recipe, rs in by_recipe.items():
-        parts.append(generic_section(rs, out, title=f"Runs ({recipe})" if recipe else "Runs"))
+        parts.append(_section(recipe or "runs", lambda r, o, name=recipe: generic_section(
+            r, o, title=f"Runs ({name})" if name else "Runs"), rs, out, problems))
     if not runs:
         parts.append("No finished run yet.")
     parts.append(config_appendix(runs))
+    for r in [*runs, *unfinished]:
+        for line in r.problems:
+            problems.lines.append(line)
+    if problems:
+        _warn_problems(problems.lines)
+        parts += ["", "## Files that could not be used", "",
+                  "Left out of the tables above (the rest of each run was used):", ""]
+        parts += [f"- {md_text(line)}" for line in problems.lines[:200]]
+        if len(problems.lines) > 200:
+            parts.append(f"- and {len(problems.lines) - 200} more")
     path = out / "report.md"
-    path.write_text("\n".join(parts).rstrip() + "\n")
+    write_atomic(path, "\n".join(parts).rstrip() + "\n")
     return path
+
+
+def _resolved(p: str | Path) -> str:
+    try:
+        return str(Path(p).resolve())
+    except (OSError, RuntimeError, ValueError):  # a loop of links, a NUL byte
+        return str(p)
+
+
+def _section(recipe: str, build, runs: list[RunData], out: Path, problems: Problems) -> str:
+    """One recipe's section; if it cannot be built from these runs, a note in its place and a problem line (the
+    other sections and the report still come out). The typed loading means this does not happen for any run
+    directory the hostile-input table builds; it is the last line of defence against one it does not."""
+    try:
+        return build(runs, out)
+    except Exception as e:  # noqa: BLE001 -- untrusted input: report the rest rather than a traceback
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        problems.add(f"the {recipe} section", f"could not be built from these runs ({type(e).__name__}: {first})")
+        return f"## {md_text(recipe)}\n\nThis section could not be built from these runs; see the end of the report.\n"
+
+
+def _warn_problems(lines: list[str]) -> None:
+    for line in lines[:MAX_PROBLEM_LINES]:
+        print(f"weightgeom report: warning: {_visible_line(line)}", file=sys.stderr)
+    if len(lines) > MAX_PROBLEM_LINES:
+        print(f"weightgeom report: warning: and {len(lines) - MAX_PROBLEM_LINES} more problems (listed at the end of "
+              "report.md)", file=sys.stderr)
+
+
+def _visible_line(text: str) -> str:
+    """A problem line for the terminal: control characters (escape sequences included) shown, not sent."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def config_appendix(runs: Sequence[RunData]) -> str:
@@ -193,16 +254,31 @@ def config_appendix(runs: Sequence[RunData]) -> str:
         if not flats:
             continue
         common = {k: v for k, v in flats[0].items() if all(f.get(k) == v for f in flats[1:])}
-        lines.append(f"<details><summary>shared config ({part}, {len(rs)} runs)</summary>\n")
+        lines.append(f"<details><summary>shared config ({html_text(part)}, {len(rs)} runs)</summary>\n")
         lines.append("```toml")
-        lines += [f"{k} = {json.dumps(v, default=str)}" for k, v in sorted(common.items())]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sorted(common.items())]
         lines.append("```\n</details>\n")
         seen = {}
         for r in rs:
             if r.variant not in seen:
                 seen[r.variant] = r.experiment.get("overrides") or {}
         if any(seen.values()):
-            lines.append(md_table(["variant", "overrides"], [[f"`{v}`", ", ".join(
-                f"`{k}={json.dumps(x, default=str)}`" for k, x in o.items()) or "(base)"] for v, o in seen.items()]))
+            lines.append(md_table(["variant", "overrides"], [[md_code(v), ", ".join(
+                md_code(f"{k}={json.dumps(x, default=str)}") for k, x in o.items()) or "(base)"]
+                for v, o in seen.items()]))
             lines.append("")
     return "\n".join(lines)
+
+
+def _toml_key(key: str) -> str:
+    """A dotted key as written in the appendix's TOML block: bare when it is plain, else a quoted string
+    (:func:`_toml_value`)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_.\-]+", key) else _toml_value(key)
+
+
+def _toml_value(value: Any) -> str:
+    """A value in the appendix's TOML block: JSON (also TOML for strings, numbers, booleans and arrays), ASCII only,
+    with ``<``, ``>``, ``&`` and the backtick written as ``\\u`` escapes — the same string for TOML, and nothing a
+    renderer could read as a tag or a closing fence, even one that does not know fenced code blocks."""
+    text = json.dumps(value, default=str)
+    return re.sub(r"[<>&`]", lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -10,16 +9,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 import numpy as np
 import pandas as pd
 
+from weightgeom._files import write_atomic
+from weightgeom.experiments.report.inputs import (
+    CONTINUITY_ROW,
+    EXPERIMENT,
+    METRICS_ROW,
+    STATUS,
+    Problems,
+    load_json,
+    load_jsonl,
+    load_toml,
+    md_code,
+    md_text,
+    plot_text,
+)
 from weightgeom.experiments.runner import EXPERIMENT_FILE
-from weightgeom.train.rundir import PREVIOUS_DIR, read_status
+from weightgeom.train.rundir import PREVIOUS_DIR
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -38,6 +46,7 @@ class RunData:
     metrics: pd.DataFrame  # long: step, split, metric, value
     continuity: pd.DataFrame | None = None
     tags: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # what could not be used, one line each
 
     @property
     def state(self) -> str:
@@ -48,71 +57,73 @@ class RunData:
         return self.state == "diverged"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a run killed mid-write leaves a partial last line
-    except OSError:
-        pass
-    return rows
-
-
-def metrics_frame(path: Path) -> pd.DataFrame:
-    """``metrics.jsonl`` as a long DataFrame (step, split, metric, value); non-numbers dropped."""
+def metrics_frame(path: Path, problems: Problems | None = None) -> pd.DataFrame:
+    """``metrics.jsonl`` (or ``heads.jsonl``) as a long DataFrame (step, split, metric, value); lines whose step is
+    not a non-negative integer and values that are not numbers are left out (counted in ``problems``)."""
     recs = []
-    for row in _read_jsonl(path):
-        step = row.get("step")
-        split = row.get("split", "train")
-        if step is None:
-            continue
-        for k, v in row.items():
-            if k in ("step", "split") or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            recs.append((int(step), str(split), str(k), float(v)))
-    df = pd.DataFrame(recs, columns=["step", "split", "metric", "value"])
-    return df
+    for row in load_jsonl(path, METRICS_ROW, problems if problems is not None else Problems()):
+        step, split = row.pop("step"), str(row.pop("split", "train"))
+        recs += [(step, split, k, v) for k, v in row.items()]
+    return pd.DataFrame(recs, columns=["step", "split", "metric", "value"])
 
 
 def _strip_seed(name: str) -> tuple[str, int | None]:
     m = re.match(r"^(.*?)[-_]s(?:eed)?(\d+)$", name)
-    if m:
+    if m and len(m.group(2)) <= 9:
         return m.group(1), int(m.group(2))
     return name, None
 
 
 def load_run(path: str | Path) -> RunData:
-    """Load one run directory."""
+    """Load one run directory: every file bounded and conformed to its declared shape (:mod:`.inputs`); what could
+    not be used is left out and named in ``RunData.problems``."""
     path = Path(path)
-    try:
-        with open(path / "config.resolved.toml", "rb") as f:
-            config = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError):
-        config = {}
-    try:
-        experiment = json.loads((path / EXPERIMENT_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        experiment = {}
-    status = read_status(path)
-    metrics = metrics_frame(path / "metrics.jsonl")
+    problems = Problems()
+    config = load_toml(path / "config.resolved.toml", problems)
+    experiment = load_json(path / EXPERIMENT_FILE, EXPERIMENT, problems) or {}
+    status = load_json(path / "status.json", STATUS, problems) or {}
+    metrics = metrics_frame(path / "metrics.jsonl", problems)
     cont = None
-    if (path / "continuity.jsonl").exists():
-        cont = pd.DataFrame(_read_jsonl(path / "continuity.jsonl"))
-        if cont.empty:
-            cont = None
+    rows = load_jsonl(path / "continuity.jsonl", CONTINUITY_ROW, problems)
+    if rows:
+        cont = pd.DataFrame(rows)
     variant, seed = _strip_seed(path.name)
     variant = experiment.get("variant", variant)
     seed = experiment.get("seed", seed if seed is not None else config.get("run", {}).get("seed"))
     return RunData(path=path, name=path.name, variant=variant, seed=seed, recipe=experiment.get("recipe", ""),
                    config=config, status=status, experiment=experiment, metrics=metrics, continuity=cont,
-                   tags=dict(experiment.get("tags", {})))
+                   tags=dict(experiment.get("tags") or {}), problems=problems.lines)
+
+
+def run_file(run: RunData, name: str, shape: Any) -> Any:
+    """Another JSON file of a run directory (``controls.json``, ``meta.json``), conformed to ``shape``; problems are
+    added to the run's."""
+    problems = Problems()
+    value = load_json(run.path / name, shape, problems)
+    run.problems += [p for p in problems.lines if p not in run.problems]
+    return value
+
+
+def run_metrics(run: RunData, name: str) -> pd.DataFrame:
+    """Another JSON-lines file of a run (``heads.jsonl``) as :func:`metrics_frame` does; problems added to the run's."""
+    problems = Problems()
+    df = metrics_frame(run.path / name, problems)
+    run.problems += [p for p in problems.lines if p not in run.problems]
+    return df
+
+
+def tagged(runs: Sequence[RunData], keys: Sequence[str], where: str) -> list[RunData]:
+    """The runs whose ``experiment.json`` tags hold every one of ``keys`` (with the declared type: the loading drops
+    a tag of the wrong type); each other run gets a problem line saying it was left out of ``where``."""
+    out = []
+    for r in runs:
+        missing = [k for k in keys if k not in r.tags]
+        if missing:
+            r.problems.append(f"{r.path / EXPERIMENT_FILE}: tags {', '.join(missing)} missing or of the wrong type; "
+                              f"run left out of {where}")
+        else:
+            out.append(r)
+    return out
 
 
 def is_run_dir(p: Path) -> bool:
@@ -221,10 +232,15 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table."""
+    """A GitHub markdown table. Cells are markdown (values from run directories must already have gone through
+    :func:`~weightgeom.experiments.report.inputs.md_text` / ``md_code``); as a second line of defence a cell can never
+    hold a line break or an unescaped ``|``, so it cannot end the row or add a column."""
+    def cell(c: Any) -> str:
+        return re.sub(r"(?<!\\)\|", "\\|", re.sub(r"[\r\n\u2028\u2029]+", " ", str(c)))
+
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |")
+        lines.append("| " + " | ".join(cell(c) for c in r) + " |")
     return "\n".join(lines)
 
 
@@ -243,8 +259,9 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # text.parse_math off: names from run directories are shown as typed, never parsed as mathtext ("a$b" raised)
     plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": 110,
-                         "legend.fontsize": 9})
+                         "legend.fontsize": 9, "text.parse_math": False})
     return plt
 
 
@@ -267,7 +284,7 @@ def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[
         if len(curves) > 1:
             df = df.interpolate(limit_area="inside")
         mean = df.mean(axis=1)
-        ax.plot(mean.index, mean.values, color=color, label=label, lw=1.8, ls=ls)
+        ax.plot(mean.index, mean.values, color=color, label=plot_text(label), lw=1.8, ls=ls)
         if len(curves) > 1:
             ax.fill_between(df.index, df.min(axis=1).values, df.max(axis=1).values, color=color, alpha=0.2, lw=0)
     for step, y in marker_steps:
@@ -276,7 +293,7 @@ def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[
 
 def _savefig(fig, path: Path, rect=None) -> Path:
     fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"), fsync=False)
     _plt().close(fig)
     return path
 
@@ -308,7 +325,8 @@ def _divergence_marks(runs: Sequence[RunData], split: str) -> list[tuple[int, fl
 def divergence_line(run: RunData) -> str:
     """``- `name` diverged at step N — reason`` for a diverged run (markdown list item)."""
     st = run.status
-    return f"- `{run.name}` diverged at step {st.get('step', '?')} — {st.get('reason', 'no reason recorded')}"
+    return (f"- {md_code(run.name)} diverged at step {st.get('step', '?')} — "
+            f"{md_text(st['reason']) if st.get('reason') else 'no reason recorded'}")
 
 
 def image_lines(path: Path | None, alt: str) -> list[str]:
@@ -337,7 +355,7 @@ def plot_loss_curves(groups: dict[str, list[RunData]], path: Path, title: str) -
         ax.set_title(f"{split} loss (band: min–max over seeds, ✕: diverged)")
         _clip_ylim(ax)
     axes[1].legend(loc="upper right")
-    fig.suptitle(title)
+    fig.suptitle(plot_text(title, 120))
     return _savefig(fig, path)
 
 

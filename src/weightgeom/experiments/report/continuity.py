@@ -30,6 +30,7 @@ from weightgeom.experiments.report.common import (
     plot_loss_curves,
     series,
 )
+from weightgeom.experiments.report.inputs import md_code, plot_text
 
 # The continuity paper's figures for the residual-MLP ablations (K. Jeong, W.-G. Paeng, H. Suh, arXiv:2605.04971);
 # entries in parentheses: the paper gives no number
@@ -127,7 +128,7 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
                 return fmt_stats([x.get(k, float("nan")) for x in ds], 2)
 
             ndiv = f"{sum(r.diverged for r in rs)}/{len(rs)}"
-            rows.append([f"`{name}`", ndiv, m(w, "cv"), m(w, "cu"), m(w, "align_in"), m(g0, "cv"), m(g, "cv"),
+            rows.append([md_code(name), ndiv, m(w, "cv"), m(w, "cu"), m(w, "align_in"), m(g0, "cv"), m(g, "cv"),
                          m(g, "align_in"), m(d, "cv"), m(d, "dominance"),
                          fmt_stats([c for c in cross if math.isfinite(c)], 0) if any(map(math.isfinite, cross))
                          else "never", fmt_stats(loss, 3), fmt_stats(acc, 3) if any(map(math.isfinite, acc)) else "—",
@@ -265,7 +266,7 @@ def spread_lines(groups: dict[str, list[RunData]], out: Path) -> list[str]:
         def m(key: str, ss=summ) -> str:
             return fmt_stats([x.get(key, float("nan")) for x in ss], 2)
 
-        rows.append([f"`{name}`", m("cv_dir1"), m("cv_dir2"), m("cv_rest"), m("v1_share"),
+        rows.append([md_code(name), m("cv_dir1"), m("cv_dir2"), m("cv_rest"), m("v1_share"),
                      f"{m('topk_overlap')} ({m('topk_overlap_rand')})"])
     if not rows:
         return []
@@ -295,7 +296,7 @@ def plot_spread(groups: dict[str, list[RunData]], path: Path) -> Path | None:
             continue
         idx = sorted(int(key[6:]) for key in summ[0] if key.startswith("cv_dir"))
         ys = [float(np.mean([x.get(f"cv_dir{i}", np.nan) for x in summ])) for i in idx]
-        ax.plot(idx, ys, marker="o", color=color, ls=LINESTYLES[k % len(LINESTYLES)], label=name)
+        ax.plot(idx, ys, marker="o", color=color, ls=LINESTYLES[k % len(LINESTYLES)], label=plot_text(name))
         any_data = True
         rs_c = [r.continuity for r in rs if r.continuity is not None and "cv_rand" in r.continuity]
         if rs_c:
@@ -385,7 +386,7 @@ def llama_section(runs: Sequence[RunData], out: Path) -> str:
             match += bool(others) and max(vals["v"]) < min(others)
         per_variant[name] = vals
         loss = [final_value(loss_series(r, "val")) for r in rs]
-        rows.append([f"`{name}`"] + cells + [f"{match}/{total}" if total else "—", fmt_stats(loss, 3)])
+        rows.append([md_code(name)] + cells + [f"{match}/{total}" if total else "—", fmt_stats(loss, 3)])
     lines.append("Expected (continuity paper): Q, K, Gate, Up → input space (C_v > C_u); O, Down → output space "
                  "(C_u > C_v); V → low in both (counted as a match when V's larger value is below every other "
                  "projection's continuity in its expected space). Weight continuity of the final checkpoint, mean "
@@ -415,7 +416,7 @@ def plot_projection_bars(per_variant: dict[str, dict[str, tuple[float, float]]],
         ax.bar(x + 0.2, [vals[r][1] for r in roles], 0.4, label="C_u (output)")
         ax.set_xticks(x, [f"{r}\n({EXPECTED_SPACE[r]})" for r in roles])
         ax.set_ylim(0, 1.02)
-        ax.set_title(name)
+        ax.set_title(plot_text(name))
         for d in dims:
             ax.axhline(random_level_cos(d), color="gray", ls=":", lw=1)
     axes[0][0].legend()

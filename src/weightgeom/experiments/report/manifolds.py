@@ -3,7 +3,6 @@ mechanism."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,9 +28,12 @@ from weightgeom.experiments.report.common import (
     image_lines,
     loss_series,
     md_table,
-    metrics_frame,
     plot_loss_curves,
+    run_file,
+    run_metrics,
+    tagged,
 )
+from weightgeom.experiments.report.inputs import CONTROLS, md_code, md_text, plot_text
 from weightgeom.optim.param_groups import STRATEGIES
 
 # The manifold-assignment paper's numbers (K. Yoshihara, arXiv:2606.13276; GPT-2 small, OpenWebText, 50k iters)
@@ -105,9 +107,10 @@ def comparison_section(runs: Sequence[RunData], out: Path) -> str:
             bests.append(best_value(v))
         strat = str(rs[0].config.get("optim", {}).get("strategy", ""))
         desc = rs[0].experiment.get("description", "")
-        rows.append([f"`{name}`", desc, _attn_manifold(rs[0]), len(rs), f"{ndiv}/{len(rs)}", fmt_stats(finals),
-                     fmt_stats(bests), SEED_MANIFOLDS.get(name, SEED_MANIFOLDS.get(strat, "—") if name == strat
-                                                          else "— (not in the paper)")])
+        rows.append([md_code(name), md_text(desc), _attn_manifold(rs[0]), len(rs), f"{ndiv}/{len(rs)}",
+                     fmt_stats(finals), fmt_stats(bests),
+                     SEED_MANIFOLDS.get(name, SEED_MANIFOLDS.get(strat, "—") if name == strat
+                                        else "— (not in the paper)")])
         sp = [diag_aggregate(r, "qk_sigma_prod") for r in rs]
         lg = [diag_aggregate(r, "logit_max") for r in rs]
         sat = [diag_aggregate(r, "saturation") for r in rs]
@@ -131,20 +134,14 @@ def comparison_section(runs: Sequence[RunData], out: Path) -> str:
     lines.append("")
     ctl_lines = []
     for name, rs in groups.items():
-        summ = []
-        for r in rs:
-            try:
-                summ.append(json.loads((r.path / "controls.json").read_text()))
-            except (OSError, json.JSONDecodeError):
-                continue
-        summ = [c for c in summ if "sigma_cap" in c]
+        summ = [c for c in map(_controls, rs) if "sigma_cap" in c]
         if summ:
             resc = sum(int(c.get("rescales", 0)) for c in summ)
             steps = sum(int(c.get("steps", 0)) for c in summ)
             mx = max(float(c.get("max_product_seen", 0)) for c in summ)
             note = (" — the cap never bound, so this arm trained exactly like its uncapped twin" if resc == 0
                     else "")
-            ctl_lines.append(f"- `{name}`: cap σ_max(W_Q)·σ_max(W_K) ≤ {summ[0]['sigma_cap']:g}; rescaled at "
+            ctl_lines.append(f"- {md_code(name)}: cap σ_max(W_Q)·σ_max(W_K) ≤ {summ[0]['sigma_cap']:g}; rescaled at "
                              f"{resc} of {steps} steps (summed over seeds); largest product seen {mx:.3g}{note}.")
     if ctl_lines:
         lines.append("### Scale control")
@@ -166,7 +163,7 @@ def comparison_section(runs: Sequence[RunData], out: Path) -> str:
         lines.append("First = mean over seeds at the first diagnostics step; last = max over seeds and layers at "
                      "the last one (layers: max, entropy: mean).")
         lines.append("")
-        mrows = [[f"`{n}`", g, fmt(s[0]), fmt(s[1]), fmt(lg[0]), fmt(lg[1]), fmt(sa[0]), fmt(sa[1]), fmt(en[0]),
+        mrows = [[md_code(n), g, fmt(s[0]), fmt(s[1]), fmt(lg[0]), fmt(lg[1]), fmt(sa[0]), fmt(sa[1]), fmt(en[0]),
                   fmt(en[1])] for n, g, s, lg, sa, en in mech_rows]
         lines.append(md_table(["variant", "attention", "σQ·σK first", "σQ·σK last", "logit max first",
                                "logit max last", "saturation first", "saturation last", "entropy first",
@@ -271,11 +268,8 @@ def plot_mechanism(groups: dict[str, list[RunData]], path: Path) -> Path | None:
 
 # ------------------------------------------------------------------------------------------------ automatic assignment
 def _controls(run: RunData) -> dict:
-    try:
-        d = json.loads((run.path / "controls.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return d if isinstance(d, dict) else {}
+    """A run's ``controls.json`` (what its experiment callbacks did), typed; ``{}`` when it has none or it is bad."""
+    return run_file(run, "controls.json", CONTROLS) or {}
 
 
 def auto_lines(runs: Sequence[RunData]) -> list[str]:
@@ -289,14 +283,14 @@ def auto_lines(runs: Sequence[RunData]) -> list[str]:
         n = int(c.get("auto_layers", 0) or 0)
         peak = max((float(v) for v in (c.get("auto_max_bound") or {}).values()), default=float("nan"))
         if moves:
-            what = "; ".join(f"`{m.get('layer')}` → {m.get('action')} at step {m.get('step')} (bound "
+            what = "; ".join(f"{md_code(m.get('layer'))} → {md_text(m.get('action'))} at step {m.get('step')} (bound "
                              f"{fmt(m.get('bound'))}, σQ·σK {fmt(m.get('qk_sigma_prod'))}"
                              + (f" → {fmt(m.get('qk_sigma_prod_after'))}" if m.get("qk_sigma_prod_after") else "")
                              + ")" for m in moves)
         else:
             what = "no layer crossed the threshold (trained as ALL-DGRAM)"
-        out.append(f"- `{r.name}` (threshold {fmt(c.get('auto_threshold'))} logits, {len(moves)}/{n} layers moved; "
-                   f"largest bound seen {fmt(peak)}): {what}.")
+        out.append(f"- {md_code(r.name)} (threshold {fmt(c.get('auto_threshold'))} logits, {len(moves)}/{n} layers "
+                   f"moved; largest bound seen {fmt(peak)}): {what}.")
     return out
 
 
@@ -431,7 +425,7 @@ def boundary_table(records: Sequence[dict], ladder: Sequence[float] | None = Non
         texts = [_fmt_lr(lr, ok, ladder) for lr, ok in per_seed]
         seed_cell = f"{texts[0]} (all {len(texts)} seeds)" if len(texts) > 1 and len(set(texts)) == 1 else ", ".join(
             texts)
-        rows.append([f"`{s}`", a, seed_cell] + cells
+        rows.append([md_code(s), md_text(a), seed_cell] + cells
                     + [first, f"{no_prog[0]:g}" if no_prog else "none"])
     return header, rows
 
@@ -486,7 +480,7 @@ def attention_comparison(records: Sequence[dict], ladder: Sequence[float] | None
                         else f"per seed {'; '.join(pairs)}")
             gap = "" if all(above) else (f" — Stiefel attention is {mean:+.2g} rungs (×{2 ** mean:.3g} in LR) above "
                                          f"DGram attention on average over {len(diffs)} seeds")
-            out.append(f"- {alg}, `{dg}` (DGram attention) vs `{st}` (Stiefel attention), same MLP geometry: "
+            out.append(f"- {md_text(alg)}, `{dg}` (DGram attention) vs `{st}` (Stiefel attention), same MLP geometry: "
                        f"largest stable LR {per_seed}{gap}; {verdict}.")
     return out
 
@@ -507,7 +501,7 @@ def plot_boundary(records: Sequence[dict], path: Path) -> Path | None:
             for lr in lrs:
                 v = [r["val_loss"] for r in recs if float(r["lr"]) == lr and math.isfinite(r["val_loss"])]
                 ys.append(float(np.mean(v)) if v else float("nan"))
-            ax.plot(lrs, ys, marker="o", color=color, label=s, ls=LINESTYLES[k % len(LINESTYLES)])
+            ax.plot(lrs, ys, marker="o", color=color, label=plot_text(s), ls=LINESTYLES[k % len(LINESTYLES)])
             fd = first_divergence(recs)
             if fd is not None:
                 ok = [y for y in ys if math.isfinite(y)]
@@ -518,7 +512,7 @@ def plot_boundary(records: Sequence[dict], path: Path) -> Path | None:
         ax.set_xticklabels([f"{t:g}" for t in ticks], rotation=45)
         ax.set_xlabel("Muon lr")
         ax.set_ylabel("final val loss (mean over seeds that finished)")
-        ax.set_title(f"{alg} algorithm (✕: lowest diverged lr)")
+        ax.set_title(f"{plot_text(alg)} algorithm (✕: lowest diverged lr)")
     axes[0][0].legend(loc="upper left")
     fig.suptitle("Stability boundary: final val loss against learning rate")
     return _savefig(fig, path)
@@ -526,7 +520,9 @@ def plot_boundary(records: Sequence[dict], path: Path) -> Path | None:
 
 def boundary_section(runs: Sequence[RunData], out: Path) -> str:
     """The "stability boundary" table, the DGram-vs-Stiefel-attention comparison and the LR plot."""
-    records = [boundary_record(r) for r in runs]
+    records = [boundary_record(r) for r in tagged(runs, ("strategy", "algorithm", "lr"), "the stability boundary")]
+    if not records:
+        return "### Stability boundary\n\nNo run with usable tags (strategy, algorithm, lr); see the end of the report."
     header, rows = boundary_table(records)
     lines = ["### Stability boundary", "",
              "Each strategy × algorithm trains on a ladder of Muon learning rates (×2 per rung; everything else "
@@ -599,14 +595,16 @@ def attribution_rows(records: Sequence[dict]) -> list[list]:
                 if ndiv > d0:
                     found.append("divergence")
                 verdict = ", ".join(found) if found else "none"
-            rows.append([f"`{s}`", arm, f"{ndiv}/{len(rs)}" + (f" (first step {min(steps)})" if steps else ""),
-                         fmt_stats(finals), f"×{fmt(g)}", fmt(max((r['logit_max'] for r in rs), default=None)),
+            diverged = f"{ndiv}/{len(rs)}" + (f" (first step {min(steps)})" if steps else "")
+            rows.append([md_code(s), md_text(arm), diverged, fmt_stats(finals), f"×{fmt(g)}",
+                         fmt(max((r['logit_max'] for r in rs), default=None)),
                          fmt(sat), verdict])
     return rows
 
 
 def attribution_section(runs: Sequence[RunData], out: Path) -> str:
     """Which element of the published algorithm reproduces σ growth, saturation or divergence."""
+    runs = tagged(runs, ("strategy", "arm"), "the attribution table")
     records = [attribution_record(r) for r in runs]
     lr = runs[0].tags.get("lr") if runs else None
     lines = ["### Attribution: one element of the published algorithm at a time", "",
@@ -626,7 +624,7 @@ def attribution_section(runs: Sequence[RunData], out: Path) -> str:
 # --------------------------------------------------------------------------------------------- long mechanism runs
 def head_frame(run: RunData) -> pd.DataFrame:
     """``heads.jsonl`` of a run as a long DataFrame (step, metric, value); empty when the run has none."""
-    df = metrics_frame(run.path / "heads.jsonl")
+    df = run_metrics(run, "heads.jsonl")
     return df[df["split"] == "heads"] if not df.empty else df
 
 
@@ -660,7 +658,7 @@ def plot_heads(runs: Sequence[RunData], path: Path) -> Path | None:
             for k, (_, g) in enumerate(sub.groupby("metric")):
                 g = g.sort_values("step")
                 ax.plot(g["step"], g["value"], color=color, lw=1.0, alpha=0.7, marker="o", ms=2.5,
-                        label=r.variant if k == 0 else None)
+                        label=plot_text(r.variant) if k == 0 else None)
             if r.diverged:
                 ax.axvline(int(r.status.get("step", 0)), color=color, ls=":", lw=1.2)
     axes[0].set_title("softmax entropy per head (nats)")
@@ -690,7 +688,7 @@ def long_mechanism_section(runs: Sequence[RunData], out: Path) -> str:
         if r.diverged:
             chain.append(f"divergence at step {r.status.get('step')}")
         v = loss_series(r, "val")
-        rows.append([f"`{r.name}`", str(r.tags.get("algorithm", "")), r.state, r.status.get("step", "—"),
+        rows.append([md_code(r.name), md_text(r.tags.get("algorithm", "")), r.state, r.status.get("step", "—"),
                      fmt(final_value(v) if not r.diverged else None, 4), f"{fmt(sp.iloc[0]) if len(sp) else '—'} → "
                      f"{fmt(final_value(sp))}", f"{fmt(lg.iloc[0]) if len(lg) else '—'} → {fmt(final_value(lg))}",
                      fmt(hs.get("sat_max_any")), fmt(hs.get("ent_min_last")), hs.get("heads", "—"),

@@ -4,7 +4,6 @@ compute."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,10 @@ from weightgeom.experiments.report.common import (
     image_lines,
     loss_series,
     md_table,
+    run_file,
+    tagged,
 )
+from weightgeom.experiments.report.inputs import META, md_code, md_text, plot_text
 
 
 # -------------------------------------------------------------------------------------------------------- md
@@ -36,6 +38,7 @@ def _tag(run: RunData, key: str, default: Any = None) -> Any:
 def md_section(runs: Sequence[RunData], out: Path) -> str:
     """Markdown for the magnitude–direction experiment (the MD paper), writing plots into ``out``."""
     lines = ["## Magnitude–direction decoupling (the MD paper, arXiv:2606.25971)", ""]
+    runs = tagged(runs, ("optimizer", "width", "lr"), "the MD tables")
     lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr"]
     wu_runs = [r for r in runs if _tag(r, "kind") == "warmup"]
     # (optimizer, width, lr) -> list of final val losses (diverged = inf)
@@ -64,7 +67,7 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
                 lr, m = best[(o, w)]
                 grid = sorted(lr_ for (o2, w2, lr_) in table if o2 == o and w2 == w)
                 edge = " (grid edge)" if lr in (grid[0], grid[-1]) and len(grid) > 1 else ""
-                rows.append([o, w, f"{lr:g}{edge}", fmt(m, 4), len(grid)])
+                rows.append([md_text(o), w, f"{lr:g}{edge}", fmt(m, 4), len(grid)])
         lines.append("### LR sweep: optimal LR per width")
         lines.append("")
         lines.append(md_table(["optimizer", "width", "optimal LR", "final val loss at optimum", "LRs tried"], rows))
@@ -100,7 +103,7 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
             diff = (np.mean(warm) - np.mean(cold)) if cold and warm else float("nan")
             verdict = "—" if not math.isfinite(diff) else ("warmup helps" if diff < -0.01 else (
                 "warmup hurts" if diff > 0.01 else "no difference (±0.01)"))
-            rows.append([o, w, f"{lr:g}", cell(d["cold"]), wu, cell(d["warm"]), fmt(diff, 4), verdict])
+            rows.append([md_text(o), w, f"{lr:g}", cell(d["cold"]), wu, cell(d["warm"]), fmt(diff, 4), verdict])
         lines.append("### Warmup vs no warmup")
         lines.append("")
         lines.append("Middle width, centre LR of each optimizer's grid; the no-warmup column is the LR-sweep run at "
@@ -143,7 +146,7 @@ def edge_line(edges: Sequence[tuple[str, int, float, str]]) -> str:
     """One paragraph: no optimum at a grid edge, or which ones are (the grid should then be extended that way)."""
     if not edges:
         return "No optimum sits at an edge of its LR grid."
-    items = "; ".join(f"{o} width {w}: {lr:g} (the {side} LR tried)" for o, w, lr, side in edges)
+    items = "; ".join(f"{md_text(o)} width {w}: {lr:g} (the {side} LR tried)" for o, w, lr, side in edges)
     return (f"**{len(edges)} optimum/optima at a grid edge** — the true optimum may lie outside the grid, so the "
             f"transfer verdict for these optimizers is uncertain: {items}.")
 
@@ -174,7 +177,7 @@ def _base_setting(runs: Sequence[RunData], key: str, default: Any) -> Any:
 
 def gain_lr_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData]) -> list[str]:
     """Table: final val loss per gain LR for each MD optimizer at its ablation point (best marked, edge flagged)."""
-    glr = [r for r in runs if _tag(r, "kind") == "gain_lr"]
+    glr = tagged([r for r in runs if _tag(r, "kind") == "gain_lr"], ("gain_lr",), "the gain-LR table")
     if not glr:
         return []
     rows = []
@@ -200,7 +203,7 @@ def gain_lr_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData]) -> list[s
         edge = "—" if bg is None else ("at the grid edge" if bg in (grid[0], grid[-1]) and len(grid) > 1
                                        else "inside the grid")
         spread = (max(finite.values()) - min(finite.values())) if len(finite) > 1 else float("nan")
-        rows.append([o, w, f"{lr:g}", "; ".join(cells), edge, fmt(spread, 4)])
+        rows.append([md_text(o), w, f"{lr:g}", "; ".join(cells), edge, fmt(spread, 4)])
     return ["### Gain learning rate (`optim.md.gain_lr`)", "",
             "Each MD optimizer at the middle width and centre LR of its grid; final val loss per gain LR (the run at "
             "the base config's gain LR is the LR-sweep run).", "",
@@ -243,7 +246,7 @@ def ablation_verdict(axis: str, vals: dict[str, float]) -> str:
 def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Path) -> list[str]:
     """One table per ablation axis (rows: settings, columns: MD optimizers; the default is the LR-sweep run at the
     same point), a verdict per claim, and a bar plot."""
-    abl = [r for r in runs if _tag(r, "kind") == "ablation"]
+    abl = tagged([r for r in runs if _tag(r, "kind") == "ablation"], ("axis", "value"), "the ablation tables")
     if not abl:
         return []
     lines = ["### The MD paper's ablations", "",
@@ -276,10 +279,10 @@ def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Pat
                 x, d = per_opt[o].get(v, float("nan")), per_opt[o].get(default, float("nan"))
                 delta = "" if v == default or not (math.isfinite(x) and math.isfinite(d)) else f" (Δ {x - d:+.4f})"
                 cells.append(("diverged" if x == float("inf") else fmt(x, 4)) + delta)
-            rows.append([f"`{v}`" + (" (default)" if v == default else "")] + cells)
+            rows.append([md_code(v) + (" (default)" if v == default else "")] + cells)
         pref, claim, _ = ABLATION_CLAIMS[axis]
-        verdicts = ", ".join(f"{o}: **{ablation_verdict(axis, per_opt[o])}**" for o in per_opt)
-        lines += [f"#### `optim.md.{axis}`", "", md_table([axis] + list(per_opt), rows), "",
+        verdicts = ", ".join(f"{md_text(o)}: **{ablation_verdict(axis, per_opt[o])}**" for o in per_opt)
+        lines += [f"#### `optim.md.{axis}`", "", md_table([axis] + [md_text(o) for o in per_opt], rows), "",
                   f"The paper: {claim} — {verdicts}.", ""]
     lines += image_lines(plot_ablations(data, out / "md_ablations.png"), "MD ablations")
     return lines
@@ -302,8 +305,8 @@ def plot_ablations(data: dict[str, dict[str, dict[str, float]]], path: Path) -> 
         for i, (o, c) in enumerate(zip(opts, _colors(len(opts)))):
             ys = [per[o].get(v, float("nan")) for v in values]
             ys = [y if math.isfinite(y) else np.nan for y in ys]
-            ax.bar(x + (i - (len(opts) - 1) / 2) * wbar, ys, wbar, color=c, label=o)
-        ax.set_xticks(x, values, rotation=20)
+            ax.bar(x + (i - (len(opts) - 1) / 2) * wbar, ys, wbar, color=c, label=plot_text(o))
+        ax.set_xticks(x, [plot_text(v, 30) for v in values], rotation=20)
         ax.set_ylim(lo - pad, hi + pad)
         ax.set_title(f"optim.md.{axis}")
     axes[0][0].set_ylabel("final val loss (missing bar: diverged)")
@@ -322,12 +325,12 @@ def transfer_verdict(best: dict[tuple[str, int], tuple[float, float]], table) ->
         grid = sorted({lr for (o2, _, lr) in table if o2 == o})
         idx = [grid.index(best[(o, w)][0]) for w in ws if math.isfinite(best[(o, w)][1])]
         if not idx:
-            out.append(f"- {o}: every LR diverged")
+            out.append(f"- {md_text(o)}: every LR diverged")
             continue
         spread = max(idx) - min(idx)
         lrs = ", ".join(f"{w}: {best[(o, w)][0]:g}" for w in ws)
         verdict = "transfers" if spread <= 1 else "does **not** transfer"
-        out.append(f"- {o}: optimal LR by width {lrs} → spread {spread} grid step(s): {verdict}")
+        out.append(f"- {md_text(o)}: optimal LR by width {lrs} → spread {spread} grid step(s): {verdict}")
     return "\n".join(out)
 
 
@@ -359,7 +362,7 @@ def plot_lr_sweep(table, path: Path) -> Path | None:
         grid = sorted({lr for (o2, _, lr) in table if o2 == o})
         ax.set_xticks(grid, [f"{lr:g}" for lr in grid])
         ax.minorticks_off()
-        ax.set_title(o)
+        ax.set_title(plot_text(o))
         ax.set_xlabel("learning rate")
     axes[0][0].set_ylabel("final val loss (✕: diverged)")
     axes[0][0].legend()
@@ -375,7 +378,7 @@ def plot_optimal_lr(best, path: Path) -> Path | None:
     for o, c in zip(opts, _colors(len(opts))):
         ws = sorted(w for (o2, w) in best if o2 == o and math.isfinite(best[(o2, w)][1]))
         if ws:
-            ax.plot(ws, [best[(o, w)][0] for w in ws], "o-", color=c, label=o, lw=2, ms=8)
+            ax.plot(ws, [best[(o, w)][0] for w in ws], "o-", color=c, label=plot_text(o), lw=2, ms=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("width")
@@ -386,17 +389,10 @@ def plot_optimal_lr(best, path: Path) -> Path | None:
 
 
 def _num_params(run: RunData) -> float:
-    for src in (run.experiment.get("final", {}), run.tags):
+    for src in (run.experiment.get("final", {}), run_file(run, "meta.json", META) or {}):
         for k in ("num_params", "n_params", "params"):
             if k in src:
                 return float(src[k])
-    try:
-        meta = json.loads((run.path / "meta.json").read_text())
-        for k in ("num_params", "n_params", "params"):
-            if k in meta:
-                return float(meta[k])
-    except (OSError, json.JSONDecodeError):
-        pass
     return float("nan")
 
 
@@ -429,7 +425,7 @@ def plot_loss_vs_compute(runs: Sequence[RunData], path: Path) -> Path | None:
             n = 1.0
             xlabel = "tokens seen (N unknown)"
         ax.plot(s.index.to_numpy() * tok * 6 * n, s.values, marker="o", color=c, lw=2, ms=4,
-                label=f"{o} (lr {_tag(r, 'lr'):g})", ls=LINESTYLES[len(ax.get_lines()) % len(LINESTYLES)])
+                label=f"{plot_text(o)} (lr {_tag(r, 'lr'):g})", ls=LINESTYLES[len(ax.get_lines()) % len(LINESTYLES)])
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("val loss")
