@@ -158,10 +158,10 @@ def test_reads_are_bounded(tmp_path):
 
 @pytest.mark.parametrize("reader,text,words", [
     (read_json, "[" * 100_000 + "]" * 100_000, "nested too deeply"),
-    (read_json, "1" * 5000, "not readable JSON"),
-    (read_json, '{"a": ', "not readable JSON"),
+    (read_json, "1" * 5000, "not valid JSON"),
+    (read_json, '{"a": ', "not valid JSON"),
     (read_toml, "a = " + "[" * 100_000 + "]" * 100_000, "nested too deeply"),
-    (read_toml, "[[[ x", "not readable TOML"),
+    (read_toml, "[[[ x", "not valid TOML"),
 ])
 def test_parse_errors_are_one_value_error(tmp_path, reader, text, words):
     p = tmp_path / "f"

@@ -32,7 +32,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["write_atomic", "open_append", "open_regular", "read_bounded", "read_text_bounded", "read_json",
-           "read_toml", "file_kind", "SpecialFileError", "FileTooLargeError", "SMALL_FILE_LIMIT", "fsync_dir"]
+           "read_toml", "is_regular", "file_kind", "SpecialFileError", "FileTooLargeError", "SMALL_FILE_LIMIT",
+           "fsync_dir"]
 
 SMALL_FILE_LIMIT = 64 << 20
 """Size bound (bytes) for the small JSON/TOML files read from user and run folders (``config.json``, an index, a
@@ -180,6 +181,24 @@ def open_append(path: str | os.PathLike, *, text: bool = True, buffering: int = 
     return os.fdopen(fd, "ab", buffering=buffering)
 
 
+def is_regular(path: str | os.PathLike, what: str = "") -> bool:
+    """Whether a regular file is at ``path`` (links followed): False when nothing is there, True for a regular file,
+    :class:`SpecialFileError` for anything else (a FIFO, device, socket or directory), where ``Path.is_file()`` would
+    say "absent" and a caller then report the wrong problem. Only ``stat``: nothing is opened, nothing blocks.
+
+    Raises:
+        SpecialFileError: something other than a regular file is there.
+        OSError: a loop of links, or a path that cannot be looked at (the system's reason).
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return True
+    raise SpecialFileError(f"{path}{_label(what)}: is {file_kind(st.st_mode)}, not a regular file")
+
+
 def open_regular(path: str | os.PathLike, what: str = "") -> IO[bytes]:
     """Open ``path`` for reading (binary) only if it is a regular file; links are followed as usual.
 
@@ -246,9 +265,9 @@ def read_json(path: str | os.PathLike, limit: int = SMALL_FILE_LIMIT, what: str 
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"{path}{_label(what)}: not readable JSON (nested too deeply)") from None
+        raise ValueError(f"{path}{_label(what)}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError, and an integer too long to convert
-        raise ValueError(f"{path}{_label(what)}: not readable JSON ({_first_line(e)})") from None
+        raise ValueError(f"{path}{_label(what)}: not valid JSON ({_first_line(e)})") from None
 
 
 def read_toml(path: str | os.PathLike, limit: int = SMALL_FILE_LIMIT, what: str = "") -> dict[str, Any]:
@@ -257,9 +276,9 @@ def read_toml(path: str | os.PathLike, limit: int = SMALL_FILE_LIMIT, what: str 
     try:
         return tomllib.loads(text)
     except RecursionError:
-        raise ValueError(f"{path}{_label(what)}: not readable TOML (nested too deeply)") from None
+        raise ValueError(f"{path}{_label(what)}: not valid TOML (nested too deeply)") from None
     except ValueError as e:  # TOMLDecodeError is a ValueError
-        raise ValueError(f"{path}{_label(what)}: not readable TOML ({_first_line(e)})") from None
+        raise ValueError(f"{path}{_label(what)}: not valid TOML ({_first_line(e)})") from None
 
 
 def _label(what: str) -> str:

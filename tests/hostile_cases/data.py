@@ -11,6 +11,7 @@ before the model is built.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -188,6 +189,43 @@ def _broken_folders(tmp: Path) -> None:
         assert_one_line_error(cli("data", "info", str(folder)), *expect)
 
 
+def _special_files_in_dataset(tmp: Path) -> None:
+    good = _ids(3000, 100, "uint16")
+
+    def fifo(name: str) -> Callable[[Path], None]:
+        def spoil(f: Path) -> None:
+            (f / name).unlink(missing_ok=True)
+            os.mkfifo(f / name)
+        return spoil
+
+    def to_dev_zero(f: Path) -> None:
+        (f / "meta.json").unlink()
+        (f / "meta.json").symlink_to("/dev/zero")
+
+    def sparse_meta(f: Path) -> None:
+        with open(f / "meta.json", "r+b") as fh:
+            fh.truncate(3 << 30)
+
+    cases = {
+        "fifo-meta-json": (fifo("meta.json"), ("meta.json", "FIFO")),
+        "fifo-train-bin": (fifo("train.bin"), ("train.bin", "FIFO")),
+        "fifo-meta-pkl": (lambda f: ((f / "meta.json").unlink(), fifo("meta.pkl")(f)), ("meta.pkl", "FIFO")),
+        "dir-val-bin": (lambda f: ((f / "val.bin").unlink(), (f / "val.bin").mkdir()), ("val.bin", "directory")),
+        "dev-zero-meta": (to_dev_zero, ("meta.json", "character device")),
+        "sparse-meta": (sparse_meta, ("meta.json", "3221225472 bytes")),
+    }
+    for name, (spoil, expect) in cases.items():
+        folder = _bins(tmp / name, good, good[:500], {"vocab_size": 100})
+        spoil(folder)
+        assert_one_line_error(_within(HANG_LIMIT_S, _train_bin, tmp, folder), *expect)
+        _assert_not_trained(tmp)
+        assert_one_line_error(_within(HANG_LIMIT_S, cli, "data", "info", str(folder)), *expect)
+    os.mkfifo(tmp / "corpus.txt")
+    res = _within(HANG_LIMIT_S, cli, "data", "prepare", str(tmp / "corpus.txt"), "--out", str(tmp / "out"), "--quiet")
+    assert_one_line_error(res, "corpus.txt", "FIFO")
+    assert not (tmp / "out").exists()
+
+
 def _split_shorter_than_block(tmp: Path) -> None:
     folder = _bins(tmp / "ds", _ids(3000, 100, "uint16"), _ids(10, 100, "uint16"), {"vocab_size": 100})
     assert_one_line_error(_train_bin(tmp, folder), "val.bin", "10 tokens", "data.block_size+2=18")
@@ -316,6 +354,11 @@ CASES: list[Hostile] = [
             "`data prepare` into an output that cannot be a folder, or onto a disk that fills up, is one line naming "
             "the path, exit 2; an existing dataset in the output is left byte for byte as it was",
             _unwritable_output),
+    Hostile("special-files-in-dataset", "data",
+            "a FIFO `meta.json`, `meta.pkl` or `train.bin`, a directory named `val.bin`, `meta.json` linked to "
+            "`/dev/zero` or a 3 GiB sparse `meta.json` in a dataset folder (`train`, `data info`), and a FIFO input "
+            "to `data prepare`: one line naming the file and what it is, exit 2, no hang, nothing written",
+            _special_files_in_dataset),
     Hostile("broken-gzip-input", "data",
             "a .gz input that is not gzip is one line naming it, exit 2, no output folder left behind",
             _broken_gzip_input),

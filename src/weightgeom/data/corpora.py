@@ -23,6 +23,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from weightgeom._files import FileTooLargeError, is_regular, open_regular, read_bounded
+
 ENCODING_ERRORS = ("strict", "replace")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -80,13 +82,23 @@ def decode_utf8(raw: bytes, where: str, errors: str = "strict", hint: str = " or
         ) from None
 
 
+TEXT_FILE_LIMIT = 8 << 30
+"""Largest plain-text file (bytes, after decompression) read whole as one document; larger corpora stream as JSONL or
+parquet, or as several text files."""
+
+
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes (decompressed for ``.gz``); a broken gzip file raises ValueError naming it."""
+    """The file's bytes (decompressed for ``.gz``), at most :data:`TEXT_FILE_LIMIT`; a broken gzip file raises
+    ValueError naming it; a FIFO, device or directory is refused before anything is read (``_files.open_regular``)."""
     if path.suffix.lower() != ".gz":
-        return path.read_bytes()
+        return read_bounded(path, TEXT_FILE_LIMIT, "a text file is read whole; split it or use JSONL")
     try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
+        with gzip.open(open_regular(path), "rb") as f:
+            data = f.read(TEXT_FILE_LIMIT + 1)
+        if len(data) > TEXT_FILE_LIMIT:
+            raise FileTooLargeError(f"{path}: more than {TEXT_FILE_LIMIT >> 30} GiB of text once decompressed "
+                                    "(a text file is read whole; split it or use JSONL)")
+        return data
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise ValueError(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
 
@@ -98,11 +110,11 @@ def _read_text(path: Path, errors: str = "strict") -> str:
 def _iter_lines(path: Path) -> Iterator[bytes]:
     """The file's lines as bytes (decompressed for ``.gz``); a broken gzip file raises ValueError naming it."""
     if path.suffix.lower() != ".gz":
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             yield from f
         return
     try:
-        with gzip.open(path, "rb") as f:
+        with gzip.open(open_regular(path), "rb") as f:
             yield from f
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise ValueError(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
@@ -223,7 +235,7 @@ def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
             if not found:
                 raise ValueError(f"directory {p} holds no supported files ({', '.join(SUPPORTED)})")
             out.extend(found)
-        elif p.is_file():
+        elif is_regular(p, "an input of data prepare"):  # a FIFO or device: one line saying so, never a hang
             file_kind(p)
             out.append(p)
         else:

@@ -27,6 +27,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from weightgeom._files import FileTooLargeError, SpecialFileError, read_bounded
+
 __all__ = ["PickleRefused", "load_plain_pickle", "load_numpy_pickle", "PLAIN_TYPES"]
 
 #: Types a plain-data pickle may hold (checked on the loaded value, recursively).
@@ -156,10 +158,13 @@ def load_plain_pickle(path: str | os.PathLike, max_bytes: int = MAX_PLAIN_BYTES)
         OSError: the file cannot be opened.
     """
     p = Path(path)
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise PickleRefused(f"{p}: refused: {size} bytes, more than the {max_bytes} read for plain-data metadata")
-    data = p.read_bytes()
+    try:
+        data = read_bounded(p, max_bytes)  # a regular file only (a FIFO never blocks), at most max_bytes
+    except FileTooLargeError:
+        raise PickleRefused(f"{p}: refused: {p.stat().st_size} bytes, more than the {max_bytes} read for plain-data "
+                            "metadata") from None
+    except SpecialFileError as e:
+        raise PickleRefused(str(e)) from None
     value = _load(_NoImports(io.BytesIO(data)), str(p), "only plain data is read from it; nothing is imported or run")
     bad = _first_disallowed(value, lambda v: type(v) in PLAIN_TYPES, str(p))
     if bad is not None:

@@ -17,13 +17,14 @@ file, the id and the size. Measured on a generated 100M-token file (2 CPU cores,
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from weightgeom._files import is_regular, open_regular, read_json
 
 from .safe_pickle import load_plain_pickle
 from .tokenizers import CharTokenizer, Tokenizer, tokenizer_from_meta
@@ -58,12 +59,9 @@ def read_meta_json(path: Path) -> dict[str, Any]:
             that is not a positive integer, or ``train_tokens`` / ``val_tokens`` that are not integers.
     """
     f = path / "meta.json"
-    if not f.is_file():
+    if not is_regular(f):
         return {}
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except ValueError as e:  # not UTF-8, not JSON, or an integer too long to convert
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    meta = read_json(f)  # bounded; not UTF-8, not JSON, too deep or an integer too long: one line naming it
     if not isinstance(meta, dict):
         raise ValueError(f"{f}: expected a JSON object, got {type(meta).__name__}")
     if "dtype" in meta and meta["dtype"] not in DTYPES:
@@ -84,7 +82,7 @@ def read_meta_pkl(path: Path) -> dict[str, Any] | None:
             plain data, is not a dict, or has a ``vocab_size`` that is not a positive integer.
     """
     f = path / "meta.pkl"
-    if not f.is_file():
+    if not is_regular(f):
         return None
     value = load_plain_pickle(f)
     if not isinstance(value, dict):
@@ -154,7 +152,7 @@ class TokenDataset:
                          "disagree — record dtype uint32 or the right vocab_size")
 
     def _check_file(self, split: str, f: Path) -> None:
-        if not f.is_file():
+        if not is_regular(f):
             raise FileNotFoundError(f"{f} not found (a token dataset needs train.bin and val.bin)")
         size = f.stat().st_size
         if size == 0:
@@ -171,7 +169,8 @@ class TokenDataset:
         """A fresh read-only memmap of one split (nanoGPT re-opens per batch to avoid a memmap memory leak)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose train or val")
-        return np.memmap(self.files[split], dtype=self.dtype, mode="r")
+        with open_regular(self.files[split]) as fh:  # never blocks on a FIFO swapped in since the check
+            return np.memmap(fh, dtype=self.dtype, mode="r")
 
     def num_tokens(self, split: str) -> int:
         """Number of tokens in a split."""
