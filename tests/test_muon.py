@@ -695,3 +695,41 @@ def test_group_values_that_slipped_through_are_refused_by_name(kw, key):
 def test_empty_matrix_is_refused_at_construction_naming_it():
     with pytest.raises(ValueError, match=r"parameter 'e' has shape \(0, 4\): an empty matrix"):
         Muon([{"params": [torch.nn.Parameter(torch.zeros(0, 4))], "names": ["e"]}], lr=0.02)
+
+
+@pytest.mark.parametrize("manifold", [None, "stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("shape, kw", [((24, 8), {}), ((8, 24), {}), ((12, 12), {}), ((24, 8), {"split": 3}),
+                                       ((8, 24), {"layout": "in_out", "split": 3}), ((24, 8), {"split": 1})])
+def test_state_dict_round_trip_passes_the_shape_check(manifold, shape, kw):
+    """Every buffer a Muon step creates (momentum, dual multipliers of split / in_out / wide / square matrices, AdamW
+    moments) has the shape ``check_state_dict`` expects: a fresh optimizer of the same config loads it and steps
+    exactly like the original."""
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(*shape) * 0.1), torch.nn.Parameter(torch.randn(5))
+    groups = lambda w, v: [{"params": [w], "manifold": manifold, **kw}, {"params": [v], "algorithm": "adamw"}]  # noqa: E731
+    opt = Muon(groups(W, b), lr=0.02)
+    grads = [(torch.randn_like(W), torch.randn_like(b)) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for gw, gb in grads[:2]:
+            W.grad, b.grad = gw.clone(), gb.clone()
+            opt.step()
+        W2, b2 = (torch.nn.Parameter(t.detach().clone()) for t in (W, b))
+        opt2 = Muon(groups(W2, b2), lr=0.02)
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+        for gw, gb in grads[2:]:
+            for o, w, v in ((opt, W, b), (opt2, W2, b2)):
+                w.grad, v.grad = gw.clone(), gb.clone()
+                o.step()
+    assert torch.equal(W, W2) and torch.equal(b, b2)
+
+
+def test_refused_add_param_group_leaves_the_optimizer_as_it_was():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    opt = Muon([{"params": [p], "names": ["p"]}], lr=0.02)
+    for group, msg in [({"params": [torch.nn.Parameter(torch.randn(4))]}, "needs 2-D matrices"),
+                       ({"params": [torch.nn.Parameter(torch.randn(8, 4))], "names": ["a", "b"]}, "names"),
+                       ({"params": [p]}, "listed twice")]:
+        with pytest.raises(ValueError, match=msg):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1

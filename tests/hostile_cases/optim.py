@@ -4,13 +4,18 @@ Promises: an optimizer step is all or nothing — a NaN/Inf gradient anywhere (t
 parameter MD does not decouple, the fused C path) is refused with one message naming the parameter, and every
 parameter and every piece of optimizer state is bit-identical afterwards; gains of magnitude-direction never make W
 NaN/Inf, whatever their value (1e-30, 0, subnormal), on the eager and the fused path, after an outside edit of W and
-after loading a checkpoint. Driven through the Python API (these are library promises).
+after loading a checkpoint. Parameters a step cannot handle (complex, integer, bool, float8) or listed twice are
+refused when they are added, and ``load_state_dict`` refuses a state dict that does not fit (another optimizer's,
+another structure, state of another shape) before loading any of it. Driven through the Python API (these are library
+promises).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -418,6 +423,336 @@ def _bad_env_train(tmp_path: Path, var: str, value: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Parameters an optimizer cannot step (dtype), parameters listed twice, and state dicts that do not fit.
+# ---------------------------------------------------------------------------------------------------------------------
+# Every kind of Muon group: plain Muon, AdamW, and each manifold.
+_GROUP_KINDS = {"muon": {}, "adamw": {"algorithm": "adamw"}, "stiefel": {"manifold": "stiefel"},
+                "dgram": {"manifold": "dgram"}, "oblique": {"manifold": "oblique"}}
+_BAD_DTYPES = (torch.complex64, torch.int64, torch.bool, torch.float8_e4m3fn)
+
+
+@contextlib.contextmanager
+def _refused(*must_contain: str) -> Iterator[None]:
+    """The block must raise a one-line ValueError containing every string in ``must_contain``."""
+    with pytest.raises(ValueError) as info:
+        yield
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    for s in must_contain:
+        assert s in msg, f"{s!r} not in {msg!r}"
+
+
+def _float_and(dtype: torch.dtype) -> tuple[torch.nn.Parameter, torch.Tensor]:
+    """A float32 16×8 parameter and a 16×8 tensor of ``dtype`` (a Parameter where autograd allows one)."""
+    good = torch.nn.Parameter(torch.randn(16, 8) * 0.1)
+    raw = torch.ones(16, 8).to(dtype)
+    bad = torch.nn.Parameter(raw) if raw.is_floating_point() or raw.is_complex() else raw
+    return good, bad
+
+
+def _muon_bad_dtype(tmp_path: Path) -> None:
+    from weightgeom.optim import Muon
+
+    for kind, kw in _GROUP_KINDS.items():
+        for dtype in _BAD_DTYPES:
+            good, bad = _float_and(dtype)
+            groups = [{"params": [good], "names": ["ok"], **kw}, {"params": [bad], "names": ["bad"], **kw}]
+            with _refused("'bad'", "group 1, position 0", "shape (16, 8)", str(dtype).removeprefix("torch."),
+                          "float32"):
+                Muon(groups)
+            opt = Muon([{"params": [good], "names": ["ok"], **kw}])
+            before = [dict(g) for g in opt.param_groups]
+            with _refused("group 1, position 0", str(dtype).removeprefix("torch.")):
+                opt.add_param_group({"params": [bad], **kw})
+            assert len(opt.param_groups) == 1 and opt.param_groups[0] == before[0], f"{kind}: a refused group stayed"
+
+
+def _muon_dtype_changed(tmp_path: Path) -> None:
+    """A parameter turned complex after construction: the step is refused before the float32 one moves."""
+    from weightgeom.optim import Muon
+
+    for kind, kw in _GROUP_KINDS.items():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False), "b": torch.nn.Linear(8, 16, bias=False)})
+        opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
+                    {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        model["b"].weight.data = model["b"].weight.data.to(torch.complex64)
+        model["b"].weight.grad = torch.randn_like(model["b"].weight)
+        model["a"].weight.grad = torch.randn_like(model["a"].weight)
+        before = snapshot(opt, model)
+        with _refused("'b.weight'", "complex64", "nothing was changed"):
+            opt.step()
+        assert_unchanged(before, snapshot(opt, model), f"{kind}: after the refused step")
+
+
+def _md_bad_dtype(tmp_path: Path) -> None:
+    from weightgeom.optim import MagnitudeDirection
+
+    for dtype in (torch.complex64, torch.float8_e4m3fn):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 16)
+        extra = torch.nn.Parameter(torch.zeros(16).to(dtype))
+        base = torch.optim.AdamW([{"params": [model.weight, model.bias], "names": ["weight", "bias"]},
+                                  {"params": [extra], "names": ["extra"], "weight_decay": 0.0}])
+        with _refused("'extra'", "group 1, position 0", str(dtype).removeprefix("torch."), "float32"):
+            MagnitudeDirection(base, model=model)
+        md = MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model)
+        groups = len(md.param_groups)
+        with _refused(str(dtype).removeprefix("torch.")):
+            md.add_param_group({"params": [extra]})
+        assert len(md.param_groups) == groups
+
+
+def _muon_duplicates(tmp_path: Path) -> None:
+    import warnings
+
+    from weightgeom.optim import Muon
+
+    for kw in _GROUP_KINDS.values():
+        p, q = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own warning is not the refusal
+            with _refused("listed twice", "group 0, position 1"):
+                Muon([{"params": [p, p], **kw}])
+            with _refused("'p again'", "listed twice", "group 1, position 0", "group 0, position 1"):
+                Muon([{"params": [q, p], "names": ["q", "p"], **kw}, {"params": [p], "names": ["p again"], **kw}])
+            opt = Muon([{"params": [p], "names": ["p"], **kw}])
+            with _refused("'p2'", "listed twice"):
+                opt.add_param_group({"params": [q, p], "names": ["q", "p2"]})
+            assert len(opt.param_groups) == 1
+
+
+def _md_duplicates(tmp_path: Path) -> None:
+    import warnings
+
+    from weightgeom.optim import MagnitudeDirection
+
+    model = torch.nn.Linear(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = torch.optim.AdamW([model.weight, model.bias, model.weight])
+    with _refused("listed twice", "group 0, position 2"):
+        MagnitudeDirection(base, model=model)
+    md = MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model)
+    with _refused("listed twice"):
+        md.add_param_group({"params": [model.bias]})
+
+
+def _muon_for(model: torch.nn.Module, **kw):
+    """Muon over a two-layer model: its matrices in one group (``kw``), its biases in an AdamW group."""
+    from weightgeom.optim import Muon
+
+    mats = {"params": [model[0].weight, model[1].weight], "names": ["0.weight", "1.weight"], **kw}
+    vecs = {"params": [model[0].bias, model[1].bias], "names": ["0.bias", "1.bias"], "algorithm": "adamw"}
+    return Muon([mats, vecs], lr=0.02)
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16))
+
+
+def _refused_load(opt, model, sd, *must_contain: str) -> None:
+    """``opt.load_state_dict(sd)`` is one ValueError line with ``must_contain``; nothing changed; ``opt`` still
+    steps."""
+    before = snapshot(opt, model)
+    with _refused(*must_contain):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(opt, model), "after the refused load")
+    _train(opt, model, 1)
+
+
+def _muon_load_foreign(tmp_path: Path) -> None:
+    import warnings
+
+    from weightgeom.optim import MagnitudeDirection
+
+    warnings.simplefilter("ignore")
+    model = _mlp()
+    opt = _muon_for(model)
+    _train(opt, model, 2)
+    adamw = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias,
+                                                                                          model[1].bias]}])
+    _train(adamw, model, 1)
+    _refused_load(opt, model, adamw.state_dict(), "torch.optim.AdamW state dict")
+    md = MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model)
+    _refused_load(opt, model, md.state_dict(), "MagnitudeDirection state dict")
+    _refused_load(opt, model, [1, 2], "list")
+    # a legitimate round trip still resumes bitwise
+    model2 = copy.deepcopy(model)
+    opt2 = _muon_for(model2)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(opt, model, 2)
+    _train(opt2, model2, 2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), f"{n} differs after a round trip"
+
+
+def _muon_load_structure(tmp_path: Path) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for key, value, ours in [("manifold", "stiefel", None), ("manifold", "dgram", "stiefel"),
+                             ("manifold", None, "oblique"), ("momentum_form", "sum", "ema"),
+                             ("layout", "in_out", "out_in"), ("dual_normalize", False, True),
+                             ("algorithm", "adamw", "muon")]:
+        kw = {"manifold": "stiefel"} if key == "dual_normalize" else {}
+        model = _mlp()
+        donor = _muon_for(model, **{**kw, key: value})
+        _train(donor, model, 2)
+        opt = _muon_for(model, **{**kw, key: ours})
+        _train(opt, model, 1)
+        _refused_load(opt, model, copy.deepcopy(donor.state_dict()), "group 0", f"{key}={value!r}", f"{key}={ours!r}")
+
+
+def _muon_load_bad_state(tmp_path: Path) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    model = _mlp()
+    opt = _muon_for(model, manifold="stiefel")
+    _train(opt, model, 2)
+    good = copy.deepcopy(opt.state_dict())
+
+    def edited(fn) -> dict:
+        sd = copy.deepcopy(good)
+        fn(sd)
+        return sd
+
+    cases = [
+        (lambda sd: sd["state"][0].__setitem__("momentum_buffer", torch.zeros(8, 16)), "'0.weight'",
+         "'momentum_buffer'", "(8, 16)", "(16, 8)"),
+        (lambda sd: sd["state"][1].__setitem__("dual_multiplier", torch.zeros(4, 4)), "'1.weight'",
+         "'dual_multiplier'", "(4, 4)", "(16, 16)"),
+        (lambda sd: sd["state"][2].__setitem__("exp_avg", torch.zeros(16, dtype=torch.complex64)), "'0.bias'",
+         "'exp_avg'"),
+        (lambda sd: sd["state"][2].__setitem__("momentum_buffer", torch.zeros(16)), "'0.bias'", "'momentum_buffer'"),
+        (lambda sd: sd["state"].__setitem__(99, {}), "99"),
+        (lambda sd: sd["param_groups"][1].__setitem__("amsgrad", False), "group 1", "'amsgrad'"),
+        (lambda sd: sd["param_groups"][0].__setitem__("momentum", 1.5), "group 0", "momentum=1.5"),
+        (lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"), "group 0", "lr='fast'"),
+        (lambda sd: sd["param_groups"].pop(), "1 param groups", "has 2"),
+        (lambda sd: sd["param_groups"][1]["params"].pop(), "group 1", "1 parameters", "has 2"),
+    ]
+    for fn, *must in cases:
+        _refused_load(opt, model, edited(fn), *must)
+
+
+def _md_over(model: torch.nn.Module, base: str):
+    from weightgeom.optim import MagnitudeDirection
+
+    b = torch.optim.AdamW(model.parameters(), lr=1e-2) if base == "adamw" else _muon_for(model)
+    return MagnitudeDirection(b, model=model, gain_lr=1e-2)
+
+
+def _md_load_bad_over(base: str) -> None:
+    """MD over ``base`` refuses foreign and misshapen state dicts, unchanged; its own resumes bitwise."""
+    model = _mlp()
+    md = _md_over(model, base)
+    _train(md, model, 2)
+    good = copy.deepcopy(md.state_dict())
+    other = _muon_for(model) if base == "adamw" else torch.optim.AdamW(model.parameters())
+    _refused_load(md, model, other.state_dict(), "expected {'base': ..., 'md': ...}",
+                  "Muon state dict" if base == "adamw" else "torch.optim.AdamW state dict")
+    moment = "exp_avg" if base == "adamw" else "momentum_buffer"
+    edits = [
+        (("md", "state", 0, "gain_row"), torch.zeros(1), ("'0.weight'", "'gain_row'", "(16,)")),
+        (("md", "state", 1, "gain_col_adam", "exp_avg"), torch.zeros(3), ("'1.weight'", "'exp_avg'")),
+        (("md", "state", 1, "radius"), torch.ones(16, 1), ("'radius'",)),
+        (("md", "state", 0, "extra"), torch.ones(1), ("'extra'",)),
+        (("base", "state", 0, moment), torch.zeros(2, 2), ("base", "(2, 2)")),
+        (("base",), other.state_dict(), ("base",)),
+    ]
+    for path, value, must in edits:
+        sd = copy.deepcopy(good)
+        where = sd
+        for k in path[:-1]:
+            where = where[k]
+        where[path[-1]] = value
+        _refused_load(md, model, sd, *must)
+    model2 = copy.deepcopy(model)
+    md2 = _md_over(model2, base)
+    md2.load_state_dict(copy.deepcopy(md.state_dict()))
+    _train(md, model, 2)
+    _train(md2, model2, 2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), f"{base}: {n} differs after a round trip"
+
+
+def _md_load_bad(tmp_path: Path) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for base in ("adamw", "muon"):
+        _md_load_bad_over(base)
+
+
+class _SparseNet(torch.nn.Module):
+    """A sparse embedding (never decoupled by MD), a matrix MD decouples, and one it is told to leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8, sparse=True)
+        self.fc = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(self.emb(x))))
+
+
+def _md_base_refusals(tmp_path: Path) -> None:
+    """What the base optimizer would refuse inside its step is refused by MD before its own passes change anything."""
+    import warnings
+
+    from weightgeom.optim import MagnitudeDirection, Muon
+
+    warnings.simplefilter("ignore")
+    for base in ("adamw", "muon", "sgd"):
+        torch.manual_seed(0)
+        model = _SparseNet()
+        if base == "muon":
+            opt = Muon([{"params": [model.fc.weight], "names": ["fc.weight"]},
+                        {"params": [model.out.weight], "names": ["out.weight"], "manifold": "stiefel"},
+                        {"params": [model.emb.weight, model.fc.bias], "names": ["emb.weight", "fc.bias"],
+                         "algorithm": "adamw"}])
+        else:
+            kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
+            opt = kind(model.named_parameters(), lr=1e-2)
+        md = MagnitudeDirection(opt, model=model, exclude=("out.weight",))
+        x = torch.tensor([[1, 2, 3]])
+        _train_on(md, model, x)
+        if base == "sgd":  # SGD steps sparse gradients: MD lets it
+            _train_on(md, model, x)
+            continue
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        before = snapshot(md, model)
+        with _refused("'emb.weight'", "sparse gradient", "nothing was changed"):
+            md.step()
+        assert_unchanged(before, snapshot(md, model), f"{base}: after the refused step")
+        if base == "muon":  # a manifold matrix MD does not decouple holds NaN: Muon would refuse it mid-step
+            model.emb.weight.grad = None
+            with torch.no_grad():
+                model.out.weight[0, 0] = float("nan")
+            before = snapshot(md, model)
+            with _refused("'out.weight'", "NaN/Inf weights"):
+                md.step()
+            assert_unchanged(before, snapshot(md, model), "after the refused step (NaN manifold weights)")
+
+
+def _train_on(opt: torch.optim.Optimizer, model: torch.nn.Module, x: torch.Tensor) -> None:
+    """One step on token batch ``x``, the sparse embedding's gradient left out (the base may not step one)."""
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    if not isinstance(getattr(opt, "base_optimizer", None), torch.optim.SGD):
+        model.emb.weight.grad = None
+    opt.step()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 NAN, INF = float("nan"), float("inf")
 CASES: list[Hostile] = [
     Hostile("muon-nan-last-group-adamw", "optim",
@@ -512,4 +847,58 @@ CASES: list[Hostile] = [
             "The same on MD's default path over AdamW (the fused kernel where it loads, stepping each matrix's "
             "gains with the matrix; else the eager passes)",
             _stale_gain_grad(None)),
+    Hostile("muon-unsupported-dtype", "optim",
+            "Muon given a complex64, int64, bool or float8 parameter beside a float32 one (plain-Muon, AdamW, "
+            "Stiefel, DGram or Oblique group) refuses it at construction and in `add_param_group` with one line "
+            "naming it (group, position, shape, dtype) and the supported dtypes; a refused group is not added "
+            "(before: complex was accepted and a step updated the float32 parameter, then raised)",
+            _muon_bad_dtype),
+    Hostile("muon-dtype-changed-before-step", "optim",
+            "A Muon parameter turned complex after construction (`p.data = p.data.to(torch.complex64)`) makes the "
+            "next step refuse with one line naming it, in every kind of group; the float32 parameter beside it and "
+            "all optimizer state unchanged",
+            _muon_dtype_changed),
+    Hostile("md-unsupported-dtype", "optim",
+            "MagnitudeDirection over an AdamW holding a complex64 or float8 parameter it does not decouple is "
+            "refused at construction, naming it (group, position, dtype) and the supported dtypes; so is "
+            "`add_param_group` of one",
+            _md_bad_dtype),
+    Hostile("muon-duplicate-param", "optim",
+            "`Muon([p, p])`, a parameter in two groups, or `add_param_group` of a parameter the optimizer holds is "
+            "refused with one line naming it and both places, in every kind of group (before: p was stepped twice "
+            "with only torch's warning)",
+            _muon_duplicates),
+    Hostile("md-duplicate-param", "optim",
+            "MagnitudeDirection over an optimizer that lists a parameter twice, or `add_param_group` of a parameter "
+            "it holds, is refused with one line naming it",
+            _md_duplicates),
+    Hostile("muon-load-foreign-state-dict", "optim",
+            "`Muon.load_state_dict` of a torch.optim.AdamW state dict with as many groups, of a MagnitudeDirection "
+            "state dict or of a list is refused with one line naming what it is (before: AdamW's was accepted and "
+            "the next step raised `KeyError: 'algorithm'`); nothing changed, the optimizer still steps, and its own "
+            "state dict still resumes bitwise",
+            _muon_load_foreign),
+    Hostile("muon-load-other-structure", "optim",
+            "Loading a Muon state dict whose group has another manifold (Stiefel into plain, DGram into Stiefel, "
+            "plain into Oblique), momentum_form, layout, dual_normalize or algorithm is refused with one line naming "
+            "the group, the key and both values (before: the group silently became Stiefel); nothing changed",
+            _muon_load_structure),
+    Hostile("muon-load-bad-state", "optim",
+            "A Muon state dict with a momentum buffer, dual multiplier or AdamW moment of another shape or kind, a "
+            "state key this optimizer does not keep, state for an unlisted parameter, an unknown or invalid group "
+            "key, or another number of groups or parameters is refused with one line naming the parameter or key; "
+            "nothing changed and the optimizer still steps",
+            _muon_load_bad_state),
+    Hostile("md-load-bad-state", "optim",
+            "`MagnitudeDirection.load_state_dict` (over AdamW and over Muon) of the base's own state dict, or of an "
+            "MD state dict whose gains (before: a gain of shape (1,) was broadcast), gain moments, radius, entry "
+            "keys or base part do not fit is refused with one line naming it; nothing changed, and a round trip "
+            "into a fresh optimizer of the same config resumes bitwise",
+            _md_load_bad),
+    Hostile("md-base-would-refuse", "optim",
+            "MagnitudeDirection over AdamW or Muon with a sparse gradient on a parameter it does not decouple (an "
+            "`nn.Embedding(sparse=True)`), or over Muon with NaN weights in a manifold matrix it does not decouple, "
+            "refuses the step naming it before any matrix moves (before: over AdamW the decoupled matrices were "
+            "stepped, then AdamW raised); nothing changed; over SGD the sparse gradient still steps",
+            _md_base_refusals),
 ]

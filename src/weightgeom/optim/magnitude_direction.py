@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,15 @@ from torch.optim import Optimizer
 
 from weightgeom import kernels, manifolds
 from weightgeom.optim import md_fused
+from weightgeom.optim.checks import (
+    check_new_group,
+    check_param_state,
+    check_torch_state,
+    describe_state_dict,
+    dtype_supported,
+    is_bookkeeping_key,
+    unsupported_dtype,
+)
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
     _ZERO_NORM,
@@ -135,6 +144,24 @@ def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
     return bool(((composed - W).abs() <= tol * W.abs()).all())
 
 
+def _number(v: Any) -> bool:
+    """A real Python number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _restored(key: str, value: Any, theta: torch.Tensor) -> torch.Tensor:
+    """A saved gain-Adam entry as this optimizer keeps it: ``step`` a float32 CPU scalar tensor (a number in older
+    checkpoints), the moments θ's dtype and device."""
+    if key == "step":
+        return torch.as_tensor(value, dtype=torch.float32).detach().clone().to("cpu")
+    return value.detach().to(device=theta.device, dtype=theta.dtype).clone()
+
+
+# torch optimizers whose step takes sparse gradients; any other base (Adam, AdamW, Muon, ...) would refuse one inside
+# its step, after MD had stepped the decoupled matrices, so MD refuses it before anything changes.
+_SPARSE_BASES = (torch.optim.SGD, torch.optim.SparseAdam, torch.optim.Adagrad)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The wrapper.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -218,8 +245,10 @@ class MagnitudeDirection(Optimizer):
             False: always eager.
 
     Raises:
-        ValueError: unknown option value; a param marked for decoupling that is not 2-D, not in the base optimizer,
-            has zero norm (or a zero row/column on a row/col sphere) or non-finite entries — the message names it.
+        ValueError: unknown option value; a base-optimizer param whose dtype is not float16, bfloat16, float32 or
+            float64, or that is listed twice; a param marked for decoupling that is not 2-D, not in the base
+            optimizer, has zero norm (or a zero row/column on a row/col sphere) or non-finite entries — the message
+            names it.
             ``step`` is all or nothing: what it refuses (a NaN/Inf gradient as ``NonFiniteGradientError``, see
             ``step``) is refused before any parameter or state changes.
         TypeError: base_optimizer is not a torch optimizer, or is itself a MagnitudeDirection.
@@ -266,6 +295,9 @@ class MagnitudeDirection(Optimizer):
             if why:
                 raise ValueError(f"MagnitudeDirection: fused=True cannot run: {why}")
         self.fused = fused
+        groups = base_optimizer.param_groups
+        for gi, group in enumerate(groups):  # what MD steps (and its finiteness scan reads): supported, listed once
+            check_new_group("MagnitudeDirection", groups[:gi], group)
 
         self.base_optimizer = base_optimizer
         self.gains = gains
@@ -336,10 +368,12 @@ class MagnitudeDirection(Optimizer):
         self._gain_groups = [g for g in groups if g.get("md_role") == "gains"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group: a gains group (``md_role="gains"``, internal) or a base group (not decoupled)."""
+        """Add a group: a gains group (``md_role="gains"``, internal) or a base group (not decoupled), whose
+        parameters must have a supported dtype and not be in the optimizer already (ValueError naming it)."""
         if param_group.get("md_role") == "gains":
             self._gain_groups.append(param_group)
         else:
+            check_new_group("MagnitudeDirection", self.base_optimizer.param_groups, param_group)
             self.base_optimizer.add_param_group(param_group)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -521,17 +555,30 @@ class MagnitudeDirection(Optimizer):
                                  f"{why}; step refused, nothing was changed")
             resync = self._rederive(p) if self._versions.get(p) != p._version else None
             plan.append((p, G, group, why, resync))
+        check_step = getattr(self.base_optimizer, "check_step", None)
+        if check_step is not None:  # what the base (Muon) would refuse, before MD's passes change anything
+            check_step()
         return plan
 
     def _check_gradients(self) -> None:
-        """Refuse the step, naming the parameter, if a decoupled matrix has a sparse gradient or any gradient of the
+        """Refuse the step, naming the parameter, if a base param's dtype is unsupported, a decoupled matrix has a
+        sparse gradient (or any param does, where the base cannot step one: ``_SPARSE_BASES``) or any gradient of the
         base optimizer's params holds NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and
         one host sync, ``first_nonfinite``)."""
         params = [q for g in self.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
-        for p in self._decoupled:
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} has a sparse gradient; "
+        decoupled = {id(p) for p in self._decoupled}
+        sparse_ok = isinstance(self.base_optimizer, _SPARSE_BASES)
+        for q in params:
+            if not dtype_supported(q):  # its dtype was changed after construction (``q.data = ...``)
+                raise ValueError(f"{unsupported_dtype('MagnitudeDirection', f'parameter {self._param_label(q)!r}', q)}"
+                                 "; step refused, nothing was changed")
+            if q.grad.is_sparse and id(q) in decoupled:
+                raise ValueError(f"MagnitudeDirection: parameter {self._name[q]!r} has a sparse gradient; "
                                  "decoupled matrices need dense gradients; step refused, nothing was changed")
+            if q.grad.is_sparse and not sparse_ok:  # the base would raise in its step, after MD's passes ran
+                raise ValueError(f"MagnitudeDirection: parameter {self._param_label(q)!r} has a sparse gradient, "
+                                 f"which the base optimizer ({type(self.base_optimizer).__name__}) cannot step; step "
+                                 "refused, nothing was changed")
         bad = first_nonfinite([q.grad for q in params], cpu_scan=self._cpu_scan())
         if bad is not None:
             q = params[bad]
@@ -729,34 +776,66 @@ class MagnitudeDirection(Optimizer):
             },
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a ``state_dict()``. The model's weights are not written; at the next step each W is checked
-        against γ_r Ŵ γ_c (exact equality, as after loading the same checkpoint into the model) and, if it differs,
-        the direction is re-derived from W so that the model's weights win.
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Validate a ``state_dict()`` for this optimizer without loading anything (``load_state_dict`` runs it first).
+
+        Checked: the ``{"base", "md"}`` layout (another optimizer's state dict is named as such); the options that
+        decide what the MD state means (gains, parameterization, sphere, embeddings); one entry per decoupled matrix
+        holding exactly the tensors this optimizer keeps for it, each of the same shape (the gains' Adam state too),
+        and able to give a finite W (``_check_saved_entry``); the gains group's keys and values; and the base
+        optimizer's part, by the base (``Muon.check_state_dict``) or, for a torch optimizer, by
+        ``checks.check_torch_state``.
 
         Raises:
-            ValueError: not an MD state dict, different options, different decoupled matrices (count or shape), or
-                an entry that cannot give a finite W (non-finite direction or gains θ, radius not finite and > 0),
-                naming it; nothing is loaded then.
+            ValueError: one line naming what does not fit; nothing is loaded.
         """
-        if not isinstance(state_dict, dict) or "md" not in state_dict or "base" not in state_dict:
-            raise ValueError("MagnitudeDirection.load_state_dict: expected {'base': ..., 'md': ...} "
-                             "(a MagnitudeDirection.state_dict())")
+        where = "MagnitudeDirection.load_state_dict"
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"base", "md"}:
+            raise ValueError(f"{where}: expected {{'base': ..., 'md': ...}} (a MagnitudeDirection.state_dict()), got "
+                             f"{describe_state_dict(state_dict)}; nothing was loaded")
         md = state_dict["md"]
+        parts = {"options": Mapping, "names": (list, tuple), "state": Mapping, "gain_group": Mapping}
+        for key, kind in parts.items():
+            if not isinstance(md, Mapping) or not isinstance(md.get(key), kind):
+                raise ValueError(f"{where}: the 'md' part lacks a valid {key!r} (not a MagnitudeDirection.state_dict()"
+                                 "); nothing was loaded")
         for key in ("gains", "parameterization", "sphere", "embeddings"):
-            saved = md["options"][key]
+            saved = md["options"].get(key)
             if saved != getattr(self, key):
-                raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint has {key}={saved!r}, "
-                                 f"this optimizer has {getattr(self, key)!r}")
-        if len(md["state"]) != len(self._decoupled):
-            raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint decouples {len(md['state'])} matrices "
-                             f"({md['names'][:3]}...), this optimizer {len(self._decoupled)}")
+                raise ValueError(f"{where}: checkpoint has {key}={saved!r}, this optimizer has {getattr(self, key)!r}; "
+                                 f"build it with {key}={saved!r} to resume this checkpoint; nothing was loaded")
+        if len(md["state"]) != len(self._decoupled) or len(md["names"]) != len(md["state"]):
+            raise ValueError(f"{where}: checkpoint decouples {len(md['state'])} matrices ({list(md['names'][:3])}...), "
+                             f"this optimizer {len(self._decoupled)}; nothing was loaded")
         for i, p in enumerate(self._decoupled):
-            saved = md["state"][i]
-            if tuple(saved["direction"].shape) != tuple(p.shape):
-                raise ValueError(f"MagnitudeDirection.load_state_dict: {self._name[p]!r} has shape {tuple(p.shape)}, "
-                                 f"checkpoint entry {md['names'][i]!r} has {tuple(saved['direction'].shape)}")
-            self._check_saved_entry(md["names"][i], saved)
+            if not isinstance(md["state"].get(i), Mapping):
+                raise ValueError(f"{where}: checkpoint has no entry {i} for {self._name[p]!r}; nothing was loaded")
+            self._check_saved_shapes(p, str(md["names"][i]), md["state"][i])
+            self._check_saved_entry(str(md["names"][i]), md["state"][i])
+        self._check_saved_gain_group(md["gain_group"])
+        base = self.base_optimizer
+        try:
+            if hasattr(base, "check_state_dict"):
+                base.check_state_dict(state_dict["base"])
+            else:
+                check_torch_state(type(base).__name__, base, state_dict["base"])
+        except ValueError as e:
+            raise ValueError(f"{where}: the base optimizer's part does not fit: {e}") from None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a ``state_dict()`` — all of it, after ``check_state_dict`` accepted all of it, or nothing. The
+        model's weights are not written; at the next step each W is checked against γ_r Ŵ γ_c (exact equality, as
+        after loading the same checkpoint into the model) and, if it differs, the direction is re-derived from W so
+        that the model's weights win.
+
+        Raises:
+            ValueError: not an MD state dict, different options, different decoupled matrices (count or shape),
+                state of another shape or kind than this optimizer keeps, an entry that cannot give a finite W
+                (non-finite direction or gains θ, radius not finite and > 0), or a base part that does not fit the
+                base optimizer, naming it; nothing is loaded then.
+        """
+        self.check_state_dict(state_dict)
+        md = state_dict["md"]
         self.base_optimizer.load_state_dict(state_dict["base"])
         for i, p in enumerate(self._decoupled):
             saved = md["state"][i]
@@ -770,13 +849,60 @@ class MagnitudeDirection(Optimizer):
                     adam = saved.get(key + "_adam")
                     self.state.pop(theta, None)
                     if adam:
-                        self.state[theta] = {k: v.detach().clone().to(theta.device if k != "step" else "cpu")
-                                             for k, v in adam.items()}
+                        self.state[theta] = {k: _restored(k, v, theta) for k, v in adam.items()}
             self._versions[p] = None  # check W against the restored state at the next step
         group = self._gain_groups[0]
         for k, v in md["gain_group"].items():
             if k != "names":
                 group[k] = v
+
+    def _check_saved_shapes(self, p: torch.Tensor, name: str, saved: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint entry unless it holds exactly the tensors this optimizer keeps for ``p`` (direction,
+        radius, the gains it has, optionally their Adam state), each floating and of the same shape."""
+        where = f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}"
+        st = self.state[p]
+        ours = {k: st[k] for k in ("direction", "radius", "gain_row", "gain_col") if k in st}
+        allowed = set(ours) | {f"{k}_adam" for k in ("gain_row", "gain_col") if k in st}
+        extra = sorted(map(str, set(saved) - allowed))
+        missing = sorted(set(ours) - set(saved))
+        if extra or missing:
+            what = f"has {extra[0]!r}, which" if extra else f"lacks {missing[0]!r}, which"
+            raise ValueError(f"{where}: {what} this optimizer (gains={self.gains!r}) "
+                             f"{'does not keep' if extra else 'keeps'}; nothing was loaded")
+        v = saved["direction"]
+        if not (torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)):
+            shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(f"MagnitudeDirection.load_state_dict: {self._name[p]!r} has shape {tuple(p.shape)}, "
+                             f"checkpoint entry {name!r} has {shape}; nothing was loaded")
+        check_param_state("MagnitudeDirection", f"checkpoint entry {name!r}", saved,
+                          {k: tuple(t.shape) for k, t in ours.items()}, strict=False)
+        for key in ("gain_row", "gain_col"):
+            adam = saved.get(f"{key}_adam")
+            if adam is None or key not in ours:
+                continue
+            if not isinstance(adam, Mapping):
+                raise ValueError(f"{where}: {key}_adam must be a dict, got {type(adam).__name__}; nothing was loaded")
+            shape = tuple(ours[key].shape)
+            check_param_state("MagnitudeDirection", f"checkpoint entry {name!r} {key}_adam", adam,
+                              {"step": None, "exp_avg": shape, "exp_avg_sq": shape})
+
+    def _check_saved_gain_group(self, saved: Mapping[str, Any]) -> None:
+        """Refuse a saved gains group with keys this optimizer's lacks or values its constructor would refuse."""
+        where = "MagnitudeDirection.load_state_dict: the gains group"
+        ours = self._gain_groups[0]
+        unknown = sorted(str(k) for k in set(saved) - set(ours) if not is_bookkeeping_key(k))
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {unknown}; nothing was loaded")
+        if saved.get("md_role", "gains") != "gains":
+            raise ValueError(f"{where} has md_role={saved['md_role']!r}, expected 'gains'; nothing was loaded")
+        checks = {"lr": lambda v: _number(v) and v >= 0 and math.isfinite(v),
+                  "eps": lambda v: _number(v) and v > 0,
+                  "weight_decay": lambda v: _number(v) and v == 0,
+                  "betas": lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+                  and all(_number(b) and 0 <= b < 1 for b in v)}
+        for key, ok in checks.items():
+            if key in saved and not ok(saved[key]):
+                raise ValueError(f"{where}: {key}={saved[key]!r} is invalid; nothing was loaded")
 
     @staticmethod
     def _check_saved_entry(name: str, saved: dict[str, Any]) -> None:
@@ -862,8 +988,6 @@ class MagnitudeDirection(Optimizer):
         if p.ndim != 2:
             raise ValueError(f"MagnitudeDirection: parameter {name!r} has shape {tuple(p.shape)}; only 2-D matrices "
                              "can be decoupled (drop it from params=, or let the default rule pick 2-D params)")
-        if not p.is_floating_point():
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} is not floating point ({p.dtype})")
         if not bool(torch.isfinite(p).all()):
             raise ValueError(f"MagnitudeDirection: parameter {name!r} has NaN/Inf entries")
         norms = sphere_norm(p.detach(), self.sphere)

@@ -23,6 +23,16 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
+from weightgeom.optim.checks import (
+    check_new_group,
+    check_param_state,
+    check_torch_layout,
+    describe_state_dict,
+    dtype_supported,
+    is_bookkeeping_key,
+    param_label,
+    unsupported_dtype,
+)
 from weightgeom.optim.functional import (
     ADJUST_LR_FNS,
     MOMENTUM_FORMS,
@@ -35,7 +45,7 @@ from weightgeom.optim.functional import (
     shape_scale,
 )
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, manifold_direction
-from weightgeom.optim.sharded import holds_dtensors, step_on_owners
+from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
@@ -44,9 +54,9 @@ ALGORITHMS = ("muon", "adamw")
 # groups, whose step must stay in the unit spectral ball.
 _LOOSE_MSIGN = ("muon",)
 _MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
-# Group keys that are not hyperparameters: the params themselves, their names (ours, and torch's named-params key),
-# and keys LR schedulers / torch add to groups.
-_BOOKKEEPING_KEYS = frozenset({"params", "names", "param_names", "initial_lr", "name"})
+# Group keys that decide what a parameter's optimizer state means (which buffers exist, their shape and units): a state
+# dict is loaded only into groups with the same values (``Muon.check_state_dict``).
+STRUCTURAL_KEYS = ("algorithm", "manifold", "layout", "split", "momentum_form", "dual_normalize")
 # ``init``: what the first step does with a constrained matrix (see the class docstring).
 INIT_MODES = ("retract", "keep")
 # ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
@@ -179,10 +189,11 @@ class Muon(torch.optim.Optimizer):
             is that of the direction actually used; dual_residual the dual ascent's before any projection).
 
     Raises:
-        ValueError: unknown group key or value, a non-2-D parameter in a Muon group (naming it), and, in ``step``,
-            a sparse gradient or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient,
-            naming the parameter. ``step`` is all or nothing: every group's gradients are checked before any
-            parameter or state changes.
+        ValueError: unknown group key or value, a non-2-D parameter in a Muon group, a parameter whose dtype is
+            not float16, bfloat16, float32 or float64, or one listed twice (naming it), and, in ``step``, a sparse
+            gradient or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient, naming the
+            parameter. ``step`` is all or nothing: every group's gradients are checked before any parameter or state
+            changes.
     """
 
     def __init__(
@@ -259,33 +270,39 @@ class Muon(torch.optim.Optimizer):
 
     # ---- groups ----------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate the group's keys and values, then add it (see torch.optim.Optimizer.add_param_group)."""
+        """Validate the group's keys, values and parameters (dtype, each listed once), then add it (see
+        torch.optim.Optimizer.add_param_group); a refused group is not added."""
         if not isinstance(param_group, dict):
             raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
-        unknown = sorted(set(param_group) - set(self.defaults) - _BOOKKEEPING_KEYS)
+        unknown = sorted(k for k in set(param_group) - set(self.defaults) if not is_bookkeeping_key(k))
         if unknown:
             raise ValueError(
                 f"Muon: unknown param-group key(s) {unknown}; valid keys: {sorted(self.defaults)} "
                 f"(plus 'params', 'names')"
             )
+        check_new_group("Muon", self.param_groups, param_group)
         algorithm = param_group.get("algorithm", self.defaults["algorithm"])
         if algorithm == "adamw" and "lr" not in param_group and self.defaults["adamw_lr"] is not None:
             param_group["lr"] = self.defaults["adamw_lr"]
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except BaseException:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
+
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        """Validate a group torch has just added (names, values, shapes) and resolve its per-device choices."""
         names = group.get("names")
         if names is not None:
             names = list(names)
             if len(names) != len(group["params"]):
-                raise ValueError(
-                    f"Muon: group {len(self.param_groups) - 1} has {len(group['params'])} params but "
-                    f"{len(names)} names"
-                )
+                raise ValueError(f"Muon: group {gi} has {len(group['params'])} params but {len(names)} names")
             group["names"] = names
-        _validate_values(group, where=f"Muon group {len(self.param_groups) - 1}")
+        _validate_values(group, where=f"Muon group {gi}")
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
-                name = self._name(group, i, len(self.param_groups) - 1)
+                name = self._name(group, i, gi)
                 if p.ndim != 2:
                     raise ValueError(
                         f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D matrices "
@@ -298,6 +315,11 @@ class Muon(torch.optim.Optimizer):
                 out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
                 if k is not None and out_dim % int(k) != 0:
                     raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
+        self._resolve_choices(group)
+
+    def _resolve_choices(self, group: dict[str, Any]) -> None:
+        """Resolve a group's manifold and per-device choices (constraint products, msign) now, so a step never
+        measures or reads the environment and an unknown manifold fails here."""
         if group["manifold"] is not None:
             self._manifold(group)  # resolve now so an unknown name fails at construction
             for p in group["params"]:  # and the constraint products' choice (it may measure, or reject the env var)
@@ -354,6 +376,79 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon: manifold={name!r} (retraction={retraction!r}) is not available: {e}") from e
         return self._manifolds[key]
 
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def check_state_dict(self, state_dict: Any) -> list[dict[str, Any]]:
+        """Validate a state dict for this optimizer without loading anything (``load_state_dict`` runs it first).
+
+        Checked: torch's layout with as many groups and parameters per group as this optimizer
+        (``checks.check_torch_layout``; another optimizer's or MD's state dict is named as such); each group's keys
+        and values as the constructor checks them (keys it lacks are taken from this optimizer's group); the
+        ``STRUCTURAL_KEYS`` (algorithm, manifold, layout, split, momentum_form, dual_normalize) equal to this
+        optimizer's; each parameter's state only the entries this optimizer creates for it, with their shapes.
+
+        Returns:
+            The param groups to load: each saved group over this optimizer's (its ``names`` kept).
+
+        Raises:
+            ValueError: one line naming the group, key or parameter that does not fit, and what to do.
+        """
+        what = describe_state_dict(state_dict)
+        if what != "a Muon state dict":
+            raise ValueError(f"Muon.load_state_dict: expected a Muon state dict, got {what}; nothing was loaded")
+        ids = check_torch_layout("Muon", self.param_groups, state_dict, what)
+        groups = [self._loaded_group(gi, saved, group)
+                  for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups))]
+        for k, st in state_dict["state"].items():
+            gi, i = ids[k]
+            p = self.param_groups[gi]["params"][i]
+            label = param_label(self._name(groups[gi], i, gi), gi, i, p)
+            check_param_state("Muon", label, st, _state_shapes(groups[gi], p))
+        return groups
+
+    def _loaded_group(self, gi: int, saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+        """The group ``load_state_dict`` would install for ``saved`` over this optimizer's ``group``, validated."""
+        where = "Muon.load_state_dict"
+        unknown = sorted(str(k) for k in set(saved) - set(self.defaults) if not is_bookkeeping_key(k))
+        if unknown:
+            raise ValueError(f"{where}: group {gi} has unknown key(s) {unknown[:6]} (valid keys: the keyword "
+                             "arguments of Muon()); nothing was loaded")
+        merged = {**{k: v for k, v in group.items() if k != "params"}, **saved}
+        for key in ("names", "param_names"):
+            if key in group:
+                merged[key] = group[key]
+            elif key in saved and not (isinstance(saved[key], (list, tuple))
+                                       and len(saved[key]) == len(group["params"])):
+                raise ValueError(f"{where}: group {gi}'s {key!r} does not list one name per parameter; nothing was "
+                                 "loaded")
+        try:
+            _validate_values(merged, where=f"{where}: group {gi}")
+        except ValueError as e:
+            raise ValueError(f"{e}; nothing was loaded") from None
+        for key in STRUCTURAL_KEYS:
+            theirs, ours = _structural(merged[key]), _structural(group[key])
+            if theirs != ours:
+                raise ValueError(f"{where}: group {gi} has {key}={theirs!r} in the state dict but {key}={ours!r} in "
+                                 f"this optimizer, so its per-parameter state means something else here; build the "
+                                 f"optimizer with {key}={theirs!r} to resume it, or start it fresh; nothing was "
+                                 "loaded")
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of a Muon with the same groups — all of it, after ``check_state_dict`` accepted
+        all of it, or nothing.
+
+        Hyperparameters (lr, momentum, ...) come from the state dict, as in torch; keys it lacks (an older version's)
+        keep this optimizer's values.
+
+        Raises:
+            ValueError: the state dict does not fit this optimizer (``check_state_dict``), naming what; the optimizer
+                is left exactly as it was.
+        """
+        groups = self.check_state_dict(state_dict)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        for group in self.param_groups:
+            self._resolve_choices(group)
+
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -394,6 +489,17 @@ class Muon(torch.optim.Optimizer):
         else:
             self._update()
         return loss
+
+    def check_step(self) -> None:
+        """Raise what ``step`` would refuse other than a NaN/Inf gradient — a sparse gradient, a parameter of an
+        unsupported dtype, a manifold-constrained matrix holding NaN/Inf — changing nothing. A wrapper that changes
+        its own state before calling ``step`` (``MagnitudeDirection``, which checks the gradients itself) calls it
+        first, so that the whole step stays all or nothing.
+
+        Raises:
+            ValueError: naming the parameter.
+        """
+        self._check_manifold_weights(self._with_grads())
 
     def _update(self) -> None:
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
@@ -441,6 +547,9 @@ class Muon(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
             for i, p in items:
+                if not dtype_supported(p):  # its dtype was changed after it was added (``p.data = ...``)
+                    label = param_label(self._name(group, i, gi), gi, i, p)
+                    raise ValueError(f"{unsupported_dtype('Muon', label, p)}; step refused, nothing was changed")
                 if p.grad.is_sparse:
                     raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
                                      "(unsupported); step refused, nothing was changed")
@@ -742,6 +851,33 @@ def _step_counter(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
     return st
 
 
+def _structural(value: Any) -> Any:
+    """A ``STRUCTURAL_KEYS`` value as compared between a state dict and a group: a Manifold object by its name."""
+    return value.name if isinstance(value, manifolds.Manifold) else value
+
+
+def _state_shapes(group: dict[str, Any], p: torch.Tensor) -> dict[str, tuple[int, ...] | None]:
+    """The state Muon keeps for parameter ``p`` of ``group``: key → the shape of its floating tensor, or None for the
+    step count. AdamW: ``exp_avg``/``exp_avg_sq`` (p's shape; a DTensor's local shard's, as stepped on it); Muon:
+    ``momentum_buffer`` (p's shape) and, with a manifold, ``dual_multiplier``/``dual_cold`` (n×n per block, n the
+    smaller side of each (out, in) block)."""
+    if group["algorithm"] == "adamw":
+        shape = tuple((p.to_local() if is_dtensor(p) else p).shape)
+        return {"step": None, "exp_avg": shape, "exp_avg_sq": shape}
+    shapes: dict[str, tuple[int, ...] | None] = {"step": None, "momentum_buffer": tuple(p.shape)}
+    if group["manifold"] is not None:
+        k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
+        n = min(rows // int(k), cols) if k else min(rows, cols)
+        dual = (int(k), n, n) if k else (n, n)
+        shapes.update(dual_multiplier=dual, dual_cold=dual)
+    return shapes
+
+
+def _out_in(shape: torch.Size, layout: str) -> tuple[int, int]:
+    """(out, in) of a stored 2-D weight's shape."""
+    return (shape[0], shape[1]) if layout == "out_in" else (shape[1], shape[0])
+
+
 def _matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
     """View of a stored 2-D weight as (out, in), or as (k, out/k, in) blocks when split = k (writes go through)."""
     X = t if layout == "out_in" else t.mT
@@ -758,11 +894,29 @@ def _retract(manifold, W: torch.Tensor) -> torch.Tensor:
 _MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _in_unit(x: Any) -> bool:
+    """Whether x is a number in [0, 1) (not a bool or a string)."""
+    try:
+        return not isinstance(x, (bool, str, bytes)) and 0.0 <= float(x) < 1.0
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def _validate_values(group: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
 
     def bad(key: str, why: str) -> ValueError:
         return ValueError(f"{where}: {key}={group[key]!r} is invalid: {why}")
+
+    def num(key: str, kind: type = float) -> float:
+        """The key's value as a number (a bool, a string or a tensor of several entries is refused naming it)."""
+        value = group[key]
+        try:
+            if isinstance(value, (bool, str, bytes)):
+                raise TypeError
+            return kind(value) if kind is float else operator.index(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise bad(key, f"must be {'a number' if kind is float else 'an int'}") from None
 
     choices = {
         "algorithm": ALGORITHMS,
@@ -778,31 +932,30 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
             raise bad(key, f"choose one of {list(allowed)}")
     if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
         raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
-    lr = group.get("lr")
-    if lr is not None and not (float(lr) >= 0.0 and math.isfinite(float(lr))):
+    if group.get("lr") is not None and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
         raise bad("lr", "must be a finite number ≥ 0")
-    if "adamw_lr" in group and group["adamw_lr"] is not None and not float(group["adamw_lr"]) >= 0.0:
+    if "adamw_lr" in group and group["adamw_lr"] is not None and not num("adamw_lr") >= 0.0:
         raise bad("adamw_lr", "must be ≥ 0 or None")
-    if "momentum" in group and not 0.0 <= float(group["momentum"]) < 1.0:
+    if "momentum" in group and not 0.0 <= num("momentum") < 1.0:
         raise bad("momentum", "must be in [0, 1)")
-    if "weight_decay" in group and not (float(group["weight_decay"]) >= 0.0
-                                        and math.isfinite(float(group["weight_decay"]))):
+    if "weight_decay" in group and not (num("weight_decay") >= 0.0 and math.isfinite(num("weight_decay"))):
         raise bad("weight_decay", "must be a finite number ≥ 0")
+    if "nesterov" in group and not isinstance(group["nesterov"], bool):
+        raise bad("nesterov", "must be True or False")
     if "betas" in group:
         b = group["betas"]
-        if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_in_unit(x) for x in b)):
             raise bad("betas", "must be two numbers in [0, 1)")
-    if "eps" in group and not float(group["eps"]) > 0.0:
+    if "eps" in group and not num("eps") > 0.0:
         raise bad("eps", "must be > 0")
-    if "ns_steps" in group and group["ns_steps"] is not None and int(group["ns_steps"]) < 1:
-        raise bad("ns_steps", "must be ≥ 1 or None")
-    if "dual_ns_steps" in group and group["dual_ns_steps"] is not None and int(group["dual_ns_steps"]) < 1:
-        raise bad("dual_ns_steps", "must be ≥ 1 or None")
-    if "dual_steps" in group and int(group["dual_steps"]) < 1:
+    for key in ("ns_steps", "dual_ns_steps"):
+        if key in group and group[key] is not None and num(key, int) < 1:
+            raise bad(key, "must be ≥ 1 or None")
+    if "dual_steps" in group and num("dual_steps", int) < 1:
         raise bad("dual_steps", "must be ≥ 1")
-    if "dual_lr" in group and not float(group["dual_lr"]) > 0.0:
+    if "dual_lr" in group and not num("dual_lr") > 0.0:
         raise bad("dual_lr", "must be > 0")
-    if "dual_tol" in group and not float(group["dual_tol"]) >= 0.0:
+    if "dual_tol" in group and not num("dual_tol") >= 0.0:
         raise bad("dual_tol", "must be ≥ 0")
     if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in _MSIGN_DTYPES:
         raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in _MSIGN_DTYPES]}")
