@@ -368,3 +368,31 @@ def test_retraction_names_are_the_manifolds_own():
         cls = type(manifolds.get(name))
         for r in cls.retractions:
             cls(retraction=r)  # each accepted
+
+
+def test_explicit_fields_record_what_was_written():
+    from weightgeom.schema import explicit_fields, from_dict
+
+    assert explicit_fields(MuonConfig()) == frozenset()
+    assert explicit_fields(MuonConfig(dual_steps=1)) == {"dual_steps"}
+    assert explicit_fields(from_dict(MuonConfig, {"lr": 0.02, "momentum": 0.9})) == {"lr", "momentum"}
+    assert explicit_fields(OptimConfig().muon) == frozenset()  # the default factory's copy keeps the record
+    assert explicit_fields(dataclasses.replace(MuonConfig(lr=0.1))) == {f.name for f in dataclasses.fields(MuonConfig)}
+
+
+def test_model_preset_reports_the_fields_it_did_not_set():
+    from weightgeom.train.config import describe_presets, preset_report
+
+    cfg = load_config({"model": {"kind": "gpt", "preset": "gpt-nano", "n_layer": 1}})
+    rep = preset_report(cfg)["model.preset"]
+    assert rep["kept"] == {"model.n_layer": [1, 3]} and rep["set"]["model.n_embd"] == 48
+    assert "model.n_layer=1 (the preset's: 3)" in describe_presets(preset_report(cfg))[0]
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["model.kind=resmlp", "data.kind=mnist", "optim.strategy=auto"], "model.kind='resmlp' has none"),
+    (["optim.name=muon-md", "optim.strategy=auto"], "magnitude–direction wrapper"),
+])
+def test_strategy_auto_refused_where_it_cannot_work(overrides, expect):
+    with pytest.raises(ValueError, match=expect):
+        load_config(None, overrides)

@@ -27,7 +27,7 @@ from weightgeom.models import GPT, GPTConfig
 from weightgeom.optim import Muon, build_optimizer
 from weightgeom.optim.config import PAPER_MUON, MuonConfig, OptimConfig
 from weightgeom.optim.param_groups import STRATEGIES
-from weightgeom.train.config import dump_toml, load_config
+from weightgeom.train.config import describe_presets, dump_toml, load_config, preset_report
 
 EXACT_ATOL = 1e-10
 BF16_RTOL = {"stiefel": 0.2, "dgram": 1e-2, "oblique": 5e-3, None: 1e-3}
@@ -201,6 +201,22 @@ def test_preset_fills_defaults_and_keeps_set_keys():
     assert cfg.preset_overrides() == {"dual_steps": (7, 20)}
     assert OptimConfig(preset="paper", muon=cfg.muon) == cfg  # idempotent (the resolved config loads back equal)
     assert OptimConfig().muon == MuonConfig() and OptimConfig().preset_overrides() == {}
+
+
+def test_preset_never_replaces_a_written_key_even_at_its_default():
+    # written = in the file / --set / constructor arguments; not "differs from the default"
+    cfg = load_config(None, ["optim.preset=paper", "optim.muon.dual_steps=1", "optim.muon.dual_project=true"])
+    assert cfg.optim.muon.dual_steps == 1 and cfg.optim.muon.dual_project is True
+    assert cfg.optim.muon.dual_keep == "last"  # unwritten keys take the preset's value
+    assert OptimConfig(preset="paper", muon=MuonConfig(dual_steps=1)).muon.dual_steps == 1
+    assert OptimConfig(preset="paper").muon.dual_steps == 20
+    assert load_config({"optim": {"preset": "paper", "muon": {"dual_steps": 1}}}).optim.muon.dual_steps == 1
+    report = preset_report(cfg)["optim.preset"]
+    assert report["kept"] == {"optim.muon.dual_steps": [1, 20], "optim.muon.dual_project": [True, False]}
+    assert report["set"]["optim.muon.retraction"] == "paper"
+    (line,) = describe_presets(preset_report(cfg))
+    assert line.startswith('optim.preset="paper" set ') and "optim.muon.dual_steps=1 (the preset's: 20)" in line
+    assert preset_report(load_config(None, ["optim.preset=ours"])) == {}
 
 
 def test_preset_resolved_config_round_trips(tmp_path):

@@ -13,6 +13,7 @@ a list, ``"a b"`` a string; text that is not a TOML literal (``cosine``, ``all-d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import difflib
@@ -42,6 +43,8 @@ __all__ = [
     "coerce",
     "field_types",
     "check_bounds",
+    "explicit_fields",
+    "replace_filled",
     "MAX_DEPTH",
     "MAX_NODES",
 ]
@@ -81,7 +84,7 @@ def setting(default: Any, doc: str, *, gt: float | None = None, ge: float | None
 
         def factory() -> Any:
             if dataclasses.is_dataclass(proto):
-                return dataclasses.replace(proto)
+                return copy.deepcopy(proto)  # a copy, keeping the record of which fields were given (none)
             return type(proto)(proto)
 
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -242,10 +245,19 @@ def check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
 
 class Section:
     """Base of every config dataclass: coerces and checks each field on construction (``MuonConfig(lr="x")``
-    raises :class:`ConfigError` naming ``lr``). Subclasses may add cross-field checks in ``check()``."""
+    raises :class:`ConfigError` naming ``lr``). Subclasses may add cross-field checks in ``check()``.
+
+    Each instance records which fields its constructor was given (:func:`explicit_fields`): a preset fills only the
+    fields a user did not write, whatever their values."""
 
     _prefix: typing.ClassVar[str] = ""  # dotted path of the section in the full config, for messages
     _moved: typing.ClassVar[Mapping[str, str]] = {}  # old key → where it moved (for the unknown-key message)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        object.__setattr__(self, "_explicit", frozenset(names[:len(args)]).union(kwargs))
+        return self
 
     def __post_init__(self) -> None:
         hints = field_types(type(self))
@@ -258,6 +270,22 @@ class Section:
 
     def check(self) -> None:
         """Cross-field checks (raise ConfigError); none by default."""
+
+
+def explicit_fields(section: Any) -> frozenset[str]:
+    """The fields of a :class:`Section` that were written, not left to their defaults: for one built by
+    :func:`from_dict`, the keys its data holds (a config file's and ``--set``'s keys); in Python, the arguments given
+    to its constructor. ``dataclasses.replace`` passes every field, so a replaced copy counts every field as written
+    (its values are already resolved); ``copy.copy``, ``copy.deepcopy`` and :func:`replace_filled` keep the record."""
+    return getattr(section, "_explicit", frozenset())
+
+
+def replace_filled(section: Any, **filled: Any) -> Any:
+    """``dataclasses.replace(section, **filled)`` for values filled in on the user's behalf (a preset's): the copy
+    keeps ``section``'s record of written fields, so the filled ones still count as not written."""
+    out = dataclasses.replace(section, **filled)
+    object.__setattr__(out, "_explicit", explicit_fields(section))
+    return out
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import yaml
 
@@ -369,6 +370,115 @@ def _sigterm_unwinds(tmp: Path) -> None:
     assert "taking over" not in res.err
 
 
+# ------------------------------------------------------------------------------------------------------------ presets
+def _preset_keeps_written_keys(tmp: Path) -> None:
+    # keys written on the command line or in the file keep their value under a preset, even the library default
+    run = tmp / "r"
+    res = _train(tmp, run, "--set", "train.max_steps=2", "--set", "optim.name=muon", "--set", "optim.preset=paper",
+                 "--set", "optim.muon.dual_steps=1", "--set", "optim.muon.dual_project=true")
+    assert res.rc == 0, res.err
+    muon = tomllib.loads((run / "config.resolved.toml").read_text())["optim"]["muon"]
+    assert muon["dual_steps"] == 1 and muon["dual_project"] is True and muon["dual_keep"] == "last"
+    line = next(ln for ln in res.err.splitlines() if "optim.preset=" in ln)  # printed with --no-progress too
+    assert "optim.muon.dual_steps=1 (the preset's: 20)" in line and 'optim.muon.dual_keep="last"' in line
+    kept = json.loads((run / "meta.json").read_text())["presets"]["optim.preset"]["kept"]
+    assert kept == {"optim.muon.dual_steps": [1, 20], "optim.muon.dual_project": [True, False]}
+    cfg = {**TINY, "model": dict(TINY["model"])}  # the same key written in the config file
+    cfg["optim"] = {"name": "muon", "preset": "paper", "muon": {"dual_steps": 1}}
+    cfg["model"]["preset"] = "gpt-nano"  # a model preset: the file's n_layer, n_head, n_embd stay too
+    (tmp / "p.yaml").write_text(yaml.safe_dump(cfg))
+    res = cli("train", str(tmp / "p.yaml"), "--out", str(tmp / "f"), "--no-progress", "--set", "train.max_steps=2")
+    assert res.rc == 0, res.err
+    assert tomllib.loads((tmp / "f" / "config.resolved.toml").read_text())["optim"]["muon"]["dual_steps"] == 1
+    assert "model.n_layer=1 (the preset's: 3)" in res.err and "optim.muon.dual_steps=1 (the preset's: 20)" in res.err
+    assert "model.preset" in json.loads((tmp / "f" / "meta.json").read_text())["presets"]
+
+
+# --------------------------------------------------------------------------------------- the per-device msign choice
+def _interrupted(tmp: Path, run: Path, *extra: str):
+    """Train ``run`` (checkpoint every 4 steps) and interrupt it while it computes update 7."""
+    from weightgeom.train.batches import Batches
+
+    orig = Batches.get
+
+    def dying(self, split, step, index, device="cpu"):
+        if split == "train" and step == 6:
+            raise KeyboardInterrupt
+        return orig(self, split, step, index, device)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Batches, "get", dying)
+        return _train(tmp, run, "--set", "train.ckpt_every=4", *extra)
+
+
+def _resume_keeps_msign_choice(tmp: Path) -> None:
+    from weightgeom.linalg.gemm import onednn_available
+    from weightgeom.linalg.split import split_available
+
+    muon = ("--set", "optim.name=muon", "--set", "optim.strategy=hetero", "--set", "train.ckpt_every=4")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WEIGHTGEOM_MSIGN", "bfloat16:6")
+        mp.setenv("WEIGHTGEOM_PRODUCTS", "ieee")
+        whole = _train(tmp, tmp / "u", *muon)  # uninterrupted, for comparison
+        assert whole.rc == 0, whole.err
+        assert _interrupted(tmp, tmp / "r", *muon).rc == 130
+    run = tmp / "r"
+    meta = json.loads((run / "meta.json").read_text())
+    assert (meta["msign_default"]["dtype"], meta["msign_default"]["steps"]) == ("bfloat16", 6)
+    assert meta["constraint_products"] == "ieee"
+    other = "ieee_onednn" if onednn_available("cpu") else ("split_bf16" if split_available("cpu") else None)
+    forcing = [("WEIGHTGEOM_MSIGN", "float32:5", ("bfloat16, 6 Polar Express steps", "float32, 5 steps"))]
+    if other is not None:
+        forcing.append(("WEIGHTGEOM_PRODUCTS", other, ("constraint products ieee", f"constraint products {other}")))
+    for var, value, expect in forcing:  # another choice forced on resume: refused, nothing written
+        before = _snapshot_tree(run)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("WEIGHTGEOM_MSIGN", raising=False)
+            mp.delenv("WEIGHTGEOM_PRODUCTS", raising=False)
+            mp.setenv(var, value)
+            res = _train(tmp, run, *muon)
+        assert_one_line_error(res, f"{var}={value}", *expect, f"unset {var}", "--fresh")
+        assert _snapshot_tree(run) == before
+    with pytest.MonkeyPatch.context() as mp:  # nothing forced: the recorded choice, the uninterrupted run's loss
+        mp.delenv("WEIGHTGEOM_MSIGN", raising=False)
+        mp.delenv("WEIGHTGEOM_PRODUCTS", raising=False)
+        res = _train(tmp, run, *muon)
+    assert res.rc == 0, res.err
+    assert _result(res)["final"]["train_loss"] == _result(whole)["final"]["train_loss"]
+    session = json.loads((run / "meta.json").read_text())["resumes"][-1]
+    assert (session["msign_default"]["dtype"], session["msign_default"]["steps"]) == ("bfloat16", 6)
+    assert session["constraint_products"] == "ieee"
+
+
+# ------------------------------------------------------------------------------------------------ early refusals
+def _refused_before_run_dir(tmp: Path) -> None:
+    from weightgeom.train import train
+    from weightgeom.train.auto_assign import AutoAssign
+
+    run = tmp / "r"
+    res = _train(tmp, run, "--set", "optim.name=muon-md", "--set", "optim.strategy=auto")
+    assert_one_line_error(res, "optim.strategy='auto'", "muon-md")
+    assert not run.exists()  # refused before the run directory is created
+    resmlp = {"model": {"kind": "resmlp", "depth": 2, "width": 16}, "data": {"kind": "mnist", "batch_size": 8},
+              "train": {"max_steps": 1, "eval_iters": 1}}
+    (tmp / "m.yaml").write_text(yaml.safe_dump(resmlp))
+    res = cli("train", str(tmp / "m.yaml"), "--out", str(run), "--no-progress", "--set", "optim.strategy=auto")
+    assert_one_line_error(res, "optim.strategy='auto'", "resmlp")
+    assert not run.exists()
+    assert _train(tmp, run, "--set", "train.max_steps=2").rc == 0
+    before = _snapshot_tree(run)
+    for _ in range(2):  # each retry of a refused fresh start: nothing moves to previous/
+        res = _train(tmp, run, "--fresh", "--set", "optim.name=muon-md", "--set", "optim.strategy=auto")
+        assert_one_line_error(res, "optim.strategy='auto'")
+        with pytest.raises(ValueError, match="shares its optimizer group"):  # a callback's refusal (on_setup)
+            try:
+                train(_config(tmp), run_dir=run, overrides=["optim.name=muon", "optim.strategy=all-dgram"],
+                      progress=False, resume=False, callbacks=[AutoAssign()])
+            except RuntimeError as e:
+                raise e.__cause__ from None
+        assert _snapshot_tree(run) == before and not (run / "previous").exists()
+
+
 CASES: list[Hostile] = [
     Hostile("fresh-sequence", "rundir",
             "`train --fresh` with fewer steps in a used run directory: the old run moves to previous/, the new run's "
@@ -424,4 +534,18 @@ CASES: list[Hostile] = [
     Hostile("sigterm", "rundir",
             "SIGTERM (a scheduler's stop) unwinds a run like Ctrl-C: exit 143, `status.json` says failed with the "
             "reason, the lock is released", _sigterm_unwinds),
+    Hostile("preset-keeps-written-keys", "rundir",
+            "`optim.preset=paper` (or a `model.preset`) with keys the user wrote in the config file or with `--set`, "
+            "even at the library default (`optim.muon.dual_steps=1`, `dual_project=true`): the written values are "
+            "kept, and a line on stderr (with or without the progress bar) and `meta.json` say what the preset set "
+            "and which written keys it left", _preset_keeps_written_keys),
+    Hostile("resume-keeps-msign-choice", "rundir",
+            "a run resumed under another `WEIGHTGEOM_MSIGN` or `WEIGHTGEOM_PRODUCTS` is refused with one line naming "
+            "the variable, the recorded and the requested choice, unset and `--fresh`, touching nothing; resumed "
+            "without them it uses its first session's choice (the final loss equals an uninterrupted run's) and "
+            "`meta.json` records what each session ran", _resume_keeps_msign_choice),
+    Hostile("refused-before-run-dir", "rundir",
+            "a config that cannot train (`optim.strategy=auto` on a ResMLP or with `muon-md`, a callback that "
+            "refuses the optimizer's groups) is refused with one line before the run directory is created or an "
+            "earlier run moved: retries pile nothing into previous/", _refused_before_run_dir),
 ]

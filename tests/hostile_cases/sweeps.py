@@ -353,6 +353,27 @@ def _bad_input(tmp: Path) -> None:
     assert (tmp / "afile").read_text() == "keep me"
 
 
+def _deeply_nested_files(tmp: Path) -> None:
+    # sweep.json of 100000 nested lists, and run files as deep: one line naming the file, the sweep still runs
+    out = tmp / "sw"
+    assert _sweep_only(tmp, out, RUNS[0]).rc == 0
+    deep = "[" * 100_000 + "]" * 100_000
+    (out / "sweep.json").write_text(deep)
+    run = out / f"{RUNS[0]}-s0"
+    for name in ("experiment.json", "status.json"):
+        (run / name).write_text(deep)
+    res = _sweep(tmp, out)
+    assert "Traceback" not in res.err and res.rc == 0, res.err[-2000:]
+    warn = [ln for ln in res.err.splitlines() if "sweep.json" in ln]
+    assert len(warn) == 1 and "nested too deeply" in warn[0], res.err
+    (kept,) = out.glob("sweep.unreadable-*.json")  # nothing lost: the file is kept as it was
+    assert kept.read_text() == deep
+    assert {r["name"] for r in json.loads((out / "sweep.json").read_text())["runs"]} == {f"{r}-s0" for r in RUNS}
+    (tmp / "deep.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000)  # the sweep's config file
+    assert_one_line_error(cli("sweep", "md", str(tmp / "deep.toml"), "--out", str(tmp / "sw2")), "deep.toml")
+    assert not (tmp / "sw2").exists()
+
+
 CASES: list[Hostile] = [
     Hostile("two-sweeps-one-dir", "sweep",
             "a second `weightgeom sweep` in a directory a running sweep owns exits 2 with one line naming the owner's "
@@ -381,4 +402,8 @@ CASES: list[Hostile] = [
     Hostile("bad-input", "sweep",
             "an unknown preset, an `--only` that matches nothing, a bad `--set` key or value, `--steps 0`, or an "
             "`--out` that is a file: one line, exit 2, nothing written", _bad_input),
+    Hostile("deeply-nested-files", "sweep",
+            "a `sweep.json` of 100000 nested lists (and a run's `experiment.json` and `status.json` as deep) gets one "
+            "line naming it and is kept aside byte for byte while the sweep runs; a config file as deep is one line, "
+            "exit 2, nothing written", _deeply_nested_files),
 ]

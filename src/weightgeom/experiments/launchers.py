@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightgeom._files import open_append, write_atomic
+from weightgeom._files import open_append, read_json, write_atomic
 from weightgeom._optional import import_extra
 from weightgeom.cli import Terminated, stop_request_handler
 
@@ -195,8 +195,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _read_json(path: Path) -> Any:
+    """A job file's JSON (``read_json``: bounded, one line for anything bad), or None where missing or unusable."""
     try:
-        return json.loads(Path(path).read_text())
+        return read_json(path)
     except (OSError, ValueError):
         return None
 

@@ -43,12 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from weightgeom._files import write_atomic
+from weightgeom._files import read_json, read_toml, write_atomic
 from weightgeom.cli import stop_request_handler
 from weightgeom.train import train
 from weightgeom.train.callbacks import build_callbacks
@@ -361,19 +356,31 @@ def describe_difference(key: str, old: Any, new: Any) -> str:
     return f"with {key}={_fmt_value(old)}, the command asks {_fmt_value(new)}"
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """A run or sweep file that is there but cannot be used: ``reason`` is one line naming it and what is wrong."""
+
+    reason: str
+
+
 def _read_json(path: Path) -> Any:
+    """A run or sweep file's JSON (``read_json``: bounded, no FIFO, deep nesting and huge integers refused), None
+    where it is missing, :class:`Unreadable` where it is there but unusable."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_json(path)
+    except FileNotFoundError:
         return None
+    except ValueError as e:
+        return Unreadable(str(e))
+    except OSError as e:
+        return Unreadable(f"{path}: {e.strerror or e}")
 
 
 def _resolved_toml(run_dir: Path) -> dict[str, Any] | None:
     """The trainer's ``config.resolved.toml`` of a run, flattened, or None if missing/unreadable."""
     try:
-        with open(run_dir / "config.resolved.toml", "rb") as f:
-            return _jsonable(flatten(tomllib.load(f)))
-    except (OSError, tomllib.TOMLDecodeError):
+        return _jsonable(flatten(read_toml(run_dir / "config.resolved.toml")))
+    except (OSError, ValueError):
         return None
 
 
@@ -528,12 +535,13 @@ def check_sweep_settings(manifest: Any, planned: dict[str, Any], runs: Sequence[
 
 
 def earlier_manifest(out: Path) -> Any:
-    """The ``sweep.json`` already in ``out`` as read (None if there is none; anything else if it is unreadable)."""
+    """The ``sweep.json`` already in ``out`` as read: None if there is none, :class:`Unreadable` (naming the file
+    and why) if it cannot be read or parsed."""
     path = Path(out) / MANIFEST
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     old = _read_json(path)
-    return old if old is not None else "unreadable"
+    return old if old is not None else Unreadable(f"{path}: a dangling link")
 
 
 def check_before_writing(runs: Sequence[RunSpec], out: Path, planned: Any, resume: bool, old: Any = ...) -> None:
@@ -832,9 +840,10 @@ class _Sweep:
         if old is None:
             return {}
         if not isinstance(old, dict) or not isinstance(old.get("runs", []), list):
+            why = old.reason if isinstance(old, Unreadable) else f"{self.manifest_path}: not a sweep manifest"
             aside = self.manifest_path.with_name(f"sweep.unreadable-{time.strftime('%Y%m%dT%H%M%SZ')}.json")
             os.replace(self.manifest_path, aside)
-            print(f"weightgeom sweep: {self.manifest_path} was unreadable; kept as {aside}", file=sys.stderr)
+            print(f"weightgeom sweep: {why}; unreadable, kept as {aside}", file=sys.stderr)
             return {}
         self.manifest["created"] = old.get("created", self.manifest["created"])
         earlier = old.get("invocations")

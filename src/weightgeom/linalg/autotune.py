@@ -56,8 +56,8 @@ from weightgeom.linalg.precision import with_full_precision
 from weightgeom.linalg.split import split_available, split_matmul, split_products
 
 __all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice",
-           "split_products_for", "products_for", "constraint_products", "PRODUCTS", "PRODUCTS_ENV_VAR",
-           "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
+           "adopted_msign_choice", "forced_msign_choice", "forced_products", "split_products_for", "products_for",
+           "constraint_products", "PRODUCTS", "PRODUCTS_ENV_VAR", "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
 
 ENV_VAR = "WEIGHTGEOM_MSIGN"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -159,20 +159,39 @@ def _memo_key(device: torch.device) -> str:
 
 
 def adopt_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: int,
-                       products: str = "ieee") -> MsignChoice:
+                       products: str = "ieee", source: str = "rank0") -> MsignChoice:
     """Use (``dtype``, ``steps``, ``products``) for ``device`` in this process from now on, e.g. rank 0's choice
     broadcast to every rank so a distributed run computes every matrix's msign and constraint products alike
     (``weightgeom.train.distributed``). ``products`` ``"split_bf16"`` or ``"ieee_onednn"`` falls back to ``"ieee"``
-    where it is not available in this process."""
+    where it is not available in this process. ``source`` is the choice's :attr:`MsignChoice.source`."""
     device = torch.device(device)
     if dtype not in _DTYPES.values() or int(steps) < 1 or products not in PRODUCTS:
         raise ValueError(f"adopt_msign_choice: dtype={dtype} steps={steps!r} products={products!r} is invalid")
     if not _products_available(products, device):
         products = "ieee"
-    choice = MsignChoice(str(device), dtype, int(steps), "rank0", products=products)
+    choice = MsignChoice(str(device), dtype, int(steps), source, products=products)
     with _lock:
         _choices[_memo_key(device)] = choice
     return choice
+
+
+@contextlib.contextmanager
+def adopted_msign_choice(device: torch.device | str, dtype: torch.dtype, steps: int, products: str = "ieee",
+                         source: str = "run") -> Iterator[MsignChoice]:
+    """:func:`adopt_msign_choice` inside the block (a resumed run keeps its first session's choice); the choice this
+    process had for ``device`` before comes back after it."""
+    key = _memo_key(torch.device(device))
+    with _lock:
+        before = _choices.get(key)
+    choice = adopt_msign_choice(device, dtype, steps, products, source)
+    try:
+        yield choice
+    finally:
+        with _lock:
+            if before is None:
+                _choices.pop(key, None)
+            else:
+                _choices[key] = before
 
 
 def _products_available(products: str, device: torch.device) -> bool:
@@ -188,6 +207,15 @@ def clear_msign_choices() -> None:
     with _lock:
         _choices.clear()
         _forced_products.clear()
+
+
+def forced_msign_choice(device: torch.device | str) -> MsignChoice | None:
+    """The choice ``WEIGHTGEOM_MSIGN`` forces on ``device`` (``source`` ``"env"``), or None when it is unset or auto.
+
+    Raises:
+        ValueError: an invalid value, naming the variable.
+    """
+    return _forced(torch.device(device))
 
 
 def _forced(device: torch.device) -> MsignChoice | None:
@@ -369,6 +397,27 @@ def _products_env() -> str | None:
     return {"1": "split_bf16", "0": "no-split"}.get(old)
 
 
+def forced_products(device: torch.device | str) -> tuple[str, str] | None:
+    """(``"VARIABLE=value"``, the kind it gives on ``device``) where the environment forces manifold Muon's
+    constraint products there: one of ``PRODUCTS`` (``"ieee"`` where the forced kind is not available), or
+    ``"no-split"`` for ``WEIGHTGEOM_SPLIT_PRODUCTS=0`` (any kind but the split). None when nothing is forced, or on a
+    GPU (always ``"ieee"``).
+
+    Raises:
+        ValueError: an invalid value, naming the variable.
+    """
+    device = torch.device(device)
+    forced = _products_env()
+    if forced is None or device.type != "cpu":
+        return None
+    raw = os.environ.get(PRODUCTS_ENV_VAR, "").strip()
+    var = f"{PRODUCTS_ENV_VAR}={raw}" if raw not in ("", "auto") else \
+        f"{SPLIT_ENV_VAR}={os.environ.get(SPLIT_ENV_VAR, '').strip()}"
+    if forced != "no-split" and not _products_available(forced, device):
+        forced = "ieee"
+    return var, forced
+
+
 def products_for(device: torch.device | str) -> str:
     """Manifold Muon's constraint products on ``device`` (one of ``PRODUCTS``): ``WEIGHTGEOM_PRODUCTS`` when set (a
     kind not available here gives ``"ieee"``), ``WEIGHTGEOM_SPLIT_PRODUCTS`` = 1 (the split wherever available) or 0
@@ -382,8 +431,12 @@ def products_for(device: torch.device | str) -> str:
         return forced if _products_available(forced, device) else "ieee"
     choice = msign_choice(device)
     products, seconds = choice.products, choice.product_seconds
-    if choice.source == "env":  # msign forced without measuring: the products are measured on their own, once
-        key = _memo_key(device)
+    key = _memo_key(device)
+    with _lock:
+        kept = _choices.get(key)  # a choice made or adopted in this process (rank 0's, a resumed run's)
+    if choice.source == "env" and kept is not None:  # msign forced: the products still those of that choice
+        products, seconds = kept.products, kept.product_seconds
+    elif choice.source == "env":  # msign forced without measuring: the products are measured on their own, once
         with _lock:
             if key not in _forced_products:
                 with torch.no_grad():

@@ -188,9 +188,6 @@ def from_config(model: nn.Module, cfg: OptimConfig, verbose: bool = False) -> to
             for g in groups:
                 if g.get("algorithm") == "muon" and g.get("manifold") is not None:
                     g.setdefault("weight_decay", 0.0)
-            if verbose and cfg.preset_overrides():
-                kept = ", ".join(f"{k}={v!r} (preset: {p!r})" for k, (v, p) in cfg.preset_overrides().items())
-                print(f"optim.preset='paper' with these [optim.muon] keys set otherwise: {kept}")
         base = Muon(groups, **cfg.muon.kwargs(), betas=tuple(a.betas), eps=a.eps, adamw_lr=a.lr)
     if not cfg.name.endswith("-md"):
         return base

@@ -29,7 +29,17 @@ from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
 from weightgeom.optim.param_groups import STRATEGIES
-from weightgeom.schema import ConfigError, Section, check_bounds, coerce, field_types, setting, suggest
+from weightgeom.schema import (
+    ConfigError,
+    Section,
+    check_bounds,
+    coerce,
+    explicit_fields,
+    field_types,
+    replace_filled,
+    setting,
+    suggest,
+)
 
 __all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NAMES", "MSIGN_DTYPES", "MOVED_KEYS",
            "PRESETS", "PAPER_MUON"]
@@ -231,11 +241,12 @@ is not part of the preset."""
 
 
 def apply_preset(muon: MuonConfig) -> MuonConfig:
-    """``muon`` with every key of ``PAPER_MUON`` that is at its default (``MuonConfig()``'s value) set to the preset's
-    value; keys set to anything else are kept (reported by ``OptimConfig.preset_overrides``). Idempotent."""
-    default = MuonConfig()
-    changes = {k: v for k, v in PAPER_MUON.items() if getattr(muon, k) == getattr(default, k)}
-    return dataclasses.replace(muon, **changes) if changes else muon
+    """``muon`` with every key of ``PAPER_MUON`` the user did not write (:func:`weightgeom.schema.explicit_fields`:
+    not in the config file, ``--set`` or the constructor's arguments) set to the preset's value; written keys keep
+    the user's value, even one equal to the default (reported by ``OptimConfig.preset_overrides``). Idempotent."""
+    written = explicit_fields(muon)
+    changes = {k: v for k, v in PAPER_MUON.items() if k not in written and getattr(muon, k) != v}
+    return replace_filled(muon, **changes) if changes else muon
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -261,9 +272,9 @@ class OptimConfig(Section):
     _moved: ClassVar[dict[str, str]] = MOVED_KEYS
 
     name: OptimizerName = setting("muon", "adamw | muon | adamw-md | muon-md")
-    preset: Preset = setting("ours", "ours | paper: paper fills every [optim.muon] key left at its default with "
-                                     "the manifold-assignment paper's published algorithm (keys set to other values "
-                                     "win)")
+    preset: Preset = setting("ours", "ours | paper: paper sets every [optim.muon] key the config does not write "
+                                     "to the manifold-assignment paper's published algorithm (keys the config or "
+                                     "--set writes keep their value; the trainer prints both)")
     strategy: str = setting("unconstrained", "manifold assignment for Muon names (weightgeom.optim.STRATEGIES)")
     split_qkv: bool = setting(False, "treat a fused QKV weight as three matrices (Q, K, V each constrained)")
     rules: dict[str, Any] = setting({}, "extra name rules {regex: adamw | muon | manifold | {group keys}} applied "
@@ -279,6 +290,10 @@ class OptimConfig(Section):
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: must be one of {', '.join(STRATEGIES)}"
                               f"{suggest(self.strategy, STRATEGIES)}")
+        if self.strategy == "auto" and self.name.endswith("-md"):
+            raise ConfigError(f"config key optim.strategy='auto': moves attention matrices between Muon groups, "
+                              f"which the magnitude–direction wrapper of optim.name={self.name!r} does not allow; "
+                              "use optim.name='muon'")
         if self.name.startswith("adamw") and self.strategy != "unconstrained":
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: needs a Muon name (manifold groups are "
                               f"Muon groups); optim.name={self.name!r} supports only 'unconstrained'")
@@ -293,3 +308,10 @@ class OptimConfig(Section):
         if self.preset != "paper":
             return {}
         return {k: (getattr(self.muon, k), v) for k, v in PAPER_MUON.items() if getattr(self.muon, k) != v}
+
+    def preset_values(self) -> dict[str, Any]:
+        """{key: value} of the [optim.muon] keys that have the preset's value (empty for preset "ours"): with
+        :meth:`preset_overrides`, every key the preset names."""
+        if self.preset != "paper":
+            return {}
+        return {k: v for k, v in PAPER_MUON.items() if getattr(self.muon, k) == v}

@@ -142,6 +142,7 @@ class AutoAssign(Callback):
         self.max_bound: dict[str, float] = {}
         self.checks = 0
         self._layers: list[_Layer] = []
+        self._setup_model: nn.Module | None = None
         self._x_sq: dict[int, float] = {}
         self._hooks: list[Any] = []
         self._path: Path | None = None
@@ -166,7 +167,13 @@ class AutoAssign(Callback):
                 "auto_max_bound": dict(self.max_bound)}
 
     # -- setup -----------------------------------------------------------------------------------------------------
-    def on_train_start(self, ctx: TrainContext) -> None:
+    def on_setup(self, ctx: TrainContext) -> None:
+        """Find the attention layers and their groups; refuse what cannot work (before the run directory is written).
+
+        Raises:
+            ValueError: FSDP, not a Muon optimizer, query/key weights outside the model or not alone in a Muon group,
+                no attention layer.
+        """
         if ctx.fsdp:
             raise ValueError("auto_assign needs whole attention weights; it does not work with run.parallel='fsdp'")
         opt = ctx.optimizer
@@ -198,6 +205,11 @@ class AutoAssign(Callback):
             self._layers.append(_Layer(i, name, site, int(site.head_dim), owners, groups))
         if not self._layers:
             raise ValueError("auto_assign found no attention layer in the model")
+        self._setup_model = ctx.model
+
+    def on_train_start(self, ctx: TrainContext) -> None:
+        if self._setup_model is not ctx.model:  # a caller that skipped on_setup
+            self.on_setup(ctx)
         for layer in self._layers:
             module = layer.site.module if isinstance(layer.site, HFAttention) else layer.site
             self._hooks.append(module.register_forward_pre_hook(self._x_hook(layer.index), with_kwargs=True))

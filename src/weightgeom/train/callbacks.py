@@ -4,6 +4,10 @@ A callback is an object with any of the :class:`Callback` methods; :func:`~weigh
 the order the callbacks were given, at fixed points of the loop, each with the same :class:`TrainContext` (updated in
 place). Per session (one ``train()`` call that trains):
 
+0. ``on_setup(ctx)`` — once, after the model and optimizer are built and a checkpoint (if resuming) is loaded, but
+   before anything in the run directory is written or an earlier run moved aside: the place to refuse a setting
+   that cannot work (raise ``ValueError``), so a refused run leaves the directory as it was. Callback state is not
+   loaded yet; write no files here.
 1. ``on_train_start(ctx)`` — once, after the model and optimizer are built and a checkpoint (if resuming) is loaded,
    callback state included (:meth:`Callback.load_state_dict` runs just before it), and after the run directory's
    files are written (a fresh start has moved an earlier run aside already). ``ctx.step`` is the start step.
@@ -124,6 +128,9 @@ class Callback:
 
     state_key: str | None = None
 
+    def on_setup(self, ctx: TrainContext) -> None:
+        """Once per session, before the run directory is written: raise ``ValueError`` to refuse a setting."""
+
     def on_train_start(self, ctx: TrainContext) -> None:
         """Once per session, before the first step (``ctx.step`` = start step)."""
 
@@ -158,7 +165,7 @@ class CallbackError(RuntimeError):
     """A callback's hook raised; the message names the callback, the hook and the step (the original is the cause)."""
 
 
-HOOKS = ("on_train_start", "on_before_step", "on_step_end", "on_eval", "on_checkpoint", "on_train_end")
+HOOKS = ("on_setup", "on_train_start", "on_before_step", "on_step_end", "on_eval", "on_checkpoint", "on_train_end")
 
 
 class CallbackList:
@@ -287,10 +294,14 @@ class SigmaCap(Callback):
         self.max_seen = 0.0
         self._targets: list[tuple[str, Callable[[], None]]] | None = None
 
-    def on_train_start(self, ctx: TrainContext) -> None:
+    def on_setup(self, ctx: TrainContext) -> None:
         if ctx.fsdp:
             raise ValueError("sigma_cap needs whole attention weights; it does not work with run.parallel='fsdp'")
         self._targets = self._find(ctx.model)
+
+    def on_train_start(self, ctx: TrainContext) -> None:
+        if self._targets is None:  # a caller that skipped on_setup
+            self.on_setup(ctx)
 
     def _find(self, model: nn.Module) -> list[tuple[str, Callable[[], None]]]:
         named = dict(model.named_parameters())

@@ -32,7 +32,9 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from weightgeom._files import is_regular, read_text_bounded
 from weightgeom.diagnostics.monitors import MAX_SEQS, SATURATION_THRESHOLD
+from weightgeom.models import PRESETS as MODEL_PRESETS
 from weightgeom.models import GPTConfig, LlamaConfig, ResMLPConfig, available_presets
 from weightgeom.optim.config import OptimConfig
 from weightgeom.schema import (
@@ -78,6 +80,8 @@ __all__ = [
     "resolve_config_path",
     "bundled_configs",
     "check_run_name",
+    "preset_report",
+    "describe_presets",
     "RESUMABLE_KEYS",
 ]
 
@@ -218,6 +222,9 @@ class Config(Section):
         if ctx is not None and self.data.kind != "mnist" and ctx < self.data.block_size:
             raise ConfigError(f"config key model.{ctx_key}={ctx}: shorter than data.block_size={self.data.block_size} "
                               f"(the model's context must hold a training sequence)")
+        if self.optim.strategy == "auto" and self.model["kind"] not in ("gpt", "llama"):
+            raise ConfigError(f"config key optim.strategy='auto': moves attention layers, and "
+                              f"model.kind={self.model['kind']!r} has none; choose another optim.strategy")
 
 
 def _model_fields(kind: str) -> dict[str, dataclasses.Field]:
@@ -284,7 +291,7 @@ def resolve_config_path(name_or_path: str | os.PathLike) -> Path:
         ValueError: neither an existing file nor a bundled name (lists the bundled names).
     """
     p = Path(name_or_path)
-    if p.is_file():
+    if not p.is_dir() and is_regular(p, "config"):  # a FIFO or device is refused here, naming it
         return p
     for ext in (".toml", ".yaml", ".yml"):
         q = bundled_dir() / f"{p.name}{ext}" if p.suffix == "" else bundled_dir() / p.name
@@ -299,15 +306,14 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Parse a TOML or YAML file into a nested dict (no checking of keys; :func:`config_from_dict` does that).
 
     Raises:
-        ValueError: unknown extension, or a parse error (with the file name and the parser's message).
+        ValueError: unknown extension, a file too large or not a regular file, not UTF-8, or a parse error (with the
+            file name and the parser's message).
     """
     path = Path(path)
     if path.suffix not in (".toml", ".yaml", ".yml"):
         raise ValueError(f"config {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .yml)")
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (some Windows editors) is not an error
-    except UnicodeDecodeError as e:
-        raise ValueError(f"config {path}: not UTF-8 text ({e.reason})") from None
+    # bounded, never blocking on a FIFO; a byte-order mark (some Windows editors) is not an error
+    text = read_text_bounded(path, what="config").removeprefix("\ufeff")
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else (yaml.safe_load(text) or {})
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
@@ -443,6 +449,46 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | Config | None = 
 
 def _show(v: Any) -> str:
     return _toml_value(v) if not isinstance(v, str) else v
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+def preset_report(cfg: Config) -> dict[str, dict[str, Any]]:
+    """What each preset in ``cfg`` set: ``{"optim.preset": {"value": "paper", "set": {key: value}, "kept": {key:
+    [value used, the preset's value]}}, "model.preset": {...}}``, keys dotted. ``set``: the keys that have the
+    preset's value; ``kept``: the keys the preset names whose value the config wrote otherwise (a preset never
+    replaces a written key: :func:`weightgeom.optim.config.apply_preset`, and model fields over a model preset).
+    Presets that set nothing (``optim.preset = "ours"``, no model preset) are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    o = cfg.optim
+    if o.preset_values() or o.preset_overrides():
+        out["optim.preset"] = {"value": o.preset,
+                               "set": {f"optim.muon.{k}": v for k, v in o.preset_values().items()},
+                               "kept": {f"optim.muon.{k}": [v, p] for k, (v, p) in o.preset_overrides().items()}}
+    name = cfg.model.get("preset")
+    if name:
+        base, model = MODEL_PRESETS[name][1], cfg.model
+        out["model.preset"] = {"value": name,
+                               "set": {f"model.{k}": v for k, v in base.items() if model.get(k, v) == v},
+                               "kept": {f"model.{k}": [model[k], v] for k, v in base.items() if model.get(k, v) != v}}
+    return out
+
+
+def _preset_value(v: Any) -> str:
+    return "(unset)" if v is None else _toml_value(v)
+
+
+def describe_presets(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per preset of a :func:`preset_report`: ``optim.preset="paper" set optim.muon.x=…, …; not from the
+    preset: optim.muon.y=1 (the preset's: 20)``."""
+    lines = []
+    for key, r in report.items():
+        line = f"{key}={_toml_value(r['value'])} set " + (", ".join(
+            f"{k}={_preset_value(v)}" for k, v in r["set"].items()) or "nothing")
+        if r["kept"]:
+            line += "; not from the preset: " + ", ".join(
+                f"{k}={_preset_value(v)} (the preset's: {_preset_value(p)})" for k, (v, p) in r["kept"].items())
+        lines.append(line)
+    return lines
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightgeom._files import open_append
+from weightgeom._files import open_append, read_json
 
 __all__ = ["read_status", "LOCK_NAME", "PREVIOUS_DIR", "DirLock", "LockError", "read_lock", "lock_is_stale",
            "archive_previous", "safe_child", "check_relative_name", "remove_if_unused", "RUN_MARKERS", "TRAINER_FILES",
@@ -100,16 +100,12 @@ def read_lock(directory: str | os.PathLike) -> dict[str, Any] | None:
     """
     p = Path(directory) / LOCK_NAME
     try:
-        text = p.read_text()
+        rec = read_json(p, what="lock")
     except FileNotFoundError:
         return None
-    except OSError:
+    except (OSError, ValueError):
         return {"pid": None, "host": None}
-    try:
-        rec = json.loads(text)
-        return rec if isinstance(rec, dict) else {"pid": None, "host": None}
-    except json.JSONDecodeError:
-        return {"pid": None, "host": None}
+    return rec if isinstance(rec, dict) else {"pid": None, "host": None}
 
 
 def lock_is_stale(rec: dict[str, Any]) -> bool | None:
@@ -360,8 +356,7 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     """A run directory's ``status.json`` (``{"state": "running" | "done" | "diverged" | "failed", "step", "reason"}``),
     or ``{}`` when it is absent or unreadable (a run that never started, or one killed while writing it)."""
     try:
-        with open(Path(run_dir) / "status.json", encoding="utf-8") as f:
-            st = json.load(f)
+        st = read_json(Path(run_dir) / "status.json", what="run status")
     except (OSError, ValueError):
         return {}
     return st if isinstance(st, dict) else {}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from weightgeom._files import read_json
 from weightgeom._optional import import_extra
 from weightgeom.schema import ConfigError, Section, setting, to_dict
 from weightgeom.train.callbacks import Callback, TrainContext
@@ -157,7 +158,7 @@ class MetricsTracker(Callback):
 
     def _tags(self, run_dir: Path) -> dict[str, str]:
         try:
-            exp = json.loads((run_dir / "experiment.json").read_text())
+            exp = read_json(run_dir / "experiment.json")
         except (OSError, ValueError):
             return {}
         if not isinstance(exp, dict):
@@ -166,7 +167,7 @@ class MetricsTracker(Callback):
 
     def _load_record(self) -> dict[str, Any]:
         try:
-            rec = json.loads((self.run_dir / TRACKING_FILE).read_text())
+            rec = read_json(self.run_dir / TRACKING_FILE)
         except (OSError, ValueError):
             return {}
         return rec if isinstance(rec, dict) else {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import os
 import platform
@@ -40,19 +39,27 @@ import torch
 from torch import nn
 
 from weightgeom import __version__
+from weightgeom._files import is_regular, read_json
 from weightgeom.diagnostics.monitors import _clean, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
-from weightgeom.linalg import msign_choice
 from weightgeom.models import GPT, Llama, build_model
 from weightgeom.optim import MagnitudeDirection
 from weightgeom.optim.build import from_config as optimizer_from_config
-from weightgeom.optim.muon import FarRetractionWarning, uses_msign_choice
+from weightgeom.optim.muon import FarRetractionWarning
 from weightgeom.optim.sharded import is_dtensor
 from weightgeom.train import checkpoint as ckpt_mod
 from weightgeom.train.auto_assign import AutoAssign
 from weightgeom.train.batches import Batches, build_batches
 from weightgeom.train.callbacks import CallbackList, TrainContext
-from weightgeom.train.config import Config, config_hash, config_to_dict, dump_toml, load_config
+from weightgeom.train.config import (
+    Config,
+    config_hash,
+    config_to_dict,
+    describe_presets,
+    dump_toml,
+    load_config,
+    preset_report,
+)
 from weightgeom.train.distributed import (
     DistInfo,
     ShardedStep,
@@ -65,6 +72,7 @@ from weightgeom.train.distributed import (
     wrap_model,
 )
 from weightgeom.train.logging import MetricsLogger, Progress, read_metrics, write_json_atomic
+from weightgeom.train.machine_choice import choice_record, resume_choice
 from weightgeom.train.restore import check_config_hash, load_model_state, load_optimizer_state
 from weightgeom.train.rundir import (
     DirLock,
@@ -265,6 +273,7 @@ class _Trainer:
         self.progress_on = progress and info.is_main
         self.resume = resume
         self.lock: DirLock | None = None
+        self._scope = contextlib.ExitStack()  # what the session holds until it ends (a resumed run's msign choice)
         self._created_dir = False  # this run created run_dir (removed again if it fails before writing a file)
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -276,6 +285,7 @@ class _Trainer:
         torch.manual_seed(seed)
         self.batches = build_batches(cfg)
         _fill_model_config(cfg, self.batches)
+        self.presets = preset_report(cfg)
         self.hash = config_hash(cfg)
         tr = cfg.train
         tr.check_processes(info.world_size)
@@ -301,9 +311,10 @@ class _Trainer:
                     self.shard_payload = ckpt_mod.load_checkpoint(shard)
                     check_config_hash(self.shard_payload, shard, self.hash, cfg)
                 self.ckpt_path = latest
+        self.device = info.device
+        self.meta = self._resume_meta()
 
         # model (identical init on every rank: same seed), then the optimizer on the unwrapped parameters
-        self.device = info.device
         self.model = model_from_config(cfg.model).to(self.device)
         _check_model_vocab(self.model, self.batches)
         if self.payload is not None:
@@ -314,6 +325,7 @@ class _Trainer:
         opt = build_optimizer_from_config(self.model, cfg, verbose=info.is_main and self.progress_on)
         capture_base_lrs(opt)
         self.optimizer = opt
+        self.choice = choice_record(opt, self.device)  # what the optimizer took from the per-device choice
         parallel = cfg.run.parallel
         self.fsdp = info.enabled and parallel == "fsdp"
         if info.enabled and isinstance(opt, MagnitudeDirection):
@@ -358,6 +370,22 @@ class _Trainer:
         else:
             self.amp = contextlib.nullcontext
 
+    def _resume_meta(self) -> dict[str, Any]:
+        """A resumed run's ``meta.json`` (``{}`` for a fresh start or where there is none); its recorded msign and
+        constraint-products choice is this process's for the rest of the session (:func:`resume_choice`).
+
+        Raises:
+            ValueError: an unreadable ``meta.json``, or an environment forcing another choice than the recorded one.
+        """
+        path = self.run_dir / "meta.json"
+        if self.payload is None or not is_regular(path, "run metadata"):
+            return {}
+        meta = read_json(path, what="run metadata")
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path} (run metadata): expected a JSON object, got {type(meta).__name__}")
+        self._scope.enter_context(resume_choice(meta, path, self.device))
+        return meta
+
     def _write_run_files(self) -> None:
         if not self.info.is_main:
             return
@@ -368,16 +396,16 @@ class _Trainer:
         meta_path = rd / "meta.json"
         session = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
                    "world_size": self.info.world_size, "device": str(self.device), "start_step": self.step,
-                   "host": platform.node()}
-        if self.payload is not None and meta_path.exists():
-            meta = json.loads(meta_path.read_text())
+                   "host": platform.node(), **self.choice}  # the msign / constraint-products choice used
+        if self.payload is not None and self.meta:
+            meta = self.meta
             meta.setdefault("resumes", []).append({**session, "checkpoint": str(self.ckpt_path)})
         else:  # a fresh start: an earlier run's meta.json was moved to previous/ by _archive_previous_run
             meta = {"seed": self.cfg.run.seed, "config_hash": self.hash, "versions": _versions(),
                     "git_commit": _git_commit(), "data": self.batches.meta,
                     "num_params": sum(p.numel() for p in self.model.parameters()), **session}
-            if any(uses_msign_choice(g) for g in self.optimizer.param_groups):  # msign chosen per machine: record it
-                meta["msign_default"] = msign_choice(self.device).as_dict()
+        if self.presets:
+            meta.setdefault("presets", self.presets)  # what each preset set, and the written keys it did not
         write_json_atomic(meta_path, meta)
 
     def _status(self, state: str, reason: str | None = None) -> None:
@@ -509,8 +537,8 @@ class _Trainer:
         self.logger.close()
         return result
 
-    def _start_callbacks(self) -> None:
-        """The callbacks' context; their state from the checkpoint resumed from; ``on_train_start``."""
+    def _make_context(self) -> None:
+        """The callbacks' context (none without callbacks)."""
         if not self.callbacks:
             return
         info = self.info
@@ -518,6 +546,18 @@ class _Trainer:
                                 step=self.step, start_step=self.step, max_steps=self.cfg.train.max_steps,
                                 resumed=self.payload is not None, rank=info.rank, world_size=info.world_size,
                                 is_main=info.is_main, device=self.device, fsdp=self.fsdp)
+
+    def _print_presets(self) -> None:
+        """One line on stderr per preset in effect: what it set and which written keys it left (rank 0; always, not
+        only with the progress bar; the same is recorded in ``meta.json`` under ``presets``)."""
+        if self.info.is_main:
+            for line in describe_presets(self.presets):
+                print(f"weightgeom: {line}", file=sys.stderr)
+
+    def _start_callbacks(self) -> None:
+        """The callbacks' state from the checkpoint resumed from; ``on_train_start``."""
+        if not self.callbacks:
+            return
         if self.payload is not None:
             self.ctx.loaded_state = self.callbacks.load_state_dict(self.payload.get("callbacks"))
         self._cb("on_train_start")
@@ -565,7 +605,7 @@ class _Trainer:
         """Own the run directory for the whole run (lock taken first, released on any exit), then train."""
         self._take_lock()
         try:
-            with _io_path(self.run_dir):
+            with _io_path(self.run_dir), self._scope:
                 return self._run_owned()
         finally:
             self._release_lock()
@@ -576,6 +616,9 @@ class _Trainer:
         info, tr = self.info, self.cfg.train
         if self.payload is not None and self.step >= tr.max_steps:
             return self._already_done()
+        self._make_context()
+        self._cb("on_setup")  # a callback's refusal comes before anything in the run directory is written or moved
+        self._print_presets()
         if self.payload is None:
             self._archive_previous_run()
         self._write_run_files()
