@@ -299,6 +299,31 @@ def _finished_rerun(tmp: Path) -> None:
     assert ck8.stat().st_mtime_ns == mtime and (run / "meta.json").read_text() == meta  # nothing rewritten
 
 
+DOCTORED_LINES = (b"[" * 100_000 + b"]" * 100_000, b'{"step": 3, "split": "\xff\xfe"}', b"[1, 2]",
+                  b'{"step": ' + b"1" * 5000 + b"}")
+"""metrics.jsonl lines that are not usable rows: deeply nested, not UTF-8, not an object, an integer too long."""
+
+
+def _doctored_metrics(tmp: Path) -> None:
+    run = tmp / "r"
+    assert _train(tmp, run).rc == 0
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines()
+    metrics.write_bytes(b"\n".join(lines[:3] + list(DOCTORED_LINES) + lines[3:]) + b"\n")
+    again = _train(tmp, run)  # a finished run re-run reports its numbers from metrics.jsonl
+    assert again.rc == 0 and "Traceback" not in again.err, again.err[-2000:]
+    assert _result(again)["final"]["val_loss"] == _result(again)["final"]["val_loss"]  # a number, not NaN
+    # an interrupted run resumes from step 6: the lines after it, and every unusable one, move to the .dropped file
+    (run / "checkpoints" / "ckpt_00000008.pt").unlink()
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "failed", "step": 7}))
+    res = _train(tmp, run)
+    assert res.rc == 0 and "Traceback" not in res.err, res.err[-2000:]
+    dropped = (run / "metrics.dropped.jsonl").read_bytes()
+    assert all(line in dropped for line in DOCTORED_LINES), "a doctored line was lost instead of kept aside"
+    assert [r["step"] for r in _train_rows(run)] == list(range(1, 9))
+
+
 def _snapshot_tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(root.rglob("*"))}
 
@@ -518,6 +543,10 @@ CASES: list[Hostile] = [
     Hostile("finished-rerun", "rundir",
             "re-running a finished run reports its final numbers (not NaN), says it was already done and rewrites "
             "nothing", _finished_rerun),
+    Hostile("doctored-metrics", "rundir",
+            "a `metrics.jsonl` with lines nested 100000 deep, not UTF-8, not objects or with a 5000-digit step: a "
+            "re-run of the finished run reports its numbers and a resume moves those lines byte for byte to "
+            "`metrics.dropped.jsonl`, with no traceback", _doctored_metrics),
     Hostile("user-folder-untouched", "rundir",
             "`--out` (with or without `--fresh`) on a folder of the user's own files that holds no weightgeom run "
             "(even one with a `checkpoints/` folder) is refused with one line; nothing in it is moved or written",

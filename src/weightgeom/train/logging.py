@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightgeom._files import open_append, write_atomic
+from weightgeom._files import open_append, open_regular, write_atomic
 
-__all__ = ["MetricsLogger", "read_metrics", "Progress", "write_json_atomic"]
+__all__ = ["MetricsLogger", "read_metrics", "parse_jsonl_line", "truncate_jsonl", "Progress", "write_json_atomic"]
 
 
 def _clean(v: Any) -> Any:
@@ -109,40 +109,54 @@ class MetricsLogger:
         return dropped
 
 
+def parse_jsonl_line(line: str | bytes) -> dict[str, Any] | None:
+    """One line of a run's JSON-lines file as a dict, or None when it is not one (a killed writer's partial line, or a
+    doctored one: not JSON, not UTF-8, nested too deeply, an integer too long, not an object). Never raises."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def truncate_jsonl(path: Path, step: int) -> int:
     """On resume at ``step``: move the lines of the JSON-lines file ``path`` whose ``step`` is later (or that do not
-    parse) to ``<name>.dropped.jsonl`` beside it — kept, never deleted — and keep the rest in place (atomically).
+    parse) to ``<name>.dropped.jsonl`` beside it — kept byte for byte, never deleted — and keep the rest in place
+    (atomically).
 
     Returns:
         The number of lines moved (0 when ``path`` does not exist).
     """
-    keep, drop = [], []
+    keep: list[bytes] = []
+    drop: list[bytes] = []
     if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-                s = row.get("step", 0) if isinstance(row, dict) else math.inf
-                s = float(s) if isinstance(s, (int, float)) else math.inf
-            except json.JSONDecodeError:
-                s = math.inf
-            (keep if s <= step else drop).append(line)
+        with open_regular(path) as f:
+            data = f.read()
+        for line in data.splitlines():
+            row = parse_jsonl_line(line)
+            s = row.get("step", 0) if row is not None else math.inf
+            ok = isinstance(s, (int, float)) and not isinstance(s, bool) and s <= step
+            (keep if ok else drop).append(line)
     if drop:
-        with open_append(path.with_name(path.name.removesuffix(".jsonl") + ".dropped.jsonl")) as f:
-            f.write("\n".join(drop) + "\n")
-        write_atomic(path, "\n".join(keep) + ("\n" if keep else ""))
+        with open_append(path.with_name(path.name.removesuffix(".jsonl") + ".dropped.jsonl"), text=False) as f:
+            f.write(b"\n".join(drop) + b"\n")
+        write_atomic(path, b"\n".join(keep) + (b"\n" if keep else b""))
     return len(drop)
 
 
 def read_metrics(run_dir: str | os.PathLike, split: str | None = None) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` (optionally only one split), with "nan"/"inf" strings as floats."""
+    """The rows of ``run_dir/metrics.jsonl`` (optionally only one split), with "nan"/"inf" strings as floats; lines
+    that are not JSON objects are skipped (:func:`parse_jsonl_line`)."""
     rows = []
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return rows
-    for line in path.read_text().splitlines():
-        if not line.strip():
+    with open_regular(path) as f:
+        data = f.read()
+    for line in data.splitlines():
+        r = parse_jsonl_line(line) if line.strip() else None
+        if r is None:
             continue
-        r = json.loads(line)
         for k, v in r.items():
             if v in ("nan", "inf", "-inf") and k != "split":
                 r[k] = float(v)

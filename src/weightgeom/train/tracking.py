@@ -38,6 +38,7 @@ from weightgeom._optional import import_extra
 from weightgeom.schema import ConfigError, Section, setting, to_dict
 from weightgeom.train.callbacks import Callback, TrainContext
 from weightgeom.train.checkpoint import atomic_write_bytes
+from weightgeom.train.logging import parse_jsonl_line
 
 __all__ = ["LoggingConfig", "MetricsTracker", "WandbTracker", "MlflowTracker", "trackers_from_config",
            "require_package", "TRACKING_FILE"]
@@ -191,11 +192,8 @@ class MetricsTracker(Callback):
         last = self._record.setdefault(f"{self.name}_last_step", {})
         sent_any = False
         for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            row = parse_jsonl_line(line)
+            if row is None or not isinstance(row.get("step"), int):
                 continue
             split, step = str(row.get("split", "train")), row["step"]
             if step <= last.get(split, -1):
