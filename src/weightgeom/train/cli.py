@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from weightgeom._files import SpecialFileError, is_regular
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the ``train`` subcommand's arguments."""
@@ -61,7 +63,12 @@ def run(args: argparse.Namespace) -> int:
         rd = Path(args.resume)
         resolved = rd / "config.resolved.toml"
         if config is None:
-            if not resolved.is_file():
+            try:
+                present = is_regular(resolved, "the run's resolved config")
+            except (SpecialFileError, OSError) as e:  # a FIFO, a directory, a loop of links: say which
+                print(f"weightgeom train: --resume {rd}: {e}", file=sys.stderr)
+                return 2
+            if not present:
                 print(f"weightgeom train: --resume {rd}: no config.resolved.toml there", file=sys.stderr)
                 return 2
             config = str(resolved)
