@@ -724,6 +724,57 @@ def test_state_dict_round_trip_passes_the_shape_check(manifold, shape, kw):
     assert torch.equal(W, W2) and torch.equal(b, b2)
 
 
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_manifold_round_trip_keeps_float32_dual_state(dtype, manifold):
+    """torch's load_state_dict casts floating state to the parameter's dtype; Muon puts a float16/bfloat16 matrix's
+    dual multipliers back in float32 (the dtype its step keeps them in), so a resumed run equals an uninterrupted one
+    bitwise (before: they were rounded to the parameter's dtype and the runs drifted apart by 1e-3)."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
+    opt = Muon([{"params": [W], "manifold": manifold, "dual_steps": 4}], lr=0.02)
+    grads = [torch.randn(64, 32).to(dtype) for _ in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for g in grads[:2]:
+            W.grad = g.clone()
+            opt.step()
+        W2 = torch.nn.Parameter(W.detach().clone())
+        opt2 = Muon([{"params": [W2], "manifold": manifold, "dual_steps": 4}], lr=0.02)
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert {k: opt2.state[W2][k].dtype for k in ("dual_multiplier", "dual_cold")} == dict.fromkeys(
+            ("dual_multiplier", "dual_cold"), torch.float32)
+        for g in grads[2:]:
+            for o, w in ((opt, W), (opt2, W2)):
+                w.grad = g.clone()
+                o.step()
+    assert torch.equal(W, W2)
+
+
+def test_state_left_behind_by_model_half_is_refused_then_cast_by_reloading():
+    """model.half() after a step leaves the momentum buffers and AdamW moments in float32: the next step is refused
+    naming the parameter and the state entry, and loading the optimizer's own state_dict() back (as the message says)
+    casts them, after which it steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16))
+    opt = Muon([{"params": [model[0].weight], "names": ["0.weight"]},
+                {"params": [model[1].weight], "names": ["1.weight"], "manifold": "stiefel"},
+                {"params": [model[0].bias, model[1].bias], "names": ["0.bias", "1.bias"], "algorithm": "adamw"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        model.half()
+        with pytest.raises(ValueError, match=r"'0\.weight'.* is float16 .* its optimizer state 'momentum_buffer' is "
+                                             r"float32 .*load its state_dict\(\) back"):
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        opt.step()
+    assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float16
+    assert opt.state[model[1].weight]["dual_multiplier"].dtype == torch.float32
+
+
 def test_refused_add_param_group_leaves_the_optimizer_as_it_was():
     p = torch.nn.Parameter(torch.randn(8, 4))
     opt = Muon([{"params": [p], "names": ["p"]}], lr=0.02)

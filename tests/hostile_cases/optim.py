@@ -752,6 +752,165 @@ def _train_on(opt: torch.optim.Optimizer, model: torch.nn.Module, x: torch.Tenso
     opt.step()
 
 
+
+# Ways a parameter is changed after its optimizer created state for it: (what, change(model, p)). ``p.data = ...`` is
+# what ``model.half()`` / ``model.to(...)`` do to every parameter (its gradient too); the last one leaves the gradient
+# as it was.
+def _to_half(model: torch.nn.Module, p: torch.nn.Parameter) -> None:
+    p.data = p.data.half()
+    p.grad = torch.randn_like(p)
+
+
+def _reshaped(model: torch.nn.Module, p: torch.nn.Parameter) -> None:
+    p.data = torch.randn(p.shape[0] + 1, *p.shape[1:])
+    p.grad = torch.randn_like(p)
+
+
+def _half_keeping_grad(model: torch.nn.Module, p: torch.nn.Parameter) -> None:
+    p.data = p.data.half()  # p.grad stays float32
+
+
+def _model_half(model: torch.nn.Module, p: torch.nn.Parameter) -> None:
+    model.half()
+
+
+_CHANGES = {"cast to float16": _to_half, "given another shape": _reshaped,
+            "cast to float16 after its gradient": _half_keeping_grad, "model.half()": _model_half}
+
+
+def _muon_param_changed(tmp_path: Path) -> None:
+    """A parameter changed after Muon's first step (its state is float32 of the old shape): the next step is refused
+    naming it before the parameter beside it moves."""
+    import warnings
+
+    from weightgeom.optim import Muon
+
+    warnings.simplefilter("ignore")
+    for kind, kw in _GROUP_KINDS.items():
+        for what, change in _CHANGES.items():
+            torch.manual_seed(0)
+            model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False),
+                                         "b": torch.nn.Linear(8, 16, bias=False)})
+            opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
+                        {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            change(model, model["b"].weight)
+            before = snapshot(opt, model)
+            first = "'a.weight'" if change is _model_half else "'b.weight'"  # the first parameter that changed
+            with _refused(first, "was changed since", "nothing was changed"):
+                opt.step()
+            assert_unchanged(before, snapshot(opt, model), f"{kind}, {what}: after the refused step")
+
+
+def _md_param_changed(tmp_path: Path) -> None:
+    """A parameter changed after MagnitudeDirection's first step (a bias it does not decouple, a matrix it does, or
+    the whole model): the next step is refused naming it before any matrix moves, on every path and base."""
+    import warnings
+
+    from weightgeom.optim import MagnitudeDirection, Muon
+
+    warnings.simplefilter("ignore")
+    for base in ("adamw", "sgd", "muon"):
+        for fused in (None, False):
+            for target in ("1.bias", "0.weight", "1.weight"):
+                for what, change in _CHANGES.items():
+                    model = _mlp()
+                    if base == "muon":
+                        opt = _muon_for(model)
+                    else:
+                        kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
+                        opt = kind(model.named_parameters(), lr=1e-2, **({"momentum": 0.9} if base == "sgd" else {}))
+                    md = MagnitudeDirection(opt, model=model, fused=fused, exclude=("1.weight",))
+                    assert isinstance(md.base_optimizer, Muon if base == "muon" else torch.optim.Optimizer)
+                    _train(md, model, 1)
+                    for p in model.parameters():
+                        p.grad = torch.randn_like(p)
+                    change(model, dict(model.named_parameters())[target])
+                    before = snapshot(md, model)
+                    where = f"{base}, fused={fused}, {target} {what}"
+                    with _refused("nothing was changed"):
+                        md.step()
+                    assert_unchanged(before, snapshot(md, model), f"{where}: after the refused step")
+
+
+
+# Group values set after construction (as a user or an LR scheduler would), each refused by the constructor:
+# (key, value, the group kinds it applies to, what the refusal names).
+_GROUP_EDITS = [
+    ("lr", "fast", None, "lr='fast'"), ("lr", None, None, "lr=None"), ("betas", (0.9,), None, "betas=(0.9,)"),
+    ("momentum", "x", None, "momentum='x'"), ("weight_decay", "x", None, "weight_decay='x'"),
+    ("msign_method", "bad", None, "msign_method='bad'"), ("split", 3, ("muon", "stiefel"), "split=3"),
+    ("manifold", "nope", ("muon", "stiefel", "dgram", "oblique"), "manifold='nope'"),
+    ("retraction", "bad", ("stiefel", "dgram", "oblique"), "retraction='bad'"),
+    ("algorithm", "adamw", ("muon",), "'momentum_buffer'"),  # after a step: state an AdamW group does not keep
+    ("manifold", None, ("stiefel", "dgram", "oblique"), "'dual_multiplier'"),
+]
+
+
+def _muon_group_edited(tmp_path: Path) -> None:
+    """A value set in group 1 after a step that the constructor refuses: the next step is refused naming it before
+    group 0 moves."""
+    import warnings
+
+    from weightgeom.optim import Muon
+
+    warnings.simplefilter("ignore")
+    for kind, kw in _GROUP_KINDS.items():
+        for key, value, kinds, named in _GROUP_EDITS:
+            if kinds is not None and kind not in kinds:
+                continue
+            torch.manual_seed(0)
+            model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False),
+                                         "b": torch.nn.Linear(8, 16, bias=False)})
+            opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
+                        {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+            opt.param_groups[1][key] = value
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            before = snapshot(opt, model)
+            with _refused(named, "nothing was changed"):
+                opt.step()
+            assert_unchanged(before, snapshot(opt, model), f"{kind}, {key}={value!r}: after the refused step")
+
+
+def _md_group_edited(tmp_path: Path) -> None:
+    """A value set after a step in a base group or in MD's gains group that the constructor refuses: the next step is
+    refused naming it before any matrix moves, on every base and path."""
+    import warnings
+
+    from weightgeom.optim import MagnitudeDirection
+
+    warnings.simplefilter("ignore")
+    edits = {"adamw": [(0, "lr", "fast"), (0, "betas", (0.9,)), (0, "eps", None)],
+             "sgd": [(0, "lr", None), (0, "momentum", "x")],
+             "muon": [(0, "lr", "fast"), (1, "betas", (0.9,))]}
+    for base, base_edits in edits.items():
+        for fused in (None, False):
+            for gi, key, value in [*base_edits, (-1, "lr", "x"), (-1, "betas", (0.9,)), (-1, "eps", None)]:
+                model = _mlp()
+                if base == "muon":
+                    opt = _muon_for(model)
+                else:
+                    kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
+                    opt = kind(model.named_parameters(), lr=1e-2, **({"momentum": 0.9} if base == "sgd" else {}))
+                md = MagnitudeDirection(opt, model=model, fused=fused, exclude=("1.weight",))
+                _train(md, model, 1)
+                md.param_groups[gi][key] = value
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                before = snapshot(md, model)
+                with _refused(f"{key}={value!r}", "nothing was changed"):
+                    md.step()
+                assert_unchanged(before, snapshot(md, model), f"{base}, fused={fused}, group {gi} {key}={value!r}")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 NAN, INF = float("nan"), float("inf")
 CASES: list[Hostile] = [
@@ -901,4 +1060,29 @@ CASES: list[Hostile] = [
             "refuses the step naming it before any matrix moves (before: over AdamW the decoupled matrices were "
             "stepped, then AdamW raised); nothing changed; over SGD the sparse gradient still steps",
             _md_base_refusals),
+    Hostile("muon-param-changed-under-state", "optim",
+            "A Muon parameter changed after its first step (`p.data` cast to float16 or given another shape, cast "
+            "after its gradient was computed, or `model.half()`) makes the next step refuse with one line naming it "
+            "and the gradient or state entry that no longer fits, in every kind of group; the parameter beside it "
+            "and all optimizer state unchanged (before: the other group was stepped, then a RuntimeError)",
+            _muon_param_changed),
+    Hostile("md-param-changed-under-state", "optim",
+            "MagnitudeDirection over AdamW, SGD or Muon (fused and eager paths) with a bias, a decoupled matrix or a "
+            "matrix it leaves to the base changed after a step (cast to float16, given another shape, `model.half()`) "
+            "refuses the next step with one line naming it; nothing changed (before: the decoupled matrices were "
+            "stepped, then the base optimizer raised)",
+            _md_param_changed),
+    Hostile("muon-group-edited-before-step", "optim",
+            "A Muon group value set after a step that the constructor refuses (`lr='fast'` or None, `betas=(0.9,)`, an "
+            "unknown msign method, manifold or retraction, a split that does not divide, an algorithm or manifold "
+            "changed under the state) makes the next step refuse with one line naming it, in every kind of group; "
+            "the groups before it and all optimizer state unchanged (before: they were stepped, then a TypeError or "
+            "KeyError)",
+            _muon_group_edited),
+    Hostile("md-group-edited-before-step", "optim",
+            "MagnitudeDirection over AdamW, SGD or Muon (fused and eager paths) with a base group's `lr`, `betas`, "
+            "`eps` or `momentum`, or its gains group's, set after a step to a value of the wrong kind refuses the "
+            "next step with one line naming it; nothing changed (before: the matrices were stepped, then the base "
+            "optimizer or the gains' Adam raised)",
+            _md_group_edited),
 ]

@@ -5,6 +5,11 @@ changes.
 - Parameters (at construction and in ``add_param_group``; ``check_new_group``): a dtype the step handles
   (``SUPPORTED_DTYPES``) and each parameter listed once — torch only warns about a parameter listed twice in one
   group, and would then step it twice.
+- Parameters changed under their state (before every step; ``check_fits_param``): a gradient and state tensors of
+  the parameter's shape, dtype and device — ``p.data = ...`` or ``model.half()`` after a step leaves them behind.
+- Groups of torch's optimizers (``MagnitudeDirection``'s base; before every step and at load;
+  ``check_group_kinds``): numeric hyperparameters of their defaults' kinds — torch checks them only in its
+  constructor.
 - State dicts (``load_state_dict``): torch's layout (``check_torch_layout``: ``{"state", "param_groups"}``, as many
   groups and parameters per group as this optimizer, state only for listed parameters), and per-parameter state
   entries of the shape and kind this optimizer would create (``check_param_state``); ``describe_state_dict`` says
@@ -13,14 +18,16 @@ changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "dtype_supported", "param_label",
-           "unsupported_dtype", "check_new_group", "describe_state_dict", "check_torch_layout", "check_param_state",
-           "check_torch_state"]
+           "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer", "torch_state_shapes",
+           "check_group_kinds", "describe_state_dict", "check_torch_layout", "check_param_state", "check_torch_state"]
 
 # The parameter dtypes every step path handles (msign, the manifold step, AdamW, MD's passes). Not complex (msign,
 # retractions and sphere norms are real), integer or bool (no gradients), nor float8 (no norm, isfinite or promotion).
@@ -110,6 +117,66 @@ def check_new_group(who: str, groups: Sequence[Mapping[str, Any]], group: dict[s
             raise ValueError(f"{who}: {label} is listed twice (also group {gj}, position {j}); list each parameter "
                              "once (it would be stepped twice per step)")
         seen[id(t)] = (gi, i)
+
+
+def _tensor_desc(t: torch.Tensor) -> str:
+    """``float32 (16, 8) on cpu``."""
+    return f"{_dtype_name(t.dtype)} {tuple(t.shape)} on {t.device}"
+
+
+def _misfit(p: torch.Tensor, state: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None],
+            param_like: Collection[str]) -> tuple[str, torch.Tensor, bool] | None:
+    """(what, tensor, whether only its dtype or device differs) for the first of p's gradient and state tensors that
+    no longer fits p, or None. The gradient and the ``param_like`` entries must have p's shape, dtype and device;
+    other tensor entries of ``shapes`` (None: a step count, not checked) their shape and p's device."""
+    g = p.grad
+    if g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.device != p.device):
+        return "gradient", g, g.shape == p.shape
+    for key, shape in shapes.items():
+        t = state.get(key)
+        if shape is None or not torch.is_tensor(t):
+            continue
+        same_shape = tuple(t.shape) == tuple(shape)
+        if not same_shape or t.device != p.device or (key in param_like and t.dtype != p.dtype):
+            return f"optimizer state {key!r}", t, same_shape
+    return None
+
+
+def check_fits_param(who: str, label: str, p: torch.Tensor, state: Mapping[str, Any],
+                     shapes: Mapping[str, tuple[int, ...] | None], param_like: Collection[str] = (),
+                     remedy: str | None = None) -> None:
+    """Refuse a step, before anything changes, when p's gradient or a tensor of its optimizer state no longer fits p:
+    the parameter was changed after they were made (``p.data = ...``; ``model.half()``/``.to()`` after a step), and
+    the step would raise on it after stepping the parameters before it. Metadata only: no host synchronisation.
+
+    Args:
+        who: the optimizer's name, for messages.
+        label: the parameter (``param_label``).
+        p: the parameter (a plain tensor: a DTensor's local shard or whole matrix as it is stepped).
+        state: its optimizer state.
+        shapes: state key → the shape the optimizer keeps there (None: a step count, not checked).
+        param_like: the keys whose tensors also have p's dtype (momentum buffers, Adam moments).
+        remedy: what to do when a state tensor does not fit (default: build the optimizer again, or, when only the
+            dtype or device differs, load its ``state_dict()`` back: torch casts state to its parameter's).
+
+    Raises:
+        ValueError: one line naming the parameter, the gradient or state entry, both descriptions and what to do.
+    """
+    bad = _misfit(p, state, shapes, param_like)
+    if bad is None:
+        return
+    what, t, castable = bad
+    if what == "gradient":
+        fix = "compute the gradient again"
+    elif remedy is not None:
+        fix = remedy
+    elif castable:
+        fix = ("build the optimizer again, or load its state_dict() back (torch casts it to the parameter's dtype "
+               "and device)")
+    else:
+        fix = "build the optimizer again for the new shape"
+    raise ValueError(f"{who}: {label} is {_tensor_desc(p)} but its {what} is {_tensor_desc(t)}: the parameter was "
+                     f"changed since (p.data = ..., model.half() or .to()); {fix}; step refused, nothing was changed")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -236,16 +303,86 @@ def check_param_state(who: str, label: str, state: Mapping[str, Any],
                              f"tensor of shape {tuple(shape)} there; {_NOTHING}")
 
 
+def is_torch_optimizer(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is one of torch's own optimizers (``torch.optim.*``), whose per-parameter state
+    ``PARAM_SHAPED_STATE`` describes."""
+    return type(opt).__module__.startswith("torch.optim")
+
+
+def torch_state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...] | None]:
+    """The state a torch optimizer keeps for ``p``, as ``check_param_state``/``check_fits_param`` take it: the
+    ``PARAM_SHAPED_STATE`` keys (p's shape) and ``step`` (a count)."""
+    shapes: dict[str, tuple[int, ...] | None] = {key: tuple(p.shape) for key in PARAM_SHAPED_STATE}
+    shapes["step"] = None
+    return shapes
+
+
+def _real(v: Any) -> bool:
+    """A real number that is not NaN (not a bool; NumPy's count), or a one-element real tensor (torch takes a tensor
+    ``lr``)."""
+    if torch.is_tensor(v):
+        return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _numbers_in(default: Any) -> int | None:
+    """How many numbers a hyperparameter whose default is ``default`` holds: 0 for a number, n for a tuple of n
+    numbers, None for anything else (a bool, None, a string: not checked — torch's steps only read their truth)."""
+    if isinstance(default, bool):
+        return None
+    if isinstance(default, numbers.Real):
+        return 0
+    if isinstance(default, tuple) and default and all(_real(d) for d in default):
+        return len(default)
+    return None
+
+
+def _fits_default(value: Any, n: int | None) -> bool:
+    """Whether ``value`` is what ``_numbers_in`` says its default holds (a number, or a sequence of n numbers)."""
+    if n is None:
+        return True
+    if n == 0:
+        return _real(value)
+    return isinstance(value, (tuple, list)) and len(value) == n and all(_real(v) for v in value)
+
+
+def check_group_kinds(who: str, opt: torch.optim.Optimizer, gi: int, group: Mapping[str, Any], when: str) -> None:
+    """Refuse a param group of one of torch's optimizers whose numeric hyperparameter is not of its default's kind (a
+    number that is not NaN, or a tuple of as many: ``lr="fast"``, ``betas=(0.9,)``, ``eps=None``) — torch checks
+    values only in its constructor, and its step would raise on it after other parameters had stepped.
+
+    Args:
+        who: the caller, for messages (``"MagnitudeDirection"``).
+        opt: the optimizer whose ``defaults`` say what each key is.
+        gi: the group's index, for messages.
+        group: the group (this optimizer's, or one about to be loaded).
+        when: what is refused and how the value got there, for messages (``"step refused, ..."``).
+
+    Raises:
+        ValueError: one line naming the group, the key, its value and what it must be.
+    """
+    for key, value in group.items():
+        if key not in opt.defaults or is_bookkeeping_key(key):
+            continue
+        default = opt.defaults[key]
+        n = _numbers_in(default)
+        if not _fits_default(value, n):
+            kind = "a number" if n == 0 else f"{n} numbers"
+            raise ValueError(f"{who}: group {gi} of {type(opt).__name__} has {key}={value!r}, which must be {kind} "
+                             f"(its default is {default!r}); {when}")
+
+
 def check_torch_state(who: str, opt: torch.optim.Optimizer, sd: Any) -> None:
     """Validate a state dict for a plain torch optimizer (a base of ``MagnitudeDirection``) without loading it: torch's
-    layout (``check_torch_layout``), group keys this optimizer's groups have (others name another optimizer's), and
-    parameter-shaped state (``PARAM_SHAPED_STATE``, ``step``) of its parameter's shape.
+    layout (``check_torch_layout``), group keys this optimizer's groups have (others name another optimizer's), for
+    torch's own optimizers with values of their defaults' kinds (``check_group_kinds``), and parameter-shaped state
+    (``PARAM_SHAPED_STATE``, ``step``) of its parameter's shape.
 
     Raises:
         ValueError: one line naming what does not fit; nothing loaded.
     """
     name = type(opt).__name__
-    qualified = f"torch.optim.{name}" if type(opt).__module__.startswith("torch.optim") else name
+    qualified = f"torch.optim.{name}" if is_torch_optimizer(opt) else name
     expected = f"a {qualified} state dict"
     ids = check_torch_layout(who, opt.param_groups, sd, expected)
     for gi, (saved, group) in enumerate(zip(sd["param_groups"], opt.param_groups)):
@@ -253,9 +390,10 @@ def check_torch_state(who: str, opt: torch.optim.Optimizer, sd: Any) -> None:
         if unknown:
             raise ValueError(f"{who}.load_state_dict: group {gi} has key(s) {unknown[:6]} that {name}'s groups do not "
                              f"have: this is {describe_state_dict(sd)}, not {expected}; {_NOTHING}")
+        if is_torch_optimizer(opt):
+            check_group_kinds(f"{who}.load_state_dict", opt, gi, saved,
+                              f"the state dict's value is refused; {_NOTHING}")
     for k, st in sd["state"].items():
         gi, i = ids[k]
         p = opt.param_groups[gi]["params"][i]
-        shapes: dict[str, tuple[int, ...] | None] = {key: tuple(p.shape) for key in PARAM_SHAPED_STATE}
-        shapes["step"] = None
-        check_param_state(who, param_label(None, gi, i, p), st, shapes, strict=False)
+        check_param_state(who, param_label(None, gi, i, p), st, torch_state_shapes(p), strict=False)

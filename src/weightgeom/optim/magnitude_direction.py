@@ -38,12 +38,17 @@ from torch.optim import Optimizer
 from weightgeom import kernels, manifolds
 from weightgeom.optim import md_fused
 from weightgeom.optim.checks import (
+    PARAM_SHAPED_STATE,
+    check_fits_param,
+    check_group_kinds,
     check_new_group,
     check_param_state,
     check_torch_state,
     describe_state_dict,
     dtype_supported,
     is_bookkeeping_key,
+    is_torch_optimizer,
+    torch_state_shapes,
     unsupported_dtype,
 )
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
@@ -147,6 +152,20 @@ def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
 def _number(v: Any) -> bool:
     """A real Python number (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# The gains group's hyperparameters and what each must be (as the constructor checks them).
+_GAIN_GROUP_VALUES: dict[str, Callable[[Any], bool]] = {
+    "lr": lambda v: _number(v) and v >= 0 and math.isfinite(v),
+    "eps": lambda v: _number(v) and v > 0,
+    "weight_decay": lambda v: _number(v) and v == 0,
+    "betas": lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+}
+
+
+def _invalid_gain_key(group: Mapping[str, Any]) -> str | None:
+    """The first hyperparameter of a gains group (``_GAIN_GROUP_VALUES``) whose value the constructor would refuse."""
+    return next((key for key, ok in _GAIN_GROUP_VALUES.items() if key in group and not ok(group[key])), None)
 
 
 def _restored(key: str, value: Any, theta: torch.Tensor) -> torch.Tensor:
@@ -457,8 +476,10 @@ class MagnitudeDirection(Optimizer):
         Raises:
             NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
             ValueError: a sparse gradient on a decoupled matrix, a W changed outside the optimizer that has no
-                direction (NaN/Inf, zero norm, too large for its gains), or ``fused=True`` with a matrix the kernel
-                cannot take — naming the parameter; nothing changed.
+                direction (NaN/Inf, zero norm, too large for its gains), a parameter whose gradient, direction or base
+                state no longer fits it (its dtype, shape or device changed after a step: ``p.data = ...``,
+                ``model.half()``), or ``fused=True`` with a matrix the kernel cannot take — naming the parameter;
+                nothing changed.
         """
         loss = None
         if closure is not None:
@@ -537,6 +558,7 @@ class MagnitudeDirection(Optimizer):
             Per decoupled matrix with a gradient: (p, G, its base group, why it is not fused (None: fused),
             the re-derived (Ŵ, radius) or None when W still equals γ_r Ŵ γ_c or never changed).
         """
+        self._check_groups()
         self._check_gradients()
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
         plan = []
@@ -560,11 +582,29 @@ class MagnitudeDirection(Optimizer):
             check_step()
         return plan
 
+    def _check_groups(self) -> None:
+        """Refuse the step for a value set in a group since it was added on which a later part of the step would
+        raise: the gains group's (``_invalid_gain_key``, stepped after the base) and, for one of torch's optimizers,
+        a base group's numeric hyperparameter of another kind than its default (``checks.check_group_kinds``; MD's
+        passes run before the base step). A Muon base checks its own groups (``Muon.check_step``)."""
+        gains = self._gain_groups[0]
+        bad = _invalid_gain_key(gains)
+        if bad is not None:
+            raise ValueError(f"MagnitudeDirection: the gains group has {bad}={gains[bad]!r}, which the constructor "
+                             "refuses (gain_lr ≥ 0, gain_betas in [0, 1), gain_eps > 0, weight_decay 0); step refused, "
+                             "nothing was changed")
+        base = self.base_optimizer
+        if is_torch_optimizer(base):
+            for gi, group in enumerate(base.param_groups):
+                check_group_kinds("MagnitudeDirection", base, gi, group, "it was set since the group was added; step "
+                                  "refused, nothing was changed")
+
     def _check_gradients(self) -> None:
-        """Refuse the step, naming the parameter, if a base param's dtype is unsupported, a decoupled matrix has a
-        sparse gradient (or any param does, where the base cannot step one: ``_SPARSE_BASES``) or any gradient of the
-        base optimizer's params holds NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and
-        one host sync, ``first_nonfinite``)."""
+        """Refuse the step, naming the parameter, if a base param's dtype is unsupported, its gradient, direction or
+        base state no longer fits it (``_check_fits``), a decoupled matrix has a sparse gradient (or any param does,
+        where the base cannot step one: ``_SPARSE_BASES``) or any gradient of the base optimizer's params holds
+        NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and one host sync,
+        ``first_nonfinite``)."""
         params = [q for g in self.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
         decoupled = {id(p) for p in self._decoupled}
         sparse_ok = isinstance(self.base_optimizer, _SPARSE_BASES)
@@ -572,6 +612,7 @@ class MagnitudeDirection(Optimizer):
             if not dtype_supported(q):  # its dtype was changed after construction (``q.data = ...``)
                 raise ValueError(f"{unsupported_dtype('MagnitudeDirection', f'parameter {self._param_label(q)!r}', q)}"
                                  "; step refused, nothing was changed")
+            self._check_fits(q, id(q) in decoupled)
             if q.grad.is_sparse and id(q) in decoupled:
                 raise ValueError(f"MagnitudeDirection: parameter {self._name[q]!r} has a sparse gradient; "
                                  "decoupled matrices need dense gradients; step refused, nothing was changed")
@@ -583,6 +624,21 @@ class MagnitudeDirection(Optimizer):
         if bad is not None:
             q = params[bad]
             raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
+
+    def _check_fits(self, q: torch.Tensor, decoupled: bool) -> None:
+        """Refuse the step if q's gradient, its direction Ŵ (a decoupled matrix) or, for one of torch's optimizers,
+        the base's state no longer fits q — q was changed after they were made (``q.data = ...``, ``model.half()``),
+        and the base would raise on it after MD's passes ran (``checks.check_fits_param``). A Muon base checks its
+        own state (``Muon.check_step``)."""
+        who, label = "MagnitudeDirection", f"parameter {self._param_label(q)!r}"
+        if decoupled:
+            check_fits_param(who, label, q, self.state[q], {"direction": tuple(q.shape)}, ("direction",),
+                             remedy="build MagnitudeDirection again (it keeps W's direction in W's shape, dtype and "
+                                    "device)")
+        base = self.base_optimizer
+        torch_base = is_torch_optimizer(base)
+        check_fits_param(who, label, q, base.state.get(q, {}) if torch_base else {},
+                         torch_state_shapes(q) if torch_base else {}, PARAM_SHAPED_STATE)
 
     def _cpu_scan(self):
         """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
@@ -895,14 +951,9 @@ class MagnitudeDirection(Optimizer):
             raise ValueError(f"{where} has unknown key(s) {unknown}; nothing was loaded")
         if saved.get("md_role", "gains") != "gains":
             raise ValueError(f"{where} has md_role={saved['md_role']!r}, expected 'gains'; nothing was loaded")
-        checks = {"lr": lambda v: _number(v) and v >= 0 and math.isfinite(v),
-                  "eps": lambda v: _number(v) and v > 0,
-                  "weight_decay": lambda v: _number(v) and v == 0,
-                  "betas": lambda v: isinstance(v, (list, tuple)) and len(v) == 2
-                  and all(_number(b) and 0 <= b < 1 for b in v)}
-        for key, ok in checks.items():
-            if key in saved and not ok(saved[key]):
-                raise ValueError(f"{where}: {key}={saved[key]!r} is invalid; nothing was loaded")
+        bad = _invalid_gain_key(saved)
+        if bad is not None:
+            raise ValueError(f"{where}: {bad}={saved[bad]!r} is invalid; nothing was loaded")
 
     @staticmethod
     def _check_saved_entry(name: str, saved: dict[str, Any]) -> None:

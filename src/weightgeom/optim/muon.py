@@ -24,6 +24,7 @@ from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
 from weightgeom.optim.checks import (
+    check_fits_param,
     check_new_group,
     check_param_state,
     check_torch_layout,
@@ -57,6 +58,11 @@ _MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
 # Group keys that decide what a parameter's optimizer state means (which buffers exist, their shape and units): a state
 # dict is loaded only into groups with the same values (``Muon.check_state_dict``).
 STRUCTURAL_KEYS = ("algorithm", "manifold", "layout", "split", "momentum_form", "dual_normalize")
+# Per-parameter state of the parameter's shape and dtype (the rest: ``step``, and manifold groups' dual multipliers in
+# the compute dtype, ``DUAL_STATE``).
+PARAM_LIKE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+# A manifold group's per-matrix dual state: n×n per block, in float32 (float64 for a float64 matrix: ``_dual_dtype``).
+DUAL_STATE = ("dual_multiplier", "dual_cold")
 # ``init``: what the first step does with a constrained matrix (see the class docstring).
 INIT_MODES = ("retract", "keep")
 # ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
@@ -191,9 +197,10 @@ class Muon(torch.optim.Optimizer):
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group, a parameter whose dtype is
             not float16, bfloat16, float32 or float64, or one listed twice (naming it), and, in ``step``, a sparse
-            gradient or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient, naming the
-            parameter. ``step`` is all or nothing: every group's gradients are checked before any parameter or state
-            changes.
+            gradient, a gradient or state that no longer fits its parameter (changed after a step: ``p.data = ...``,
+            ``model.half()``) or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient,
+            naming the parameter. ``step`` is all or nothing: every group's gradients are checked before any
+            parameter or state changes.
     """
 
     def __init__(
@@ -300,22 +307,26 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon: group {gi} has {len(group['params'])} params but {len(names)} names")
             group["names"] = names
         _validate_values(group, where=f"Muon group {gi}")
-        if group["algorithm"] == "muon":
-            for i, p in enumerate(group["params"]):
-                name = self._name(group, i, gi)
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D matrices "
-                        f"(put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)"
-                    )
-                if p.numel() == 0:
-                    raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}: an empty matrix has no "
-                                     "direction to orthogonalise (leave it out of the optimizer)")
-                k = group["split"]
-                out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
-                if k is not None and out_dim % int(k) != 0:
-                    raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
+        for i, p in enumerate(group["params"]):
+            self._check_matrix(group, gi, i, p)
         self._resolve_choices(group)
+
+    def _check_matrix(self, group: dict[str, Any], gi: int, i: int, p: torch.Tensor) -> None:
+        """Refuse a parameter of an ``algorithm="muon"`` group that is not a non-empty 2-D matrix whose output dim
+        ``split`` divides, naming it."""
+        if group["algorithm"] != "muon":
+            return
+        name = self._name(group, i, gi)
+        if p.ndim != 2:
+            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D "
+                             "matrices (put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)")
+        if p.numel() == 0:
+            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}: an empty matrix has no direction "
+                             "to orthogonalise (leave it out of the optimizer)")
+        k = group["split"]
+        out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
+        if k is not None and out_dim % int(k) != 0:
+            raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
 
     def _resolve_choices(self, group: dict[str, Any]) -> None:
         """Resolve a group's manifold and per-device choices (constraint products, msign) now, so a step never
@@ -446,8 +457,23 @@ class Muon(torch.optim.Optimizer):
         """
         groups = self.check_state_dict(state_dict)
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        self._restore_dual_dtype(state_dict)
         for group in self.param_groups:
             self._resolve_choices(group)
+
+    def _restore_dual_dtype(self, state_dict: dict[str, Any]) -> None:
+        """Put the loaded dual multipliers back in the dtype the step keeps them in (``_dual_dtype``): torch's
+        ``load_state_dict`` casts all floating state to its parameter's dtype, which rounds a float16/bfloat16
+        parameter's float32 multipliers (a resumed run then drifted from an uninterrupted one)."""
+        saved = state_dict["state"]
+        for sg, group in zip(state_dict["param_groups"], self.param_groups):
+            if group["algorithm"] != "muon" or group["manifold"] is None:
+                continue
+            for k, p in zip(sg["params"], group["params"]):
+                for key in DUAL_STATE:
+                    t = saved.get(k, {}).get(key)
+                    if torch.is_tensor(t):
+                        self.state[p][key] = t.to(device=p.device, dtype=_dual_dtype(p))
 
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -492,7 +518,8 @@ class Muon(torch.optim.Optimizer):
 
     def check_step(self) -> None:
         """Raise what ``step`` would refuse other than a NaN/Inf gradient — a sparse gradient, a parameter of an
-        unsupported dtype, a manifold-constrained matrix holding NaN/Inf — changing nothing. A wrapper that changes
+        unsupported dtype, a gradient or state that no longer fits its parameter, a manifold-constrained matrix
+        holding NaN/Inf — changing nothing. A wrapper that changes
         its own state before calling ``step`` (``MagnitudeDirection``, which checks the gradients itself) calls it
         first, so that the whole step stays all or nothing.
 
@@ -541,21 +568,50 @@ class Muon(torch.optim.Optimizer):
         self._warn_far_retraction()
 
     def _with_grads(self) -> list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]:
-        """(group index, group, [(param index, param)]) for every group with at least one gradient; refuses sparse
-        gradients (naming the parameter) before anything changes."""
+        """(group index, group, [(param index, param)]) for every group with at least one gradient, each checked
+        (``_check_step_group``) before anything changes."""
         work = []
         for gi, group in enumerate(self.param_groups):
             items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            for i, p in items:
-                if not dtype_supported(p):  # its dtype was changed after it was added (``p.data = ...``)
-                    label = param_label(self._name(group, i, gi), gi, i, p)
-                    raise ValueError(f"{unsupported_dtype('Muon', label, p)}; step refused, nothing was changed")
-                if p.grad.is_sparse:
-                    raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
-                                     "(unsupported); step refused, nothing was changed")
             if items:
+                self._check_step_group(gi, group, items)
                 work.append((gi, group, items))
         return work
+
+    def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
+        """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
+        the group since it was added that the constructor refuses (``_validate_values``, the manifold, the matrices'
+        shapes), and per parameter with a gradient an unsupported dtype, a sparse gradient, a gradient or state that
+        no longer fits it (``checks.check_fits_param``: ``p.data = ...`` or ``model.half()`` after a step) or state
+        its group does not keep (its ``algorithm`` or ``manifold`` changed after a step). Metadata only: no host
+        synchronisation.
+
+        Raises:
+            ValueError: one line naming the group or parameter; nothing was changed.
+        """
+        try:
+            _validate_values(group, where=f"Muon group {gi}")
+            if group["manifold"] is not None:
+                self._manifold(group)
+            for i, p in items:
+                self._check_matrix(group, gi, i, p)
+        except ValueError as e:
+            raise ValueError(f"{e}; step refused, nothing was changed") from None
+        for i, p in items:
+            label = param_label(self._name(group, i, gi), gi, i, p)
+            if not dtype_supported(p):  # its dtype was changed after it was added (``p.data = ...``)
+                raise ValueError(f"{unsupported_dtype('Muon', label, p)}; step refused, nothing was changed")
+            if p.grad.is_sparse:
+                raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
+                                 "(unsupported); step refused, nothing was changed")
+            state, shapes = self.state.get(p, {}), _state_shapes(group, p)
+            check_fits_param("Muon", label, p, state, shapes, PARAM_LIKE_STATE)
+            extra = _foreign_key(state, shapes)
+            if extra is not None:
+                raise ValueError(f"Muon: {label} holds optimizer state {extra!r}, which a group of "
+                                 f"algorithm={group['algorithm']!r}, manifold={_structural(group['manifold'])!r} does "
+                                 f"not keep: group {gi}'s algorithm or manifold was changed after a step; set it back, "
+                                 "or build the optimizer again; step refused, nothing was changed")
 
     @staticmethod
     def _manifold_items(work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]
@@ -869,8 +925,19 @@ def _state_shapes(group: dict[str, Any], p: torch.Tensor) -> dict[str, tuple[int
         k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
         n = min(rows // int(k), cols) if k else min(rows, cols)
         dual = (int(k), n, n) if k else (n, n)
-        shapes.update(dual_multiplier=dual, dual_cold=dual)
+        shapes.update(dict.fromkeys(DUAL_STATE, dual))
     return shapes
+
+
+def _foreign_key(state: dict[str, Any], shapes: dict[str, tuple[int, ...] | None]) -> str | None:
+    """The first key of a parameter's state that ``shapes`` (``_state_shapes``: what its group keeps) lacks."""
+    return next((key for key in state if key not in shapes), None)
+
+
+def _dual_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of a manifold matrix's dual state: that of its working copy in the step (float16/bfloat16 matrices
+    are stepped in float32)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def _out_in(shape: torch.Size, layout: str) -> tuple[int, int]:
@@ -932,7 +999,7 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
             raise bad(key, f"choose one of {list(allowed)}")
     if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
         raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
-    if group.get("lr") is not None and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
+    if "lr" in group and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
         raise bad("lr", "must be a finite number ≥ 0")
     if "adamw_lr" in group and group["adamw_lr"] is not None and not num("adamw_lr") >= 0.0:
         raise bad("adamw_lr", "must be ≥ 0 or None")
