@@ -219,6 +219,18 @@ def test_preset_never_replaces_a_written_key_even_at_its_default():
     assert preset_report(load_config(None, ["optim.preset=ours"])) == {}
 
 
+def test_preset_says_manifold_groups_get_no_weight_decay():
+    # as published: no decay on constrained matrices, whatever optim.muon.weight_decay says (it decays the
+    # unconstrained Muon matrices); the preset's line says so, written key or not
+    key = "manifold groups' weight_decay (optim.muon.weight_decay: unconstrained matrices)"
+    for sets in ([], ["optim.muon.weight_decay=0.05"]):
+        cfg = load_config(None, ["optim.preset=paper", "optim.strategy=hetero", *sets])
+        opt = build_optimizer(_tiny_gpt(), config=cfg.optim)
+        assert {g["weight_decay"] for g in opt.param_groups if g.get("manifold") is not None} == {0.0}
+        assert preset_report(cfg)["optim.preset"]["set"][key] == 0.0
+        assert f"{key}=0.0" in describe_presets(preset_report(cfg))[0]
+
+
 def test_preset_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["optim.preset=paper", "optim.strategy=hetero", "optim.muon.dual_steps=9"])
     assert cfg.optim.muon.dual_keep == "last" and cfg.optim.muon.dual_steps == 9

@@ -461,9 +461,14 @@ def preset_report(cfg: Config) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     o = cfg.optim
     if o.preset_values() or o.preset_overrides():
-        out["optim.preset"] = {"value": o.preset,
-                               "set": {f"optim.muon.{k}": v for k, v in o.preset_values().items()},
-                               "kept": {f"optim.muon.{k}": [v, p] for k, (v, p) in o.preset_overrides().items()}}
+        entry = {"value": o.preset, "set": {f"optim.muon.{k}": v for k, v in o.preset_values().items()},
+                 "kept": {f"optim.muon.{k}": [v, p] for k, (v, p) in o.preset_overrides().items()}}
+        if o.preset == "paper":
+            # build_optimizer gives manifold groups no decay, as the published code does; part of the preset's
+            # algorithm, so a resolved config re-run reproduces it; optim.muon.weight_decay (the preset's 0.1 or
+            # the user's) applies to unconstrained Muon matrices, and a rule's weight_decay wins over both
+            entry["set"]["manifold groups' weight_decay (optim.muon.weight_decay: unconstrained matrices)"] = 0.0
+        out["optim.preset"] = entry
     name = cfg.model.get("preset")
     if name:
         base, model = MODEL_PRESETS[name][1], cfg.model
