@@ -784,3 +784,33 @@ def test_refused_add_param_group_leaves_the_optimizer_as_it_was():
         with pytest.raises(ValueError, match=msg):
             opt.add_param_group(group)
         assert len(opt.param_groups) == 1
+
+
+def test_adopt_manifolds_takes_a_moved_groups_manifold_and_nothing_else():
+    """A run's own checkpoint whose group moved DGram → Stiefel (AutoAssign) loads after ``adopt_manifolds``; a
+    manifold ↔ plain change is never adopted (``load_state_dict`` refuses it), and ``restore_manifolds`` undoes."""
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(3)]
+
+    def opt_for(manifolds):
+        return Muon([{"params": [w], "names": [f"w{i}"], "manifold": m} for i, (w, m) in enumerate(zip(ws, manifolds))],
+                    lr=0.02)
+
+    donor = opt_for(["stiefel", None, "stiefel"])
+    for w in ws:
+        w.grad = torch.randn_like(w)
+    donor.step()
+    sd = copy.deepcopy(donor.state_dict())
+    opt = opt_for(["dgram", None, "dgram"])
+    with pytest.raises(ValueError, match="manifold='stiefel' in the state dict but manifold='dgram'"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    before = opt.adopt_manifolds(sd)
+    assert before == {0: "dgram", 2: "dgram"}
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert [g["manifold"] for g in opt.param_groups] == ["stiefel", None, "stiefel"]
+    opt.restore_manifolds(before)
+    assert [g["manifold"] for g in opt.param_groups] == ["dgram", None, "dgram"]
+    plain = opt_for([None, None, None])
+    assert plain.adopt_manifolds(sd) == {} and plain.adopt_manifolds({"state": {}}) == {}
+    with pytest.raises(ValueError, match="manifold='stiefel' in the state dict but manifold=None"):
+        plain.load_state_dict(copy.deepcopy(sd))

@@ -444,6 +444,45 @@ class Muon(torch.optim.Optimizer):
                                  "loaded")
         return merged
 
+    def adopt_manifolds(self, state_dict: Any) -> dict[int, Any]:
+        """Put each group that is on a manifold onto the manifold its saved group names, where that is another one —
+        for a run's own checkpoint whose groups moved between manifolds while it trained (``AutoAssign`` moves
+        attention groups from DGram to Stiefel). The dual state of every manifold has the same shape, so
+        ``load_state_dict`` then checks the state against the manifold it was made on. A group without a manifold,
+        or a saved group without one, is left as it is (``load_state_dict`` refuses that change).
+
+        Args:
+            state_dict: a ``state_dict()`` of a Muon over the same groups; anything else changes nothing.
+
+        Returns:
+            group index → the manifold it had, for each group changed (give it to ``restore_manifolds`` to undo).
+        """
+        if describe_state_dict(state_dict) != "a Muon state dict":
+            return {}
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
+            return {}
+        before: dict[int, Any] = {}
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            theirs = saved.get("manifold") if isinstance(saved, dict) else None
+            ours = group.get("manifold")
+            if (isinstance(theirs, str) and ours is not None and group.get("algorithm") == "muon"
+                    and theirs != _structural(ours)):
+                before[gi] = ours
+                group["manifold"] = theirs
+        try:
+            for gi in before:
+                self._resolve_choices(self.param_groups[gi])
+        except ValueError:
+            self.restore_manifolds(before)
+            return {}
+        return before
+
+    def restore_manifolds(self, before: dict[int, Any]) -> None:
+        """Undo ``adopt_manifolds`` (its return value)."""
+        for gi, manifold in before.items():
+            self.param_groups[gi]["manifold"] = manifold
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a Muon with the same groups — all of it, after ``check_state_dict`` accepted
         all of it, or nothing.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightgeom.optim import MagnitudeDirection
+from weightgeom.optim import MagnitudeDirection, Muon
 from weightgeom.train.checkpoint import CheckpointError
 from weightgeom.train.config import RESUMABLE_KEYS, Config, config_to_dict
 from weightgeom.train.distributed import ShardedStep
@@ -105,14 +105,19 @@ def load_optimizer_state(stepper: torch.optim.Optimizer | ShardedStep, sd: Any, 
     """``stepper.load_state_dict(sd)``, then check that parameter-shaped state has its parameter's shape.
 
     torch's ``Optimizer.load_state_dict`` checks group sizes but not the shapes of the state tensors; a mismatch would
-    surface only at the next step, as a traceback.
+    surface only at the next step, as a traceback. A Muon group that the run moved to another manifold
+    (``AutoAssign``) is put back on the checkpoint's manifold first (``Muon.adopt_manifolds``; undone on refusal).
 
     Raises:
         CheckpointError: one line naming the checkpoint and the parameter (or torch's first line).
     """
+    opt = stepper.optimizer if isinstance(stepper, ShardedStep) else stepper
+    moved = opt.adopt_manifolds(sd) if isinstance(opt, Muon) else {}  # groups AutoAssign moved in an earlier session
     try:
         stepper.load_state_dict(sd)
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+        if moved:
+            opt.restore_manifolds(moved)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path}: optimizer state does not fit this optimizer: {line}") \
             from e
