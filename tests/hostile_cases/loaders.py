@@ -12,9 +12,15 @@ Every row builds its input in a few kilobytes (a 5-layer stack of 16×8 matrices
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
 import shutil
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +71,57 @@ def _gguf(path: Path, head_count: int | str = 2, tensor: str = "ffn_up") -> Path
 
 def _analyze(tmp: Path, *args: str | Path):
     return cli("analyze", *args, "--quiet", "--no-plots", "--out", tmp / "report")
+
+
+#: Seconds a refusal may take (it takes milliseconds; a hang on a FIFO or a header loop never ends).
+HANG_LIMIT_S = 30
+
+
+_RELEASE = """import os, sys, time
+time.sleep(float(sys.argv[1]))
+for _ in range(50):  # for 10 s: a writer that opens and closes each FIFO gives a blocked reader end-of-file
+    for f in sys.argv[2:]:
+        try:
+            os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    time.sleep(0.2)
+"""
+
+
+def _bounded(seconds: float, fn: Callable, *args, fifos: Sequence[Path] = ()):
+    """``fn(*args)`` in a daemon thread that must finish within ``seconds`` (as ``_within`` in ``data.py``; the CLI
+    owns SIGALRM while a command runs, so no alarm). On a hang the work is released before the row fails, so a
+    regression cannot block or grow the rest of the suite: a watchdog *process* opens and closes each FIFO in
+    ``fifos`` for writing after ``seconds`` (a reader blocked in ``open`` gets end-of-file — from another process,
+    since a reader such as ``safetensors.safe_open`` holds the GIL while it blocks), and the thread gets an exception
+    (a Python loop that never ends)."""
+    box: dict = {}
+
+    def work() -> None:
+        box["value"] = fn(*args)
+
+    watchdog = (subprocess.Popen([sys.executable, "-c", _RELEASE, str(seconds), *map(str, fifos)])
+                if fifos else None)
+    try:
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        t.join(seconds)
+        if t.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(SystemExit))
+            t.join(15)
+    finally:
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
+    assert "value" in box, f"{getattr(fn, '__name__', fn)}{args} still running after {seconds} s (a hang)"
+    return box["value"]
+
+
+def _refused_at_once(tmp: Path, args: Sequence[str | Path], *must: str, fifos: Sequence[Path] = (),
+                     limit: float = HANG_LIMIT_S) -> None:
+    """``weightgeom analyze ARGS`` refused with one line holding ``must`` within ``limit`` seconds, no report."""
+    _refused(tmp, _bounded(limit, _analyze, tmp, *args, fifos=fifos), *must)
 
 
 def _refused(tmp: Path, res, *must: str) -> None:
@@ -223,6 +280,238 @@ def _all_nan_refused(tmp: Path) -> None:
     _refused(tmp, _analyze(tmp, p), "m.safetensors", "NaN or Inf", _NAME.format(i=0))
 
 
+_FIFO = "is a FIFO (named pipe), not a regular file"
+
+
+def _model_dir(path: Path, nan_layers: tuple[int, ...] = ()) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    _safetensors(path / "model.safetensors", nan_layers)
+    return path
+
+
+def _st_index(folder: Path, shard_of: Callable[[int], str]) -> Path:
+    """A ``model.safetensors.index.json`` placing layer i's tensor in shard ``shard_of(i)``."""
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {_NAME.format(i=i): shard_of(i)
+                                                                for i in range(_LAYERS)}}))
+    return index
+
+
+def _fifo_model_files(tmp: Path) -> None:
+    good = _safetensors(tmp / "good.safetensors")
+    m = tmp / "m"
+    m.mkdir()
+    os.mkfifo(m / "model.safetensors")  # a folder whose model file is a FIFO
+    _refused_at_once(tmp, [m], "m/model.safetensors", _FIFO, fifos=[m / "model.safetensors"])
+    c = _model_dir(tmp / "c")
+    os.mkfifo(c / "config.json")  # a FIFO config.json beside a good model file
+    _refused_at_once(tmp, [c], "c/config.json", _FIFO, fifos=[c / "config.json"])
+    s = tmp / "s"
+    s.mkdir()
+    sd = _weights()
+    from safetensors.torch import save_file
+
+    save_file({k: v for i, (k, v) in enumerate(sd.items()) if i % 2 == 0}, str(s / "a.safetensors"))
+    os.mkfifo(s / "b.safetensors")  # a shard the index lists is a FIFO (was: "missing")
+    _st_index(s, lambda i: "a.safetensors" if i % 2 == 0 else "b.safetensors")
+    _refused_at_once(tmp, [s], "s/b.safetensors", _FIFO, fifos=[s / "b.safetensors"])
+    for name in ("pipe.gguf", "pipe.pt", "pytorch_model.bin"):  # a FIFO given directly, of every format
+        os.mkfifo(tmp / name)
+        _refused_at_once(tmp, [tmp / name], name, _FIFO, fifos=[tmp / name])
+        _refused_at_once(tmp, [good, "--reference", tmp / name], name, _FIFO, fifos=[tmp / name])
+    os.mkfifo(tmp / "roles.json")
+    _refused_at_once(tmp, [good, "--roles", tmp / "roles.json"], "roles.json", _FIFO, fifos=[tmp / "roles.json"])
+
+
+def _special_metadata_files(tmp: Path) -> None:
+    m = _model_dir(tmp / "m")
+    (m / "config.json").symlink_to("/dev/null")  # a device where config.json belongs
+    _refused_at_once(tmp, [m], "m/config.json", "is a character device, not a regular file")
+    (m / "config.json").unlink()
+    with open(m / "config.json", "wb") as f:  # sparse: 64 MiB + 1 byte of zeros on disk costs nothing
+        f.truncate((64 << 20) + 1)
+    _refused_at_once(tmp, [m], "m/config.json", "more than the 64 MiB")
+    (m / "config.json").unlink()
+    s = tmp / "s"
+    _model_dir(s).joinpath("model.safetensors").rename(s / "model-1.safetensors")
+    index = _st_index(s, lambda i: "model-1.safetensors")
+    assert _analyze(tmp, s).rc == 0
+    shutil.rmtree(tmp / "report")
+    with open(index, "wb") as f:
+        f.truncate((64 << 20) + 1)
+    _refused_at_once(tmp, [s], "model.safetensors.index.json", "more than the 64 MiB")
+    index.unlink()
+    index.symlink_to("/dev/null")
+    _refused_at_once(tmp, [s], "model.safetensors.index.json", "is a character device")
+    with open(tmp / "roles.json", "wb") as f:
+        f.truncate((64 << 20) + 1)
+    _refused_at_once(tmp, [m, "--roles", tmp / "roles.json"], "roles.json", "more than the 64 MiB")
+
+
+def _gguf_header(kvs: bytes, n_kv: int, n_tensors: int = 0) -> bytes:
+    """A GGUF v3 header (magic, version, tensor count, metadata count) followed by ``kvs`` and 64 zero bytes."""
+    return struct.pack("<IIQQ", 0x46554747, 3, n_tensors, n_kv) + kvs + bytes(64)
+
+
+def _gguf_str(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _gguf_huge_array(tmp: Path) -> None:
+    arch = _gguf_str(b"general.architecture") + struct.pack("<I", 8) + _gguf_str(b"llama")
+    huge = 1 << 62
+    cases = {  # file name -> (header, words the line must hold)
+        "strings.gguf": (_gguf_header(arch + _gguf_str(b"x.tokens") + struct.pack("<IIQ", 9, 8, huge), 2),
+                         ("x.tokens", str(huge), "items")),
+        "bytes.gguf": (_gguf_header(arch + _gguf_str(b"x.bytes") + struct.pack("<IIQ", 9, 0, huge), 2),
+                       ("x.bytes", str(huge), "items")),  # GGUFReader looped on this one forever, allocating
+        "kv.gguf": (_gguf_header(b"", huge), (str(huge), "metadata entries")),
+        "tensors.gguf": (_gguf_header(b"", 0, huge), (str(huge), "tensor infos")),
+        "big.gguf": (_gguf_header(arch + _gguf_str(b"x.many") + struct.pack("<IIQ", 9, 0, 3 << 20) + bytes(3 << 20),
+                                  2), ("x.many", str(3 << 20), "2097152")),  # real bytes, too many items to build
+    }
+    for name, (data, must) in cases.items():
+        (tmp / name).write_bytes(data)
+        _refused_at_once(tmp, [tmp / name], name, "GGUF header", *must, limit=10)
+
+
+_FLOATS = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "bfloat16",
+           "float16", "float64")
+
+
+def _pairs(tmp: Path) -> list[dict]:
+    with open(tmp / "report" / "pairs.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _float8_weights(tmp: Path) -> None:
+    from safetensors.torch import save_file
+
+    ref = _safetensors(tmp / "w0.safetensors")
+    for dt in _FLOATS:
+        sd = {k: (v + 1).to(getattr(torch, dt)) for k, v in _weights().items()}  # e8m0: positive powers of two
+        save_file(sd, str(tmp / f"{dt}.safetensors"))
+        torch.save(sd, tmp / f"{dt}.pt")
+        for p in (tmp / f"{dt}.safetensors", tmp / f"{dt}.pt"):
+            for args in ((p,), (ref, "--reference", p), (p, "--reference", ref)):
+                res = _analyze(tmp, *args)
+                assert res.rc == 0 and "Traceback" not in res.err, f"{dt} {args}: {res.err}"
+                pairs = _pairs(tmp)
+                assert len(pairs) == _LAYERS - 1, (dt, args, pairs)
+                if len(args) > 1:
+                    assert all(r.get("delta_cv") for r in pairs), (dt, args, pairs[0])
+                shutil.rmtree(tmp / "report")
+    packed = _weights()
+    packed[_NAME.format(i=1)] = torch.zeros(16, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    torch.save(packed, tmp / "fp4.pt")  # two 4-bit floats a byte: torch cannot convert it, so one line names it
+    _refused(tmp, _analyze(tmp, tmp / "fp4.pt"), "fp4.pt", _NAME.format(i=1), "float4_e2m1fn_x2")
+
+
+def _suggest_nothing_qualifies(tmp: Path) -> None:
+    import pandas as pd
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)  # independent 64×64 layers: a top-8 basis keeps ~8/64 of the next one
+    save_file({_NAME.format(i=i): torch.randn(64, 64, generator=g) for i in range(_LAYERS)}, str(tmp / "m.safetensors"))
+    one = {_NAME.format(i=0): torch.randn(64, 64, generator=g)}
+    save_file(one, str(tmp / "one.safetensors"))  # a single layer: no pair at all
+    for name, why in (("m.safetensors", "the best, Up layers"), ("one.safetensors", "no pair to compare")):
+        res = _analyze(tmp, tmp / name, "--suggest")
+        assert res.rc == 0 and "Traceback" not in res.err, res.err
+        line = next(ln for ln in res.out.splitlines() if ln.strip().startswith("none"))
+        assert why in line, line
+        runs = pd.read_csv(tmp / "report" / "suggest.csv")  # a header row, no data rows
+        assert runs.empty and list(runs.columns)[:4] == ["role", "space", "first_layer", "last_layer"], runs
+        assert "mean_share_k8" in runs.columns, list(runs.columns)
+        shutil.rmtree(tmp / "report")
+
+
+def _int_tensors(tmp: Path) -> None:
+    from safetensors.torch import save_file
+
+    for dt in (torch.int64, torch.bool, torch.int8):
+        sd = {k: v.to(dt) for k, v in _weights().items()}
+        name = str(dt).removeprefix("torch.")
+        save_file(sd, str(tmp / f"{name}.safetensors"))
+        _refused(tmp, _analyze(tmp, tmp / f"{name}.safetensors"), f"{name}.safetensors", _NAME.format(i=0),
+                 f"are {name}", "not weights")
+        torch.save(sd, tmp / f"{name}.pt")
+        _refused(tmp, _analyze(tmp, tmp / f"{name}.pt"), f"{name}.pt", f"are {name}", "not weights")
+    sd = {k: v.to(torch.int8) for k, v in _weights().items()}
+    sd["model.embed_tokens.weight"] = torch.randn(32, 8)  # a float matrix that is no role beside int8 role tensors
+    torch.save(sd, tmp / "mixed.pt")
+    _refused(tmp, _analyze(tmp, tmp / "mixed.pt"), "mixed.pt", _NAME.format(i=0), "are int8", "not weights")
+
+
+def _index_shards_outside(tmp: Path) -> None:
+    m = tmp / "m"
+    m.mkdir()
+    _safetensors(tmp / "outside.safetensors")
+    _st_index(m, lambda i: "../outside.safetensors")  # every shard outside, no *.safetensors in the folder
+    _refused(tmp, _analyze(tmp, m), "m/model.safetensors.index.json", "lists shard", "'../outside.safetensors'",
+             "outside")
+    (m / "shard.safetensors").symlink_to(tmp / "outside.safetensors")  # a plain name, a link that leads out
+    _st_index(m, lambda i: "shard.safetensors")
+    _refused(tmp, _analyze(tmp, m), "m/model.safetensors.index.json", "lists shard", "'shard.safetensors'",
+             "outside")
+
+
+def _symlink_loop_dangling(tmp: Path) -> None:
+    (tmp / "a.safetensors").symlink_to("b.safetensors")
+    (tmp / "b.safetensors").symlink_to("a.safetensors")
+    _refused(tmp, _analyze(tmp, tmp / "a.safetensors"), "a.safetensors", "a loop of symbolic links")
+    m = _model_dir(tmp / "m")
+    (m / "config.json").symlink_to("config.json")  # a link to itself inside a model folder
+    _refused(tmp, _analyze(tmp, m), "m/config.json", "a loop of symbolic links")
+    (m / "config.json").unlink()
+    (tmp / "gone.gguf").symlink_to("deleted.gguf")
+    _refused(tmp, _analyze(tmp, tmp / "gone.gguf"), "gone.gguf", "deleted.gguf", "does not exist")
+    (m / "model.safetensors").unlink()
+    (m / "model.safetensors").symlink_to(tmp / "deleted.safetensors")  # a dangling model file in a folder
+    _refused(tmp, _analyze(tmp, m), "m/model.safetensors", "deleted.safetensors", "does not exist")
+
+
+def _dir_named_like_file(tmp: Path) -> None:
+    m = _model_dir(tmp / "m")
+    (m / "model.safetensors").unlink()
+    (m / "model.safetensors").mkdir()  # a folder where the model file belongs (was: "No such device")
+    _refused(tmp, _analyze(tmp, m), "m/model.safetensors", "is a directory, not a safetensors file")
+    _refused(tmp, _analyze(tmp, m / "model.safetensors"), "m/model.safetensors", "is a directory, not a safetensors")
+    (tmp / "w.gguf").mkdir()
+    _refused(tmp, _analyze(tmp, tmp / "w.gguf"), "w.gguf", "is a directory, not a GGUF file")
+    g = tmp / "g"
+    (g / "x.gguf").mkdir(parents=True)
+    _refused(tmp, _analyze(tmp, g), "g/x.gguf", "is a directory, not a GGUF file")
+
+
+def _empty_model_files(tmp: Path) -> None:
+    for name in ("e.safetensors", "e.gguf", "e.pt", "e.bin"):
+        (tmp / name).write_bytes(b"")
+        _refused(tmp, _analyze(tmp, tmp / name), name, "empty file (0 bytes)")
+    d = tmp / "d"
+    d.mkdir()
+    torch.save(_weights(), d / "a.pt")
+    (d / "b.gguf").write_bytes(b"")  # a folder of mixed formats whose GGUF file is empty
+    _refused(tmp, _analyze(tmp, d), "d/b.gguf", "empty file (0 bytes)")
+
+
+def _gguf_undequantizable(tmp: Path) -> None:
+    import gguf
+
+    p = tmp / "q8k.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_int32("llama.attention.head_count", 2)
+    for i in range(_LAYERS):  # Q8_K (llama.cpp's intermediate type): gguf.quants has no dequantize for it
+        w.add_tensor(f"blk.{i}.ffn_up.weight", np.ones((16, 292), dtype=np.uint8),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    line = assert_one_line_error(_analyze(tmp, p), "q8k.gguf", "Q8_K", "cannot dequantize", "blk.0.ffn_up.weight")
+    assert line.count("q8k.gguf") == 1, f"the file is named more than once: {line!r}"
+
+
 def _row(id_: str, what: str, check) -> Hostile:
     return Hostile(id_, "loader", what, check)
 
@@ -259,4 +548,34 @@ CASES: list[Hostile] = [
     _row("sharded-bin", "a model directory of sharded `pytorch_model-*.bin` files is loaded through "
          "`pytorch_model.bin.index.json`, each shard tensors-only; a shard outside the directory or one that pickles "
          "code is refused with one line naming it", _sharded_bin),
+    _row("fifo-model-files", "a FIFO where `analyze` reads a file (a folder's `model.safetensors` or `config.json`, a "
+         "shard its index lists, a .gguf/.pt/`pytorch_model.bin` given directly or as `--reference`, a `--roles` "
+         "file) is refused at once with one line naming it as a FIFO; nothing blocks", _fifo_model_files),
+    _row("special-metadata-files", "a `config.json`, `model.safetensors.index.json` or `--roles` file that is a "
+         "device or larger than 64 MiB (a sparse file) is refused with one line naming it and what it is or the "
+         "bound, before it is read", _special_metadata_files),
+    _row("gguf-huge-array-count", "a GGUF header that declares 2^62 metadata-array items, metadata entries or "
+         "tensors, or 3M array items in a 3 MB file, is refused at once with one line naming the file and the count "
+         "(before, GGUFReader looped on it without end, allocating)", _gguf_huge_array),
+    _row("float8-weights", "weights in every floating dtype torch holds (float8 e4m3fn, e5m2, their fnuz variants, "
+         "e8m0fnu; bf16, fp16, fp64), as safetensors or .pt, as PATH or `--reference`, are analysed in float32; a "
+         "packed float4 matrix is refused with one line naming it", _float8_weights),
+    _row("suggest-nothing-qualifies", "`--suggest` where no adjacent pair keeps enough energy, or no pair exists, "
+         "writes `suggest.csv` with its header and no rows (pandas reads it) and says why none qualified",
+         _suggest_nothing_qualifies),
+    _row("int-tensors-not-weights", "int64, bool or int8 tensors under weight names (alone or beside a float "
+         "embedding) are refused with one line naming them and their dtype as not weights", _int_tensors),
+    _row("index-shards-outside", "a `model.safetensors.index.json` whose shards all lie outside its folder (`../x`, "
+         "or a link that leads out) is refused with one line naming the index and the shard as outside",
+         _index_shards_outside),
+    _row("symlink-loop-dangling", "a loop of symbolic links (the model path, or `config.json` in a folder) or a "
+         "dangling link (a .gguf, a folder's model file) gets one line saying so and naming the missing target",
+         _symlink_loop_dangling),
+    _row("dir-named-like-model-file", "a directory named `model.safetensors` or `*.gguf` (in a model folder or "
+         "given directly) is refused with one line saying it is a directory, not a safetensors/GGUF file",
+         _dir_named_like_file),
+    _row("empty-model-files", "a zero-byte .safetensors, .gguf, .pt or .bin file (given directly or in a folder of "
+         "mixed formats) gets one line naming it as an empty file", _empty_model_files),
+    _row("gguf-undequantizable", "a GGUF file whose matrices are all of a type the gguf package cannot dequantize "
+         "(Q8_K) is refused with one line naming the file once, the type and a tensor", _gguf_undequantizable),
 ]

@@ -73,8 +73,30 @@ def _as_loaded(source) -> Loaded:
     return source if isinstance(source, Loaded) else open_lazy(source)
 
 
+_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def as_computable(t: torch.Tensor, name: str = "") -> torch.Tensor:
+    """``t`` in a dtype torch computes with: float8 (e4m3fn, e5m2, their fnuz variants, e8m0fnu) and other
+    storage-only floats become float32 (``isfinite``, ``any`` and matmuls are not implemented for them); other
+    tensors are returned as they are.
+
+    Raises:
+        ValueError: a floating dtype torch cannot convert (the packed ``float4_e2m1fn_x2``), one line naming ``name``.
+    """
+    if not t.is_floating_point() or t.dtype in _NATIVE_FLOATS:
+        return t
+    try:
+        return t.float()
+    except (NotImplementedError, RuntimeError):
+        dtype = str(t.dtype).removeprefix("torch.")
+        raise ValueError(f"{name or 'a tensor'} is {dtype}, which torch cannot convert to float32 (a packed "
+                         "format); unpack or dequantise it first") from None
+
+
 def _nonfinite(t: torch.Tensor) -> str | None:
     """``"3 NaN, 1 Inf of 4096 entries"`` when ``t`` holds non-finite values, else None."""
+    t = as_computable(t)
     if not t.is_floating_point() or bool(torch.isfinite(t).all()):
         return None
     return f"{int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} Inf of {t.numel()} entries"
@@ -90,7 +112,7 @@ def _empty(t: torch.Tensor) -> str | None:
 def _zero(t: torch.Tensor) -> str | None:
     """``"all zero: no singular direction"`` for an all-zero matrix (its singular vectors are arbitrary, so any
     alignment with it would be meaningless; e.g. a pruned or never-trained layer), else None."""
-    if t.is_floating_point() and not bool(t.any()):
+    if t.is_floating_point() and not bool(as_computable(t).any()):
         return "all zero: no singular direction"
     return None
 
@@ -257,7 +279,7 @@ class _RoleAnalysis:
         ref = None if by_layer is None else by_layer.get(rw.layer)
         if ref is None or tuple(ref.shape) != tuple(shape):
             return None, "missing"
-        t = materialize(ref)
+        t = as_computable(materialize(ref), f"{what} {getattr(ref, 'name', f'of {self.role} layer {rw.layer}')}")
         why = _nonfinite(t)
         return (None, f"{self.role} layer {rw.layer} is non-finite ({why})") if why else (t, "")
 
@@ -427,7 +449,7 @@ def _result(ctx: _RunContext, src: Loaded, by_role: dict[str, list[RoleWeight]],
             "time_svd_check_s": ctx.timing["svd_check"], "skipped": list(skipped),
             **({"time_spectra_s": ctx.timing["spectra"]} if "spectra" in ctx.timing else {}),
             "source_meta": {k: v for k, v in src.meta.items() if k != "config"},
-            "gram": ctx.gram, "gram_sketched_roles": list(ctx.sketched_roles)}
+            "gram": ctx.gram, "gram_sketched_roles": list(ctx.sketched_roles), "suggest": ctx.suggest}
     meta["notes"] += sorted({rw.note for r in done for rw in by_role[r] if rw.note}) + ctx.notes
     if ctx.sketched_roles:
         meta["notes"].append(f"Gram alignment sketched for {', '.join(ctx.sketched_roles)} (within {SKETCH_TOL:g} "
@@ -526,7 +548,7 @@ def analyze_full(
         t0 = time.perf_counter()
         ra = _RoleAnalysis(ctx, role)
         for rw in items:
-            W = materialize(rw.weight)
+            W = as_computable(materialize(rw.weight), rw.name)
             why = _empty(W) or _nonfinite(W) or _zero(W)
             if why is not None:
                 kind = why if skip_kind(why) != "non-finite" else f"non-finite ({why})"

@@ -127,6 +127,26 @@ def _unusable_out(out: Path) -> str:
     return unwritable_reason(out)
 
 
+def _role_map_text(roles: str | None) -> str | None:
+    """``--roles`` as JSON text: the text itself, or the contents of the file it names (a regular file only, read
+    with a size bound, so a FIFO or ``/dev/zero`` is one line, not a hang).
+
+    Raises:
+        ValueError: neither JSON text nor a file; a FIFO, device or directory; too large; not UTF-8.
+        OSError: the file cannot be read (with its path).
+    """
+    from weightgeom._files import is_regular, read_text_bounded
+
+    if not roles or roles.lstrip().startswith("{"):
+        return roles
+    try:
+        if not is_regular(roles, "--roles"):
+            raise ValueError(f"--roles is neither JSON text nor an existing file: {roles}")
+        return read_text_bounded(roles, what="--roles")
+    except OSError as e:
+        raise OSError(f"--roles {roles}: cannot read ({e.strerror or e})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the analysis, print the summary table, write the files.
 
@@ -141,15 +161,10 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    roles = args.roles
-    if roles and not roles.lstrip().startswith("{"):
-        rp = Path(roles)
-        if not rp.is_file():
-            return _fail(f"--roles is neither JSON text nor an existing file: {roles}")
-        try:
-            roles = rp.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            return _fail(f"--roles {roles}: cannot read ({e})")
+    try:
+        roles = _role_map_text(args.roles)
+    except (OSError, ValueError) as e:
+        return _fail(str(e))
     if args.gram != "auto" and "gram" not in args.metrics:  # an explicit choice that would silently do nothing
         return _fail(f"--gram {args.gram} chooses how the gram metric is computed, but --metrics "
                      f"{' '.join(args.metrics)} does not include gram: add it or drop --gram")
@@ -185,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _report_interrupt(partial.get("res"), out)
         raise
-    except ValueError as e:
-        return _fail(f"{path}: {e}")
+    except ValueError as e:  # a loader's read error already names its file (a GGUF tensor of an unreadable type)
+        return _fail(str(e) if str(e).startswith(f"{path}") else f"{path}: {e}")
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
@@ -197,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suggest:
         from weightgeom.analysis.report import format_suggestions, shared_basis_runs
 
-        print(format_suggestions(shared_basis_runs(res.pairs)))
+        print(format_suggestions(shared_basis_runs(res.pairs), pairs=res.pairs))
     try:
         paths = write_report(res, out, plots=not args.no_plots,
                              title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")

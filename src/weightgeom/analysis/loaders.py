@@ -17,7 +17,8 @@ same row permutation P and ⟨Pu, Pu'⟩ = ⟨u, u'⟩, tr(PSPᵀ PS'Pᵀ) = tr(
 
 from __future__ import annotations
 
-import json
+import errno
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from weightgeom._files import is_regular, open_regular, read_json
+from weightgeom.analysis._gguf_header import check_gguf_header
 from weightgeom.train.checkpoint import (
     is_checkpoint_file,
     latest_checkpoint,
@@ -75,10 +78,14 @@ class TensorRef:
         shape: shape after the recorded transforms.
         floating: True for a floating-point tensor.
         nbytes: bytes the stored tensor occupies in the file (before dequantisation).
+        dtype: the stored dtype's name as the file states it (``"int64"``, ``"F8_E4M3"``, ``"Q4_K"``; ``""`` when
+            unknown), for messages.
     """
 
-    def __init__(self, name: str, shape: tuple[int, ...], floating: bool, read, nbytes: int = 0, ops: tuple = ()):
+    def __init__(self, name: str, shape: tuple[int, ...], floating: bool, read, nbytes: int = 0, ops: tuple = (),
+                 dtype: str = ""):
         self.name = name
+        self.dtype = dtype
         self.shape = torch.Size(shape)
         self.floating = floating
         self.nbytes = nbytes
@@ -105,7 +112,7 @@ class TensorRef:
     def T(self) -> TensorRef:  # noqa: N802 - mirrors torch.Tensor.T
         """The transposed 2-D tensor (read lazily)."""
         return TensorRef(self.name, tuple(reversed(self.shape)), self.floating, self._read, self.nbytes,
-                         self._ops + (("T",),))
+                         self._ops + (("T",),), self.dtype)
 
     def chunk(self, n: int, dim: int = 0) -> list[TensorRef]:
         """``n`` equal row blocks (``dim`` must be 0; the row count divisible by ``n``), read lazily."""
@@ -113,7 +120,7 @@ class TensorRef:
             raise ValueError(f"{self.name}: cannot split {tuple(self.shape)} into {n} row blocks")
         r = self.shape[0] // n
         return [TensorRef(self.name, (r, *self.shape[1:]), self.floating, self._read, self.nbytes // n,
-                          self._ops + (("rows", i * r, (i + 1) * r),)) for i in range(n)]
+                          self._ops + (("rows", i * r, (i + 1) * r),), self.dtype) for i in range(n)]
 
     def materialize(self) -> torch.Tensor:
         """Read the tensor (an owned CPU tensor in its stored dtype, or float32 for GGUF) and apply the transforms."""
@@ -171,8 +178,9 @@ def _load_torch(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
             file, or holds no state dict — one line naming the file and the reason. Nothing in it is executed.
     """
     notes = []
+    _model_file(path, "PyTorch")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(8)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -226,6 +234,7 @@ def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
+    _model_file(path, "safetensors")
     try:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 - SafetensorError (a Rust exception type), OSError, ...
@@ -234,14 +243,19 @@ def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
                          "truncated or corrupt?") from None
 
 
-def _load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(_load_safetensors_file(f))
-    return out
+def _load_safetensors_dir(path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of an HF safetensors folder in memory: the shards its ``model.safetensors.index.json`` lists, or
+    else every ``*.safetensors`` file."""
+    refs, notes = _lazy_safetensors_dir(path)
+    return {k: materialize(v) for k, v in refs.items()}, notes
 
 
 _BIN_INDEX = "pytorch_model.bin.index.json"
+_FILE_KINDS = {".safetensors": "safetensors", ".gguf": "GGUF", ".pt": "PyTorch", ".pth": "PyTorch", ".bin": "PyTorch",
+               ".ckpt": "PyTorch"}
+_ST_DTYPE_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+                   "I32": "int32", "U64": "uint64", "I64": "int64", "C64": "complex64"}
+"""safetensors' names of the dtypes that are not floating point → torch's (for messages)."""
 
 
 def _shard_paths(index: Path) -> list[Path]:
@@ -261,12 +275,15 @@ def _shard_paths(index: Path) -> list[Path]:
     shards = []
     for name in dict.fromkeys(wmap.values()):
         if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-            raise ValueError(f"{index}: shard {name!r} is not a file name in {index.parent}")
+            raise ValueError(f"{index}: lists shard {name!r}, outside {index.parent} (a shard must be a file name in "
+                             "the index's folder)")
         shard = index.parent / name
         if shard.resolve().parent != base:
-            raise ValueError(f"{index}: shard {name!r} resolves to {shard.resolve()}, outside {index.parent}")
-        if not shard.is_file():
+            raise ValueError(f"{index}: lists shard {name!r}, a link that leads outside {index.parent} (to "
+                             f"{shard.resolve()})")
+        if not os.path.lexists(shard):
             raise ValueError(f"{index}: shard {name} is missing from {index.parent}")
+        _model_file(shard, f"shard ({index.name} lists it)")
         shards.append(shard)
     return shards
 
@@ -279,6 +296,8 @@ def _safetensors_refs(path: Path) -> dict[str, TensorRef]:
         ValueError: truncated, corrupt or not a safetensors file (one line naming it).
     """
     from safetensors import safe_open
+
+    _model_file(path, "safetensors")
 
     def read(name: str, f: str = str(path)) -> torch.Tensor:
         with safe_open(f, framework="pt") as h:
@@ -294,7 +313,8 @@ def _safetensors_refs(path: Path) -> dict[str, TensorRef]:
                 for d in shape:
                     n *= d
                 bits = int("".join(c for c in dt.split("_")[0] if c.isdigit()) or 8)
-                out[k] = TensorRef(k, shape, dt.startswith(("F", "BF")), lambda k=k: read(k), n * bits // 8)
+                out[k] = TensorRef(k, shape, dt.startswith(("F", "BF")), lambda k=k: read(k), n * bits // 8,
+                                   dtype=_ST_DTYPE_NAMES.get(dt, dt))
     except Exception as e:  # noqa: BLE001 - SafetensorError (a Rust exception type), OSError, ...
         msg = str(e).replace("Error while deserializing header: ", "").strip().splitlines()
         raise ValueError(f"{path}: not a readable safetensors file ({msg[0] if msg else type(e).__name__}); "
@@ -309,9 +329,9 @@ def _lazy_safetensors_dir(path: Path) -> tuple[dict[str, TensorRef], list[str]]:
     """References to the tensors of an HF safetensors directory: the shards ``model.safetensors.index.json`` lists
     (only the tensors its ``weight_map`` assigns to each shard), or else every ``*.safetensors`` file."""
     index = path / _ST_INDEX
-    if not index.exists():
+    if not _present(index):
         out: dict[str, TensorRef] = {}
-        for f in sorted(path.glob("*.safetensors")):
+        for f in _files(path, "*.safetensors", "safetensors"):
             out.update(_safetensors_refs(f))
         return out, []
     shards = _shard_paths(index)
@@ -340,14 +360,15 @@ def _lazy_torch(path: Path) -> tuple[dict[str, torch.Tensor | TensorRef], list[s
     copied); our verified checkpoints and legacy pickles are read whole (the same as :func:`_load_torch`)."""
     sd, notes = _load_torch(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             zipped = f.read(4) == b"PK\x03\x04"
     except OSError:
         zipped = False
     if not zipped or notes:  # legacy pickle, or our checkpoint (already verified and in memory)
         return sd, notes
     refs = {k: TensorRef(k, tuple(t.shape), t.is_floating_point(), lambda k=k: _read_torch_one(path, k),
-                         t.numel() * t.element_size()) for k, t in sd.items()}
+                         t.numel() * t.element_size(), dtype=str(t.dtype).removeprefix("torch."))
+            for k, t in sd.items()}
     del sd
     return refs, notes
 
@@ -363,10 +384,74 @@ def _load_sharded_bin(index: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
 
 
 def _read_config_json(path: Path) -> dict:
+    """A model folder's ``config.json`` or shard index: bounded (``SMALL_FILE_LIMIT``), a regular file only."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+        return read_json(path)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _folder_meta(path: Path) -> dict:
+    """``{"path": …, "config": config.json's contents (bounded) when the folder has one}``."""
+    meta: dict = {"path": str(path)}
+    if _present(path / "config.json"):
+        meta["config"] = _read_config_json(path / "config.json")
+    return meta
+
+
+def check_source(path: Path) -> None:
+    """Refuse, with one line that names the real problem, a path that cannot be a model source: nothing there (or a
+    dangling link, or a loop of links — ``Path.exists()`` calls both "missing"), or a FIFO, device or socket
+    (checked with ``stat``: nothing is opened, so nothing blocks). Directories pass (a model folder).
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        ValueError: a dangling link, a loop of links, or a special file.
+    """
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path}: a loop of symbolic links (it never reaches a file)") from None
+        if isinstance(e, FileNotFoundError):
+            raise ValueError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist") from None
+        raise
+    if not path.is_dir():
+        is_regular(path)
+
+
+def _model_file(path: Path, kind: str) -> Path:
+    """``path`` checked as a ``kind`` file (``safetensors``, ``GGUF`` …) before any reader opens it: a directory of
+    that name, a FIFO, a device, an unreadable or an empty file is one line saying what it is, where the reader would
+    say "No such device", "truncated or corrupt?" or block. The file is opened with :func:`open_regular` (non-blocking,
+    checked with ``fstat``) and closed again."""
+    check_source(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a {kind} file")
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    if size == 0:
+        raise ValueError(f"{path}: empty file (0 bytes), not a {kind} file")
+    return path
+
+
+def _present(path: Path) -> bool:
+    """Whether a file a model folder may hold is there (a regular file); a FIFO, device, directory, dangling link or
+    loop of links of that name is one line saying so, not "absent"."""
+    if not os.path.lexists(path):
+        return False
+    _model_file(path, path.suffix.lstrip(".") or "model")
+    return True
+
+
+def _files(folder: Path, pattern: str, kind: str) -> list[Path]:
+    """The ``pattern`` entries of a model folder, each checked as a ``kind`` file (:func:`_model_file`)."""
+    return [_model_file(p, kind) for p in sorted(folder.glob(pattern))]
 
 
 def permute_qk(W: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
@@ -402,6 +487,8 @@ def _open_gguf(path: Path):
     """
     from gguf import GGUFReader
 
+    _model_file(path, "GGUF")
+    check_gguf_header(path)  # counts the reader would trust (a 2**62-item array): refused before it loops on them
     try:
         reader = GGUFReader(str(path))
         size = path.stat().st_size
@@ -423,12 +510,14 @@ def _gguf_tensor(t, path: Path, quantised: set[str]) -> torch.Tensor:
 
     shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF stores ne (innermost first)
     try:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64):
             arr = np.asarray(t.data, dtype=np.float32)
         else:
             arr = dequantize(t.data, t.tensor_type).astype(np.float32)
             quantised.add(t.tensor_type.name)
         return torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))  # owned copy
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name} is of type {t.tensor_type.name}, {_UNREADABLE}") from None
     except Exception as e:  # noqa: BLE001 - unsupported type, wrong size: name the tensor
         raise ValueError(f"{path}: cannot read GGUF tensor {t.name} ({type(e).__name__}: {e})") from None
 
@@ -450,6 +539,37 @@ def _head_count(reader, key: str, path: str | os.PathLike) -> int | None:
 
 
 _GGUF_INT_TYPES = ("I8", "I16", "I32", "I64")
+_UNREADABLE = ("which the installed gguf package cannot dequantize (convert the file to F16, BF16 or a common quant "
+               "type)")
+
+
+@functools.cache
+def _gguf_dequantizable(qtype) -> bool:
+    """Whether :func:`_gguf_tensor` can read a tensor of GGML type ``qtype`` (tried on one zero block with
+    ``gguf.quants.dequantize``, which raises ``NotImplementedError`` for the types it lacks, e.g. Q8_K)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if qtype.name in ("F32", "F16", "F64", *_GGUF_INT_TYPES):
+        return True
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure is the real read's to report, naming the tensor
+        return True
+    return True
+
+
+def _refuse_all_undequantizable(path: Path, refs: dict[str, TensorRef], unreadable: dict[str, str]) -> None:
+    """One line when every matrix of a GGUF file is of a type the gguf package cannot dequantize (instead of the
+    first read failing mid-analysis, or "no projection roles"); files with some readable matrices are analysed, and a
+    read of one that is not names it (:func:`_gguf_tensor`)."""
+    if not unreadable or any(r.ndim == 2 and r.floating and k not in unreadable for k, r in refs.items()):
+        return
+    types = ", ".join(sorted(set(unreadable.values())))
+    names = ", ".join(list(unreadable)[:3]) + (f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else "")
+    raise ValueError(f"{path}: every matrix is of type {types}, {_UNREADABLE}: {names}")
 
 
 def _release_pages(reader, t) -> None:
@@ -497,6 +617,7 @@ def open_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
                          "(pass undo_permute=False — adjacent-layer metrics are invariant to it)")
     quantised: set[str] = set()
     refs: dict[str, TensorRef] = {}
+    unreadable: dict[str, str] = {}
     for t in reader.tensors:
         name = t.name
         shape = tuple(int(x) for x in reversed(list(t.shape)))
@@ -510,7 +631,9 @@ def open_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
                              f"divisible by 2·{heads} heads ({arch}.attention.{key}); pass undo_permute=False "
                              "(--gguf-keep-permutation) to leave the rows as stored")
         tname = t.tensor_type.name
-        if tname not in ("F32", "F16") and tname not in _GGUF_INT_TYPES:
+        if not _gguf_dequantizable(t.tensor_type):
+            unreadable[name] = tname
+        elif tname not in ("F32", "F16", "F64") and tname not in _GGUF_INT_TYPES:
             quantised.add(tname)
 
         def read(t=t, heads=heads) -> torch.Tensor:
@@ -518,7 +641,8 @@ def open_gguf(path: str | os.PathLike, undo_permute: bool | None = None) -> Load
             _release_pages(reader, t)
             return unpermute_qk(w, heads).contiguous() if heads is not None else w
 
-        refs[name] = TensorRef(name, shape, tname not in _GGUF_INT_TYPES, read, int(t.n_bytes))
+        refs[name] = TensorRef(name, shape, tname not in _GGUF_INT_TYPES, read, int(t.n_bytes), dtype=tname)
+    _refuse_all_undequantizable(path, refs, unreadable)
     if quantised:
         notes.append(f"dequantised {', '.join(sorted(quantised))} tensors with gguf.quants.dequantize")
     if do:
@@ -566,35 +690,35 @@ def load(source, undo_permute: bool | None = None) -> Loaded:
     if isinstance(source, Mapping):
         return Loaded(_unwrap(source), "state_dict")
     path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"no such file or directory: {path}")
+    check_source(path)
     if path.is_dir():
-        meta = {"path": str(path)}
-        cfg = path / "config.json"
-        if cfg.exists():
-            meta["config"] = _read_config_json(cfg)
-        if list(path.glob("*.safetensors")):
-            return Loaded(_load_safetensors_dir(path), "safetensors", meta=meta)
+        meta = _folder_meta(path)
+        if _files(path, "*.safetensors", "safetensors") or _present(path / _ST_INDEX):
+            sd, notes = _load_safetensors_dir(path)
+            return Loaded(sd, "safetensors", meta=meta, notes=notes)
         for name in ("pytorch_model.bin", "model.pt", "checkpoint.pt"):
-            if (path / name).exists():
+            if _present(path / name):
                 sd, notes = _load_torch(path / name)
                 return Loaded(sd, "torch", meta=meta, notes=notes)
-        if (path / _BIN_INDEX).exists():  # sharded pytorch_model-0000i-of-0000n.bin
+        if _present(path / _BIN_INDEX):  # sharded pytorch_model-0000i-of-0000n.bin
             sd, notes = _load_sharded_bin(path / _BIN_INDEX)
             return Loaded(sd, "torch", meta=meta, notes=notes)
         latest = latest_checkpoint(path / "checkpoints")  # a weightgeom run directory: its newest checkpoint
         if latest is not None:
             sd, notes = _load_torch(latest)
             return Loaded(sd, "torch", meta=meta, notes=notes + [f"run directory: loaded {latest.name}"])
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = _files(path, "*.gguf", "GGUF")
         if ggufs:
             return load_gguf(ggufs[0], undo_permute)
-        pts = sorted(path.glob("*.pt"))
+        pts = _files(path, "*.pt", "PyTorch")
         if pts:
             sd, notes = _load_torch(pts[-1])
             return Loaded(sd, "torch", meta=meta, notes=notes + [f"loaded {pts[-1].name}"])
         if (path / "checkpoints").is_dir():
             raise ValueError(f"{path}: run directory has no checkpoint in checkpoints/ yet (nothing to analyse)")
+        if path.suffix.lower() in _FILE_KINDS:  # a folder named like a model file
+            raise ValueError(f"{path}: is a directory, not a {_FILE_KINDS[path.suffix.lower()]} file, and holds no "
+                             "model file")
         raise ValueError(f"{path}: directory has no *.safetensors, pytorch_model.bin (or {_BIN_INDEX}), *.pt or "
                          "*.gguf file")
     suffix = path.suffix.lower()
@@ -624,21 +748,17 @@ def open_lazy(source, undo_permute: bool | None = None) -> Loaded:
     if isinstance(source, (torch.nn.Module, Mapping)):
         return load(source, undo_permute)
     path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"no such file or directory: {path}")
+    check_source(path)
     if path.is_dir():
-        meta = {"path": str(path)}
-        cfg = path / "config.json"
-        if cfg.exists():
-            meta["config"] = _read_config_json(cfg)
-        if list(path.glob("*.safetensors")):
+        meta = _folder_meta(path)
+        if _files(path, "*.safetensors", "safetensors") or _present(path / _ST_INDEX):
             refs, notes = _lazy_safetensors_dir(path)
             return Loaded(refs, "safetensors", meta=meta, notes=notes)
         for name in ("pytorch_model.bin", "model.pt", "checkpoint.pt"):
-            if (path / name).exists():
+            if _present(path / name):
                 sd, notes = _lazy_torch(path / name)
                 return Loaded(sd, "torch", meta=meta, notes=notes)
-        if (path / _BIN_INDEX).exists():
+        if _present(path / _BIN_INDEX):
             out: dict = {}
             shards = _shard_paths(path / _BIN_INDEX)
             for shard in shards:
@@ -646,7 +766,7 @@ def open_lazy(source, undo_permute: bool | None = None) -> Loaded:
             note = f"streamed {len(shards)} shard{'s' if len(shards) > 1 else ''} listed in {_BIN_INDEX}"
             return Loaded(out, "torch", meta=meta, notes=[note])
         if latest_checkpoint(path / "checkpoints") is None:
-            ggufs = sorted(path.glob("*.gguf"))
+            ggufs = _files(path, "*.gguf", "GGUF")
             if ggufs:
                 return open_gguf(ggufs[0], undo_permute)
         return load(path, undo_permute)

@@ -89,8 +89,10 @@ def shared_basis_runs(pairs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -
     which shares neither space in the continuity paper). Sorted by role, then mean captured energy (best first).
     """
     col = f"share_k{k}"
+    columns = ["role", "space", "first_layer", "last_layer", "pairs", f"mean_{col}", f"min_{col}", f"{col}_rand",
+               "advised"]
     if pairs.empty or col not in pairs.columns:
-        return pd.DataFrame()
+        return pd.DataFrame(columns=columns)
     rows = []
     for role, d in pairs.groupby("role", sort=False):
         run: list = []
@@ -106,7 +108,7 @@ def shared_basis_runs(pairs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -
                              f"min_{col}": float(np.min(vals)), f"{col}_rand": float(getattr(run[0], col + "_rand")),
                              "advised": role != "V"})
             run = [r] if ok else []
-    out = pd.DataFrame(rows)
+    out = pd.DataFrame(rows, columns=columns)  # the header even with no row (suggest.csv stays a readable CSV)
     if out.empty:
         return out
     order = {r: i for i, r in enumerate(dict.fromkeys(pairs["role"]))}
@@ -114,12 +116,14 @@ def shared_basis_runs(pairs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -
     return out.sort_values(["_o", f"mean_{col}"], ascending=[True, False]).drop(columns="_o").reset_index(drop=True)
 
 
-def format_suggestions(runs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -> str:
-    """The screen text of :func:`shared_basis_runs`: one line per run."""
+def format_suggestions(runs: pd.DataFrame, k: int = 8, min_share: float = 0.5, pairs: pd.DataFrame | None = None
+                       ) -> str:
+    """The screen text of :func:`shared_basis_runs`: one line per run, or why none qualified (with ``pairs``, the
+    best pair's share)."""
     head = (f"shared-basis runs (layer l's top-{k} basis keeps ≥ {min_share:.0%} of W_l+1's energy in the role's "
             "space):")
     if runs.empty:
-        return head + "\n  none"
+        return head + "\n  none: " + _why_no_run(pairs, k, min_share)
     col = f"share_k{k}"
     lines = [head]
     for r in runs.itertuples():
@@ -128,6 +132,21 @@ def format_suggestions(runs: pd.DataFrame, k: int = 8, min_share: float = 0.5) -
                      f"{getattr(r, 'mean_' + col):.3f} mean, {getattr(r, 'min_' + col):.3f} min (random "
                      f"{getattr(r, col + '_rand'):.3f}){adv}")
     return "\n".join(lines)
+
+
+def _why_no_run(pairs: pd.DataFrame | None, k: int, min_share: float) -> str:
+    """Why :func:`shared_basis_runs` found no run: no comparable pair, or the best pair's share below the bound."""
+    col = f"share_k{k}"
+    if pairs is not None and (pairs.empty or col not in pairs.columns or pairs[col].isna().all()):
+        return ("no two adjacent layers of one role and one shape were analysed (a single layer per role, or the "
+                "others skipped), so there is no pair to compare")
+    why = (f"no adjacent pair of same-role layers keeps {min_share:.0%} of the next layer's energy in layer l's "
+           f"top-{k} basis")
+    if pairs is not None:
+        best = pairs.loc[pairs[col].idxmax()]
+        why += (f"; the best, {best['role']} layers {best['layer']}-{best['layer_next']}, keeps {best[col]:.3f} "
+                f"(random {best[col + '_rand']:.3f})")
+    return why + f"; no shared basis is advised (pairs.csv has each pair's {col})"
 
 
 def _json_safe(x):
@@ -247,11 +266,11 @@ def write_report(result: AnalysisResult, out_dir: str | Path, plots: bool = True
     write_atomic(out / "analysis.json", text)
     paths.append(out / "analysis.json")
     share = [c for c in result.pairs.columns if c.startswith("share_k")]
-    if share:
+    if share or result.meta.get("suggest"):  # asked for: the header row even when no pair could be compared
         runs = shared_basis_runs(result.pairs)
         write_atomic(out / "suggest.csv", lambda p: runs.to_csv(p, index=False))
         paths.append(out / "suggest.csv")
-        if plots:
+        if plots and share:
             sp = plot_continuity(result.pairs[["role", "layer", "layer_next", *share]], out / "suggest.png",
                                  "Energy of W_l+1 kept by layer l's top-k basis (role's space); dashed = random k/d")
             if sp is not None:

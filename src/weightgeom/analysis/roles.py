@@ -112,6 +112,23 @@ def _is_matrix(t) -> bool:
     return (isinstance(t, torch.Tensor) or lazy) and t.ndim == 2 and t.is_floating_point()
 
 
+def _refuse_non_float(tensors: Mapping[str, torch.Tensor], rules, any_float: bool) -> None:
+    """When no role was found and the 2-D tensors that carry role names (or, with no floating-point matrix at all,
+    any 2-D tensors) are integer, bool or complex, say so, naming them and their dtypes, instead of "no projection
+    roles … Seen: (none)": such matrices are not weights (a quantised checkpoint whose scales live elsewhere, or a
+    buffer)."""
+    others = [k for k, t in tensors.items() if getattr(t, "ndim", 0) == 2 and not t.is_floating_point()]
+    named = [k for k in others if any(rx.search(k) for rx, *_ in rules)]
+    if not named and (any_float or not others):
+        return
+    named = named or others
+    kinds = sorted({str(getattr(tensors[k], "dtype", "") or "not floating point").removeprefix("torch.")
+                    for k in named})
+    shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    raise ValueError(f"no floating-point weights to analyse: tensors {shown} are {', '.join(kinds)}, not weights "
+                     "(integer, bool and complex tensors are left out; dequantise a quantised checkpoint first)")
+
+
 def assign_roles(
     tensors: Mapping[str, torch.Tensor], roles: Mapping[str, str] | str | None = None
 ) -> dict[str, list[RoleWeight]]:
@@ -162,6 +179,8 @@ def assign_roles(
             else:
                 found.setdefault(role, []).append(RoleWeight(role, layer, k, W, note))
             break
+    if not found:
+        _refuse_non_float(tensors, rules, any_float=bool(matrices))
     if not found:
         shown = matrices[:40]
         more = f" … and {len(matrices) - len(shown)} more" if len(matrices) > len(shown) else ""
