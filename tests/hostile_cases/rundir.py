@@ -477,6 +477,7 @@ def _resume_keeps_msign_choice(tmp: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ early refusals
 def _refused_before_run_dir(tmp: Path) -> None:
+    from weightgeom.analysis.recorder import ContinuityRecorder
     from weightgeom.train import train
     from weightgeom.train.auto_assign import AutoAssign
 
@@ -499,6 +500,12 @@ def _refused_before_run_dir(tmp: Path) -> None:
             try:
                 train(_config(tmp), run_dir=run, overrides=["optim.name=muon", "optim.strategy=all-dgram"],
                       progress=False, resume=False, callbacks=[AutoAssign()])
+            except RuntimeError as e:
+                raise e.__cause__ from None
+        with pytest.raises(ValueError, match="role"):  # the recorder's refusal (on_setup)
+            try:
+                train(_config(tmp), run_dir=run, progress=False, resume=False,
+                      callbacks=[ContinuityRecorder(1, roles={"mlp": "no_such.{i}.weight"})])
             except RuntimeError as e:
                 raise e.__cause__ from None
         assert _snapshot_tree(run) == before and not (run / "previous").exists()
@@ -575,6 +582,7 @@ CASES: list[Hostile] = [
             "`meta.json` records what each session ran", _resume_keeps_msign_choice),
     Hostile("refused-before-run-dir", "rundir",
             "a config that cannot train (`optim.strategy=auto` on a ResMLP or with `muon-md`, a callback that "
-            "refuses the optimizer's groups) is refused with one line before the run directory is created or an "
+            "refuses the optimizer's groups, a continuity recorder on a model without two same-shape layers of a role) "
+            "is refused with one line before the run directory is created or an "
             "earlier run moved: retries pile nothing into previous/", _refused_before_run_dir),
 ]

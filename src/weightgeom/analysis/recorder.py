@@ -189,7 +189,7 @@ class ContinuityRecorder(Callback):
 
     Raises:
         ValueError: ``every`` < 1 or ``topk`` < 0 (at construction); no role found in the model, or FSDP-sharded
-            parameters (at the start of training).
+            parameters (``on_setup``: before the run directory is written).
     """
 
     state_key = "continuity"
@@ -223,18 +223,24 @@ class ContinuityRecorder(Callback):
         self._w0 = {str(k): v.float() for k, v in w0.items()}
 
     # -- hooks ------------------------------------------------------------------------------------------------------
-    def on_train_start(self, ctx: TrainContext) -> None:
+    def on_setup(self, ctx: TrainContext) -> None:
+        """Refuse, before the run directory is touched, a run the recorder cannot record: FSDP-sharded parameters,
+        or a model with no role of two or more same-shape layers (``roles`` included)."""
         if ctx.fsdp:
             raise ValueError("the continuity recorder needs whole weight matrices; it does not work with "
                              "run.parallel='fsdp'")
-        if not ctx.is_main:
-            return
-        self.max_steps = ctx.max_steps
-        self.path = Path(ctx.run_dir) / CONTINUITY_FILE
         named = {n: p for n, p in ctx.model.named_parameters()}
         self._params = role_stacks(named, self.roles)
         if not self._params:
             raise ValueError("continuity recorder: no role has two or more same-shape layers to compare")
+
+    def on_train_start(self, ctx: TrainContext) -> None:
+        if not self._params:  # a caller that skipped on_setup
+            self.on_setup(ctx)
+        if not ctx.is_main:
+            return
+        self.max_steps = ctx.max_steps
+        self.path = Path(ctx.run_dir) / CONTINUITY_FILE
         W = {role: _stack(mats) for role, mats in self._params.items()}
         if not ctx.resumed:
             self._w0 = {role: w.clone() for role, w in W.items()}
