@@ -24,6 +24,20 @@ from weightgeom._files import (
 
 
 # -------------------------------------------------------------------------------------------------------- writes
+def _plant(path: Path, planted: str, target: Path, old: str) -> None:
+    """Put ``planted`` at ``path``: nothing, a file holding ``old``, a link to ``target``, a dangling link (to
+    ``nowhere`` beside ``target``) or a link to a link to ``target``."""
+    if planted == "file":
+        path.write_text(old)
+    elif planted == "link to a file":
+        path.symlink_to(target)
+    elif planted == "dangling link":
+        path.symlink_to(target.parent / "nowhere")
+    elif planted == "link to a link":
+        (target.parent / "hop").symlink_to(target)
+        path.symlink_to(target.parent / "hop")
+
+
 @pytest.mark.parametrize("content,expect", [
     (b"bytes", b"bytes"),
     ("text ✓", "text ✓".encode()),
@@ -36,15 +50,7 @@ def test_write_atomic_replaces_whatever_is_at_the_name(tmp_path, content, expect
     target.write_text("original")
     path = tmp_path / "out" / "report.md"
     path.parent.mkdir()
-    if planted == "file":
-        path.write_text("old")
-    elif planted == "link to a file":
-        path.symlink_to(target)
-    elif planted == "dangling link":
-        path.symlink_to(tmp_path / "nowhere")
-    elif planted == "link to a link":
-        (tmp_path / "hop").symlink_to(target)
-        path.symlink_to(tmp_path / "hop")
+    _plant(path, planted, target, "old")
     write_atomic(path, content)
     assert path.read_bytes() == expect and not path.is_symlink()
     assert target.read_text() == "original" and not (tmp_path / "nowhere").exists()
@@ -87,12 +93,7 @@ def test_open_append_never_writes_through_a_link(tmp_path, planted):
     target = tmp_path / "victim"
     target.write_text("original\n")
     path = tmp_path / "metrics.jsonl"
-    if planted == "file":
-        path.write_text("kept\n")
-    elif planted == "link to a file":
-        path.symlink_to(target)
-    elif planted == "dangling link":
-        path.symlink_to(tmp_path / "nowhere")
+    _plant(path, planted, target, "kept\n")
     with open_append(path) as f:
         f.write("new\n")
     assert path.read_text() == ("kept\n" if planted == "file" else "") + "new\n" and not path.is_symlink()

@@ -469,16 +469,8 @@ def _muon_bad_dtype(tmp_path: Path) -> None:
 
 def _muon_dtype_changed(tmp_path: Path) -> None:
     """A parameter turned complex after construction: the step is refused before the float32 one moves."""
-    from weightgeom.optim import Muon
-
     for kind, kw in _GROUP_KINDS.items():
-        torch.manual_seed(0)
-        model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False), "b": torch.nn.Linear(8, 16, bias=False)})
-        opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
-                    {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
+        model, opt = _two_groups_after_a_step(kw)
         model["b"].weight.data = model["b"].weight.data.to(torch.complex64)
         model["b"].weight.grad = torch.randn_like(model["b"].weight)
         model["a"].weight.grad = torch.randn_like(model["a"].weight)
@@ -555,6 +547,17 @@ def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16))
 
 
+def _round_trip_bitwise(opt, model, make, label: str = "") -> None:
+    """``make(copy of model)`` loads ``opt``'s state dict; two more steps on each leave the two models bitwise equal."""
+    model2 = copy.deepcopy(model)
+    opt2 = make(model2)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(opt, model, 2)
+    _train(opt2, model2, 2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), f"{label + ': ' if label else ''}{n} differs after a round trip"
+
+
 def _refused_load(opt, model, sd, *must_contain: str) -> None:
     """``opt.load_state_dict(sd)`` is one ValueError line with ``must_contain``; nothing changed; ``opt`` still
     steps."""
@@ -581,14 +584,7 @@ def _muon_load_foreign(tmp_path: Path) -> None:
     md = MagnitudeDirection(torch.optim.AdamW(model.parameters()), model=model)
     _refused_load(opt, model, md.state_dict(), "MagnitudeDirection state dict")
     _refused_load(opt, model, [1, 2], "list")
-    # a legitimate round trip still resumes bitwise
-    model2 = copy.deepcopy(model)
-    opt2 = _muon_for(model2)
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
-    _train(opt, model, 2)
-    _train(opt2, model2, 2)
-    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
-        assert torch.equal(a, b), f"{n} differs after a round trip"
+    _round_trip_bitwise(opt, model, _muon_for)  # a legitimate round trip still resumes bitwise
 
 
 def _muon_load_structure(tmp_path: Path) -> None:
@@ -673,13 +669,7 @@ def _md_load_bad_over(base: str) -> None:
             where = where[k]
         where[path[-1]] = value
         _refused_load(md, model, sd, *must)
-    model2 = copy.deepcopy(model)
-    md2 = _md_over(model2, base)
-    md2.load_state_dict(copy.deepcopy(md.state_dict()))
-    _train(md, model, 2)
-    _train(md2, model2, 2)
-    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
-        assert torch.equal(a, b), f"{base}: {n} differs after a round trip"
+    _round_trip_bitwise(md, model, lambda m: _md_over(m, base), base)
 
 
 def _md_load_bad(tmp_path: Path) -> None:
@@ -778,24 +768,30 @@ _CHANGES = {"cast to float16": _to_half, "given another shape": _reshaped,
             "cast to float16 after its gradient": _half_keeping_grad, "model.half()": _model_half}
 
 
+def _two_groups_after_a_step(kw: dict):
+    """Two 16×8 matrices ``a``, ``b`` in two Muon groups of kind ``kw`` (seed 0), after one step."""
+    from weightgeom.optim import Muon
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False), "b": torch.nn.Linear(8, 16, bias=False)})
+    opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
+                {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
 def _muon_param_changed(tmp_path: Path) -> None:
     """A parameter changed after Muon's first step (its state is float32 of the old shape): the next step is refused
     naming it before the parameter beside it moves."""
     import warnings
 
-    from weightgeom.optim import Muon
 
     warnings.simplefilter("ignore")
     for kind, kw in _GROUP_KINDS.items():
         for what, change in _CHANGES.items():
-            torch.manual_seed(0)
-            model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False),
-                                         "b": torch.nn.Linear(8, 16, bias=False)})
-            opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
-                        {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
-            for p in model.parameters():
-                p.grad = torch.randn_like(p)
-            opt.step()
+            model, opt = _two_groups_after_a_step(kw)
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
             change(model, model["b"].weight)
@@ -806,25 +802,32 @@ def _muon_param_changed(tmp_path: Path) -> None:
             assert_unchanged(before, snapshot(opt, model), f"{kind}, {what}: after the refused step")
 
 
+def _md_on_mlp(base: str, fused: bool | None):
+    """``_mlp()`` and a MagnitudeDirection over ``base`` (adamw, sgd with momentum, or Muon), ``1.weight`` excluded."""
+    from weightgeom.optim import MagnitudeDirection
+
+    model = _mlp()
+    if base == "muon":
+        opt = _muon_for(model)
+    else:
+        kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
+        opt = kind(model.named_parameters(), lr=1e-2, **({"momentum": 0.9} if base == "sgd" else {}))
+    return model, MagnitudeDirection(opt, model=model, fused=fused, exclude=("1.weight",))
+
+
 def _md_param_changed(tmp_path: Path) -> None:
     """A parameter changed after MagnitudeDirection's first step (a bias it does not decouple, a matrix it does, or
     the whole model): the next step is refused naming it before any matrix moves, on every path and base."""
     import warnings
 
-    from weightgeom.optim import MagnitudeDirection, Muon
+    from weightgeom.optim import Muon
 
     warnings.simplefilter("ignore")
     for base in ("adamw", "sgd", "muon"):
         for fused in (None, False):
             for target in ("1.bias", "0.weight", "1.weight"):
                 for what, change in _CHANGES.items():
-                    model = _mlp()
-                    if base == "muon":
-                        opt = _muon_for(model)
-                    else:
-                        kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
-                        opt = kind(model.named_parameters(), lr=1e-2, **({"momentum": 0.9} if base == "sgd" else {}))
-                    md = MagnitudeDirection(opt, model=model, fused=fused, exclude=("1.weight",))
+                    model, md = _md_on_mlp(base, fused)
                     assert isinstance(md.base_optimizer, Muon if base == "muon" else torch.optim.Optimizer)
                     _train(md, model, 1)
                     for p in model.parameters():
@@ -856,21 +859,13 @@ def _muon_group_edited(tmp_path: Path) -> None:
     group 0 moves."""
     import warnings
 
-    from weightgeom.optim import Muon
 
     warnings.simplefilter("ignore")
     for kind, kw in _GROUP_KINDS.items():
         for key, value, kinds, named in _GROUP_EDITS:
             if kinds is not None and kind not in kinds:
                 continue
-            torch.manual_seed(0)
-            model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 16, bias=False),
-                                         "b": torch.nn.Linear(8, 16, bias=False)})
-            opt = Muon([{"params": [model["a"].weight], "names": ["a.weight"], **kw},
-                        {"params": [model["b"].weight], "names": ["b.weight"], **kw}])
-            for p in model.parameters():
-                p.grad = torch.randn_like(p)
-            opt.step()
+            model, opt = _two_groups_after_a_step(kw)
             opt.param_groups[1][key] = value
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
@@ -885,7 +880,6 @@ def _md_group_edited(tmp_path: Path) -> None:
     refused naming it before any matrix moves, on every base and path."""
     import warnings
 
-    from weightgeom.optim import MagnitudeDirection
 
     warnings.simplefilter("ignore")
     edits = {"adamw": [(0, "lr", "fast"), (0, "betas", (0.9,)), (0, "eps", None)],
@@ -894,13 +888,7 @@ def _md_group_edited(tmp_path: Path) -> None:
     for base, base_edits in edits.items():
         for fused in (None, False):
             for gi, key, value in [*base_edits, (-1, "lr", "x"), (-1, "betas", (0.9,)), (-1, "eps", None)]:
-                model = _mlp()
-                if base == "muon":
-                    opt = _muon_for(model)
-                else:
-                    kind = torch.optim.AdamW if base == "adamw" else torch.optim.SGD
-                    opt = kind(model.named_parameters(), lr=1e-2, **({"momentum": 0.9} if base == "sgd" else {}))
-                md = MagnitudeDirection(opt, model=model, fused=fused, exclude=("1.weight",))
+                model, md = _md_on_mlp(base, fused)
                 _train(md, model, 1)
                 md.param_groups[gi][key] = value
                 for p in model.parameters():
