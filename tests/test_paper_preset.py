@@ -9,8 +9,10 @@ optimizer is run with the preset's group keys and compared against it:
 - as the preset really runs (bf16 msign): within ``BF16_RTOL`` (worst entry difference ÷ largest entry) of the
   float64 reference. bf16 keeps 8 significant bits (rounding 2⁻⁸ ≈ 3.9e-3) and 10 bf16 Polar Express steps do not
   drive small singular values to 1, so the published Stiefel retraction (itself a bf16 msign of a random start) is
-  the loosest: measured on 24×10, seeds 3 and 5, after 3 steps: Stiefel 0.106 / 0.058, DGram 3.2e-3 / 2.8e-3,
-  Oblique 1.0e-3 / 1.5e-3, unconstrained 2.3e-4 / 3.8e-4. The bounds leave about 2× headroom.
+  the loosest: measured on 24×10, seeds 3 and 5, after 3 steps: Stiefel 1.35e-2 / 1.26e-2, DGram 2.3e-3 / 2.3e-3,
+  Oblique 4.2e-4 / 5.3e-4, unconstrained 6.5e-5 / 8.3e-5. The bounds leave about 2× headroom.
+
+The published code's own bf16 outputs (not a transcription) are the golden files of tests/test_published_golden.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.train.config import describe_presets, dump_toml, load_config, preset_report
 
 EXACT_ATOL = 1e-10
-BF16_RTOL = {"stiefel": 0.2, "dgram": 1e-2, "oblique": 5e-3, None: 1e-3}
+BF16_RTOL = {"stiefel": 3e-2, "dgram": 5e-3, "oblique": 1.2e-3, None: 2e-4}
 LR = 0.02
 STEPS = 3
 
@@ -47,14 +49,16 @@ _PE_SAFE = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _PE[:-1]] + [_PE
 
 
 def ref_msign(X: torch.Tensor) -> torch.Tensor:
-    """Polar Express, 10 steps, float64, input divided by ‖X‖_F·1.01 + 1e-7 (wide orientation)."""
+    """Polar Express, 10 steps, float64, input divided by ‖X‖_F·1.01 (wide orientation), each step evaluated as
+    (a·I + (b·I + c·S)·S)·Y with S = YYᵀ, as published (tests/test_published_golden.py holds the bf16 original)."""
     tall = X.shape[0] > X.shape[1]
     Y = X.T if tall else X
-    Y = Y / (torch.linalg.norm(Y) * 1.01 + 1e-7)
+    Y = Y / (torch.linalg.norm(Y) * 1.01)
+    eye = torch.eye(Y.shape[0], dtype=Y.dtype)
     for k in range(10):
         a, b, c = _PE_SAFE[min(k, len(_PE_SAFE) - 1)]
-        A = Y @ Y.T
-        Y = a * Y + (b * A + c * A @ A) @ Y
+        S = Y @ Y.T
+        Y = (a * eye + (b * eye + c * S) @ S) @ Y
     return Y.T if tall else Y
 
 

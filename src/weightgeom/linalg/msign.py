@@ -29,10 +29,13 @@ class NSPreset:
         safety: the input is divided by ‖X‖_F·safety; all triples but the last are rescaled as
             (a/s, b/s³, c/s⁵) so that singular values slightly above 1 (rounding) are still mapped into range.
         source: where the coefficients come from.
-        published: run the iteration with the Polar Express reference code's arithmetic instead of ours: the input
-            cast to ``dtype`` (bfloat16 unless given) first, then divided by ‖X‖_F·safety + 1e-7 computed in that
-            dtype, each step as separate (unfused) products and sums, ``nan_to_num`` on the result. Ours normalises in
-            float32 and fuses each step into two matrix multiply-adds (one rounding fewer per step).
+        published: run the iteration with the manifold-assignment paper's published arithmetic instead of ours:
+            the input cast to ``dtype`` (bfloat16 unless given) first and turned wide, divided by ‖X‖_F·safety
+            computed in that dtype (no ε: a zero matrix gives NaN, which ``nan_to_num`` turns back into 0), each step
+            evaluated as X ← (a·I + (b·I + c·S)·S)·X with S = XXᵀ — three products, the identity terms added to the
+            diagonals —, ``nan_to_num`` on the result. Ours normalises in float32 and evaluates
+            X ← a·X + (b·S + c·S²)·X as two fused matrix multiply-adds per step (docs/msign.md compares the orders'
+            bf16 accuracy).
     """
 
     coeffs: tuple[tuple[float, float, float], ...]
@@ -77,15 +80,13 @@ MSIGN_PRESETS: dict[str, NSPreset] = {
         source="Amsel et al. 2025, The Polar Express, arXiv:2505.16932",
     ),
 }
-# The same coefficients with the reference code's arithmetic in bfloat16 (``NSPreset.published``): the msign of the
-# manifold-assignment paper's published code (Polar Express, 10 steps, bf16 after dividing by ‖X‖_F·1.01,
-# nan_to_num, returned as float32). Selected by ``msign_method="polar_express_paper"``.
+# The same coefficients with the published arithmetic in bfloat16 (``NSPreset.published``): the msign of the
+# manifold-assignment paper's code (Polar Express, 10 steps, bf16 after dividing by ‖X‖_F·1.01, each step as
+# (a·I + (b·I + c·S)·S)·X, nan_to_num, returned as float32). Selected by ``msign_method="polar_express_paper"``; held
+# to golden outputs of that code in tests/golden/published (bit for bit on the CPU).
 MSIGN_PRESETS["polar_express_paper"] = NSPreset(
     coeffs=MSIGN_PRESETS["polar_express"].coeffs, steps=10, safety=1.01, published=True,
-    source="Amsel et al. 2025 reference code, as called by the manifold-assignment paper's code")
-
-# Denominator offset of the published normalisation X / (‖X‖_F·1.01 + 1e-7).
-_PUBLISHED_EPS = 1e-7
+    source="the manifold-assignment paper's published msign (Polar Express coefficients, its own evaluation order)")
 
 # Added to the Frobenius norm before dividing: keeps a zero input at exactly zero output (never 0/0 = NaN).
 _NORM_EPS = 1e-30
@@ -128,8 +129,8 @@ def msign(
     Args:
         G: tensor of shape (..., m, n), m and n ≥ 1; leading dims are batched.
         method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's 5-step quintic, loose),
-            ``"polar_express_paper"`` (Polar Express with the reference code's bf16 arithmetic, as the
-            manifold-assignment paper's code runs it; see ``NSPreset.published``) or ``"svd"`` (exact, float64 SVD;
+            ``"polar_express_paper"`` (Polar Express in the manifold-assignment paper's published bf16 arithmetic
+            and evaluation order; see ``NSPreset.published``) or ``"svd"`` (exact, float64 SVD;
             the slow reference).
         steps: number of polynomial steps; the preset's default when None.
         dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU (float64 input stays float64);
@@ -204,17 +205,23 @@ def _iteration_input(G: torch.Tensor, preset: NSPreset, steps: int, start_step: 
 
 def _msign_published(G: torch.Tensor, preset: NSPreset, steps: int, dtype: torch.dtype,
                      start_step: int) -> torch.Tensor:
-    """The Polar Express reference code's arithmetic (see ``NSPreset.published``), differentiable, G's dtype out."""
+    """The published arithmetic (see ``NSPreset.published``), op for op, differentiable, G's dtype out.
+
+    The published code divides its bf16 copy in place, which writes into a bf16 caller's tensor; here the quotient
+    is a new tensor (the same values)."""
     X = G.to(dtype)
     tall = G.shape[-2] > G.shape[-1]
     if tall:
         X = X.mT
     if start_step == 0:
-        X = X / (X.norm(dim=(-2, -1), keepdim=True) * preset.safety + _PUBLISHED_EPS)
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * preset.safety)
     for a, b, c in preset.triples(steps)[start_step:]:
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
+        S = X @ X.mT
+        Y = c * S
+        Y.diagonal(dim1=-2, dim2=-1).add_(b)
+        Y = Y @ S
+        Y.diagonal(dim1=-2, dim2=-1).add_(a)
+        X = Y @ X
     if tall:
         X = X.mT
     return torch.nan_to_num(X).to(G.dtype)

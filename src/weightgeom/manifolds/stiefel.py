@@ -188,7 +188,7 @@ class Stiefel(Manifold):
         steps: Polar Express steps (default 10).
         retraction: ``"polar"`` (default: the polar factor computed as ``method`` says) or ``"paper"`` (the
             manifold-assignment paper's published code: msign(W) by Polar Express, 10 steps, in bfloat16 with the
-            reference code's arithmetic — ``msign(W, "polar_express_paper")`` — returned in W's dtype; ``method``
+            published arithmetic — ``msign(W, "polar_express_paper")`` — returned in W's dtype; ``method``
             and ``steps`` are then unused). Both are the polar factor; "paper" is accurate to bf16 only.
 
     A rank-deficient W retracted with ``"polar_express"`` gives a partial isometry (zero singular values stay

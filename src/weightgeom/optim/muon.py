@@ -111,7 +111,7 @@ class Muon(torch.optim.Optimizer):
             per-device choice's step count, see msign_dtype — for plain Muon and manifold groups alike).
         msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
             torch.optim.Muon uses; refused for manifold groups, whose step must stay in the unit spectral ball),
-            ``"polar_express_paper"`` (Polar Express with the reference code's bf16 arithmetic, as the
+            ``"polar_express_paper"`` (Polar Express in the published bf16 arithmetic and evaluation order, as the
             manifold-assignment paper's code runs it) or ``"svd"`` (exact, slow).
         msign_dtype: msign compute dtype. None (plain Muon, Polar Express): chosen per device when the group is
             added (so the step only looks it up) by a sub-second micro-benchmark cached on disk
@@ -870,8 +870,11 @@ class Muon(torch.optim.Optimizer):
             for (name, _), V, first in zip(entries, Xs, firsts):
                 if first:  # start on the manifold
                     # twice: a far start (Polar Express) lands within ~1e-5 of the manifold, the second retraction
-                    # (near-manifold, cheap) takes it to rounding level, where the tangent projection is exact
-                    R = _retract(manifold, _retract(manifold, V))
+                    # (near-manifold, cheap) takes it to rounding level, where the tangent projection is exact;
+                    # once with the published retraction, as the published code initialises
+                    R = _retract(manifold, V)
+                    if getattr(manifold, "retraction", None) != "paper":
+                        R = _retract(manifold, R)
                     dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
                     if dist > FAR_RETRACTION:
                         self._far_retractions[name] = (dist, manifold.name)
