@@ -8,9 +8,11 @@ import math
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
+import weightgeom.experiments.report.manifolds as report_manifolds
 import weightgeom.experiments.runner as runner
 from weightgeom.diagnostics.monitors import collect, logit_stats
 from weightgeom.experiments.cli import execute, get_recipe
@@ -103,6 +105,69 @@ def test_mechanism_and_main_presets_declare_their_controls():
     auto = next(v for v in get_recipe("manifolds").variants(parts, sweep, None) if v.name == "auto")
     assert auto.overrides["optim.strategy"] == "auto" and auto.controls["auto_assign"]["threshold"] > 0
     assert isinstance(build_callbacks(auto.controls)[0], AutoAssign)
+
+
+def test_long_preset_plans_the_published_algorithm_at_four_learning_rates():
+    parts, sweep = load_parts("long", "manifolds")[1:]
+    variants = get_recipe("manifolds").variants(parts, sweep, None)
+    assert len(variants) == 16 and all(v.tags["study"] == "long" and v.part == "long" for v in variants)
+    assert {v.tags["strategy"] for v in variants} == {"all-dgram", "hetero-inv", "hetero", "all-stiefel"}
+    demo = load_parts("tiny-shakespeare", "manifolds")[1]["main"]
+    assert parts["long"]["model"] == {k: demo["model"][k] for k in parts["long"]["model"]}  # the demo's model
+    lrs = sorted({v.overrides["optim.muon.lr"] for v in variants})
+    assert lrs == [demo["optim"]["muon"]["lr"] * m for m in (1, 2, 4, 8)]
+    assert all(v.overrides["optim.preset"] == "paper" and v.overrides["optim.muon.dual_steps"] == 20
+               and v.overrides["optim.muon.msign_dtype"] == "float32" and v.tags["msign_dtype"] == "float32"
+               and v.controls == {"head_stats_every": 50} for v in variants)
+    train_cfg, sched = parts["long"]["train"], parts["long"]["schedule"]
+    assert train_cfg["max_steps"] >= 3000 and parts["long"]["diagnostics"]["every"] == 50
+    # warm-up and cosine decay shaped as published: 1000 of 50000 steps (2 %), down to lr/10
+    assert sched["kind"] == "cosine" and sched["warmup"] == 0.02 * train_cfg["max_steps"]
+    assert sched["min_lr_ratio"] == 0.1
+    # the first round of jobs holds every strategy at ×1; the ×8 runs are not all queued behind the rest
+    assert [v.tags["lr_multiplier"] for v in variants[:4]] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="long_lr_multipliers"):
+        get_recipe("manifolds").variants(parts, {**sweep, "long_lr_multipliers": [0]}, None)
+
+
+class _Run:
+    """The attributes of a run the long-run record reads (its series come from the monkeypatched readers)."""
+
+    def __init__(self, name: str, strategy: str, diverged_at: int | None):
+        self.name, self.diverged = name, diverged_at is not None
+        self.tags = {"strategy": strategy, "lr": 0.16, "lr_multiplier": 8, "msign_dtype": "float32"}
+        self.status = {"step": diverged_at if diverged_at is not None else 3000}
+        self.experiment = {"overrides": {"optim.strategy": strategy}}
+        self.config = {"optim": {"strategy": strategy}}
+
+
+@pytest.mark.parametrize("sat,diverged_at,follows", [
+    ([0.0, 0.01, 0.2, 0.3], 400, "yes (saturated at 200, diverged at 400)"),
+    ([0.0, 0.0, 0.0, 0.0], 400, "no: diverged at 400 without saturation"),
+    ([0.0, 0.0, 0.0, 0.3], 200, "no: diverged at 200 without saturation"),  # saturation only after it
+    ([0.0, 0.2, 0.3, 0.3], None, "no divergence"),
+])
+def test_long_record_says_whether_divergence_followed_saturation(monkeypatch, sat, diverged_at, follows):
+    steps = [0, 100, 200, 300]
+    series = {"qk_sigma_prod": [0.1, 1.0, 2.5, 4.0], "logit_max": [0.5, 5.0, 12.0, 30.0]}
+    monkeypatch.setattr(report_manifolds, "diag_aggregate", lambda run, suffix, how="max": pd.Series(
+        series[suffix], index=steps))
+    monkeypatch.setattr(report_manifolds, "head_saturation_series", lambda run: pd.Series(sat, index=steps))
+    monkeypatch.setattr(report_manifolds, "loss_series", lambda run, split="val": pd.Series([3.0, 2.0],
+                                                                                             index=[0, 300]))
+    rec = report_manifolds.long_record(_Run("r", "all-dgram", diverged_at))
+    assert rec["follows"] == follows
+    assert rec["sigma_at"] == 200 and rec["logit_at"] == 200  # first step above 2 and above 10
+    assert rec["sigma"] == (0.1, 4.0) and rec["attn"] == "dgram"
+    assert rec["sat_at"] == next((s for s, v in zip(steps, sat) if v > 0.05), None)
+    stiefel = report_manifolds.long_record(_Run("q", "all-stiefel", None))
+    verdict = "\n".join(report_manifolds.long_verdict([rec, stiefel]))
+    if diverged_at is None:
+        assert "Diverged: DGram attention 0 of 1; Stiefel attention 0 of 1" in verdict
+        assert "**Not reproduced at this size**: no run diverged" in verdict
+    else:
+        assert f"DGram attention 1 of 1 (all-dgram ×8 at step {diverged_at})" in verdict
+        assert "**Reproduced at this size**" in verdict
 
 
 def test_unknown_strategy_in_the_sweep_table_is_one_line():
@@ -335,6 +400,23 @@ def test_head_stats_recorder_writes_per_head_rows(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- end to end
+def test_long_preset_end_to_end_tiny(tmp_path):
+    text = _preset("long").read_text().replace("head_stats_every = 50", "head_stats_every = 2").replace(
+        "diagnostics = { every = 50 }", "diagnostics = { every = 2 }")
+    cfg = tmp_path / "manifolds-long-tiny.toml"
+    cfg.write_text(text)
+    manifest, path = execute("manifolds", str(cfg), seeds=[0], steps=6, out=tmp_path / "sw", progress=False,
+                             only=["long-all-dgram-x8", "long-all-stiefel-x8"], threads=1)
+    assert {r["status"] for r in manifest["runs"]} <= {"done", "diverged"} and len(manifest["runs"]) == 2
+    report = path.read_text()
+    assert "### The instability at length (the published algorithm)" in report
+    assert "the published msign's arithmetic in float32 (not the published bfloat16" in report
+    row = next(line for line in report.splitlines() if line.startswith("| `long-all-dgram-x8-s0` |"))
+    assert "| all-dgram | 0.16 (×8) | float32 | 6 |" in row, row
+    assert "- Diverged: DGram attention" in report
+    assert (path.parent / "manifolds_long.png").exists() and (path.parent / "manifolds_long_heads.png").exists()
+
+
 def test_boundary_preset_end_to_end_tiny(tmp_path):
     text = _preset("boundary").read_text().replace(
         "ladder = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64]", "ladder = [0.02, 1e4]")

@@ -22,6 +22,11 @@ part ``main``):
 * ``attribution`` — on ``attribution_strategies`` (default ALL-DGRAM and HETERO-INV) at Muon lr
   ``attribution_lr``: our algorithm, our algorithm with one element of the published one switched on
   (:data:`ATTRIBUTION_ARMS`), and the published algorithm as a whole.
+* ``long`` — the instability where the paper saw it, over a long run: the published algorithm (``paper``;
+  ``paper_msign_dtype`` as for the boundary) on ``long_strategies`` (default ALL-DGRAM and HETERO-INV against HETERO
+  and ALL-STIEFEL) × the part's Muon lr times each of ``long_lr_multipliers`` (default 1, 2, 4, 8), per-head
+  statistics every ``head_stats_every`` steps. The report gives, per run, the step at which σ_max(W_Q)·σ_max(W_K),
+  the logit max and the head saturation first cross their thresholds and whether divergence followed saturation.
 * ``mechanism`` — long runs of ``mechanism_algorithms`` (default ``paper``; ``paper_msign_dtype`` as for the
   boundary) on ``mechanism_strategies`` with the
   softmax entropy and saturation of every attention head recorded every ``head_stats_every`` steps (the control
@@ -77,6 +82,8 @@ DEFAULT_ATTRIBUTION_STRATEGIES = ("all-dgram", "hetero-inv")
 DEFAULT_ATTRIBUTION_LR = 0.16
 DEFAULT_MECHANISM_STRATEGIES = ("all-dgram", "hetero-inv", "hetero", "all-stiefel", "unconstrained")
 DEFAULT_HEAD_STATS_EVERY = 50
+DEFAULT_LONG_STRATEGIES = ("all-dgram", "hetero-inv", "hetero", "all-stiefel")
+DEFAULT_LONG_LR_MULTIPLIERS = (1, 2, 4, 8)
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "ours": {"optim.preset": "ours"},
@@ -270,9 +277,37 @@ def mechanism_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = 
     return out
 
 
+def long_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "long") -> list[Variant]:
+    """The published algorithm on each strategy × Muon lr multiplier, with per-head statistics, on part ``long``."""
+    strategies = _strategies(sweep.get("long_strategies", DEFAULT_LONG_STRATEGIES), "long_strategies")
+    mults = [float(x) for x in sweep.get("long_lr_multipliers", DEFAULT_LONG_LR_MULTIPLIERS)]
+    if not mults or any(not x > 0 for x in mults):
+        raise ValueError(f"long_lr_multipliers must be a list of numbers > 0, got {sweep.get('long_lr_multipliers')!r}")
+    every = int(sweep.get("head_stats_every", DEFAULT_HEAD_STATS_EVERY))
+    base_lr = float(base.get("optim", {}).get("muon", {}).get("lr", 0.02))
+    name = _muon_name(base)
+    ov = _algorithm(base, "paper")
+    if ov is None:
+        return []
+    dtype = sweep.get("paper_msign_dtype")
+    if dtype:
+        ov = {**ov, "optim.muon.msign_dtype": str(dtype)}
+    out = []
+    for m in mults:  # by multiplier first: the runs most likely to diverge are spread over the jobs, not queued last
+        for s in strategies:
+            lr = base_lr * m
+            tags = {"study": "long", "strategy": s, "algorithm": "paper", "lr": lr, "lr_multiplier": m,
+                    "msign_dtype": str(dtype or PAPER_MUON["msign_dtype"])}
+            out.append(Variant(f"long-{s}-x{m:g}", {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **ov},
+                               f"{describe_strategy(s)}, published algorithm, Muon lr {lr:g} (×{m:g}), per-head "
+                               f"statistics every {every} steps", part=part, controls={"head_stats_every": every},
+                               group=f"long-{s}", tags=tags))
+    return out
+
+
 def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int | None = None) -> list[Variant]:
     """The variants of every part the preset has (module docstring): ``main``, ``boundary``, ``attribution``,
-    ``mechanism``.
+    ``mechanism``, ``long``.
 
     Raises:
         ValueError: a preset with none of these parts, or a ``[sweep]`` value that does not fit (naming it).
@@ -286,9 +321,11 @@ def variants(parts: dict[str, dict[str, Any]], sweep: dict[str, Any], steps: int
         out += attribution_variants(parts["attribution"], sweep)
     if "mechanism" in parts:
         out += mechanism_variants(parts["mechanism"], sweep)
-    if not any(k in parts for k in ("main", "boundary", "attribution", "mechanism")):
-        raise ValueError(f"the manifolds recipe needs a trainer config or the parts main, boundary, attribution or "
-                         f"mechanism; the preset has {', '.join(sorted(parts))}")
+    if "long" in parts:
+        out += long_variants(parts["long"], sweep)
+    if not any(k in parts for k in ("main", "boundary", "attribution", "mechanism", "long")):
+        raise ValueError(f"the manifolds recipe needs a trainer config or the parts main, boundary, attribution, "
+                         f"mechanism or long; the preset has {', '.join(sorted(parts))}")
     if not out:
         raise ValueError("every arm of this preset needs config keys this installation does not have (see the lines "
                          "above)")
@@ -301,5 +338,6 @@ RECIPE = Recipe(
     default_seeds=(0, 1, 2),
     variants=variants,
     doc="manifold-assignment paper: UNCONSTRAINED/ALL-STIEFEL/ALL-DGRAM/HETERO/HETERO-INV, σ-capped DGram, HETERO+MD, "
-        "AUTO; presets boundary (stability boundary + attribution) and mechanism (long runs, per-head statistics)",
+        "AUTO; presets boundary (stability boundary + attribution), mechanism (long runs, per-head statistics) and "
+        "long (the published algorithm, 3000 steps, lr ×1–×8: where the instability lives)",
 )

@@ -260,7 +260,7 @@ STATUS = {"state": one_of("running", "done", "diverged", "failed", "interrupted"
 
 TAGS = {"study": Str, "strategy": Str, "algorithm": Str, "arm": Str, "kind": Str, "optimizer": Str, "axis": Str,
         "value": Scalar, "lr": PositiveNumber, "gain_lr": PositiveNumber, "rung": NonNegInt, "width": PositiveInt,
-        "warmup": NonNegInt}
+        "warmup": NonNegInt, "lr_multiplier": PositiveNumber, "msign_dtype": Str}
 """The tags the recipes give their runs (``experiment.json``'s ``tags``) and their types."""
 
 EXPERIMENT = {"name": Str, "recipe": Str, "variant": Str, "seed": Int, "part": Str, "group": Str,

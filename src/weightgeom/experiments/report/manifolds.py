@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -60,14 +61,15 @@ def _attn_manifold(run: RunData) -> str:
 
 
 def study(run: RunData) -> str:
-    """Which part of the recipe a run belongs to: ``boundary``, ``attribution``, ``mechanism`` or ``main``."""
+    """Which part of the recipe a run belongs to: ``boundary``, ``attribution``, ``mechanism``, ``long`` or
+    ``main``."""
     return str(run.tags.get("study") or "main")
 
 
 def manifolds_section(runs: Sequence[RunData], out: Path) -> str:
     """Markdown for the manifold-assignment experiment (the manifold-assignment paper), plots written into ``out``:
-    the strategy comparison, then the stability boundary, the attribution and the long mechanism runs when the runs
-    include them."""
+    the strategy comparison, then the stability boundary, the attribution, the long mechanism runs and the long runs
+    of the published algorithm when the runs include them."""
     by_study: dict[str, list[RunData]] = {}
     for r in runs:
         by_study.setdefault(study(r), []).append(r)
@@ -82,6 +84,8 @@ def manifolds_section(runs: Sequence[RunData], out: Path) -> str:
         parts.append(attribution_section(by_study["attribution"], out))
     if by_study.get("mechanism"):
         parts.append(long_mechanism_section(by_study["mechanism"], out))
+    if by_study.get("long"):
+        parts.append(long_section(by_study["long"], out))
     return "\n\n".join(parts)
 
 
@@ -704,4 +708,178 @@ def long_mechanism_section(runs: Sequence[RunData], out: Path) -> str:
     lines += image_lines(plot_heads(runs, out / "manifolds_heads.png"), "per-head statistics")
     lines += image_lines(plot_mechanism(group_runs(runs), out / "manifolds_long_mechanism.png"),
                          "long-run mechanism curves")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- the instability at length
+SIGMA_PRODUCT_CROSSED = 2.0
+"""σ_max(W_Q)·σ_max(W_K) above this (max over layers) counts as grown: twice Stiefel attention's value of 1 (the
+σ cap of the main preset)."""
+LOGIT_CROSSED = 10.0
+"""Attention-logit max above this counts as large: a softmax over 64 keys is ~99 % one-hot at a logit range of ~9
+(the threshold of the ``auto`` arm)."""
+
+
+def _first_above(s: pd.Series, threshold: float) -> int | None:
+    """The first step of a step-indexed series whose value exceeds ``threshold`` (None if it never does)."""
+    s = s[np.isfinite(s.values)] if len(s) else s
+    over = s[s > threshold]
+    return int(over.index[0]) if len(over) else None
+
+
+def head_saturation_series(run: RunData) -> pd.Series:
+    """Largest saturated fraction over all heads at each recorded step (``heads.jsonl``; empty without it)."""
+    df = head_frame(run)
+    if df.empty:
+        return pd.Series(dtype=float)
+    sat = df[df["metric"].str.contains(r"\.saturation_h\d+$")]
+    return sat.groupby("step")["value"].max().sort_index() if not sat.empty else pd.Series(dtype=float)
+
+
+def _times(mult: Any) -> str:
+    """A learning-rate multiplier as "×8" ("×?" when unknown)."""
+    return f"×{float(mult):g}" if isinstance(mult, (int, float)) else "×?"
+
+
+def long_record(run: RunData) -> dict:
+    """One long run: its tags, how far it went, and the first step each link of the chain crossed its threshold."""
+    sp, lg, sat = diag_aggregate(run, "qk_sigma_prod"), diag_aggregate(run, "logit_max"), head_saturation_series(run)
+    div = int(run.status.get("step", 0)) if run.diverged else None
+    first_sat = _first_above(sat, SATURATION_SEEN)
+    if div is None:
+        follows = "no divergence"
+    elif first_sat is not None and first_sat <= div:
+        follows = f"yes (saturated at {first_sat}, diverged at {div})"
+    else:
+        follows = f"no: diverged at {div} without saturation"
+    finite = [float(x) for x in (sp.max() if len(sp) else math.nan, lg.max() if len(lg) else math.nan)]
+    return {"run": run, "strategy": str(run.tags.get("strategy", "?")), "lr": run.tags.get("lr"),
+            "mult": run.tags.get("lr_multiplier"), "msign": str(run.tags.get("msign_dtype", "?")),
+            "attn": _attn_manifold(run), "steps": run.status.get("step"), "diverged": div,
+            "val": final_value(loss_series(run, "val")) if div is None else None,
+            "train": final_value(loss_series(run, "train")),
+            "sigma": (float(sp.iloc[0]) if len(sp) else math.nan, finite[0]),
+            "sigma_at": _first_above(sp, SIGMA_PRODUCT_CROSSED),
+            "logit": (float(lg.iloc[0]) if len(lg) else math.nan, finite[1]),
+            "logit_at": _first_above(lg, LOGIT_CROSSED),
+            "sat": float(sat.max()) if len(sat) else math.nan, "sat_at": first_sat, "follows": follows}
+
+
+def long_verdict(records: Sequence[dict]) -> list[str]:
+    """In words: which runs diverged, whether divergence followed saturation, how far the others got."""
+    dg = [r for r in records if r["attn"].startswith("dgram")]
+    st = [r for r in records if r["attn"].startswith("stiefel")]
+
+    def count(rs: Sequence[dict]) -> str:
+        d = [r for r in rs if r["diverged"] is not None]
+        where = ", ".join(f"{r['strategy']} {_times(r['mult'])} at step {r['diverged']}" for r in d)
+        return f"{len(d)} of {len(rs)}" + (f" ({where})" if d else "")
+
+    lines = [f"- Diverged: DGram attention {count(dg)}; Stiefel attention {count(st)}."]
+    div = [r for r in records if r["diverged"] is not None]
+    if div:
+        after = sum(r["follows"].startswith("yes") for r in div)
+        lines.append(f"- Divergence followed saturation in {after} of {len(div)} diverged runs.")
+    for name, rs in (("DGram attention", dg), ("Stiefel attention", st)):
+        if not rs:
+            continue
+        sat = max((r["sat"] for r in rs if math.isfinite(r["sat"])), default=math.nan)
+        lg = max((r["logit"][1] for r in rs if math.isfinite(r["logit"][1])), default=math.nan)
+        sp = max((r["sigma"][1] for r in rs if math.isfinite(r["sigma"][1])), default=math.nan)
+        crossed = [r for r in rs if r["sat_at"] is not None]
+        lines.append(f"- {name}: largest σQ·σK {fmt(sp)}, logit max {fmt(lg)}, head saturation {fmt(sat)}; "
+                     f"saturation above {SATURATION_SEEN:g} in {len(crossed)} of {len(rs)} runs"
+                     + (" (first: " + ", ".join(f"{r['strategy']} {_times(r['mult'])} at {r['sat_at']}"
+                                                 for r in crossed) + ")" if crossed else "") + ".")
+    if dg and st:
+        dg_div = sum(r["diverged"] is not None for r in dg)
+        st_div = sum(r["diverged"] is not None for r in st)
+        if dg_div > st_div:
+            lines.append("- **Reproduced at this size**: DGram attention diverges where Stiefel attention does not.")
+        elif dg_div == st_div == 0:
+            lines.append("- **Not reproduced at this size**: no run diverged. The next larger setting is a longer run "
+                         "(`--steps 10000`) or the paper's own model and data (preset `gpt2-small-owt` with "
+                         "`optim.preset=paper` on GPUs; see docs/experiments.md for the command and its cost).")
+        else:
+            lines.append(f"- **Not reproduced at this size**: Stiefel attention diverged as often or more "
+                         f"({st_div} vs {dg_div}).")
+    return lines
+
+
+def plot_long(records: Sequence[dict], path: Path) -> Path | None:
+    """Time courses per run: σQ·σK, logit max, largest head saturation and train loss; colour = strategy, line
+    style = lr multiplier, ✕ = divergence."""
+    if not records:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    strategies = sorted({r["strategy"] for r in records})
+    colors = dict(zip(strategies, _colors(len(strategies))))
+    mults = sorted({float(r["mult"]) for r in records if r["mult"] is not None})
+    styles = {m: ("-", "--", "-.", ":")[k % 4] for k, m in enumerate(mults)}
+    any_data = False
+    for r in records:
+        run = r["run"]
+        curves = (diag_aggregate(run, "qk_sigma_prod"), diag_aggregate(run, "logit_max"),
+                  head_saturation_series(run), loss_series(run, "train"))
+        label = plot_text(f"{r['strategy']} {_times(r['mult'])}")
+        for ax, c in zip(axes.flat, curves):
+            if not len(c):
+                continue
+            any_data = True
+            ax.plot(c.index, c.values, color=colors[r["strategy"]], ls=styles.get(float(r["mult"] or 0), "-"),
+                    lw=1.2, label=label if ax is axes[0, 0] else None)
+            if r["diverged"] is not None:
+                ax.plot([c.index[-1]], [c.values[-1]], marker="x", color=colors[r["strategy"]], ms=9, mew=2)
+    if not any_data:
+        plt.close(fig)
+        return None
+    titles = (f"σ_max(W_Q)·σ_max(W_K), max over layers (threshold {SIGMA_PRODUCT_CROSSED:g})",
+              f"attention-logit max (threshold {LOGIT_CROSSED:g})",
+              f"largest saturated fraction of any head (threshold {SATURATION_SEEN:g})", "train loss")
+    for ax, title, thr in zip(axes.flat, titles, (SIGMA_PRODUCT_CROSSED, LOGIT_CROSSED, SATURATION_SEEN, None)):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if thr is not None:
+            ax.axhline(thr, color="grey", lw=0.8, ls=":")
+    for ax in axes[0]:
+        if ax.get_lines():
+            ax.set_yscale("log")
+    fig.suptitle("The published algorithm over a long run (colour: strategy; line style: Muon lr multiplier; ✕: "
+                 "diverged)")
+    return _savefig(fig, path, rect=_legend_below(fig, axes[0, 0]))
+
+
+def long_section(runs: Sequence[RunData], out: Path) -> str:
+    """The instability at length: per run the step each link of σ → logits → saturation → divergence first crossed
+    its threshold, whether divergence followed saturation, the verdict and the time courses."""
+    records = [long_record(r) for r in tagged(runs, ("strategy", "lr"), "the long runs")]
+    if not records:
+        return "### The instability at length\n\nNo run with usable tags (strategy, lr); see the end of the report."
+    records.sort(key=lambda r: (r["strategy"], float(r["mult"] or 0)))
+    rows = []
+    for r in records:
+        rows.append([md_code(r["run"].name), md_text(r["strategy"]), f"{float(r['lr']):g} ({_times(r['mult'])})",
+                     md_text(r["msign"]), r["steps"] if r["steps"] is not None else "—", fmt(r["val"], 4),
+                     f"{fmt(r['sigma'][0])} → {fmt(r['sigma'][1])}", r["sigma_at"] or "never",
+                     f"{fmt(r['logit'][0])} → {fmt(r['logit'][1])}", r["logit_at"] or "never",
+                     fmt(r["sat"]), r["sat_at"] or "never",
+                     r["diverged"] if r["diverged"] is not None else "no", md_text(r["follows"])])
+    msigns = sorted({r["msign"] for r in records})
+    arith = ("the published msign's arithmetic in " + ", ".join(msigns) +
+             (" (not the published bfloat16: set `paper_msign_dtype` for it)" if msigns != ["bfloat16"] else ""))
+    lines = ["### The instability at length (the published algorithm)", "",
+             f"The published algorithm (`optim.preset = \"paper\"`; {arith}) on each strategy at the Muon learning "
+             "rates shown, every other setting shared. Per run: σQ·σK = σ_max(W_Q)·σ_max(W_K) (max over layers, "
+             "first → largest) and the step it first exceeded "
+             f"{SIGMA_PRODUCT_CROSSED:g}; logit max (first → largest) and the step it first exceeded "
+             f"{LOGIT_CROSSED:g}; the largest saturated fraction of any head's softmax rows and the step it first "
+             f"exceeded {SATURATION_SEEN:g}; the divergence step (the trainer's rule: NaN/Inf, or the smoothed "
+             "train loss above `train.diverge_factor` × its best) and whether it came after saturation.", "",
+             md_table(["run", "strategy", "Muon lr", "msign arithmetic", "steps", "final val loss", "σQ·σK",
+                       f"σQ·σK > {SIGMA_PRODUCT_CROSSED:g} at", "logit max", f"logit > {LOGIT_CROSSED:g} at",
+                       "head saturation (max)", f"saturation > {SATURATION_SEEN:g} at", "diverged at",
+                       "divergence after saturation?"], rows), "", *long_verdict(records), ""]
+    lines += image_lines(plot_long(records, out / "manifolds_long.png"), "long-run time courses")
+    lines += image_lines(plot_heads(runs, out / "manifolds_long_heads.png"), "per-head statistics")
     return "\n".join(lines)
