@@ -434,6 +434,20 @@ def test_optimizer_step_bad_arguments_are_one_line_before_any_work(args, says, m
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_bench_compares_the_two_bf16_evaluation_orders(capsys):
+    """``bench optimizer_step`` prints, per Polar Express step count, the bf16 orthogonality error of our fused
+    evaluation and the published one, and which is better at the default step count."""
+    from weightgeom.benchmarks import optimizer_step
+
+    out = optimizer_step.evaluation_orders([("a", (48, 16)), ("b", (16, 40))], "cpu", "test", 5, reps=1)
+    text = capsys.readouterr().out
+    assert "msign evaluation order in bfloat16 [test]" in text and "ours (fused)" in text and "published" in text
+    assert set(out["errors"]) == set(optimizer_step.ORDERS) and out["best"] in optimizer_step.ORDERS
+    for errs in out["errors"].values():  # more steps, a more orthogonal result (until bf16's floor)
+        assert errs["5"] > errs["10"] and errs["10"] < 0.05
+    assert out["best"] == min(out["errors"], key=lambda o: out["errors"][o]["5"])
+
+
 def test_benchmark_timing_loop_reports_progress_on_stderr(monkeypatch, capsys):
     """A long timing loop (the AVX2 peer table: minutes without a line before) says how far it is and how long is
     left, on stderr, throttled; a short one prints nothing."""

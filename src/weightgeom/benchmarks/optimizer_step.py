@@ -161,6 +161,53 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
     return times, stats, ortho
 
 
+ORDER_STEPS = (5, 6, 8, 10)
+"""Polar Express step counts the bf16 evaluation-order table compares (5–6: Muon's per-device choice on bf16 CPUs;
+10: the published algorithm and the retractions)."""
+ORDERS = {"ours (fused)": "polar_express", "published": "polar_express_paper"}
+"""The two bf16 evaluations of the same Polar Express polynomial: ours (normalised in float32, X ← a·X + (b·S + c·S²)·X
+as two fused multiply-adds) and the published one (normalised in bf16, X ← (a·I + (b·I + c·S)·S)·X)."""
+
+
+def momentum_like(m: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """A gradient-momentum-like test matrix: random singular vectors, singular values i^−½ (a heavy top, a long
+    tail), scaled to 1e-3."""
+    k = min(m, n)
+    U = torch.linalg.qr(torch.randn(m, k, generator=g))[0]
+    V = torch.linalg.qr(torch.randn(n, k, generator=g))[0]
+    return 1e-3 * (U * torch.arange(1, k + 1, dtype=torch.float32) ** -0.5) @ V.T
+
+
+def evaluation_orders(shapes: list[tuple[str, tuple[int, int]]], dev: str, tag: str, default_steps: int,
+                      reps: int) -> dict:
+    """Print and return the bf16 orthogonality error max|σ/σ_max − 1| (worst over the shapes, momentum-like inputs)
+    of each evaluation order after each of ``ORDER_STEPS`` steps, and its time per call at ``default_steps``."""
+    g = torch.Generator().manual_seed(3)
+    inputs = {name: momentum_like(m, n, g).to(dev) for name, (m, n) in shapes}
+    errors: dict[str, dict[int, float]] = {o: {} for o in ORDERS}
+    seconds: dict[str, float] = {}
+    counts = sorted({*ORDER_STEPS, default_steps})
+    for label, method in ORDERS.items():
+        for k in counts:
+            errors[label][k] = max(orthogonality_error(msign(G, method=method, steps=k, dtype=torch.bfloat16))
+                                   for G in inputs.values())
+        t = interleaved_medians({n: lambda G=G, method=method: msign(G, method=method, steps=default_steps,
+                                                                     dtype=torch.bfloat16)
+                                 for n, G in inputs.items()}, iters=reps, warmup=1, device=dev)
+        seconds[label] = sum(t.values())
+    print(f"\nmsign evaluation order in bfloat16 [{tag}]: max|σ/σ_max − 1| after k Polar Express steps (worst of "
+          f"{', '.join(n for n, _ in shapes)}; momentum-like inputs, σᵢ ∝ i^−½), ms per call at {default_steps} steps")
+    print(f"{'order':16s} " + " ".join(f"{f'k={k}':>9s}" for k in counts) + f" {'ms':>9s}")
+    for label in ORDERS:
+        print(f"{label:16s} " + " ".join(f"{errors[label][k]:9.2e}" for k in counts)
+              + f" {1e3 * seconds[label]:9.2f}")
+    best = min(ORDERS, key=lambda o: errors[o][default_steps])
+    print(f"  at the default step count here ({default_steps}) the more orthogonal order is {best}; our Muon uses "
+          f"ours (fused){'' if best == 'ours (fused)' else ' — the published order measures better here'}")
+    return {"errors": {o: {str(k): v for k, v in e.items()} for o, e in errors.items()},
+            "ms": {o: 1e3 * t for o, t in seconds.items()}, "default_steps": default_steps, "best": best}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -300,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:12s} {m}×{n}: msign {gf:7.1f} GFLOP/s, matmul {mm:7.1f} GFLOP/s, ratio {gf / mm:5.2f} "
               f"(target ≥ {TARGET_MSIGN_VS_MATMUL})")
         results["msign"][name] = {"msign_gflops": gf, "matmul_gflops": mm, "ratio": gf / mm}
+
+    results["msign_order"] = evaluation_orders(shapes, dev, tag, choice.steps, reps)
 
     print(f"\ntargets [{tag}]:")
     prow = results["peer"]["rows"]
