@@ -75,7 +75,10 @@ def test_boundary_preset_plans_ladders_that_stop_at_divergence():
     assert all(v.tags.get("study") == "attribution" and v.part == "attribution" for v in attr)
     assert {v.tags["strategy"] for v in attr} == {"all-dgram", "hetero-inv"}
     arms = {v.tags["arm"] for v in attr}
-    assert {"ours", "sum-momentum", "bf16-msign"} <= arms and arms <= {"ours", "paper", *ATTRIBUTION_ARMS}
+    assert {"ours", "sum-momentum", "bf16-msign"} <= arms and arms <= {"ours", "paper", "paper-fp32-msign",
+                                                                       *ATTRIBUTION_ARMS}
+    fp32 = next(v for v in attr if v.name == "attr-all-dgram-paper-fp32-msign")  # what bf16 changes, as a pair
+    assert fp32.overrides["optim.muon.msign_dtype"] == "float32" and fp32.overrides["optim.preset"] == "paper"
     sm = next(v for v in attr if v.name == "attr-hetero-inv-sum-momentum")
     assert sm.overrides["optim.muon.momentum_form"] == "sum" and sm.overrides["optim.muon.lr"] == 0.32
     assert next(v for v in attr if v.name == "attr-all-dgram-paper").overrides["optim.muon.msign_dtype"] == "bfloat16"
@@ -168,6 +171,25 @@ def test_long_record_says_whether_divergence_followed_saturation(monkeypatch, sa
     else:
         assert f"DGram attention 1 of 1 (all-dgram ×8 at step {diverged_at})" in verdict
         assert "**Reproduced at this size**" in verdict
+
+
+def test_report_names_the_msign_arithmetic_of_the_published_algorithm():
+    run = _Run("r", "all-dgram", None)
+    run.tags["algorithm"] = "paper"
+    run.config = {"optim": {"muon": {"msign_dtype": "float32"}}}
+    assert report_manifolds.algorithm_label(run) == "paper (msign float32)"
+    run.config = {"optim": {"muon": {"msign_dtype": "bfloat16"}}}
+    assert report_manifolds.algorithm_label(run) == "paper"  # as published: nothing to say
+    run.tags["algorithm"] = "ours"
+    run.config = {"optim": {"muon": {"msign_dtype": "float32"}}}
+    assert report_manifolds.algorithm_label(run) == "ours"
+    rec = {"strategy": "all-dgram", "diverged": False, "val_loss": 3.2, "sigma_growth": 2.0, "saturation": 0.01,
+           "logit_max": 9.0, "seed": 0, "step": 60}
+    lines = report_manifolds.bf16_lines([{**rec, "arm": "paper"}, {**rec, "arm": "paper-fp32-msign",
+                                                                  "sigma_growth": 3.0}])
+    assert len(lines) == 4 and lines[2].startswith("- `all-dgram`: bf16 msign (as published) val loss 3.2")
+    assert "float32 msign val loss 3.2" in lines[2] and "×3.000" in lines[2]
+    assert report_manifolds.bf16_lines([{**rec, "arm": "paper"}]) == []  # the pair is needed
 
 
 def test_unknown_strategy_in_the_sweep_table_is_one_line():

@@ -21,7 +21,9 @@ part ``main``):
   stops at its first diverged rung.
 * ``attribution`` — on ``attribution_strategies`` (default ALL-DGRAM and HETERO-INV) at Muon lr
   ``attribution_lr``: our algorithm, our algorithm with one element of the published one switched on
-  (:data:`ATTRIBUTION_ARMS`), and the published algorithm as a whole.
+  (:data:`ATTRIBUTION_ARMS`), and the published algorithm as a whole, as published (bfloat16 msign) and with its
+  msign in float32 (``paper-fp32-msign``: what the boundary and mechanism presets run, so the pair shows what bf16
+  changes).
 * ``long`` — the instability where the paper saw it, over a long run: the published algorithm (``paper``;
   ``paper_msign_dtype`` as for the boundary) on ``long_strategies`` (default ALL-DGRAM and HETERO-INV against HETERO
   and ALL-STIEFEL) × the part's Muon lr times each of ``long_lr_multipliers`` (default 1, 2, 4, 8), per-head
@@ -236,7 +238,11 @@ def attribution_variants(base: dict[str, Any], sweep: dict[str, Any], part: str 
     ours = _algorithm(base, "ours") or {}
     arms: list[tuple[str, str, dict[str, Any] | None]] = [("ours", "our manifold Muon", ours)]
     arms += [(arm, desc, {**ours, **ov}) for arm, (desc, ov) in ATTRIBUTION_ARMS.items()]
-    arms.append(("paper", "the published algorithm (every element)", _algorithm(base, "paper")))
+    paper = _algorithm(base, "paper")
+    arms.append(("paper", "the published algorithm (every element)", paper))
+    if paper is not None:  # what the boundary and mechanism presets run: the same with the msign in float32
+        arms.append(("paper-fp32-msign", "the published algorithm with its msign in float32 (paper_msign_dtype)",
+                     {**paper, "optim.muon.msign_dtype": "float32"}))
     out = []
     for s in strategies:
         for arm, desc, ov in arms:

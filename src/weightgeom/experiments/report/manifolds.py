@@ -303,6 +303,16 @@ ATTENTION_PAIRS = (("all-dgram", "hetero"), ("hetero-inv", "all-stiefel"))
 """(DGram-attention strategy, Stiefel-attention strategy) with the same MLP geometry (DGram, then Stiefel)."""
 
 
+def algorithm_label(run: RunData) -> str:
+    """The run's algorithm tag, with the msign arithmetic where a published-algorithm run does not use the published
+    bfloat16 (a preset's ``paper_msign_dtype``): e.g. ``"paper (msign float32)"``."""
+    alg = str(run.tags.get("algorithm", ""))
+    dtype = run.config.get("optim", {}).get("muon", {}).get("msign_dtype") if isinstance(run.config, dict) else None
+    if alg == "paper" and isinstance(dtype, str) and dtype != "bfloat16":
+        return f"{alg} (msign {dtype})"
+    return alg
+
+
 def _val0(run: RunData) -> float:
     v = loss_series(run, "val")
     return float(v.iloc[0]) if len(v) and 0 in v.index else float("nan")
@@ -312,7 +322,7 @@ def boundary_record(run: RunData) -> dict:
     """The numbers of one ladder rung: strategy, algorithm, lr, seed, state, step, final and initial val loss."""
     v = loss_series(run, "val")
     return {"strategy": str(run.tags.get("strategy")), "algorithm": str(run.tags.get("algorithm")),
-            "lr": float(run.tags.get("lr")), "seed": run.seed, "state": run.state,
+            "label": algorithm_label(run), "lr": float(run.tags.get("lr")), "seed": run.seed, "state": run.state,
             "step": run.status.get("step"), "val_loss": final_value(v) if not run.diverged else float("nan"),
             "val_loss0": _val0(run)}
 
@@ -429,7 +439,7 @@ def boundary_table(records: Sequence[dict], ladder: Sequence[float] | None = Non
         texts = [_fmt_lr(lr, ok, ladder) for lr, ok in per_seed]
         seed_cell = f"{texts[0]} (all {len(texts)} seeds)" if len(texts) > 1 and len(set(texts)) == 1 else ", ".join(
             texts)
-        rows.append([md_code(s), md_text(a), seed_cell] + cells
+        rows.append([md_code(s), md_text(recs[0].get("label", a)), seed_cell] + cells
                     + [first, f"{no_prog[0]:g}" if no_prog else "none"])
     return header, rows
 
@@ -620,9 +630,34 @@ def attribution_section(runs: Sequence[RunData], out: Path) -> str:
              "first diagnostics step (max over seeds).", "",
              md_table(["strategy", "arm", "diverged", "final val loss", "σQ·σK growth", "logit max (last)",
                        "saturation (max)", "reproduces"], attribution_rows(records)), ""]
+    lines += bf16_lines(records)
     lines += image_lines(plot_mechanism(group_runs(runs), out / "manifolds_attribution_mechanism.png"),
                          "attribution mechanism curves")
     return "\n".join(lines)
+
+
+def bf16_lines(records: Sequence[dict]) -> list[str]:
+    """What the published msign's bfloat16 arithmetic changes: the ``paper`` arm (bf16, as published) against
+    ``paper-fp32-msign`` (the same in float32, as the boundary and mechanism presets run it), per strategy."""
+    out = []
+    for s in dict.fromkeys(r["strategy"] for r in records):
+        arms = {a: [r for r in records if r["strategy"] == s and r["arm"] == a] for a in ("paper", "paper-fp32-msign")}
+        if not all(arms.values()):
+            continue
+
+        def summary(rs: list[dict]) -> str:
+            finals = [r["val_loss"] for r in rs if math.isfinite(r["val_loss"])]
+            g = max((r["sigma_growth"] for r in rs if math.isfinite(r["sigma_growth"])), default=float("nan"))
+            sat = max((r["saturation"] for r in rs if math.isfinite(r["saturation"])), default=float("nan"))
+            div = sum(r["diverged"] for r in rs)
+            return f"val loss {fmt_stats(finals)}, σQ·σK ×{fmt(g)}, saturation {fmt(sat)}, {div}/{len(rs)} diverged"
+
+        out.append(f"- `{md_text(s)}`: bf16 msign (as published) {summary(arms['paper'])}; float32 msign "
+                   f"{summary(arms['paper-fp32-msign'])}.")
+    if out:
+        out = ["What the published msign's bfloat16 arithmetic changes (`paper` against `paper-fp32-msign`, the "
+               "arithmetic the boundary and mechanism presets use):", "", *out, ""]
+    return out
 
 
 # --------------------------------------------------------------------------------------------- long mechanism runs
@@ -692,7 +727,7 @@ def long_mechanism_section(runs: Sequence[RunData], out: Path) -> str:
         if r.diverged:
             chain.append(f"divergence at step {r.status.get('step')}")
         v = loss_series(r, "val")
-        rows.append([md_code(r.name), md_text(r.tags.get("algorithm", "")), r.state, r.status.get("step", "—"),
+        rows.append([md_code(r.name), md_text(algorithm_label(r)), r.state, r.status.get("step", "—"),
                      fmt(final_value(v) if not r.diverged else None, 4), f"{fmt(sp.iloc[0]) if len(sp) else '—'} → "
                      f"{fmt(final_value(sp))}", f"{fmt(lg.iloc[0]) if len(lg) else '—'} → {fmt(final_value(lg))}",
                      fmt(hs.get("sat_max_any")), fmt(hs.get("ent_min_last")), hs.get("heads", "—"),
