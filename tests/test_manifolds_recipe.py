@@ -177,7 +177,7 @@ def test_report_names_the_msign_arithmetic_of_the_published_algorithm():
     run = _Run("r", "all-dgram", None)
     run.tags["algorithm"] = "paper"
     run.config = {"optim": {"muon": {"msign_dtype": "float32"}}}
-    assert report_manifolds.algorithm_label(run) == "paper (msign float32)"
+    assert report_manifolds.algorithm_label(run) == "paper (dual-ascent msign float32)"
     run.config = {"optim": {"muon": {"msign_dtype": "bfloat16"}}}
     assert report_manifolds.algorithm_label(run) == "paper"  # as published: nothing to say
     run.tags["algorithm"] = "ours"
@@ -432,7 +432,7 @@ def test_long_preset_end_to_end_tiny(tmp_path):
     assert {r["status"] for r in manifest["runs"]} <= {"done", "diverged"} and len(manifest["runs"]) == 2
     report = path.read_text()
     assert "### The instability at length (the published algorithm)" in report
-    assert "the published msign's arithmetic in float32 (not the published bfloat16" in report
+    assert "the dual ascent's msign in float32 — not the published bfloat16" in report
     row = next(line for line in report.splitlines() if line.startswith("| `long-all-dgram-x8-s0` |"))
     assert "| all-dgram | 0.16 (×8) | float32 | 6 |" in row, row
     assert "- Diverged: DGram attention" in report

@@ -241,8 +241,8 @@ def attribution_variants(base: dict[str, Any], sweep: dict[str, Any], part: str 
     paper = _algorithm(base, "paper")
     arms.append(("paper", "the published algorithm (every element)", paper))
     if paper is not None:  # what the boundary and mechanism presets run: the same with the msign in float32
-        arms.append(("paper-fp32-msign", "the published algorithm with its msign in float32 (paper_msign_dtype)",
-                     {**paper, "optim.muon.msign_dtype": "float32"}))
+        arms.append(("paper-fp32-msign", "the published algorithm with its dual-ascent msign in float32 "
+                     "(paper_msign_dtype)", {**paper, "optim.muon.msign_dtype": "float32"}))
     out = []
     for s in strategies:
         for arm, desc, ov in arms:

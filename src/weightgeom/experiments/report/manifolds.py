@@ -305,11 +305,12 @@ ATTENTION_PAIRS = (("all-dgram", "hetero"), ("hetero-inv", "all-stiefel"))
 
 def algorithm_label(run: RunData) -> str:
     """The run's algorithm tag, with the msign arithmetic where a published-algorithm run does not use the published
-    bfloat16 (a preset's ``paper_msign_dtype``): e.g. ``"paper (msign float32)"``."""
+    bfloat16 in its dual ascent (a preset's ``paper_msign_dtype``; the Stiefel retraction keeps the published bf16):
+    e.g. ``"paper (dual-ascent msign float32)"``."""
     alg = str(run.tags.get("algorithm", ""))
     dtype = run.config.get("optim", {}).get("muon", {}).get("msign_dtype") if isinstance(run.config, dict) else None
     if alg == "paper" and isinstance(dtype, str) and dtype != "bfloat16":
-        return f"{alg} (msign {dtype})"
+        return f"{alg} (dual-ascent msign {dtype})"
     return alg
 
 
@@ -901,8 +902,9 @@ def long_section(runs: Sequence[RunData], out: Path) -> str:
                      fmt(r["sat"]), r["sat_at"] or "never",
                      r["diverged"] if r["diverged"] is not None else "no", md_text(r["follows"])])
     msigns = sorted({r["msign"] for r in records})
-    arith = ("the published msign's arithmetic in " + ", ".join(msigns) +
-             (" (not the published bfloat16: set `paper_msign_dtype` for it)" if msigns != ["bfloat16"] else ""))
+    arith = ("the dual ascent's msign in " + ", ".join(msigns) +
+             (" — not the published bfloat16, which `paper_msign_dtype` selects; the Stiefel retraction keeps the "
+              "published bfloat16 msign" if msigns != ["bfloat16"] else ", as published"))
     lines = ["### The instability at length (the published algorithm)", "",
              f"The published algorithm (`optim.preset = \"paper\"`; {arith}) on each strategy at the Muon learning "
              "rates shown, every other setting shared. Per run: σQ·σK = σ_max(W_Q)·σ_max(W_K) (max over layers, "
@@ -911,7 +913,7 @@ def long_section(runs: Sequence[RunData], out: Path) -> str:
              f"{LOGIT_CROSSED:g}; the largest saturated fraction of any head's softmax rows and the step it first "
              f"exceeded {SATURATION_SEEN:g}; the divergence step (the trainer's rule: NaN/Inf, or the smoothed "
              "train loss above `train.diverge_factor` × its best) and whether it came after saturation.", "",
-             md_table(["run", "strategy", "Muon lr", "msign arithmetic", "steps", "final val loss", "σQ·σK",
+             md_table(["run", "strategy", "Muon lr", "dual-ascent msign", "steps", "final val loss", "σQ·σK",
                        f"σQ·σK > {SIGMA_PRODUCT_CROSSED:g} at", "logit max", f"logit > {LOGIT_CROSSED:g} at",
                        "head saturation (max)", f"saturation > {SATURATION_SEEN:g} at", "diverged at",
                        "divergence after saturation?"], rows), "", *long_verdict(records), ""]
