@@ -192,6 +192,25 @@ def test_report_names_the_msign_arithmetic_of_the_published_algorithm():
     assert report_manifolds.bf16_lines([{**rec, "arm": "paper"}]) == []  # the pair is needed
 
 
+def test_log_axes_of_report_plots_have_plain_tick_labels():
+    """Mathtext is off in report plots (names from run directories are never parsed), so matplotlib's log formatter
+    printed its ticks as raw "$\\mathdefault{10^{1}}$"; every log axis gets plain labels when a plot is saved."""
+    from weightgeom.experiments.report.common import _plain_log_ticks, _plt
+
+    fig, (a, b) = _plt().subplots(1, 2)
+    a.plot([1, 2, 3], [0.17, 1.0, 5.0])
+    a.set_yscale("log")
+    b.plot([1, 1e4], [1, 2])
+    b.set_xscale("log")
+    _plain_log_ticks(fig)
+    fig.canvas.draw()
+    labels = [t.get_text() for ax in (a, b) for axis in (ax.xaxis, ax.yaxis)
+              for t in axis.get_ticklabels(which="both")]
+    assert labels and not any("$" in t or "mathdefault" in t for t in labels), labels
+    assert {"0.2", "0.5", "1", "2", "5"} <= set(labels) and {"1", "10", "100"} <= set(labels)
+    _plt().close(fig)
+
+
 def test_unknown_strategy_in_the_sweep_table_is_one_line():
     parts, sweep = load_parts("boundary", "manifolds")[1:]
     with pytest.raises(ValueError, match="strategies: unknown strategy 'all-dgramm'"):

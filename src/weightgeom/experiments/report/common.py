@@ -291,7 +291,32 @@ def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[
         ax.plot([step], [y], marker="x", color=color, ms=11, mew=2.5, ls="none")
 
 
+def _plain_log_ticks(fig) -> None:
+    """Plain tick labels ("0.2", "10", "1e-05") on every log-scaled axis of ``fig``: matplotlib's log formatter writes
+    mathtext ("$\\mathdefault{10^{1}}$"), which ``_plt`` turns off (names from run directories must never be parsed),
+    so its labels would show as raw markup. Minor ticks are labelled where the axis spans under one decade, at 2 and 5
+    (×10ᵏ) under 2.5 decades, else not (as the log formatter does)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+
+    def two_and_five(v: float, _) -> str:
+        mantissa = round(v / 10 ** math.floor(math.log10(v)), 6) if v > 0 else 0
+        return f"{v:g}" if mantissa in (2, 5) else ""
+
+    for ax in fig.get_axes():
+        for axis, lim in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            if axis.get_scale() != "log":
+                continue
+            axis.set_major_formatter(plain)
+            lo, hi = sorted(abs(x) for x in lim)
+            decades = math.log10(hi / lo) if lo > 0 else math.inf
+            axis.set_minor_formatter(plain if decades < 1 else FuncFormatter(two_and_five) if decades < 2.5
+                                     else NullFormatter())
+
+
 def _savefig(fig, path: Path, rect=None) -> Path:
+    _plain_log_ticks(fig)
     fig.tight_layout(rect=rect)
     write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"), fsync=False)
     _plt().close(fig)
