@@ -830,3 +830,19 @@ def test_unreadable_manifest_is_kept_aside(tmp_path, base_cfg, capsys):
     assert len(kept) == 1 and kept[0].read_text() == '{"runs": ['
     assert json.loads((out / "sweep.json").read_text())["runs"][0]["status"] == "done"
     assert "unreadable" in capsys.readouterr().err
+
+
+def test_report_reads_table_valued_controls_without_a_warning():
+    """A control declared with keyword arguments (the demo's ``auto`` arm: ``auto_assign = {threshold = 10}``) is
+    kept as a table in ``experiment.json``'s controls and settings; before, every demo report warned that it was "not
+    a plain value" and dropped it. A deeper table is still refused, naming it."""
+    from weightgeom.experiments.report.inputs import EXPERIMENT, Problems, conform
+
+    problems = Problems()
+    exp = {"controls": {"auto_assign": {"threshold": 10.0}, "sigma_cap": 2.0},
+           "settings": {"controls.auto_assign": {"threshold": 10.0}, "optim.muon.lr": 0.02}}
+    got = conform(exp, EXPERIMENT, "experiment.json", problems)
+    assert not problems and got == exp
+    got = conform({"controls": {"auto_assign": {"threshold": {"deep": 1}}}}, EXPERIMENT, "e.json", problems)
+    assert got == {"controls": {}} and problems.lines == [
+        "e.json:controls:auto_assign: dict is not a plain value; ignored"]

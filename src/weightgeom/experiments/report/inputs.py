@@ -165,6 +165,19 @@ PositiveInt = Type("positive integer", lambda v: _positive(_int(v)))
 OptStr = Type("string or null", lambda v: None if v is None else _str(v))
 
 
+def _control(v: Any) -> Any:
+    """A declared experiment control's value: a plain value, or a table of plain values (a callback's keyword
+    arguments, e.g. ``auto_assign = {threshold = 10}``)."""
+    if isinstance(v, dict):
+        if len(v) > 1000:
+            raise TypeError("a table of more than 1000 entries")
+        return {str(k): _scalar(x) for k, x in v.items()}
+    return _scalar(v)
+
+
+Control = Type("plain value or table of plain values", _control)
+
+
 def _positive(v: float) -> float:
     if not (math.isfinite(v) and v > 0):
         raise TypeError(f"{v!r} is not a positive finite number")
@@ -265,7 +278,7 @@ TAGS = {"study": Str, "strategy": Str, "algorithm": Str, "arm": Str, "kind": Str
 
 EXPERIMENT = {"name": Str, "recipe": Str, "variant": Str, "seed": Int, "part": Str, "group": Str,
               "description": Str, "after": Str, "settings_hash": Str, "overrides": Map(Scalar),
-              "settings": Map(Scalar), "tags": TAGS, "controls": Map(Scalar),
+              "settings": Map(Control), "tags": TAGS, "controls": Map(Control),
               "final": Map(Number)}
 """``experiment.json`` (the sweep runner's)."""
 
