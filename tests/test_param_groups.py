@@ -169,7 +169,7 @@ def test_frozen_params_excluded_and_hparams_routed():
 def test_unknown_model_is_an_error_and_table_prints(capsys):
     with pytest.raises(ValueError, match="no attention/MLP matrices"):
         param_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), "hetero", verbose=False)
-    param_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), "hetero", rules={r"0\.weight": "stiefel"})
+    param_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), "hetero", rules={r"0\.weight": "stiefel"}, verbose=True)
     out = capsys.readouterr().out
     assert "0.weight" in out and "stiefel" in out and "rule" in out
     param_groups(_hf_llama(), "hetero", verbose=True)
@@ -249,3 +249,40 @@ def test_every_muon_keyword_is_accepted_including_init():
     assert all(g.get("init") == "keep" for g in groups if g["algorithm"] == "muon")
     assert all("init" not in g for g in groups if g["algorithm"] == "adamw")
     Muon(groups)  # Muon accepts every group param_groups builds
+
+
+# ---- a quiet API: nothing printed unless asked; the table through logging, describe() and the run directory -------
+def test_param_groups_and_builders_are_quiet_unless_asked(capsys, caplog):
+    import logging
+
+    from weightgeom.optim import build_optimizer, describe
+    from weightgeom.optim.config import OptimConfig
+
+    model = MODELS["ours-gpt"]()
+    with caplog.at_level(logging.WARNING, logger="weightgeom.optim.param_groups"):
+        groups = param_groups(model, "hetero")
+        build_optimizer(model, config=OptimConfig(strategy="hetero"))
+    assert capsys.readouterr().out == "" and not caplog.records
+    with caplog.at_level(logging.INFO, logger="weightgeom.optim.param_groups"):
+        param_groups(model, "hetero")
+    assert capsys.readouterr().out == "" and "param_groups(strategy='hetero')" in caplog.text
+    table = describe(Muon(groups), model)  # the same table for a built optimizer, roles from the model
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert table.startswith(f"Muon: {len(names)} trainable parameters") and all(n in table for n in names)
+    row = next(line for line in table.splitlines() if "attn.c_attn.weight" in line)
+    assert " attn " in row and "muon" in row and "stiefel" in row
+    plain = describe(torch.optim.AdamW(model.parameters()))
+    assert plain.startswith("AdamW:") and "group0.param0" in plain and "adamw" in plain
+
+
+def test_trainer_writes_the_table_into_the_run_directory_and_prints_none(tmp_path, capsys):
+    from weightgeom.train import train
+
+    cfg = {"run": {"device": "cpu"}, "model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "bias": False},
+           "data": {"kind": "shakespeare", "tokenizer": "char", "block_size": 16, "batch_size": 2},
+           "optim": {"name": "muon", "strategy": "hetero"},
+           "train": {"max_steps": 1, "eval_every": 0, "eval_iters": 1, "log_every": 1}}
+    train(cfg, run_dir=tmp_path / "r", progress=True)
+    assert "trainable parameters" not in capsys.readouterr().out
+    table = (tmp_path / "r" / "param_groups.txt").read_text()
+    assert table.startswith("Muon:") and "transformer.h.0.attn.c_attn.weight" in table and "stiefel" in table

@@ -16,13 +16,14 @@ from weightgeom.optim.functional import (
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.manifold_muon import manifold_direction, manifold_direction_reference
 from weightgeom.optim.muon import FarRetractionWarning, Muon
-from weightgeom.optim.param_groups import STRATEGIES, param_groups
+from weightgeom.optim.param_groups import STRATEGIES, describe, param_groups
 
 __all__ = [
     "Muon",
     "MagnitudeDirection",
     "build_optimizer",
     "param_groups",
+    "describe",
     "STRATEGIES",
     "MuonConfig",
     "AdamWConfig",

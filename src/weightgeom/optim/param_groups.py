@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,7 +54,7 @@ import torch.nn as nn
 from weightgeom import manifolds
 from weightgeom.optim.muon import Muon
 
-__all__ = ["param_groups", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
+__all__ = ["param_groups", "describe", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
            "muon_group_keys"]
 
 # strategy -> {role: manifold name or None (plain Muon) or "adamw"}
@@ -212,7 +213,7 @@ def param_groups(
     strategy: str = "unconstrained",
     rules: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
     split_qkv: bool = False,
-    verbose: bool = True,
+    verbose: bool = False,
     adamw_hparams: Mapping[str, Any] | None = None,
     **hparams: Any,
 ) -> list[dict[str, Any]]:
@@ -226,7 +227,8 @@ def param_groups(
             (e.g. ``{"manifold": "stiefel", "lr": 0.01}``). ``re.search`` on the full parameter name; a rule
             that matches no trainable parameter is an error.
         split_qkv: give fused QKV weights (``attn.c_attn.weight``) ``split=3`` so Q, K, V are separate matrices.
-        verbose: print the assignment table.
+        verbose: print the assignment table (one line per parameter). Quiet by default: the table is logged at INFO
+            on the ``weightgeom.optim.param_groups`` logger, and :func:`describe` gives it for any optimizer.
         adamw_hparams: AdamW group keys (``lr``, ``weight_decay``, ``betas``, ``eps``), e.g. ``{"lr": 6e-4,
             "weight_decay": 0.1}``; the same as the keywords ``adamw_lr=6e-4, adamw_weight_decay=0.1``. Weight
             decay applies to ≥2-D tensors only (1-D: 0).
@@ -312,11 +314,43 @@ def param_groups(
         g["names"].append(r["name"])
     if verbose:
         print(format_table(rows, strategy))
+    elif _log.isEnabledFor(logging.INFO):
+        _log.info("%s", format_table(rows, strategy))
     return groups
 
 
-def format_table(rows: list[dict[str, Any]], strategy: str = "") -> str:
-    """The assignment table printed by ``param_groups`` (one line per parameter)."""
+_log = logging.getLogger(__name__)
+
+
+def describe(optimizer: Any, model: nn.Module | None = None) -> str:
+    """The assignment table of a built optimizer (or of a list of parameter groups): one line per parameter with its
+    shape, role, algorithm, manifold and notes — the table ``param_groups(..., verbose=True)`` prints.
+
+    Args:
+        optimizer: a ``Muon``, ``MagnitudeDirection`` or any ``torch.optim.Optimizer`` (its ``param_groups``), or a
+            list of groups as :func:`param_groups` returns them. Parameter names come from the groups' ``names``
+            (``group<i>.param<j>`` where a group has none).
+        model: the model, to name each parameter's role (``attn``, ``mlp``, ...); ``-`` without it.
+
+    Returns:
+        The table as text (no trailing newline).
+    """
+    groups = optimizer.param_groups if hasattr(optimizer, "param_groups") else list(optimizer)
+    roles = {name: role for name, _, role, _ in classify(model)} if model is not None else {}
+    default = "muon" if isinstance(optimizer, Muon) else "adamw"
+    rows = []
+    for gi, g in enumerate(groups):
+        names = list(g.get("names") or [f"group{gi}.param{j}" for j in range(len(g["params"]))])
+        spec = {k: v for k, v in g.items() if k not in ("params", "names")}
+        spec["algorithm"] = spec.get("algorithm") or default
+        for name, p in zip(names, g["params"]):
+            rows.append({"name": name, "param": p, "role": roles.get(name, "-"), "source": "group", "spec": spec})
+    return format_table(rows, title=f"{type(optimizer).__name__ if hasattr(optimizer, 'param_groups') else 'groups'}")
+
+
+def format_table(rows: list[dict[str, Any]], strategy: str = "", title: str | None = None) -> str:
+    """The assignment table printed by ``param_groups`` (one line per parameter); ``title`` replaces the first line's
+    ``param_groups(strategy=...)``."""
     header = ("parameter", "shape", "role", "algorithm", "manifold", "note")
     lines = []
     for r in rows:
@@ -340,7 +374,8 @@ def format_table(rows: list[dict[str, Any]], strategy: str = "") -> str:
                       "; ".join(notes)))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [f"param_groups(strategy={strategy!r}): {len(rows)} trainable parameters", fmt.format(*header).rstrip(),
+    head = title if title is not None else f"param_groups(strategy={strategy!r})"
+    out = [f"{head}: {len(rows)} trainable parameters", fmt.format(*header).rstrip(),
            fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*line).rstrip() for line in lines]
     n_muon = sum(r["param"].numel() for r in rows if r["spec"]["algorithm"] == "muon")

@@ -39,11 +39,11 @@ import torch
 from torch import nn
 
 from weightgeom import __version__
-from weightgeom._files import is_regular, read_json
+from weightgeom._files import is_regular, read_json, write_atomic
 from weightgeom.diagnostics.monitors import _clean, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
 from weightgeom.models import GPT, Llama, build_model
-from weightgeom.optim import MagnitudeDirection
+from weightgeom.optim import MagnitudeDirection, describe
 from weightgeom.optim.build import from_config as optimizer_from_config
 from weightgeom.optim.muon import FarRetractionWarning
 from weightgeom.optim.sharded import is_dtensor
@@ -85,6 +85,10 @@ from weightgeom.train.rundir import (
 )
 from weightgeom.train.schedule import apply_lr, capture_base_lrs, make_lr_fn
 from weightgeom.train.tracking import trackers_from_config
+
+PARAM_GROUPS_FILE = "param_groups.txt"
+"""The run directory's table of which parameter went to which optimizer and manifold (``weightgeom.optim.describe``),
+rewritten at every session's start."""
 
 __all__ = ["train", "model_from_config", "build_optimizer_from_config", "explosion"]
 
@@ -322,7 +326,7 @@ class _Trainer:
         if info.rank > 0:
             torch.manual_seed(seed + 1000003 * info.rank)  # different dropout masks per rank
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        opt = build_optimizer_from_config(self.model, cfg, verbose=info.is_main and self.progress_on)
+        opt = build_optimizer_from_config(self.model, cfg)  # quiet: the table goes to the run directory
         capture_base_lrs(opt)
         self.optimizer = opt
         self.choice = choice_record(opt, self.device)  # what the optimizer took from the per-device choice
@@ -407,6 +411,8 @@ class _Trainer:
         if self.presets:
             meta.setdefault("presets", self.presets)  # what each preset set, and the written keys it did not
         write_json_atomic(meta_path, meta)
+        # which parameter went to which optimizer and manifold (param_groups' table), as built for this session
+        write_atomic(rd / PARAM_GROUPS_FILE, describe(self.optimizer, self.model) + "\n")
 
     def _status(self, state: str, reason: str | None = None) -> None:
         if self.info.is_main:
