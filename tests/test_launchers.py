@@ -382,3 +382,30 @@ def test_a_once_handler_raises_one_stop_and_ignores_the_next_signal(monkeypatch)
         again(signal.SIGINT, outside)
     with pytest.raises(KeyboardInterrupt):  # without once, every signal raises
         again(signal.SIGINT, outside)
+
+
+def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
+    """A cluster dry run names every path the runs read — flagged where it does not exist here — and the GPU-hours
+    the submission requests at most; --check-paths refuses a missing one (one line, exit 2), before anything is
+    written."""
+    out = tmp_path / "sw"
+    data = tmp_path / "owt"
+    common = ["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--only",
+              "all-stiefel,unconstrained", "--set", "data.kind=bin", "--gpus-per-run", "2", "--time-limit", "90",
+              "--set", "train.grad_accum=2"]
+    assert main([*common, "--dry-run", "--set", f"data.path={data}"]) == 0
+    text = capsys.readouterr().out
+    assert "paths the runs read (they must exist where the runs train):" in text
+    assert f"  {data}  (NOT FOUND on this machine; every run)" in text
+    assert f"  {sys.executable}  (exists here; every run)" in text
+    assert "GPU-hours requested at most: 2 runs × 2 GPU × 1.5 h (the time limit) = 6 GPU-hours" in text
+    assert main([*common, "--dry-run", "--set", f"data.path={data}", "--check-paths"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert f"--check-paths: data.path={data} (run unconstrained-s0 and 1 more) does not exist" in err[0]
+    assert not out.exists()
+    data.mkdir()
+    assert main([*common, "--dry-run", "--set", f"data.path={data}", "--check-paths"]) == 0
+    assert f"  {data}  (exists here; every run)" in capsys.readouterr().out
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--check-paths", "--list"]) == 2
+    assert "--check-paths is an option of --launcher slurm / ray" in capsys.readouterr().err

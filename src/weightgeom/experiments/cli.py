@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slurm (default), or local: the same submitit jobs as processes on this machine")
     c.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (auto, ray://head:10001, head:6379; default: a local Ray instance)")
+    c.add_argument("--check-paths", action="store_true", default=None,
+                   help="refuse the sweep when a path its runs read (data.path) does not exist on this machine "
+                        "(default: a dry run lists and flags them)")
     c.add_argument("--max-retries", type=nonneg_int, default=None,
                    help="Ray: retries of a run whose worker or node died (default 3); each resumes from its checkpoint")
 
@@ -106,7 +109,7 @@ CLUSTER_OPTIONS = {
     "partition": ("--partition", ("slurm",)), "slurm_opt": ("--slurm-opt", ("slurm",)),
     "slurm_setup": ("--slurm-setup", ("slurm",)), "array_parallelism": ("--array-parallelism", ("slurm",)),
     "submitit_cluster": ("--submitit-cluster", ("slurm",)), "ray_address": ("--ray-address", ("ray",)),
-    "max_retries": ("--max-retries", ("ray",)),
+    "max_retries": ("--max-retries", ("ray",)), "check_paths": ("--check-paths", ("slurm", "ray")),
 }
 """Option (argparse dest) → (flag, the launchers that use it): a flag given for another launcher is refused."""
 
@@ -214,6 +217,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         if problem:
             raise ValueError(problem)
         check_before_writing(runs, out, planned, resume)
+        if cl.get("check_paths"):
+            launchers.check_paths(runs)
     if dry_run:
         notes = ([f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
                  + [f"setup: {line}" for line in cl.get("slurm_setup", [])]

@@ -66,7 +66,7 @@ def _rundir() -> Any:
     return importlib.import_module("weightgeom.train.rundir")
 
 __all__ = ["LAUNCHERS", "Resources", "SlurmLauncher", "RayLauncher", "make_launcher", "require_package",
-           "run_command", "dry_run", "LAUNCH_DIR", "main"]
+           "run_command", "dry_run", "required_paths", "check_paths", "LAUNCH_DIR", "main"]
 
 LAUNCHERS = ("local", "slurm", "ray")
 EXTRAS = {"slurm": ("submitit", "slurm"), "ray": ("ray", "ray")}
@@ -736,9 +736,36 @@ def make_launcher(name: str, resources: Resources, *, address: str = "", max_ret
     return RayLauncher(resources=resources, poll_s=poll_s or 2.0, address=address, max_retries=max_retries)
 
 
+def required_paths(runs: Sequence[RunSpec]) -> dict[str, list[str]]:
+    """The files and folders the runs read that must exist where they train: ``data.path`` of each run whose data
+    kind reads one (``bin``, ``text``) → the runs that read it, in plan order."""
+    out: dict[str, list[str]] = {}
+    for spec in runs:
+        data = spec.config.get("data") or {}
+        path = str(data.get("path") or "")
+        if path and data.get("kind") in ("bin", "text"):
+            out.setdefault(path, []).append(spec.name)
+    return out
+
+
+def check_paths(runs: Sequence[RunSpec]) -> None:
+    """Refuse (one line) a sweep whose runs read a path that does not exist on this machine (``--check-paths``).
+
+    Raises:
+        ValueError: naming the first missing path and a run that reads it.
+    """
+    for path, names in required_paths(runs).items():
+        if not Path(path).exists():
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise ValueError(f"--check-paths: data.path={path} (run {names[0]}{more}) does not exist on this machine; "
+                             "fix the path, or drop --check-paths if it exists only on the cluster")
+
+
 def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources, file: Any = None,
             notes: Sequence[str] = (), resume: bool = True) -> int:
-    """Print, per run, the command and resources that would be submitted (nothing is written or submitted).
+    """Print, per run, the command and resources that would be submitted (nothing is written or submitted); then the
+    paths the runs read, flagged where they do not exist on this machine, and the GPU-hours the submitted runs
+    request at most (runs × GPUs × time limit).
 
     Runs already finished in ``out`` are listed as skipped; ``notes`` (e.g. the extra sbatch options and setup lines)
     are printed after the header. Returns the number of runs that would be submitted.
@@ -763,6 +790,19 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         print(f"{spec.name}: {' '.join(cmd)}  [{resources.describe(launcher)}]", file=file)
     how = {"slurm": " as one SLURM job array", "ray": " as Ray tasks"}.get(launcher, "")
     print(f"{n} of {len(runs)} runs would be submitted{how}", file=file)
+    paths = required_paths(runs)
+    if launcher != "local":
+        paths = {sys.executable: [spec.name for spec in runs], **paths}  # the interpreter each command names
+    if paths:
+        print("paths the runs read (they must exist where the runs train):", file=file)
+        for path, names in paths.items():
+            here = "exists here" if Path(path).exists() else "NOT FOUND on this machine"
+            who = "every run" if len(names) == len(runs) else ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+            print(f"  {path}  ({here}; {who})", file=file)
+    if launcher == "slurm" and resources.gpus and n:
+        hours = n * resources.gpus * resources.time_min / 60
+        print(f"GPU-hours requested at most: {n} runs × {resources.gpus} GPU × {resources.time_min / 60:g} h (the "
+              f"time limit) = {hours:g} GPU-hours; runs that finish sooner use less", file=file)
     return n
 
 
