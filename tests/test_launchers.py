@@ -7,6 +7,7 @@ processes); the Ray path through a local Ray instance (marked ``ray``). Both pac
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -399,6 +400,17 @@ def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
     assert f"  {data}  (NOT FOUND on this machine; every run)" in text
     assert f"  {sys.executable}  (exists here; every run)" in text
     assert "GPU-hours requested at most: 2 runs × 2 GPU × 1.5 h (the time limit) = 6 GPU-hours" in text
+    # per-run CPUs and memory of a GPU run sized from the config where the command line is silent, and said how
+    assert "  cpus per run 16: 8 per GPU (--cpus-per-run to change)" in text
+    from weightgeom.experiments.launchers import BYTES_PER_PARAM, RUNTIME_GB_PER_PROCESS
+    from weightgeom.experiments.runner import load_parts
+    from weightgeom.train.trainer import model_from_config
+
+    parts = load_parts("ci", "manifolds")[1]
+    n = sum(p.numel() for p in model_from_config(dict(next(iter(parts.values()))["model"])).parameters())
+    mem = math.ceil(2 * (RUNTIME_GB_PER_PROCESS + BYTES_PER_PARAM * n / 1e9))
+    assert f"  memory per run {mem:g} GB: 2 process(es) × (4 GB + 32 B × {n / 1e6:.1f}M parameters)" in text
+    assert f"gpus=2 cpus=16 mem={mem:g}GB time=90min" in text
     assert main([*common, "--dry-run", "--set", f"data.path={data}", "--check-paths"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1

@@ -81,8 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print per run the command and resources that would be submitted, and exit")
     c.add_argument("--gpus-per-run", type=nonneg_int, default=None,
                    help="GPUs per run (default 0; more than 1 trains under torchrun on one node)")
-    c.add_argument("--cpus-per-run", type=positive_int, default=None, help="CPU cores per run (default 1)")
-    c.add_argument("--mem-per-run", type=float, default=None, metavar="GB", help="memory per run in GB (slurm)")
+    c.add_argument("--cpus-per-run", type=positive_int, default=None,
+                   help="CPU cores per run (default: 8 per GPU, 1 without GPUs)")
+    c.add_argument("--mem-per-run", type=float, default=None, metavar="GB",
+                   help="memory per run in GB (slurm; GPU runs default to a size from the model: the dry run says how)")
     c.add_argument("--time-limit", default=None, metavar="MIN|H:MM:SS",
                    help="time limit per job (slurm, default 240 min); longer runs are requeued from their checkpoint")
     c.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
@@ -193,6 +195,9 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         gpus=cl.get("gpus_per_run", 0), cpus=cl.get("cpus_per_run", 1), mem_gb=cl.get("mem_per_run"),
         time_min=launchers.parse_time_limit(str(cl["time_limit"])) if cl.get("time_limit") else 240,
         partition=cl.get("partition") or "")
+    sized: list[str] = []
+    if launcher != "local":  # a GPU run's CPUs and memory sized from the config where the command line is silent
+        resources, sized = launchers.sized_resources(runs, resources, cl)
     if resources.gpus > 1:  # torchrun with one process per GPU: what the trainer would refuse on the cluster
         from weightgeom.schema import from_dict
         from weightgeom.train.config import TrainConfig
@@ -220,7 +225,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         if cl.get("check_paths"):
             launchers.check_paths(runs)
     if dry_run:
-        notes = ([f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
+        notes = (sized + [f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
                  + [f"setup: {line}" for line in cl.get("slurm_setup", [])]
                  + ([f"array parallelism: {cl['array_parallelism']}"] if cl.get("array_parallelism") else []))
         launchers.dry_run(runs, out, launcher, resources, notes=notes, resume=resume)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import os
 import platform
 import re
@@ -38,8 +39,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,8 @@ def _rundir() -> Any:
     return importlib.import_module("weightgeom.train.rundir")
 
 __all__ = ["LAUNCHERS", "Resources", "SlurmLauncher", "RayLauncher", "make_launcher", "require_package",
-           "run_command", "dry_run", "required_paths", "check_paths", "LAUNCH_DIR", "main"]
+           "run_command", "dry_run", "required_paths", "check_paths", "sized_resources", "model_params", "LAUNCH_DIR",
+           "main"]
 
 LAUNCHERS = ("local", "slurm", "ray")
 EXTRAS = {"slurm": ("submitit", "slurm"), "ray": ("ray", "ray")}
@@ -734,6 +736,56 @@ def make_launcher(name: str, resources: Resources, *, address: str = "", max_ret
                              array_parallelism=array_parallelism, extra=dict(extra or {}), setup=list(setup or []),
                              cluster=cluster)
     return RayLauncher(resources=resources, poll_s=poll_s or 2.0, address=address, max_retries=max_retries)
+
+
+CPUS_PER_GPU = 8
+"""CPU cores a GPU run asks for per GPU when ``--cpus-per-run`` is not given (data loading and the host side of the
+step; the usual share of a GPU node's cores)."""
+RUNTIME_GB_PER_PROCESS = 4
+"""Host memory of one training process beyond its tensors (interpreter, torch, the CUDA context), in GB."""
+BYTES_PER_PARAM = 32
+"""Host bytes per model parameter a process may hold: float32 weights, gradients and two optimizer moments (16),
+twice while a checkpoint is serialised."""
+
+
+def model_params(runs: Sequence[RunSpec]) -> int:
+    """The largest parameter count among the runs' models, built on the meta device (no memory, no data); 0 where a
+    model cannot be built that way."""
+    import torch
+
+    from weightgeom.train.trainer import model_from_config
+
+    most = 0
+    for spec in runs:
+        try:
+            with torch.device("meta"):
+                model = model_from_config(dict(spec.config["model"]))
+        except Exception:  # noqa: BLE001 - an estimate: a model that needs its data to be built counts as unknown
+            continue
+        most = max(most, sum(p.numel() for p in model.parameters()))
+    return most
+
+
+def sized_resources(runs: Sequence[RunSpec], resources: Resources, given: Mapping[str, Any]) -> tuple[Resources,
+                                                                                                      list[str]]:
+    """``resources`` with the per-run CPUs and memory of a GPU run sized from the config where the command line does
+    not give them: ``CPUS_PER_GPU`` cores per GPU; memory per process ``RUNTIME_GB_PER_PROCESS`` +
+    ``BYTES_PER_PARAM`` × the largest model's parameters (one process per GPU), rounded up to whole GB. Returns the
+    resources and one line per value it sized (for the dry run)."""
+    if not resources.gpus:
+        return resources, []
+    notes = []
+    cpus, mem = resources.cpus, resources.mem_gb
+    if "cpus_per_run" not in given:
+        cpus = CPUS_PER_GPU * resources.gpus
+        notes.append(f"cpus per run {cpus}: {CPUS_PER_GPU} per GPU (--cpus-per-run to change)")
+    if "mem_per_run" not in given:
+        params = model_params(runs)
+        per_process = RUNTIME_GB_PER_PROCESS + BYTES_PER_PARAM * params / 1e9
+        mem = float(math.ceil(per_process * resources.gpus))
+        notes.append(f"memory per run {mem:g} GB: {resources.gpus} process(es) × ({RUNTIME_GB_PER_PROCESS} GB + "
+                     f"{BYTES_PER_PARAM} B × {params / 1e6:.1f}M parameters) (--mem-per-run to change)")
+    return replace(resources, cpus=cpus, mem_gb=mem), notes
 
 
 def required_paths(runs: Sequence[RunSpec]) -> dict[str, list[str]]:
