@@ -411,6 +411,12 @@ def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
     mem = math.ceil(2 * (RUNTIME_GB_PER_PROCESS + BYTES_PER_PARAM * n / 1e9))
     assert f"  memory per run {mem:g} GB: 2 process(es) × (4 GB + 32 B × {n / 1e6:.1f}M parameters)" in text
     assert f"gpus=2 cpus=16 mem={mem:g}GB time=90min" in text
+    # the array's sbatch script, as submitit writes it
+    script = text.split("the sbatch script of the array", 1)[1]
+    for line in ("#!/bin/bash", "#SBATCH --array=0-1%2", "#SBATCH --gpus-per-node=2", "#SBATCH --cpus-per-task=16",
+                 f"#SBATCH --mem={mem:g}GB", "#SBATCH --time=90", "#SBATCH --job-name=weightgeom",
+                 f"-m submitit.core._submit {out.resolve() / '.launch' / 'submitit'}"):
+        assert line in script, line
     assert main([*common, "--dry-run", "--set", f"data.path={data}", "--check-paths"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1

@@ -544,6 +544,24 @@ class SlurmLauncher(_Launcher):
         ex.update_parameters(**params)
         return ex
 
+    def sbatch_preview(self, out: Path, n: int) -> str:
+        """The sbatch script of an array of ``n`` runs, written by submitit's own script writer with the parameters
+        :meth:`executor` gives it (``%j`` / ``%A`` / ``%a`` are filled in by SLURM; each array task then runs its run's
+        command). Needs the ``slurm`` extra; touches nothing on disk."""
+        from submitit.slurm import slurm as submitit_slurm
+
+        r = self.resources
+        folder = (Path(out) / LAUNCH_DIR / "submitit").resolve() / "%j"
+        kw: dict[str, Any] = {"job_name": "weightgeom", "partition": r.partition or None, "time": r.time_min,
+                              "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": r.cpus,
+                              "gpus_per_node": r.gpus or None, "mem": f"{r.mem_gb:g}GB" if r.mem_gb else None,
+                              "setup": list(self.setup) or None, "additional_parameters": dict(self.extra) or None,
+                              "map_count": n}
+        if self.array_parallelism:
+            kw["array_parallelism"] = self.array_parallelism
+        return submitit_slurm._make_sbatch_string(command=f"{sys.executable} -u -m submitit.core._submit {folder}",
+                                                  folder=folder, **kw)
+
     def _reattach(self, sweep: Any, i: int) -> Any | None:
         """The still pending or running SLURM job an earlier sweep process submitted for run ``i``, or None."""
         job = sweep.records[i].get("job")
@@ -814,13 +832,14 @@ def check_paths(runs: Sequence[RunSpec]) -> None:
 
 
 def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources, file: Any = None,
-            notes: Sequence[str] = (), resume: bool = True) -> int:
+            notes: Sequence[str] = (), resume: bool = True, script: Any = None) -> int:
     """Print, per run, the command and resources that would be submitted (nothing is written or submitted); then the
     paths the runs read, flagged where they do not exist on this machine, and the GPU-hours the submitted runs
     request at most (runs × GPUs × time limit).
 
     Runs already finished in ``out`` are listed as skipped; ``notes`` (e.g. the extra sbatch options and setup lines)
-    are printed after the header. Returns the number of runs that would be submitted.
+    are printed after the header; ``script(n)``, when given, returns the job script of ``n`` runs (a SLURM launcher's
+    :meth:`SlurmLauncher.sbatch_preview`), printed at the end. Returns the number of runs that would be submitted.
     """
     file = file or sys.stdout
     n = 0
@@ -855,6 +874,9 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         hours = n * resources.gpus * resources.time_min / 60
         print(f"GPU-hours requested at most: {n} runs × {resources.gpus} GPU × {resources.time_min / 60:g} h (the "
               f"time limit) = {hours:g} GPU-hours; runs that finish sooner use less", file=file)
+    if script is not None and n:
+        print(f"the sbatch script of the array (submitit writes it; array task i runs the command of the i-th run "
+              f"above):\n{script(n).rstrip()}", file=file)
     return n
 
 
