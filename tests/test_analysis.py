@@ -618,3 +618,35 @@ def test_cli_refuses_a_bad_out_or_threads_before_reading(tmp_path, capsys, monke
     assert not out.exists() or case != "gram"
     if case in ("run-dir", "sweep-dir"):
         assert sorted(p.name for p in out.iterdir()) == ["status.json" if case == "run-dir" else "sweep.json"]
+
+
+# ---- the analysis in plain words ----------------------------------------------------------------------------------
+def test_reading_says_which_space_is_continuous_and_reads_alpha():
+    import pandas as pd
+
+    from weightgeom.analysis.api import AnalysisResult
+    from weightgeom.analysis.report import format_reading
+
+    pairs = pd.DataFrame([
+        {"role": "Q", "cv": 0.60, "cv_rand": 0.10, "cu": 0.12, "cu_rand": 0.10},   # input space, 6×
+        {"role": "O", "cv": 0.11, "cv_rand": 0.10, "cu": 0.15, "cu_rand": 0.10},   # output space, 1.5×: weak
+        {"role": "K", "cv": 0.10, "cv_rand": 0.10, "cu": 0.11, "cu_rand": 0.10},   # random level
+        {"role": "Down", "cv": 0.50, "cv_rand": 0.10, "cu": 0.10, "cu_rand": 0.10},  # not the paper's space
+    ])
+    layers = pd.DataFrame([{"role": "Q", "alpha": 1.5}, {"role": "Q", "alpha": 3.0}, {"role": "Q", "alpha": 3.5},
+                           {"role": "O", "alpha": 8.0}])
+    text = format_reading(AnalysisResult(pairs=pairs, layers=layers))
+    lines = text.splitlines()
+    assert lines[0] == "In plain words:"
+    assert "  Q: continuous in its input space (C_v 0.600, 6.0× the random level 0.100)." in lines
+    assert "  O: weakly continuous in its output space (C_u 0.150, 1.5× random)." in lines
+    assert "  K: not continuous: both spaces at the random level (C_v 1.0×, C_u 1.1× random)." in lines
+    assert any(ln.startswith("  Down: continuous in its input space") and "expects the output space for Down" in ln
+               for ln in lines)
+    assert any(ln.startswith("    Q: 1.50–3.50 over 3 layers — 1 very heavy-tailed") and
+               "2 in the 2–6 range of well-trained layers" in ln for ln in lines)
+    assert "    O: 8.00 over 1 layer — light-tailed (above 6: close to random, little learned)." in lines
+    no_alpha = format_reading(AnalysisResult(pairs=pairs, layers=layers.drop(columns="alpha")))
+    assert "run with --spectra" in no_alpha
+    assert "nothing to say about continuity" in format_reading(AnalysisResult(pairs=pd.DataFrame(),
+                                                                              layers=pd.DataFrame()))

@@ -213,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
         from weightgeom.analysis.report import format_suggestions, shared_basis_runs
 
         print(format_suggestions(shared_basis_runs(res.pairs), pairs=res.pairs))
+    from weightgeom.analysis.report import format_reading
+
+    print(format_reading(res))
     try:
         paths = write_report(res, out, plots=not args.no_plots,
                              title=f"Continuity: {'/'.join(path.resolve().parts[-2:])}")

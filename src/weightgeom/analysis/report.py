@@ -19,7 +19,8 @@ import pandas as pd
 from weightgeom._files import write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, AnalysisResult
 
-__all__ = ["summary_table", "format_summary", "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
+__all__ = ["summary_table", "format_summary", "format_reading", "CONTINUOUS_RATIO", "WEAK_RATIO", "ALPHA_RANGES",
+           "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
            "format_suggestions"]
 
 _LABELS = {
@@ -77,6 +78,66 @@ def format_summary(result: AnalysisResult, digits: int = 3) -> str:
         lines.append("mean over adjacent layer pairs; (random level) beside each metric")
     for n in result.meta.get("notes", []):
         lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+CONTINUOUS_RATIO = 2.0
+"""A role's space reads as *continuous* when its mean top-vector alignment (C_v input space, C_u output space) is at
+least this many times its random level; below ``WEAK_RATIO`` it reads as at the random level."""
+WEAK_RATIO = 1.25
+ALPHA_RANGES = ((0.0, 2.0, "very heavy-tailed (below 2: strongly correlated, possibly over-fit)"),
+                (2.0, 6.0, "in the 2–6 range of well-trained layers"),
+                (6.0, math.inf, "light-tailed (above 6: close to random, little learned)"))
+"""The usual reading of the power-law exponent α of a layer's eigenvalue spectrum, as WeightWatcher users know it
+(Martin & Mahoney: 2 ≤ α ≤ 6 for well-trained layers)."""
+
+
+def _alpha_reading(alpha: float) -> str:
+    return next(text for lo, hi, text in ALPHA_RANGES if lo <= alpha < hi)
+
+
+def format_reading(result: AnalysisResult) -> str:
+    """The analysis in plain words, per role: which space (input: C_v, output: C_u) is continuous and how far above
+    its random level (``CONTINUOUS_RATIO``), and, when the spectra were computed (``--spectra``), the range of α over
+    the role's layers with its usual reading (``ALPHA_RANGES``)."""
+    s = summary_table(result.pairs)
+    lines = ["In plain words:"]
+    if not s.empty and {"cv", "cu"} <= set(s.columns):
+        for role, r in s.iterrows():
+            ratios = {"input": r["cv"] / r["cv_rand"] if r["cv_rand"] > 0 else math.nan,
+                      "output": r["cu"] / r["cu_rand"] if r["cu_rand"] > 0 else math.nan}
+            best = max(ratios, key=lambda k: ratios[k] if math.isfinite(ratios[k]) else -1.0)
+            value = r["cv"] if best == "input" else r["cu"]
+            name = "C_v" if best == "input" else "C_u"
+            if ratios[best] >= CONTINUOUS_RATIO:
+                what = (f"continuous in its {best} space ({name} {value:.3f}, {ratios[best]:.1f}× the random level"
+                        f" {r['cv_rand' if best == 'input' else 'cu_rand']:.3f})")
+            elif ratios[best] >= WEAK_RATIO:
+                what = f"weakly continuous in its {best} space ({name} {value:.3f}, {ratios[best]:.1f}× random)"
+            else:
+                what = (f"not continuous: both spaces at the random level (C_v {ratios['input']:.1f}×, C_u "
+                        f"{ratios['output']:.1f}× random)")
+            expected = SHARE_SPACE.get(str(role))
+            if expected and ratios[best] >= WEAK_RATIO and expected != best and str(role) != "V":
+                what += f"; the continuity paper expects the {expected} space for {role}"
+            lines.append(f"  {role}: {what}.")
+    else:
+        lines.append("  no role had two adjacent layers of one shape: nothing to say about continuity.")
+    layers = result.layers
+    if not layers.empty and "alpha" in layers.columns and layers["alpha"].notna().any():
+        lines.append("  α (power-law exponent of each layer's eigenvalue spectrum):")
+        for role, g in layers.groupby("role", sort=False):
+            a = g["alpha"].dropna()
+            if a.empty:
+                continue
+            lo, hi = float(a.min()), float(a.max())
+            counts = [(sum(_alpha_reading(x) == text for x in a), text) for _, _, text in ALPHA_RANGES]
+            reading = ", ".join(f"{c} {text}" for c, text in counts if c) if len([c for c, _ in counts if c]) > 1 \
+                else ("all " if len(a) > 1 else "") + next(text for c, text in counts if c)
+            span = f"{lo:.2f}" if hi - lo < 5e-3 else f"{lo:.2f}–{hi:.2f}"
+            lines.append(f"    {role}: {span} over {len(a)} layer{'s' if len(a) != 1 else ''} — {reading}.")
+    elif not layers.empty:
+        lines.append("  α per layer (heavy-tailed spectra, as WeightWatcher reads them): run with --spectra.")
     return "\n".join(lines)
 
 
