@@ -466,7 +466,7 @@ def test_benchmark_timing_loop_reports_progress_on_stderr(monkeypatch, capsys):
 @pytest.mark.parametrize("where", ["keyword", "group"])
 def test_bad_init_value_is_one_line(where):
     W = torch.nn.Parameter(torch.randn(12, 6))
-    with pytest.raises(ValueError, match=r"init='kep' is invalid: choose one of \['retract', 'keep'\]") as e:
+    with pytest.raises(ValueError, match=r"init='kep' is invalid: choose one of \['auto', 'retract', 'keep'\]") as e:
         if where == "keyword":
             Muon([W], manifold="stiefel", init="kep")
         else:
@@ -500,25 +500,67 @@ def test_init_keep_never_retracts_and_holds_the_gram_to_first_order(manifold):
         assert float(torch.diagonal(dG).norm()) / scale > 0.1 * moved
 
 
+def _trained_like(m: int, n: int, scale: float) -> torch.Tensor:
+    """A matrix with a trained-looking spectrum (σ_i ∝ i^−1.5: a few large directions, a low stable rank)."""
+    k = min(m, n)
+    U = torch.linalg.qr(torch.randn(m, k))[0]
+    V = torch.linalg.qr(torch.randn(n, k))[0]
+    return scale * (U * torch.arange(1, k + 1, dtype=torch.float32) ** -1.5) @ V.T
+
+
 def test_far_first_retraction_warns_once_naming_the_farthest_matrix():
+    """An explicit init='retract' warns only for matrices that do not look like a fresh initialisation: a random
+    start moved far is what training from scratch does (no warning at all)."""
     torch.manual_seed(0)
     near = torch.nn.Parameter(torch.linalg.qr(torch.randn(16, 8))[0])  # already on the manifold: not far
-    far = torch.nn.Parameter(3 * torch.randn(16, 8))
-    farther = torch.nn.Parameter(30 * torch.randn(16, 8))
-    opt = Muon([{"params": [near, far, farther], "names": ["near", "far", "farther"]}], manifold="stiefel",
-               lr=1e-3, dual_steps=2)
-    for p in (near, far, farther):
+    far = torch.nn.Parameter(_trained_like(16, 8, 3.0))
+    farther = torch.nn.Parameter(_trained_like(16, 8, 30.0))
+    fresh = torch.nn.Parameter(30 * torch.randn(16, 8))  # far, but a fresh random start: no warning
+    opt = Muon([{"params": [near, far, farther, fresh], "names": ["near", "far", "farther", "fresh"]}],
+               manifold="stiefel", lr=1e-3, dual_steps=2, init="retract")
+    for p in (near, far, farther, fresh):
         p.grad = torch.randn(16, 8)
     with pytest.warns(UserWarning, match=r"moved 2 matrix\(es\).*largest: 'farther'.*init='keep'") as rec:
         opt.step()
     assert len([w for w in rec if "init='keep'" in str(w.message)]) == 1
-    late = torch.nn.Parameter(5 * torch.randn(16, 8))  # a matrix first stepped later: no second warning
-    opt.add_param_group({"params": [late], "names": ["late"], "manifold": "stiefel"})
+    late = torch.nn.Parameter(_trained_like(16, 8, 5.0))  # a matrix first stepped later: no second warning
+    opt.add_param_group({"params": [late], "names": ["late"], "manifold": "stiefel", "init": "retract"})
     late.grad = torch.randn(16, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
     torch.testing.assert_close(late.detach().T @ late.detach(), torch.eye(8), atol=1e-5, rtol=0)  # still retracted
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+def test_default_init_retracts_a_fresh_start_silently_and_refuses_a_pretrained_one(manifold):
+    torch.manual_seed(1)
+    fresh = torch.nn.Parameter(torch.randn(24, 12) * 0.02)  # nanoGPT-style init: far from every manifold
+    opt = Muon([fresh], manifold=manifold, lr=1e-3, dual_steps=2)
+    fresh.grad = torch.randn(24, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # from scratch: no warning at all
+        opt.step()
+    from weightgeom import manifolds
+
+    assert manifolds.get(manifold).check(fresh.detach().double(), tol=1e-4).ok  # retracted
+    pre = torch.nn.Parameter(_trained_like(24, 12, 2.0))
+    other = torch.nn.Parameter(torch.randn(24, 12) * 0.02)
+    opt = Muon([{"params": [other], "names": ["other"]}, {"params": [pre], "names": ["h.0.attn.weight"]}],
+               manifold=manifold, lr=1e-3, dual_steps=2)
+    before = [p.detach().clone() for p in (other, pre)]
+    other.grad, pre.grad = torch.randn(24, 12), torch.randn(24, 12)
+    with pytest.raises(ValueError) as e:
+        opt.step()
+    msg = str(e.value)
+    assert "\n" not in msg and "'h.0.attn.weight' (24, 12) does not look like a fresh initialisation" in msg
+    assert "init='keep'" in msg and "init='retract'" in msg and "nothing was changed" in msg
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, (other, pre))) and not opt.state
+    for init in ("keep", "retract"):  # either choice steps
+        opt = Muon([pre], manifold=manifold, lr=1e-3, dual_steps=2, init=init)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
 
 
 def _minilm_one_layer():
@@ -595,6 +637,26 @@ def test_finetuning_pretrained_minilm(minilm, init):
     else:  # one step of "retract" rewrites the pretrained matrices (measured: cos 0.81), and says so
         assert len(far) == 1 and "encoder.layer.0." in far[0]
         assert cos < 0.95
+
+
+def test_finetuning_pretrained_minilm_at_the_defaults_is_refused_not_projected(minilm):
+    """The default init ('auto') never silently projects a real pretrained model: the first step refuses with one
+    line naming a matrix and the two choices, and nothing changed (measured before: 5 steps at the defaults took the
+    sentence embeddings to cosine 0.09–0.13 against the originals)."""
+    from weightgeom.optim import param_groups
+
+    base, batch = minilm
+    model = copy.deepcopy(base)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = Muon(param_groups(model, "hetero", lr=1e-3, adamw_lr=1e-4))
+    e = _sentence_embeddings(model, batch)
+    (-(e[0] * e[1]).sum()).backward()
+    with pytest.raises(ValueError) as err:
+        opt.step()
+    msg = str(err.value)
+    assert "\n" not in msg and "encoder.layer.0." in msg and "does not look like a fresh initialisation" in msg
+    assert "init='keep'" in msg and "init='retract'" in msg
+    assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters()) and not opt.state
 
 
 # ---- per-device msign choice in plain Muon groups --------------------------------------------------------------------

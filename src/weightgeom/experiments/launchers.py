@@ -771,8 +771,7 @@ def model_params(runs: Sequence[RunSpec]) -> int:
     model cannot be built that way."""
     import torch
 
-    from weightgeom.train.trainer import model_from_config
-
+    model_from_config = importlib.import_module("weightgeom.train.trainer").model_from_config  # heavy: on first use
     most = 0
     for spec in runs:
         try:

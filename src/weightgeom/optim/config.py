@@ -60,7 +60,7 @@ Parameterization = Literal[PARAMETERIZATIONS]  # type: ignore[valid-type]
 Sphere = Literal[SPHERES]  # type: ignore[valid-type]
 Embeddings = Literal[EMBEDDINGS]  # type: ignore[valid-type]
 OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
-Init = Literal["retract", "keep"]
+Init = Literal["auto", "retract", "keep"]
 OnNonfinite = Literal["raise", "skip"]
 
 
@@ -104,8 +104,9 @@ class MuonConfig(Section):
                                           "smallest-residual iterate) | last (the published loop's last iterate)")
     retraction: str | None = setting(None, "manifold retraction variant (unset: the manifold's default; paper: the "
                                            "published retraction of every manifold)")
-    init: Init = setting("retract", "first step of a constrained matrix: retract onto the manifold, or keep the "
-                                    "given (e.g. pretrained) weights")
+    init: Init = setting("auto", "first step of a constrained matrix: auto (retract a fresh initialisation silently; "
+                                 "refuse a pretrained-looking matrix far from the manifold, naming retract and keep) "
+                                 "| retract (onto the manifold) | keep (the given, e.g. pretrained, weights)")
     on_nonfinite: OnNonfinite = setting("raise", "a NaN/Inf gradient: raise (naming the parameter; one host sync per "
                                                  "step) | skip (the whole step becomes a no-op on the device, counted "
                                                  "in skipped_steps; no host sync)")
