@@ -1,0 +1,91 @@
+"""weightgeom's optimizers inside other training loops: Hugging Face Trainer and accelerate (train, checkpoint,
+resume). docs/training.md, "In other training loops", shows the same code."""
+
+from __future__ import annotations
+
+import accelerate
+import pytest
+import torch
+import transformers
+
+from weightgeom.optim import Muon, param_groups
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CFG = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+           attn_pdrop=0.0)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _model() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**CFG))
+
+
+def _trainer(out, steps: int) -> tuple[transformers.Trainer, Muon]:
+    model = _model()
+    opt = Muon(param_groups(model, "hetero", lr=0.02, adamw_lr=1e-3))  # HF GPT-2 Conv1D layouts are recognised
+    args = transformers.TrainingArguments(str(out), max_steps=steps, per_device_train_batch_size=4, save_steps=2,
+                                          report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None)), opt
+
+
+def test_hf_trainer_trains_checkpoints_and_resumes_with_manifold_muon(tmp_path):
+    tr, opt = _trainer(tmp_path / "a", 4)
+    out = tr.train()
+    assert out.global_step == 4 and torch.isfinite(torch.tensor(out.training_loss))
+    groups = [g for g in opt.param_groups if g["manifold"] is not None]
+    assert groups and all(len(opt.state[p]["momentum_buffer"]) for g in groups for p in g["params"])
+    saved = torch.load(tmp_path / "a" / "checkpoint-2" / "optimizer.pt", weights_only=True)  # no code runs
+    fresh = Muon(param_groups(_model(), "hetero", lr=0.02, adamw_lr=1e-3))
+    fresh.load_state_dict(saved)  # what Trainer does on resume
+    assert len(fresh.state) == len(saved["state"])
+    # resume from the step-2 checkpoint: the optimizer state comes back and training continues to step 4
+    tr2, opt2 = _trainer(tmp_path / "a", 4)
+    out2 = tr2.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert out2.global_step == 4 and torch.isfinite(torch.tensor(out2.training_loss))
+    for g in opt2.param_groups:
+        if g["manifold"] == "stiefel":  # still on the manifold after the resumed steps (HF Conv1D: stored (in, out))
+            for p in g["params"]:
+                W = p.detach().double()
+                X = W if W.shape[0] >= W.shape[1] else W.T
+                assert torch.allclose(X.T @ X, torch.eye(X.shape[1], dtype=X.dtype), atol=1e-4)
+
+
+def test_accelerate_loop_trains_saves_and_loads_state(tmp_path):
+    acc = accelerate.Accelerator(cpu=True)
+    model = _model()
+    opt = Muon(param_groups(model, "hetero", lr=0.02, adamw_lr=1e-3))
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=4)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    batches = iter(loader)
+    for _ in range(2):
+        b = next(batches)
+        loss = model(**b).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(str(tmp_path / "state"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inner = opt.optimizer if hasattr(opt, "optimizer") else opt
+    momentum = [inner.state[p]["momentum_buffer"].clone() for g in inner.param_groups if g["algorithm"] == "muon"
+                for p in g["params"]]
+    b = next(batches)
+    acc.backward(model(**b).loss)
+    opt.step()
+    opt.zero_grad()
+    acc.load_state(str(tmp_path / "state"))  # back to step 2, bit for bit
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    again = [inner.state[p]["momentum_buffer"] for g in inner.param_groups if g["algorithm"] == "muon"
+             for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, again)) and len(again) == len(momentum)
