@@ -1,9 +1,10 @@
-"""weightgeom's optimizers inside other training loops: Hugging Face Trainer and accelerate (train, checkpoint,
-resume). docs/training.md, "In other training loops", shows the same code."""
+"""weightgeom's optimizers inside other training loops: Hugging Face Trainer, accelerate and PyTorch Lightning
+(train, checkpoint, resume). docs/training.md, "In other training loops", shows the same code."""
 
 from __future__ import annotations
 
 import accelerate
+import lightning
 import pytest
 import torch
 import transformers
@@ -89,3 +90,39 @@ def test_accelerate_loop_trains_saves_and_loads_state(tmp_path):
     again = [inner.state[p]["momentum_buffer"] for g in inner.param_groups if g["algorithm"] == "muon"
              for p in g["params"]]
     assert all(torch.equal(a, b) for a, b in zip(momentum, again)) and len(again) == len(momentum)
+
+
+class _LitGPT(lightning.LightningModule):
+    """A LightningModule whose configure_optimizers returns manifold Muon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _model()
+        self.automatic_optimization = True
+
+    def training_step(self, batch: dict, i: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> Muon:
+        return Muon(param_groups(self.model, "hetero", lr=0.02, adamw_lr=1e-3))
+
+
+def _fit(tmp_path, steps: int, ckpt: str | None = None) -> lightning.Trainer:
+    trainer = lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=4)
+    module = _LitGPT()
+    trainer.fit(module, loader, ckpt_path=ckpt)
+    return trainer
+
+
+def test_lightning_trains_checkpoints_and_resumes_with_manifold_muon(tmp_path):
+    trainer = _fit(tmp_path, 2)
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(str(ckpt))
+    saved = torch.load(ckpt, weights_only=True)["optimizer_states"][0]  # tensors and plain values only
+    assert saved["state"] and all("momentum_buffer" in s or "exp_avg" in s for s in saved["state"].values())
+    resumed = _fit(tmp_path, 4, ckpt=str(ckpt))
+    assert resumed.global_step == 4
+    opt = resumed.optimizers[0]
+    assert isinstance(opt, Muon) and all(len(s) for s in opt.state.values())
