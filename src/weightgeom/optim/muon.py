@@ -23,6 +23,7 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
+from weightgeom.manifolds.base import tall
 from weightgeom.optim.checks import (
     check_fits_param,
     check_new_group,
@@ -643,34 +644,33 @@ class Muon(torch.optim.Optimizer):
             if items:
                 self._check_step_group(gi, group, items)
                 work.append((gi, group, items))
-        for gi, group, items in work:
+        for gi, group, items in work:  # init="auto": a matrix's first step only (no host read on later steps)
             if group["algorithm"] == "muon" and group["manifold"] is not None and group["init"] == "auto":
-                self._refuse_pretrained(gi, group, items)
+                for i, p in items:
+                    if "momentum_buffer" not in self.state.get(p, {}) and not is_dtensor(p):
+                        self._refuse_pretrained(gi, group, i, p)
         return work
 
     @torch.compiler.disable
-    def _refuse_pretrained(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
-        """``init="auto"``: refuse, before anything changes, the first step of a matrix that does not look like a
-        fresh initialisation (``looks_fresh``) and that the first retraction would move by more than
-        ``FAR_RETRACTION`` of its norm. Reads each such matrix once, at its first step (DTensor shards: not checked,
-        a rank holds only part of the matrix)."""
-        for i, p in items:
-            if "momentum_buffer" in self.state.get(p, {}) or is_dtensor(p):
-                continue
-            W = _matrices(p.detach(), group["layout"], group["split"])
-            if looks_fresh(W):
-                continue
-            R = _retract(self._manifold(group), W.mT if W.shape[-2] < W.shape[-1] else W)
-            V = W.mT if W.shape[-2] < W.shape[-1] else W
-            dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
-            if dist > FAR_RETRACTION:
-                name = self._name(group, i, gi)
-                raise ValueError(
-                    f"Muon: parameter {name!r} {tuple(p.shape)} does not look like a fresh initialisation (stable "
-                    f"rank {fresh_ratio(W):.2f} of a random matrix's) and its first step would move it onto the "
-                    f"{self._manifold(group).name} manifold by {dist:.2f} of its norm, discarding its values: pass "
-                    "init='keep' to fine-tune it as it is, or init='retract' to project it; step refused, nothing "
-                    "was changed")
+    def _refuse_pretrained(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor) -> None:
+        """``init="auto"``, at a matrix's first step: refuse, before anything changes, a matrix that does not look like
+        a fresh initialisation (``fresh_ratio`` < ``FRESH_STABLE_RANK``) and that the first retraction would move by
+        more than ``FAR_RETRACTION`` of its norm. Reads the matrix on the host (DTensor shards are not checked: a rank
+        holds only part of the matrix)."""
+        W = _matrices(p.detach(), group["layout"], group["split"])
+        ratio = fresh_ratio(W)
+        if ratio >= FRESH_STABLE_RANK:
+            return
+        manifold = self._manifold(group)
+        V = tall(W)[0]
+        dist = _retraction_distance(V, _retract(manifold, V))
+        if dist > FAR_RETRACTION:
+            raise ValueError(
+                f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} does not look like a fresh "
+                f"initialisation (stable rank {ratio:.2f} of a random matrix's) and its first step would move it "
+                f"onto the {manifold.name} manifold by {dist:.2f} of its norm, discarding its values: pass "
+                "init='keep' to fine-tune it as it is, or init='retract' to project it; step refused, nothing was "
+                "changed")
 
     def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
         """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
@@ -931,7 +931,7 @@ class Muon(torch.optim.Optimizer):
                     R = _retract(manifold, V)
                     if getattr(manifold, "retraction", None) != "paper":
                         R = _retract(manifold, R)
-                    dist = float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
+                    dist = _retraction_distance(V, R)
                     if dist > FAR_RETRACTION and group["init"] == "retract" and not looks_fresh(V):
                         self._far_retractions[name] = (dist, manifold.name)
                     V.copy_(R)
@@ -1047,6 +1047,11 @@ def _matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
     """View of a stored 2-D weight as (out, in), or as (k, out/k, in) blocks when split = k (writes go through)."""
     X = t if layout == "out_in" else t.mT
     return X if not split else X.unflatten(0, (int(split), -1))
+
+
+def _retraction_distance(V: torch.Tensor, R: torch.Tensor) -> float:
+    """How far a retraction moved V to R, relative to V: ‖R − V‖_F / ‖V‖_F (one host read)."""
+    return float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
 
 
 def _retract(manifold, W: torch.Tensor) -> torch.Tensor:
