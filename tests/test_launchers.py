@@ -417,6 +417,9 @@ def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
                  f"#SBATCH --mem={mem:g}GB", "#SBATCH --time=90", "#SBATCH --job-name=weightgeom",
                  f"-m submitit.core._submit {out.resolve() / '.launch' / 'submitit'}"):
         assert line in script, line
+    # --submitit-cluster local submits no sbatch job: no script is shown
+    assert main([*common, "--dry-run", "--set", f"data.path={data}", "--submitit-cluster", "local"]) == 0
+    assert "sbatch script" not in capsys.readouterr().out
     assert main([*common, "--dry-run", "--set", f"data.path={data}", "--check-paths"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1

@@ -228,7 +228,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         notes = (sized + [f"sbatch --{k.replace('_', '-')}={v}" for k, v in extra.items()]
                  + [f"setup: {line}" for line in cl.get("slurm_setup", [])]
                  + ([f"array parallelism: {cl['array_parallelism']}"] if cl.get("array_parallelism") else []))
-        script = getattr(runner_launcher, "sbatch_preview", None)
+        # an sbatch script only where one would be submitted (--submitit-cluster local runs processes here)
+        script = runner_launcher.sbatch_preview if getattr(runner_launcher, "cluster", "") == "slurm" else None
         launchers.dry_run(runs, out, launcher, resources, notes=notes, resume=resume,
                           script=(lambda n: script(out, n)) if script is not None else None)
         return {"runs": [r.record() for r in runs]}, None

@@ -525,6 +525,11 @@ class SlurmLauncher(_Launcher):
         submitit = require_package("slurm")
         ex = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=self.cluster,
                                    slurm_max_num_timeout=MAX_TIMEOUT_REQUEUES)
+        ex.update_parameters(**self._parameters())
+        return ex
+
+    def _parameters(self) -> dict[str, Any]:
+        """The job parameters given to submitit's ``AutoExecutor.update_parameters`` (submission and preview)."""
         r = self.resources
         params: dict[str, Any] = {"timeout_min": r.time_min, "cpus_per_task": r.cpus, "tasks_per_node": 1,
                                   "nodes": 1, "name": "weightgeom"}
@@ -541,24 +546,22 @@ class SlurmLauncher(_Launcher):
                 params["slurm_additional_parameters"] = dict(self.extra)
             if self.setup:
                 params["slurm_setup"] = list(self.setup)
-        ex.update_parameters(**params)
-        return ex
+        return params
 
     def sbatch_preview(self, out: Path, n: int) -> str:
-        """The sbatch script of an array of ``n`` runs, written by submitit's own script writer with the parameters
-        :meth:`executor` gives it (``%j`` / ``%A`` / ``%a`` are filled in by SLURM; each array task then runs its run's
-        command). Needs the ``slurm`` extra; touches nothing on disk."""
+        """The sbatch script of an array of ``n`` runs, written by submitit's own script writer from the parameters
+        :meth:`executor` submits (``_parameters``, named as submitit's SLURM executor converts them; ``%j`` / ``%A`` /
+        ``%a`` are filled in by SLURM; each array task then runs its run's command). Needs the ``slurm`` extra;
+        touches nothing on disk."""
         from submitit.slurm import slurm as submitit_slurm
 
-        r = self.resources
+        generic = submitit_slurm.SlurmExecutor._equivalence_dict()  # AutoExecutor's generic names → sbatch's
+        kw: dict[str, Any] = {"map_count": n}
+        for key, value in self._parameters().items():
+            kw[key[len("slurm_"):] if key.startswith("slurm_") else generic[key]] = value
+        if "mem" in kw:
+            kw["mem"] = submitit_slurm._convert_mem(kw["mem"])
         folder = (Path(out) / LAUNCH_DIR / "submitit").resolve() / "%j"
-        kw: dict[str, Any] = {"job_name": "weightgeom", "partition": r.partition or None, "time": r.time_min,
-                              "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": r.cpus,
-                              "gpus_per_node": r.gpus or None, "mem": f"{r.mem_gb:g}GB" if r.mem_gb else None,
-                              "setup": list(self.setup) or None, "additional_parameters": dict(self.extra) or None,
-                              "map_count": n}
-        if self.array_parallelism:
-            kw["array_parallelism"] = self.array_parallelism
         return submitit_slurm._make_sbatch_string(command=f"{sys.executable} -u -m submitit.core._submit {folder}",
                                                   folder=folder, **kw)
 
