@@ -778,8 +778,10 @@ def _times(mult: Any) -> str:
 
 
 def long_record(run: RunData) -> dict:
-    """One long run: its tags, how far it went, and the first step each link of the chain crossed its threshold."""
+    """One long run: its tags, how far it went, the first step each link of the chain crossed its threshold, and the
+    time courses plotted (``curves``: σQ·σK, logit max, head saturation, train loss)."""
     sp, lg, sat = diag_aggregate(run, "qk_sigma_prod"), diag_aggregate(run, "logit_max"), head_saturation_series(run)
+    train = loss_series(run, "train")
     div = int(run.status.get("step", 0)) if run.diverged else None
     first_sat = _first_above(sat, SATURATION_SEEN)
     if div is None:
@@ -793,7 +795,7 @@ def long_record(run: RunData) -> dict:
             "mult": run.tags.get("lr_multiplier"), "msign": str(run.tags.get("msign_dtype", "?")),
             "attn": _attn_manifold(run), "steps": run.status.get("step"), "diverged": div,
             "val": final_value(loss_series(run, "val")) if div is None else None,
-            "train": final_value(loss_series(run, "train")),
+            "train": final_value(train), "curves": (sp, lg, sat, train),
             "sigma": (float(sp.iloc[0]) if len(sp) else math.nan, finite[0]),
             "sigma_at": _first_above(sp, SIGMA_PRODUCT_CROSSED),
             "logit": (float(lg.iloc[0]) if len(lg) else math.nan, finite[1]),
@@ -855,11 +857,8 @@ def plot_long(records: Sequence[dict], path: Path) -> Path | None:
     styles = {m: ("-", "--", "-.", ":")[k % 4] for k, m in enumerate(mults)}
     any_data = False
     for r in records:
-        run = r["run"]
-        curves = (diag_aggregate(run, "qk_sigma_prod"), diag_aggregate(run, "logit_max"),
-                  head_saturation_series(run), loss_series(run, "train"))
         label = plot_text(f"{r['strategy']} {_times(r['mult'])}")
-        for ax, c in zip(axes.flat, curves):
+        for ax, c in zip(axes.flat, r["curves"]):  # the series long_record read: each run's files read once
             if not len(c):
                 continue
             any_data = True
