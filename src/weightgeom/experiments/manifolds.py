@@ -145,11 +145,15 @@ def unsupported(base: dict[str, Any], overrides: dict[str, Any], strategy: str |
     return None
 
 
-def _algorithm(base: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """Overrides of algorithm ``name``; ``ours`` without ``optim.preset`` is the plain config; None if unavailable."""
+def _algorithm(base: dict[str, Any], name: str, sweep: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Overrides of algorithm ``name``; ``ours`` without ``optim.preset`` is the plain config; None if unavailable.
+    With ``sweep``, the published algorithm takes its ``paper_msign_dtype`` (CPU presets: the dual ascent's msign in
+    another dtype than the published bfloat16)."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     ov = dict(ALGORITHMS[name])
+    if name == "paper" and sweep and sweep.get("paper_msign_dtype"):
+        ov["optim.muon.msign_dtype"] = str(sweep["paper_msign_dtype"])
     why = unsupported(base, ov)
     if why is None:
         return ov
@@ -207,12 +211,9 @@ def boundary_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "
     name = _muon_name(base)
     out = []
     for alg in [str(a) for a in sweep.get("algorithms", DEFAULT_ALGORITHMS)]:
-        alg_ov = _algorithm(base, alg)
+        alg_ov = _algorithm(base, alg, sweep)
         if alg_ov is None:
             continue
-        dtype = sweep.get("paper_msign_dtype")
-        if alg == "paper" and dtype:  # CPU presets: the published algorithm with another msign arithmetic
-            alg_ov = {**alg_ov, "optim.muon.msign_dtype": str(dtype)}
         for s in strategies:
             prev = ""
             for k, lr in enumerate(ladder):
@@ -266,11 +267,9 @@ def mechanism_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = 
     name = _muon_name(base)
     out = []
     for alg in [str(a) for a in sweep.get("mechanism_algorithms", ("paper",))]:
-        ov = _algorithm(base, alg)
+        ov = _algorithm(base, alg, sweep)
         if ov is None:
             continue
-        if alg == "paper" and sweep.get("paper_msign_dtype"):
-            ov = {**ov, "optim.muon.msign_dtype": str(sweep["paper_msign_dtype"])}
         for s in strategies:
             tags = {"study": "mechanism", "strategy": s, "algorithm": alg}
             if s == "auto":
@@ -292,18 +291,15 @@ def long_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "long
     every = int(sweep.get("head_stats_every", DEFAULT_HEAD_STATS_EVERY))
     base_lr = float(base.get("optim", {}).get("muon", {}).get("lr", 0.02))
     name = _muon_name(base)
-    ov = _algorithm(base, "paper")
+    ov = _algorithm(base, "paper", sweep)
     if ov is None:
         return []
-    dtype = sweep.get("paper_msign_dtype")
-    if dtype:
-        ov = {**ov, "optim.muon.msign_dtype": str(dtype)}
     out = []
     for m in mults:  # by multiplier first: the runs most likely to diverge are spread over the jobs, not queued last
         for s in strategies:
             lr = base_lr * m
             tags = {"study": "long", "strategy": s, "algorithm": "paper", "lr": lr, "lr_multiplier": m,
-                    "msign_dtype": str(dtype or PAPER_MUON["msign_dtype"])}
+                    "msign_dtype": str(ov["optim.muon.msign_dtype"])}
             out.append(Variant(f"long-{s}-x{m:g}", {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **ov},
                                f"{describe_strategy(s)}, published algorithm, Muon lr {lr:g} (×{m:g}), per-head "
                                f"statistics every {every} steps", part=part, controls={"head_stats_every": every},
