@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from weightgeom.experiments.manifolds import DEFAULT_AUTO_THRESHOLD, DEFAULT_SIGMA_CAP
 from weightgeom.experiments.report.common import (
     LINESTYLES,
     RunData,
@@ -748,12 +749,12 @@ def long_mechanism_section(runs: Sequence[RunData], out: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------- the instability at length
-SIGMA_PRODUCT_CROSSED = 2.0
-"""σ_max(W_Q)·σ_max(W_K) above this (max over layers) counts as grown: twice Stiefel attention's value of 1 (the
-σ cap of the main preset)."""
-LOGIT_CROSSED = 10.0
-"""Attention-logit max above this counts as large: a softmax over 64 keys is ~99 % one-hot at a logit range of ~9
-(the threshold of the ``auto`` arm)."""
+SIGMA_PRODUCT_CROSSED = DEFAULT_SIGMA_CAP
+"""σ_max(W_Q)·σ_max(W_K) above this (max over layers) counts as grown: the σ cap of the main preset, twice Stiefel
+attention's value of 1."""
+LOGIT_CROSSED = DEFAULT_AUTO_THRESHOLD
+"""Attention-logit max above this counts as large: the ``auto`` arm's threshold (a softmax over 64 keys is ~99 %
+one-hot at a logit range of ~9)."""
 
 
 def _first_above(s: pd.Series, threshold: float) -> int | None:
