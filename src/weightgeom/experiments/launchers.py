@@ -776,10 +776,11 @@ def model_params(runs: Sequence[RunSpec]) -> int:
 
     model_from_config = importlib.import_module("weightgeom.train.trainer").model_from_config  # heavy: on first use
     most = 0
-    for spec in runs:
+    configs = {json.dumps(spec.config["model"], sort_keys=True, default=str): spec.config["model"] for spec in runs}
+    for config in configs.values():  # each distinct model once (a sweep's runs mostly share one)
         try:
             with torch.device("meta"):
-                model = model_from_config(dict(spec.config["model"]))
+                model = model_from_config(dict(config))
         except Exception:  # noqa: BLE001 - an estimate: a model that needs its data to be built counts as unknown
             continue
         most = max(most, sum(p.numel() for p in model.parameters()))
