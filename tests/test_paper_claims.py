@@ -182,9 +182,9 @@ def test_continuity_report_spread_table_and_verdicts(tmp_path):
     assert "### Where continuity lives: the top 4 singular directions" in text
     assert "| `res-ln` | 0.70 | 0.60 | 0.53 |" in text
     assert "concentrates continuity in v1: Res+ReLU C_v(v1) 0.90 vs mean C_v(v2..vk) 0.10" in text
-    assert "LayerNorm spreads continuity over several directions: Res+LN mean C_v(v2..vk) 0.53" in text
+    assert "LayerNorm spreads continuity over several singular directions: Res+LN mean C_v(v2..vk) 0.53" in text
     assert "Res+ReLU+LN v1 share" in text and "**not reproduced**" not in text.split("activation / LayerNorm")[1]
-    assert "Adam β2 = 0 weight C_v 0.80 vs Res+ReLU (Adam) 0.90" in text and "reproduced (it develops" in text
+    assert "β2 = 0 weight C_v 0.80 vs Adam 0.90" in text and "not an optimizer artifact (Adam β2 = 0)" in text
     assert "| `res-ln` |" in text and "LayerNorm spreads continuity" in SEED_CONTINUITY["res-ln"]
     assert (root / "continuity_topk.png").read_bytes()[:8] == PNG_MAGIC
 

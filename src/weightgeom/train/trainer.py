@@ -182,6 +182,16 @@ def _git_commit() -> str | None:
         return None
 
 
+def device_kind(device: torch.device) -> str:
+    """The kind of device a run trained on, as every figure names it: the GPU's name, or ``"CPU AMX, 2 cores"``
+    (the CPU's matrix-unit class, which sets bf16 speed, and its core count)."""
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}"
+    from weightgeom.benchmarks._common import cpu_kind
+
+    return f"CPU {cpu_kind()}, {os.cpu_count()} cores"
+
+
 def _versions() -> dict[str, str]:
     v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
          "weightgeom": __version__}
@@ -400,7 +410,8 @@ class _Trainer:
         meta_path = rd / "meta.json"
         session = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
                    "world_size": self.info.world_size, "device": str(self.device), "start_step": self.step,
-                   "host": platform.node(), **self.choice}  # the msign / constraint-products choice used
+                   "host": platform.node(), "device_kind": device_kind(self.device),
+                   **self.choice}  # the msign / constraint-products choice used
         if self.payload is not None and self.meta:
             meta = self.meta
             meta.setdefault("resumes", []).append({**session, "checkpoint": str(self.ckpt_path)})

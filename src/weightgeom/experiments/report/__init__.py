@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from weightgeom._files import write_atomic
+from weightgeom.experiments.report.claims import findings as claim_findings
+from weightgeom.experiments.report.claims_page import CLAIMS_FILE, report_section, write_claims
 from weightgeom.experiments.report.common import (
     RunData,
     best_value,
@@ -127,7 +129,9 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
     :mod:`.inputs`, so ``report.md`` is inert as markdown and as HTML; every file is written by
     :func:`weightgeom._files.write_atomic` (a link planted at ``report.md`` or a PNG's name is replaced, its target
     never written). Runs compared in one section that were trained for different ``train.max_steps`` get a warning
-    (:func:`max_steps_warning`).
+    (:func:`max_steps_warning`). The papers' claims these runs test head the report, each with its verdict from the
+    claim's stated rule (:mod:`.claims`), and are written to ``claims.json`` beside ``report.md`` for
+    ``weightgeom claims``.
 
     Args:
         paths: run directories or directories containing them (sweep directories).
@@ -178,6 +182,9 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
                      f"({len(man.get('runs') or [])} runs, {fmt(wall) if wall is not None else '?'} s): "
                      f"{md_code(m)}.")
     parts.append("")
+    found = claim_findings(runs)
+    if found:
+        parts.append(report_section(found))
     for recipe in ("manifolds", "continuity", "md"):
         if recipe in by_recipe:
             parts.append(_section(recipe, SECTIONS[recipe], by_recipe.pop(recipe), out, problems))
@@ -198,6 +205,7 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
         if len(problems.lines) > 200:
             parts.append(f"- and {len(problems.lines) - 200} more")
     path = out / "report.md"
+    write_claims(found, out / CLAIMS_FILE)
     write_atomic(path, "\n".join(parts).rstrip() + "\n")
     return path
 

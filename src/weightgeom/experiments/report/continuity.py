@@ -156,49 +156,21 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
 
 
 def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
-    """Compare the measured pattern with the continuity paper's qualitative claims."""
-    def val(name, kind, key):
-        rs = groups.get(name)
-        if not rs:
-            return float("nan")
-        v = [_cont_summary(r, kind).get(key, float("nan")) for r in rs]
-        v = [x for x in v if math.isfinite(x)]
-        return float(np.mean(v)) if v else float("nan")
+    """The residual-MLP claims' verdicts in words, from the same findings as the report's claims table
+    (:func:`weightgeom.experiments.report.claims.continuity_findings`)."""
+    from weightgeom.experiments.report.claims import CLAIM_BY_KEY, continuity_findings
 
-    checks = []
-    base_w, base_g = val("res-relu", "weight", "cv"), val("res-relu", "grad", "cv")
-    if math.isfinite(val("nores", "grad", "cv")):
-        g = val("nores", "grad", "cv")
-        checks.append(f"NoRes gradient C_v {g:.2f} vs Res+ReLU {base_g:.2f} — the paper says ≈ 0.05 without residuals: "
-                      + ("reproduced" if g < 0.5 * base_g else "**not reproduced**"))
-    if math.isfinite(val("res-none", "grad", "cv")):
-        g, w = val("res-none", "grad", "cv"), val("res-none", "weight", "cv")
-        checks.append(f"Res+None gradient C_v {g:.2f} (paper 0.93), weight C_v {w:.2f} (paper 0.22) vs Res+ReLU weight "
-                      f"{base_w:.2f}: " + ("reproduced (high gradient, lower weight continuity)"
-                                           if g > w and w < base_w else "**not reproduced**"))
-    if math.isfinite(val("res-radial", "weight", "cv")):
-        w = val("res-radial", "weight", "cv")
-        checks.append(f"Res+Radial weight C_v {w:.2f} (paper ≈ 0.22) vs Res+ReLU {base_w:.2f}: "
-                      + ("reproduced" if w < base_w else "**not reproduced**"))
+    runs = [r for rs in groups.values() for r in rs]
+    checks = [f"{CLAIM_BY_KEY[key].text}: {evidence} — **{verdict}**"
+              for key, verdict, evidence, _ in continuity_findings(runs)
+              if key in ("c-nores", "c-symmetry", "c-dominance", "c-optimizer")]
     rs_b2 = groups.get("adam-b2-0") or []
     if rs_b2 and all(r.diverged for r in rs_b2):
         checks.append("Adam β2 = 0: every run diverged — no data for the optimizer ablation")
-    elif math.isfinite(val("adam-b2-0", "weight", "cv")):
-        w, d, base_d = val("adam-b2-0", "weight", "cv"), val("adam-b2-0", "delta", "cv"), val("res-relu", "delta", "cv")
-        dom = val("adam-b2-0", "delta", "dominance")
-        line = (f"Adam β2 = 0 weight C_v {w:.2f} vs Res+ReLU (Adam) {base_w:.2f}, ΔW C_v {d:.2f} vs {base_d:.2f} "
-                f"(‖ΔW‖/‖W₀‖ {dom:.2f}) — the paper: continuity is not an optimizer artifact: ")
-        if w >= 0.5 * base_w:
-            line += "reproduced (it develops under both)"
-        elif math.isfinite(d) and math.isfinite(base_d) and d >= 0.8 * base_d:
-            line += ("**not reproduced** in the weights; the accumulated update is as continuous as the baseline's "
-                     "but too small to dominate W₀")
-        else:
-            line += "**not reproduced** (much lower under β2 = 0)"
-        checks.append(line)
     if not checks:
         return ""
-    return "**Against the continuity paper's claims:**\n\n" + "\n".join(f"- {c}" for c in checks)
+    return ("**Against the continuity paper's claims** (rules: the report's claims table):\n\n"
+            + "\n".join(f"- {c}" for c in checks))
 
 
 def _spread_summary(run: RunData) -> dict[str, float]:
@@ -220,36 +192,13 @@ def _spread_mean(rs: Sequence[RunData], key: str) -> float:
 
 
 def spread_verdicts(groups: dict[str, list[RunData]]) -> list[str]:
-    """The continuity paper's three claims on activation vs LayerNorm, each reproduced / not reproduced / reversed
-    from the top-k spread of the final weights (C_v(1), mean C_v(2..k), v1 share)."""
-    def get(name: str, key: str) -> float:
-        return _spread_mean(groups.get(name) or [], key)
+    """The continuity paper's three claims on activation vs LayerNorm in words, each ending in its verdict
+    (reproduced / not reproduced / reversed), from the same findings as the claims table
+    (:func:`weightgeom.experiments.report.claims.spread_findings`)."""
+    from weightgeom.experiments.report.claims import CLAIM_BY_KEY, spread_findings
 
-    out = []
-    c1, rest, share = get("res-relu", "cv_dir1"), get("res-relu", "cv_rest"), get("res-relu", "v1_share")
-    if math.isfinite(c1) and math.isfinite(rest):
-        ok = c1 >= 2 * rest
-        out.append(f"An element-wise activation concentrates continuity in v1: Res+ReLU C_v(v1) {c1:.2f} vs mean "
-                   f"C_v(v2..vk) {rest:.2f} (v1 share {share:.2f}) — "
-                   + ("reproduced" if ok else ("**reversed**" if rest >= c1 else "**not reproduced**")))
-    ln_rest, ln_share = get("res-ln", "cv_rest"), get("res-ln", "v1_share")
-    none_rest = get("res-none", "cv_rest")
-    if math.isfinite(ln_rest) and math.isfinite(rest):
-        more = ln_rest > rest and (not math.isfinite(none_rest) or ln_rest > none_rest)
-        less_v1 = math.isfinite(ln_share) and math.isfinite(share) and ln_share < share
-        verdict = "reproduced" if more and less_v1 else ("**reversed**" if not more and not less_v1
-                                                          else "**not reproduced**")
-        out.append(f"LayerNorm spreads continuity over several directions: Res+LN mean C_v(v2..vk) {ln_rest:.2f} vs "
-                   f"Res+ReLU {rest:.2f}" + (f" and Res+None {none_rest:.2f}" if math.isfinite(none_rest) else "")
-                   + f"; v1 share {ln_share:.2f} vs {share:.2f} — {verdict}")
-    both = get("res-relu-ln", "v1_share")
-    if all(map(math.isfinite, (both, share, ln_share))):
-        closer = abs(both - share) < abs(both - ln_share)
-        beyond = (both - ln_share) * (share - ln_share) <= 0  # at or past Res+LN, away from Res+ReLU
-        out.append(f"With both, the activation's v1 mode dominates: Res+ReLU+LN v1 share {both:.2f} (C_v(v1) "
-                   f"{get('res-relu-ln', 'cv_dir1'):.2f}) vs Res+ReLU {share:.2f} and Res+LN {ln_share:.2f} — "
-                   + ("reproduced" if closer else ("**reversed**" if beyond else "**not reproduced**")))
-    return out
+    return [f"{CLAIM_BY_KEY[key].text}: {evidence} — " + (verdict if verdict == "reproduced" else f"**{verdict}**")
+            for key, verdict, evidence in spread_findings(groups)]
 
 
 def spread_lines(groups: dict[str, list[RunData]], out: Path) -> list[str]:

@@ -289,10 +289,10 @@ CONTROLS = {"sigma_cap": Number, "steps": NonNegInt, "rescales": NonNegInt, "max
                                    "qk_sigma_prod": Number, "qk_sigma_prod_after": Number})}
 """``controls.json`` (the experiment callbacks')."""
 
-META = {"num_params": Number, "n_params": Number, "params": Number}
+META = {"num_params": Number, "n_params": Number, "params": Number, "device_kind": Str}
 """The keys of ``meta.json`` a report reads."""
 
-MANIFEST = {"recipe": Str, "config": Str, "label": Str, "wall_s": Number,
+MANIFEST = {"recipe": Str, "config": Str, "label": Str, "wall_s": Number, "command": Str,
             "runs": ListOf({"name": Str, "run_dir": Str})}
 """The keys of a sweep's ``sweep.json`` a report reads."""
 

@@ -35,30 +35,65 @@ def _tag(run: RunData, key: str, default: Any = None) -> Any:
     return run.tags.get(key, default)
 
 
+WARMUP_MARGIN = 0.01
+"""Val-loss difference (nats) within which warmup and no warmup count as no difference."""
+
+
+def lr_table(lr_runs: Sequence[RunData]) -> dict[tuple[str, int, float], list[float]]:
+    """(optimizer, width, lr) -> final val loss of each seed (inf for a diverged run) of the LR-sweep runs."""
+    table: dict[tuple[str, int, float], list[float]] = {}
+    for r in lr_runs:
+        opt, width, lr = _tag(r, "optimizer", r.experiment.get("group", "?")), _tag(r, "width"), _tag(r, "lr")
+        if width is None or lr is None:
+            continue
+        x = float("inf") if r.diverged else final_value(loss_series(r, "val"))
+        table.setdefault((str(opt), int(width), float(lr)), []).append(x)
+    return table
+
+
+def optimal_lrs(table: dict[tuple[str, int, float], list[float]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(optimizer, width) -> (optimal LR, mean final val loss there); a point with a diverged seed counts as inf."""
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for (o, w, lr), xs in table.items():
+        xs_f = [x for x in xs if math.isfinite(x)]
+        m = float(np.mean(xs_f)) if xs_f and len(xs_f) == len(xs) else float("inf")
+        if (o, w) not in best or m < best[(o, w)][1]:
+            best[(o, w)] = (lr, m)
+    return best
+
+
+def warmup_points(wu_runs: Sequence[RunData], lr_runs: Sequence[RunData]
+                  ) -> dict[tuple[str, Any, Any], dict[str, list[RunData]]]:
+    """(optimizer, width, lr) of each warmup run -> {"warm": its runs, "cold": the LR-sweep runs at that point}."""
+    keyed: dict[tuple[str, Any, Any], dict[str, list[RunData]]] = {}
+    for r in wu_runs:
+        k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+        keyed.setdefault(k, {"warm": [], "cold": []})["warm"].append(r)
+    for r in lr_runs:
+        k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
+        if k in keyed:
+            keyed[k]["cold"].append(r)
+    return keyed
+
+
+def warmup_difference(point: dict[str, list[RunData]]) -> float:
+    """Mean final val loss with warmup minus without (nats; NaN when either side has no finished run)."""
+    cold = [final_value(loss_series(r, "val")) for r in point["cold"] if not r.diverged]
+    warm = [final_value(loss_series(r, "val")) for r in point["warm"] if not r.diverged]
+    return float(np.mean(warm) - np.mean(cold)) if cold and warm else float("nan")
+
+
 def md_section(runs: Sequence[RunData], out: Path) -> str:
     """Markdown for the magnitude–direction experiment (the MD paper), writing plots into ``out``."""
     lines = ["## Magnitude–direction decoupling (the MD paper, arXiv:2606.25971)", ""]
     runs = tagged(runs, ("optimizer", "width", "lr"), "the MD tables")
     lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr"]
     wu_runs = [r for r in runs if _tag(r, "kind") == "warmup"]
-    # (optimizer, width, lr) -> list of final val losses (diverged = inf)
-    table: dict[tuple[str, int, float], list[float]] = {}
-    for r in lr_runs:
-        opt, width, lr = _tag(r, "optimizer", r.experiment.get("group", "?")), _tag(r, "width"), _tag(r, "lr")
-        if width is None or lr is None:
-            continue
-        v = loss_series(r, "val")
-        x = float("inf") if r.diverged else final_value(v)
-        table.setdefault((str(opt), int(width), float(lr)), []).append(x)
+    table = lr_table(lr_runs)
     if table:
         opts = sorted({k[0] for k in table})
         widths = sorted({k[1] for k in table})
-        best: dict[tuple[str, int], tuple[float, float]] = {}
-        for (o, w, lr), xs in table.items():
-            xs_f = [x for x in xs if math.isfinite(x)]
-            m = float(np.mean(xs_f)) if xs_f and len(xs_f) == len(xs) else float("inf")
-            if (o, w) not in best or m < best[(o, w)][1]:
-                best[(o, w)] = (lr, m)
+        best = optimal_lrs(table)
         rows = []
         for o in opts:
             for w in widths:
@@ -80,14 +115,7 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
         lines += image_lines(plot_optimal_lr(best, out / "md_optimal_lr.png"), "optimal LR vs width")
     if wu_runs:
         rows = []
-        keyed: dict[tuple[str, Any, Any], dict[str, list[RunData]]] = {}
-        for r in wu_runs:
-            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
-            keyed.setdefault(k, {"warm": [], "cold": []})["warm"].append(r)
-        for r in lr_runs:
-            k = (str(_tag(r, "optimizer", "?")), _tag(r, "width"), _tag(r, "lr"))
-            if k in keyed:
-                keyed[k]["cold"].append(r)
+        keyed = warmup_points(wu_runs, lr_runs)
 
         def cell(rs: list[RunData]) -> str:
             if not rs:
@@ -98,11 +126,9 @@ def md_section(runs: Sequence[RunData], out: Path) -> str:
 
         for (o, w, lr), d in sorted(keyed.items(), key=lambda kv: str(kv[0])):
             wu = _tag(d["warm"][0], "warmup")
-            cold = [final_value(loss_series(r, "val")) for r in d["cold"] if not r.diverged]
-            warm = [final_value(loss_series(r, "val")) for r in d["warm"] if not r.diverged]
-            diff = (np.mean(warm) - np.mean(cold)) if cold and warm else float("nan")
-            verdict = "—" if not math.isfinite(diff) else ("warmup helps" if diff < -0.01 else (
-                "warmup hurts" if diff > 0.01 else "no difference (±0.01)"))
+            diff = warmup_difference(d)
+            verdict = "—" if not math.isfinite(diff) else ("warmup helps" if diff < -WARMUP_MARGIN else (
+                "warmup hurts" if diff > WARMUP_MARGIN else f"no difference (±{WARMUP_MARGIN:g})"))
             rows.append([md_text(o), w, f"{lr:g}", cell(d["cold"]), wu, cell(d["warm"]), fmt(diff, 4), verdict])
         lines.append("### Warmup vs no warmup")
         lines.append("")
@@ -243,18 +269,9 @@ def ablation_verdict(axis: str, vals: dict[str, float]) -> str:
     return "reversed" if finite[pref] >= max(others) else "not reproduced"
 
 
-def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Path) -> list[str]:
-    """One table per ablation axis (rows: settings, columns: MD optimizers; the default is the LR-sweep run at the
-    same point), a verdict per claim, and a bar plot."""
-    abl = tagged([r for r in runs if _tag(r, "kind") == "ablation"], ("axis", "value"), "the ablation tables")
-    if not abl:
-        return []
-    lines = ["### The MD paper's ablations", "",
-             "One setting of `[optim.md]` changed at a time, each MD optimizer at the middle width and centre LR of "
-             "its grid (the default row is the LR-sweep run there). Final val loss; Δ = setting − default. A "
-             f"'better' claim is reproduced when the paper's choice beats every other setting by more than {MARGIN} "
-             f"nats and reversed when it is the worst; the sphere claim is reproduced when all settings lie within "
-             f"{TIE} nats.", ""]
+def ablation_data(abl: Sequence[RunData], lr_runs: Sequence[RunData]) -> dict[str, dict[str, dict[str, float]]]:
+    """axis -> MD optimizer -> {setting: mean final val loss} of the ablation runs (``kind = ablation``, tagged with
+    ``axis`` and ``value``); the default setting's value is the LR-sweep run at the same point."""
     axes = [a for a in ABLATION_CLAIMS if any(_tag(r, "axis") == a for r in abl)]
     opts = sorted({str(_tag(r, "optimizer")) for r in abl})
     data: dict[str, dict[str, dict[str, float]]] = {}
@@ -272,6 +289,25 @@ def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Pat
                 vals[v] = _final_loss([r for r in mine if str(_tag(r, "value")) == v])
             per_opt[o] = vals
         data[axis] = per_opt
+    return data
+
+
+def ablation_lines(runs: Sequence[RunData], lr_runs: Sequence[RunData], out: Path) -> list[str]:
+    """One table per ablation axis (rows: settings, columns: MD optimizers; the default is the LR-sweep run at the
+    same point), a verdict per claim, and a bar plot."""
+    abl = tagged([r for r in runs if _tag(r, "kind") == "ablation"], ("axis", "value"), "the ablation tables")
+    if not abl:
+        return []
+    lines = ["### The MD paper's ablations", "",
+             "One setting of `[optim.md]` changed at a time, each MD optimizer at the middle width and centre LR of "
+             "its grid (the default row is the LR-sweep run there). Final val loss; Δ = setting − default. A "
+             f"'better' claim is reproduced when the paper's choice beats every other setting by more than {MARGIN} "
+             f"nats and reversed when it is the worst; the sphere claim is reproduced when all settings lie within "
+             f"{TIE} nats.", ""]
+    data = ablation_data(abl, lr_runs)
+    for axis, per_opt in data.items():
+        default = ABLATION_DEFAULTS[axis]
+        values = list(dict.fromkeys(v for vals in per_opt.values() for v in vals)) or [default]
         rows = []
         for v in values:
             cells = []

@@ -1,0 +1,88 @@
+"""``weightgeom claims REPORT…``: the papers' claims table from the ``claims.json`` of one or more reports.
+
+``weightgeom report`` writes ``claims.json`` next to each ``report.md``; this command merges them (a claim tested by
+several sweeps is headed by its longest runs' finding) and prints the README's claims table, or writes it into a
+README between its markers (``--readme``), writes the results page (``--page``) and the merged record
+(``--record``). The repository's README table and ``docs/results.md`` are generated this way, so they cannot differ
+from the reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``weightgeom claims``."""
+    p.add_argument("reports", nargs="+", metavar="REPORT",
+                   help="report directories (holding claims.json, as weightgeom report writes it), directories "
+                        "above them, or claims.json files")
+    p.add_argument("--record", default=None, metavar="FILE", help="write the merged findings to FILE (JSON)")
+    p.add_argument("--readme", default=None, metavar="FILE",
+                   help="replace the claims table between the markers in FILE (a README)")
+    p.add_argument("--page", default=None, metavar="FILE", help="write the results page (markdown) to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``weightgeom claims``."""
+    import json
+    from pathlib import Path
+
+    from weightgeom._files import write_atomic
+    from weightgeom.experiments.report.claims_page import (
+        CLAIMS_FILE,
+        merge,
+        read_claims,
+        readme_table,
+        record,
+        replace_block,
+        results_page,
+    )
+    from weightgeom.experiments.report.inputs import Problems
+
+    files: list[Path] = []
+    for given in args.reports:
+        p = Path(given)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted(p.rglob(CLAIMS_FILE))
+            if not found:
+                print(f"weightgeom claims: no {CLAIMS_FILE} under {given} (run weightgeom report on it first)",
+                      file=sys.stderr)
+                return 2
+            files += found
+        else:
+            print(f"weightgeom claims: {given} does not exist", file=sys.stderr)
+            return 2
+    problems = Problems()
+    found_all = [f for path in dict.fromkeys(files) for f in read_claims(path, problems)]
+    for line in problems.lines[:10]:
+        print(f"weightgeom claims: warning: {line}", file=sys.stderr)
+    merged = merge(found_all)
+    table = readme_table(merged)
+    try:
+        if args.readme:
+            readme = Path(args.readme)
+            try:
+                text = replace_block(readme.read_text(encoding="utf-8"), table)
+            except ValueError as e:
+                print(f"weightgeom claims: {readme}: {e}", file=sys.stderr)
+                return 2
+            write_atomic(readme, text)
+        if args.page:
+            write_atomic(Path(args.page), results_page(merged))
+        if args.record:
+            Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(args.record), json.dumps(record(found_all), indent=1, ensure_ascii=False) + "\n")
+    except OSError as e:
+        from weightgeom.cli import os_error_line
+
+        print(f"weightgeom claims: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    if not (args.readme or args.page or args.record):
+        print(table)
+    tested = sum(bool(fs) for fs in merged.values())
+    print(f"claims: {tested} of {len(merged)} tested, from {len(files)} claims.json", file=sys.stderr)
+    return 0
