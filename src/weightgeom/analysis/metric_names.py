@@ -6,6 +6,8 @@
 """
 
 METRICS: tuple[str, ...] = ("cv", "cu", "gram", "idx")
+"""Every metric family ``analyze(metrics=...)`` accepts: ``cv``, ``cu``, ``gram``, ``idx`` (see above)."""
 DEFAULT_METRICS: tuple[str, ...] = ("cv", "cu", "gram")
+"""The metric families computed when none are named (all but the slow ``idx``)."""
 
 __all__ = ["METRICS", "DEFAULT_METRICS"]

@@ -20,6 +20,8 @@ import torch
 __all__ = ["ROLES", "RoleWeight", "assign_roles", "parse_role_map", "ROLE_MAP_HELP"]
 
 ROLES = ("Q", "K", "V", "O", "Gate", "Up", "Down", "MLP")
+"""The layer roles continuity analysis recognises, in report order: attention Q, K, V, O and MLP Gate, Up, Down
+(``MLP``: a two-matrix MLP's matrices)."""
 
 ROLE_MAP_HELP = (
     "pass a role map, e.g. analyze(src, roles={'Q': 'blocks.{i}.attn.wq.weight', 'Down': 'blocks.{i}.ffn.w2.weight'}) "

@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 SATURATION_THRESHOLD = 0.99  # a softmax row counts as saturated when its max probability exceeds this
+"""A softmax row counts as saturated when its largest probability exceeds this."""
 MAX_SEQS = 8  # sequences of a batch the diagnostic forward uses (memory: one (B, H, T, T) layer at a time)
 
 

@@ -80,6 +80,8 @@ MSIGN_PRESETS: dict[str, NSPreset] = {
         source="Amsel et al. 2025, The Polar Express, arXiv:2505.16932",
     ),
 }
+"""Newton–Schulz presets of :func:`msign` by ``method`` name (``muon``, ``polar_express``, ``polar_express_paper``, …):
+coefficients, steps and safety factor of each."""
 # The same coefficients with the published arithmetic in bfloat16 (``NSPreset.published``): the msign of the
 # manifold-assignment paper's code (Polar Express, 10 steps, bf16 after dividing by ‖X‖_F·1.01, each step as
 # (a·I + (b·I + c·S)·S)·X, nan_to_num, returned as float32). Selected by ``msign_method="polar_express_paper"``; held

@@ -35,6 +35,7 @@ MODEL_KINDS: dict[str, tuple[type[ConfigBase], type[ModelBase]]] = {
     "llama": (LlamaConfig, Llama),
     "resmlp": (ResMLPConfig, ResMLP),
 }
+"""Model kind (``gpt``, ``llama``, ``resmlp``) -> (config class, model class)."""
 
 # preset name -> (kind, config overrides)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -42,6 +43,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     **{k: ("llama", v) for k, v in LLAMA_PRESETS.items()},
     **{k: ("resmlp", v) for k, v in RESMLP_PRESETS.items()},
 }
+"""Preset name (``gpt2``, ``llama-34m``, …) -> (model kind, config values it sets)."""
 
 
 def available_presets(kind: str | None = None) -> list[str]:

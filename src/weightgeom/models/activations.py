@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = ("relu", "gelu", "silu", "none", "radial")
+"""Activation names :func:`get_activation` accepts (``radial``: :func:`radial`; ``none``: the identity)."""
 
 
 def radial(x: torch.Tensor) -> torch.Tensor:

@@ -218,6 +218,7 @@ class LlamaAttention(nn.Module):
 
 
 ATTENTION_TYPES = (CausalSelfAttention, LlamaAttention)
+"""This package's attention module classes (what :func:`iter_attention` finds in a model)."""
 
 
 def iter_attention(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -69,6 +69,8 @@ STRATEGIES: dict[str, dict[str, str | None]] = {
     # weightgeom.train.auto_assign.AutoAssign can move one layer's Q/K weights to Stiefel during training
     "auto": {"attn": "dgram", "mlp": "dgram"},
 }
+"""Parameter-group strategies by name: strategy -> {role (``attn``, ``mlp``): manifold name, ``None`` (plain Muon) or
+``"adamw"``}."""
 
 ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"(^|\.)attn\.(c_attn|c_proj|q_proj|k_proj|v_proj|o_proj)\.weight$", "attn"),
