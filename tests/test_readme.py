@@ -22,3 +22,17 @@ def test_readme_first_lines_are_the_two_commands():
     assert lines[4].startswith("./setup.sh && .venv/bin/python -m pytest -q")
     ci = (README.parent / ".ci" / "run").read_text()
     assert "./setup.sh && .venv/bin/python -m pytest -q" in ci
+
+
+def test_readme_benchmark_summary_is_the_docs_one():
+    """The README's benchmark table is copied from docs/benchmarks.md (between the same markers), never edited apart."""
+    def block(text: str) -> str:
+        return text[text.index("<!-- bench summary -->"):text.index("<!-- end bench summary -->")]
+
+    docs = (README.parent / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert block(README.read_text(encoding="utf-8")) == block(docs), "copy docs/benchmarks.md's summary into README"
+    assert "| device kind |" in block(docs)
+
+
+def test_readme_is_short():
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 200

@@ -80,6 +80,24 @@ def _run_locked(args: argparse.Namespace, out: Path) -> int:
         failed += sum(r.get("status") == "failed" for r in manifest["runs"])
         dirs.append(out / sub)
     path = make_report(dirs, out=out, title="weightgeom demo" + (" (quick)" if args.quick else ""))
+    print_claims(path.parent)
     print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min; {failed} failed runs")
     print(f"report: {path}")
     return 1 if failed else 0
+
+
+def print_claims(report_dir: Path) -> None:
+    """The papers' claims these runs tested, one line each (verdict, claim, which sweep), from the report's
+    ``claims.json``; the rules and evidence are in ``report.md``."""
+    from weightgeom.experiments.report.claims import CLAIM_BY_KEY
+    from weightgeom.experiments.report.claims_page import CLAIMS_FILE, read_claims
+    from weightgeom.experiments.report.inputs import Problems
+
+    found = read_claims(report_dir / CLAIMS_FILE, Problems())
+    if not found:
+        return
+    print("the papers' claims at this size (rules and evidence: report.md):")
+    for f in found:
+        text = CLAIM_BY_KEY[f.key].text
+        text = text if len(text) <= 78 else text[:77] + "…"
+        print(f"  {f.verdict:<17}  {text}  [{f.source.split(' (')[0].split()[-1]}]")
