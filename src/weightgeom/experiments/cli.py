@@ -170,10 +170,14 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         OSError: the sweep directory cannot be written.
     """
     # imported here, not at module level: the config schema imports torch, and `weightgeom sweep --help` must not
+    from weightgeom.experiments import compression
     from weightgeom.experiments.runner import SWEEP_SETTINGS_KEY, load_parts, plan, run_sweep, sweep_settings
     from weightgeom.train.config import parse_overrides
     from weightgeom.train.rundir import DirLock
 
+    if compression.is_compress_preset(config, recipe_name):  # no training: compress a pretrained model, measure it
+        return compression.execute(config, out, resume=resume, progress=progress, list_only=list_only,
+                                   threads=threads)
     recipe = get_recipe(recipe_name)
     label, parts, sweep = load_parts(config or recipe.default_config, recipe.name)
     seeds = list(seeds) if seeds else [int(s) for s in sweep.get("seeds", recipe.default_seeds)]

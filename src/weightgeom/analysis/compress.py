@@ -1,0 +1,679 @@
+"""Cross-layer shared bases: ``compress(source, out)`` applies ``--suggest``'s advice to a checkpoint.
+
+For a role (Q, K, V, O, Gate, Up, Down, MLP) the layers are cut into groups of ``layers_per_group`` consecutive layers
+of one shape (m×n, PyTorch's (out, in) layout). Per group:
+
+* **input space** (``share="input"``): one shared right basis V (n×r), the top-r right singular vectors of the stacked
+  rows [W_1; …; W_k] (the top-r eigenvectors of Σ_l W_lᵀW_l); per layer the coefficients C_l = W_l V (m×r);
+  W_l ≈ C_l Vᵀ. Parameters n·r + k·m·r.
+* **output space** (``share="output"``): one shared left basis U (m×r) of [W_1, …, W_k] (eigenvectors of
+  Σ_l W_lW_lᵀ); coefficients C_l = Uᵀ W_l (r×n); W_l ≈ U C_l. Parameters m·r + k·n·r.
+* **per layer** (``share="none"``, the no-sharing baseline): truncated SVD of each W_l, W_l ≈ (U_rΣ_r) V_rᵀ.
+  Parameters (m + n)·r per layer.
+* ``share="auto"``: each role in the space whose top singular vectors are more continuous across adjacent layers
+  (C_v or C_u over its random level, :func:`choose_spaces`).
+
+``basis="random"`` replaces the shared basis by a random orthonormal one (QR of a seeded Gaussian matrix), with the
+same least-squares coefficients: the baseline that tells how much of a shared basis' worth is the data's.
+
+Counts are exact: a group's basis is counted once, each layer's coefficients once. A rank may be given (``rank``) or
+derived per group from a target fraction of the role's parameters saved (``savings``; the largest rank whose
+parameter count is at most (1 − savings) × the dense count, so the saving reached is at least the target).
+
+Output (``compress(source, out)``): ``out/compressed.json`` (the index: source, roles, groups, shapes, the tensors of
+the source each layer came from) and one safetensors file per group (``tensors/<role>-g<j>.safetensors``: ``basis``
+and ``coef.<layer>``), each written whole (temporary name, then renamed) before the index names it; the index is
+rewritten after every role with ``"complete": false`` until the end, so Ctrl-C leaves the finished roles usable.
+``savings.csv`` is the parameters table. Reading back (:func:`apply_compressed`, :func:`decompress`) checks every
+shape against the index, loads tensors only (safetensors) and writes the dense products Ŵ_l into the matching
+(role, layer) matrices of a model or state dict (GPT-2's transposed Conv1D and fused QKV rows included, through the
+same role assignment as the analysis).
+
+The source is streamed like ``analyze``: only one group's matrices (k of them, float32) are in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
+
+__all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
+           "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
+           "shared_basis", "coefficients", "reconstruct", "apply_compressed", "decompress", "read_index",
+           "space_ratios", "compressed_source", "FORMAT_VERSION"]
+
+SHARE_MODES = ("input", "output", "auto", "none")
+SPACES = ("input", "output", "none")
+BASES = ("svd", "random")
+INDEX_FILE = "compressed.json"
+SAVINGS_FILE = "savings.csv"
+FORMAT_VERSION = 1
+DEFAULT_ROLES_EXCLUDED = ("V",)
+"""Roles compressed only when named: the continuity paper advises no shared basis for V."""
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """What :func:`compress` does.
+
+    Attributes:
+        share: ``input`` | ``output`` | ``auto`` (each role's more continuous space) | ``none`` (per-layer SVD).
+        rank: basis rank r per group (exclusive with ``savings``).
+        savings: target fraction of each role's parameters saved, in (0, 1) (exclusive with ``rank``).
+        layers_per_group: k, consecutive layers sharing one basis (the last group of a run may be shorter).
+        roles: roles to compress (None: every recognised role except V).
+        basis: ``svd`` (top-r singular vectors of the group) or ``random`` (seeded random orthonormal basis).
+        seed: seed of the random bases.
+    """
+
+    share: str = "auto"
+    rank: int | None = None
+    savings: float | None = None
+    layers_per_group: int = 4
+    roles: tuple[str, ...] | None = None
+    basis: str = "svd"
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (one line) for an impossible setting."""
+        if self.share not in SHARE_MODES:
+            raise ValueError(f"unknown share mode {self.share!r}; choose from {', '.join(SHARE_MODES)}")
+        if self.basis not in BASES:
+            raise ValueError(f"unknown basis {self.basis!r}; choose from {', '.join(BASES)}")
+        if (self.rank is None) == (self.savings is None):
+            raise ValueError("give exactly one of rank (--rank) and savings (--savings)")
+        if self.rank is not None and (isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 1):
+            raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
+        if self.savings is not None and not (isinstance(self.savings, (int, float)) and 0 < self.savings < 1):
+            raise ValueError(f"savings must be a fraction strictly between 0 and 1, got {self.savings!r}")
+        if self.layers_per_group < 1:
+            raise ValueError(f"layers_per_group must be >= 1, got {self.layers_per_group}")
+        if self.roles is not None:
+            bad = [r for r in self.roles if r not in ROLES]
+            if bad:
+                raise ValueError(f"unknown role {bad[0]!r}; choose from {', '.join(ROLES)}")
+            if not self.roles:
+                raise ValueError("roles: name at least one role")
+        if self.basis == "random" and self.share == "none":
+            raise ValueError("basis 'random' needs a shared space (share input, output or auto), not 'none'")
+
+
+# --------------------------------------------------------------------------------------------------- pure counting
+def group_params(space: str, k: int, m: int, n: int, r: int) -> int:
+    """Parameters of one group of k (m×n) layers at rank r: the shared basis once plus each layer's coefficients.
+
+    Args:
+        space: ``input`` (n·r + k·m·r), ``output`` (m·r + k·n·r) or ``none`` (k·(m + n)·r, per-layer SVD).
+    """
+    if space == "input":
+        return n * r + k * m * r
+    if space == "output":
+        return m * r + k * n * r
+    if space == "none":
+        return k * (m + n) * r
+    raise ValueError(f"unknown space {space!r}; choose from {', '.join(SPACES)}")
+
+
+def max_rank(space: str, k: int, m: int, n: int) -> int:
+    """Largest meaningful rank: the basis' dimension, at most the rank of the stacked group (min(n, k·m) in the input
+    space, min(m, k·n) in the output space, min(m, n) per layer)."""
+    if space == "input":
+        return min(n, k * m)
+    if space == "output":
+        return min(m, k * n)
+    return min(m, n)
+
+
+def rank_for_savings(space: str, k: int, m: int, n: int, savings: float) -> int:
+    """The largest rank whose :func:`group_params` is at most (1 − savings)·k·m·n (0 when even rank 1 costs more),
+    capped at :func:`max_rank`."""
+    per_rank = group_params(space, k, m, n, 1)
+    budget = (1.0 - savings) * k * m * n
+    return min(int(math.floor(budget / per_rank + 1e-9)), max_rank(space, k, m, n))
+
+
+# ---------------------------------------------------------------------------------------------------- linear algebra
+def shared_basis(Ws: Sequence[torch.Tensor], space: str, r: int, basis: str = "svd",
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """The group's orthonormal basis (d×r, d = n for ``input``, m for ``output``), float32.
+
+    ``svd``: the top-r eigenvectors of Σ_l W_lᵀW_l (input) or Σ_l W_lW_lᵀ (output), i.e. the top-r right (left)
+    singular vectors of the stacked [W_1; …; W_k] ([W_1, …, W_k]); the d×d Gram is accumulated and diagonalised in
+    float64. ``random``: QR of a d×r standard Gaussian matrix drawn from ``generator``.
+    """
+    m, n = Ws[0].shape
+    d = n if space == "input" else m
+    if basis == "random":
+        g = torch.randn(d, r, generator=generator, dtype=torch.float64)
+        return torch.linalg.qr(g).Q.float()
+    G = torch.zeros(d, d, dtype=torch.float64)
+    for W in Ws:
+        W64 = W.double()
+        G += W64.mT @ W64 if space == "input" else W64 @ W64.mT
+    _, vecs = torch.linalg.eigh(G)
+    return vecs[:, -r:].flip(-1).contiguous().float()
+
+
+def coefficients(W: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
+    """Least-squares coefficients of W in the orthonormal basis B: W B (m×r, input space) or Bᵀ W (r×n, output)."""
+    return W @ B if space == "input" else B.mT @ W
+
+
+def reconstruct(C: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
+    """The dense m×n matrix from coefficients and basis: C Bᵀ (input space, and per-layer SVD) or B C (output)."""
+    return B @ C if space == "output" else C @ B.mT
+
+
+def _per_layer_svd(W: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD of W at rank r: (U_rΣ_r (m×r), V_r (n×r)), so that W ≈ C Vᵀ as in the input space."""
+    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    return (U[:, :r] * S[:r]).float(), Vh[:r].mT.contiguous().float()
+
+
+# ---------------------------------------------------------------------------------------------------------- spaces
+def space_ratios(cv: float, cv_rand: float, cu: float, cu_rand: float) -> dict[str, float]:
+    """C_v and C_u as multiples of their random levels: ``{"input": C_v/rand, "output": C_u/rand}`` (the rule of
+    ``analyze``'s plain-words reading)."""
+    return {"input": cv / cv_rand if cv_rand > 0 else math.nan, "output": cu / cu_rand if cu_rand > 0 else math.nan}
+
+
+def choose_spaces(source, roles: Mapping[str, str] | str | None = None,
+                  only: Sequence[str] | None = None) -> dict[str, dict]:
+    """Per role, the space whose top singular vectors are more continuous across adjacent layers.
+
+    Runs the streamed continuity analysis (C_v, C_u with their random levels) and picks, per role, the space with the
+    larger ratio to its random level (:func:`space_ratios`); a role with fewer than two layers of one shape falls back
+    to the continuity paper's space (``SHARE_SPACE``).
+
+    Returns:
+        role → ``{"space": "input"|"output", "input": ratio, "output": ratio}``.
+    """
+    from weightgeom.analysis.api import SHARE_SPACE, analyze_full
+    from weightgeom.analysis.report import summary_table
+
+    res = analyze_full(source, roles, metrics=("cv", "cu"), method="randomized")
+    s = summary_table(res.pairs) if not res.pairs.empty else pd.DataFrame()
+    out: dict[str, dict] = {}
+    names = list(only) if only is not None else sorted({str(r) for r in res.layers["role"]}) if not res.layers.empty \
+        else []
+    for role in names:
+        if role in s.index:
+            r = s.loc[role]
+            ratios = space_ratios(float(r["cv"]), float(r["cv_rand"]), float(r["cu"]), float(r["cu_rand"]))
+            best = "input" if not ratios["output"] > ratios["input"] else "output"
+            out[role] = {"space": best, **ratios}
+        else:
+            out[role] = {"space": SHARE_SPACE.get(role, "input"), "input": math.nan, "output": math.nan}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- the streaming
+@dataclass
+class GroupResult:
+    """One compressed group.
+
+    Attributes:
+        role, space, basis: what was done (``space`` ``none`` = per-layer SVD).
+        layers: the layer indices; ``names``: the source tensor each came from (with its role-assignment note).
+        shape: (m, n) of each layer's matrix; ``rank``: r.
+        basis_t: the shared basis (d×r), or per layer for ``none`` (dict layer → n×r).
+        coefs: layer → coefficients.
+        params_dense, params: parameter counts before / after; ``energy_lost``: Σ‖W − Ŵ‖_F² / Σ‖W‖_F².
+    """
+
+    role: str
+    space: str
+    basis: str
+    layers: list[int]
+    names: list[str]
+    notes: list[str]
+    shape: tuple[int, int]
+    rank: int
+    basis_t: torch.Tensor | dict[int, torch.Tensor]
+    coefs: dict[int, torch.Tensor]
+    params_dense: int
+    params: int
+    energy_lost: float
+
+    def dense(self, layer: int) -> torch.Tensor:
+        """Ŵ of ``layer`` (m×n float32)."""
+        B = self.basis_t[layer] if isinstance(self.basis_t, dict) else self.basis_t
+        return reconstruct(self.coefs[layer], B, "input" if self.space == "none" else self.space)
+
+
+def _runs(items: list[RoleWeight]) -> list[list[RoleWeight]]:
+    """Consecutive layers of one shape (a shape change starts a new run)."""
+    runs: list[list[RoleWeight]] = []
+    for rw in items:
+        if runs and tuple(runs[-1][-1].weight.shape) == tuple(rw.weight.shape) and rw.layer == runs[-1][-1].layer + 1:
+            runs[-1].append(rw)
+        else:
+            runs.append([rw])
+    return runs
+
+
+def _groups(items: list[RoleWeight], k: int) -> list[list[RoleWeight]]:
+    return [run[i:i + k] for run in _runs(items) for i in range(0, len(run), k)]
+
+
+def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Mapping[str, str]
+          ) -> list[tuple[str, str, list[RoleWeight], int]]:
+    """(role, space, group, rank) for every group, checked before anything is read.
+
+    Raises:
+        ValueError: a rank larger than a group's matrices allow, or a savings target no rank ≥ 1 reaches.
+    """
+    plan = []
+    for role, items in by_role.items():
+        space = spaces[role]
+        for g in _groups(items, cfg.layers_per_group):
+            m, n = (int(d) for d in g[0].weight.shape)
+            k = len(g)
+            top = max_rank(space, k, m, n)
+            if cfg.rank is not None:
+                if cfg.rank > top:
+                    what = {"input": f"the input space of {m}×{n} matrices has {n} dimensions",
+                            "output": f"the output space of {m}×{n} matrices has {m} dimensions",
+                            "none": f"a {m}×{n} matrix has rank at most {min(m, n)}"}[space]
+                    raise ValueError(f"--rank {cfg.rank} is larger than role {role} allows: {what} (layers "
+                                     f"{g[0].layer}-{g[-1].layer}, {space} space); at most {top}")
+                r = int(cfg.rank)
+            else:
+                r = rank_for_savings(space, k, m, n, float(cfg.savings))
+                if r < 1:
+                    raise ValueError(f"savings {cfg.savings:g}: even rank 1 keeps more than {1 - cfg.savings:.0%} of "
+                                     f"role {role}'s {m}×{n} parameters in the {space} space (k={k}); lower it")
+            plan.append((role, space, g, r))
+    return plan
+
+
+def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] | str | None = None,
+                   spaces: Mapping[str, str] | None = None, progress: bool = False,
+                   by_role: dict[str, list[RoleWeight]] | None = None) -> Iterator[GroupResult]:
+    """Compress group by group (a generator: each :class:`GroupResult` is yielded, then dropped by the caller).
+
+    Args:
+        source: path, nn.Module, state dict or :class:`~weightgeom.analysis.loaders.Loaded` (paths are streamed).
+        cfg: :class:`CompressConfig`.
+        role_map: user role map (as ``analyze --roles``).
+        spaces: role → ``input``/``output`` (required for ``share="auto"`` unless computed here by
+            :func:`choose_spaces`).
+        progress: one stderr line per group with the elapsed time and an ETA (by matrix size).
+        by_role: already assigned roles (skips opening ``source``).
+
+    Raises:
+        ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have, a
+            non-finite matrix (named).
+    """
+    from weightgeom.analysis.api import _as_loaded, as_computable
+    from weightgeom.analysis.loaders import materialize
+
+    cfg.check()
+    if by_role is None:
+        by_role = assign_roles(_as_loaded(source).tensors, role_map)
+    by_role = _select(by_role, cfg.roles)
+    if cfg.share == "auto":
+        if not spaces:
+            spaces = {r: v["space"] for r, v in choose_spaces(source, role_map, list(by_role)).items()}
+        spaces = dict(spaces)
+    else:
+        spaces = dict.fromkeys(by_role, cfg.share)
+    plan = _plan(by_role, cfg, spaces)
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+    total = sum(rw.weight.numel() for _, _, g, _ in plan for rw in g) or 1
+    done, t0 = 0, time.perf_counter()
+    for j, (role, space, g, r) in enumerate(plan):
+        Ws = []
+        for rw in g:
+            W = as_computable(materialize(rw.weight), rw.name).float()
+            if not bool(torch.isfinite(W).all()):
+                raise ValueError(f"{rw.name} (role {role} layer {rw.layer}) holds NaN or Inf: cannot compress it")
+            Ws.append(W)
+        m, n = Ws[0].shape
+        if space == "none":
+            pairs = [_per_layer_svd(W, r) for W in Ws]
+            coefs = {rw.layer: c for rw, (c, _) in zip(g, pairs)}
+            basis_t: torch.Tensor | dict = {rw.layer: b for rw, (_, b) in zip(g, pairs)}
+        else:
+            basis_t = shared_basis(Ws, space, r, cfg.basis, gen)
+            coefs = {rw.layer: coefficients(W, basis_t, space) for rw, W in zip(g, Ws)}
+        res = GroupResult(role, space, cfg.basis if space != "none" else "svd", [rw.layer for rw in g],
+                          [rw.name for rw in g], [rw.note for rw in g], (m, n), r, basis_t, coefs,
+                          len(g) * m * n, group_params(space, len(g), m, n, r), 0.0)
+        tot = sum(float((W.double() ** 2).sum()) for W in Ws)
+        lost = sum(float(((W - res.dense(rw.layer)).double() ** 2).sum()) for rw, W in zip(g, Ws))
+        res.energy_lost = lost / tot if tot > 0 else 0.0
+        del Ws
+        done += sum(rw.weight.numel() for rw in g)
+        if progress:
+            el = time.perf_counter() - t0
+            print(f"  [{j + 1}/{len(plan)}] {role:5s} layers {g[0].layer}-{g[-1].layer} {m}×{n} {space} rank {r}  "
+                  f"{el:.1f} s elapsed, ETA {el / done * (total - done):.1f} s", file=sys.stderr, flush=True)
+        yield res
+
+
+def _select(by_role: dict[str, list[RoleWeight]], roles: Sequence[str] | None) -> dict[str, list[RoleWeight]]:
+    """The requested roles (default: all recognised but V); refuses a requested role the source lacks."""
+    if roles is None:
+        sel = {r: v for r, v in by_role.items() if r not in DEFAULT_ROLES_EXCLUDED}
+        if not sel:
+            raise ValueError(f"only role(s) {', '.join(by_role)} found, which are compressed only when named "
+                             "(--roles V)")
+        return sel
+    missing = [r for r in roles if r not in by_role]
+    if missing:
+        raise ValueError(f"role {missing[0]} not found in the source (it has {', '.join(by_role) or 'none'})")
+    return {r: by_role[r] for r in roles}
+
+
+# ------------------------------------------------------------------------------------------------------ the writer
+@dataclass
+class CompressResult:
+    """What :func:`compress` wrote.
+
+    Attributes:
+        table: one row per role (and ``total``): layers, shape, space, ranks, params before/after, saved, saved_frac,
+            energy_lost.
+        index: the ``compressed.json`` contents.
+        out: the output directory (None when nothing was written).
+        spaces: role → the space used (with the continuity ratios for ``auto``).
+    """
+
+    table: pd.DataFrame
+    index: dict
+    out: Path | None
+    spaces: dict = field(default_factory=dict)
+
+
+def savings_table(groups: Sequence[dict]) -> pd.DataFrame:
+    """Per role: layers, shape(s), space, ranks, params before / after, saved, saved fraction, energy lost; plus a
+    ``total`` row. ``groups`` are index entries (``role, space, layers, shape, rank, params_dense, params,
+    energy_lost``)."""
+    rows = []
+    by_role: dict[str, list[dict]] = {}
+    for g in groups:
+        by_role.setdefault(g["role"], []).append(g)
+    for role, gs in by_role.items():
+        dense, after = sum(g["params_dense"] for g in gs), sum(g["params"] for g in gs)
+        e_tot = sum(g["energy_lost"] * g["params_dense"] for g in gs) / dense if dense else 0.0
+        ranks = sorted({g["rank"] for g in gs})
+        rows.append({"role": role, "layers": sum(len(g["layers"]) for g in gs), "groups": len(gs),
+                     "shape": ", ".join(sorted({f"{g['shape'][0]}x{g['shape'][1]}" for g in gs})),
+                     "space": "/".join(sorted({g["space"] for g in gs})), "basis": "/".join(sorted({g["basis"]
+                                                                                                 for g in gs})),
+                     "rank": ranks[0] if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}",
+                     "params_dense": dense, "params": after, "saved": dense - after,
+                     "saved_frac": (dense - after) / dense if dense else 0.0, "energy_lost": e_tot})
+    if rows:
+        dense, after = sum(r["params_dense"] for r in rows), sum(r["params"] for r in rows)
+        rows.append({"role": "total", "layers": sum(r["layers"] for r in rows),
+                     "groups": sum(r["groups"] for r in rows), "shape": "", "space": "", "basis": "", "rank": "",
+                     "params_dense": dense, "params": after,
+                     "saved": dense - after, "saved_frac": (dense - after) / dense if dense else 0.0,
+                     "energy_lost": sum(r["energy_lost"] * r["params_dense"] for r in rows) / dense if dense else 0.0})
+    return pd.DataFrame(rows)
+
+
+def _source_info(source) -> dict:
+    """Where the compressed weights came from: path, size in bytes and modification time (None for in-memory)."""
+    if isinstance(source, (str, Path)):
+        p = Path(source).resolve()
+        st = p.stat()
+        return {"path": str(p), "bytes": st.st_size if p.is_file() else None, "mtime": int(st.st_mtime)}
+    return {"path": None}
+
+
+def _group_file(role: str, j: int) -> str:
+    return f"tensors/{role}-g{j:03d}.safetensors"
+
+
+def compress(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
+             role_map: Mapping[str, str] | str | None = None, progress: bool = False,
+             on_role_done: Callable[[CompressResult], None] | None = None, **kwargs) -> CompressResult:
+    """Compress ``source``'s roles with shared (or per-layer) low-rank bases; write them to ``out``.
+
+    Args:
+        source: HF directory, .safetensors, torch checkpoint (weights only), .gguf, run directory, nn.Module or state
+            dict (paths are streamed: one group of matrices in memory at a time).
+        out: output directory (None: compute the table only, write nothing). Must not hold a compressed index yet.
+        cfg: :class:`CompressConfig` (or its fields as keyword arguments).
+        role_map: user role map, as for ``analyze``.
+        progress: one stderr line per group.
+        on_role_done: called after each finished role with the result so far.
+
+    Returns:
+        :class:`CompressResult`.
+
+    Raises:
+        ValueError: bad settings or source (one line); ``FileExistsError``: ``out`` already holds a compressed
+            checkpoint.
+    """
+    from safetensors.torch import save
+
+    from weightgeom._files import write_atomic
+    from weightgeom.analysis.api import _as_loaded
+
+    cfg = cfg or CompressConfig(**kwargs)
+    cfg.check()
+    out_p = Path(out) if out is not None else None
+    if out_p is not None and (out_p / INDEX_FILE).exists():
+        raise FileExistsError(f"{out_p}/{INDEX_FILE} exists: {out_p} already holds a compressed checkpoint; choose "
+                              "another --out or remove it")
+    src = _as_loaded(source)
+    by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
+    spaces_info: dict = {}
+    if cfg.share == "auto":
+        spaces_info = choose_spaces(src, role_map, list(by_role))
+        spaces = {r: v["space"] for r, v in spaces_info.items()}
+    else:
+        spaces = dict.fromkeys(by_role, cfg.share)
+        spaces_info = {r: {"space": s} for r, s in spaces.items()}
+    _plan(by_role, cfg, spaces)  # refuse a bad rank before anything is written
+    index = {"format": "weightgeom-compressed", "version": FORMAT_VERSION, "complete": False,
+             "source": {**_source_info(source), "format": src.format}, "role_map": role_map if role_map is None
+             or isinstance(role_map, str) else dict(role_map), "config": asdict(cfg), "spaces": spaces_info,
+             "groups": []}
+    counters: dict[str, int] = {}
+    role_done: list[str] = []
+
+    def flush() -> None:
+        if out_p is not None:
+            write_atomic(out_p / INDEX_FILE, json.dumps(index, indent=1, default=_json_default))
+            write_atomic(out_p / SAVINGS_FILE, lambda p: savings_table(index["groups"]).to_csv(p, index=False))
+
+    current = None
+    for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role):
+        if current is not None and g.role != current:
+            role_done.append(current)
+            flush()
+            if on_role_done is not None:
+                on_role_done(CompressResult(savings_table(index["groups"]), index, out_p, spaces_info))
+        current = g.role
+        j = counters[g.role] = counters.get(g.role, -1) + 1
+        entry = {"role": g.role, "group": j, "space": g.space, "basis": g.basis, "layers": g.layers,
+                 "tensors": g.names, "notes": g.notes, "shape": list(g.shape), "rank": g.rank,
+                 "params_dense": g.params_dense, "params": g.params, "energy_lost": g.energy_lost}
+        if out_p is not None:
+            tensors = {f"coef.{lay}": c.contiguous() for lay, c in g.coefs.items()}
+            if isinstance(g.basis_t, dict):
+                tensors.update({f"basis.{lay}": b.contiguous() for lay, b in g.basis_t.items()})
+            else:
+                tensors["basis"] = g.basis_t.contiguous()
+            entry["file"] = _group_file(g.role, j)
+            write_atomic(out_p / entry["file"], save(tensors, metadata={"role": g.role, "space": g.space}))
+        index["groups"].append(entry)
+    index["complete"] = True
+    flush()
+    return CompressResult(savings_table(index["groups"]), index, out_p, spaces_info)
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+# ------------------------------------------------------------------------------------------------------ the reader
+_FILE_RE = re.compile(r"^tensors/[A-Za-z]+-g\d{3}\.safetensors$")
+
+
+def read_index(path: str | Path) -> dict:
+    """The index of a compressed checkpoint directory (``compressed.json``), checked.
+
+    Raises:
+        ValueError: not a compressed checkpoint, an unknown version, an incomplete (interrupted) one, or an entry
+            with a bad file name, role, space, shape or rank (one line naming the directory).
+        FileNotFoundError: no such directory / index.
+    """
+    from weightgeom._files import read_json
+
+    d = Path(path)
+    if not (d / INDEX_FILE).exists():
+        raise FileNotFoundError(f"{d}: no {INDEX_FILE} (not a directory written by weightgeom compress)")
+    idx = read_json(d / INDEX_FILE, what="compressed index")
+    if not isinstance(idx, dict) or idx.get("format") != "weightgeom-compressed":
+        raise ValueError(f"{d}/{INDEX_FILE}: not a weightgeom compressed index")
+    if idx.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{d}/{INDEX_FILE}: format version {idx.get('version')!r}, expected {FORMAT_VERSION}")
+    if not idx.get("complete"):
+        done = sorted({g.get("role") for g in idx.get("groups", []) if isinstance(g, dict)})
+        raise ValueError(f"{d}: incomplete compressed checkpoint (interrupted; roles written: "
+                         f"{', '.join(map(str, done)) or 'none'}); run weightgeom compress again")
+    groups = idx.get("groups")
+    if not isinstance(groups, list) or not groups:
+        raise ValueError(f"{d}/{INDEX_FILE}: no groups")
+    for g in groups:
+        ok = (isinstance(g, dict) and g.get("role") in ROLES and g.get("space") in SPACES
+              and isinstance(g.get("file"), str) and _FILE_RE.match(g["file"])
+              and isinstance(g.get("shape"), list) and len(g["shape"]) == 2
+              and all(isinstance(x, int) and x > 0 for x in g["shape"])
+              and isinstance(g.get("rank"), int) and g["rank"] >= 1
+              and isinstance(g.get("layers"), list) and g["layers"]
+              and all(isinstance(x, int) and x >= 0 for x in g["layers"]))
+        if not ok:
+            raise ValueError(f"{d}/{INDEX_FILE}: malformed group entry {str(g)[:120]}")
+    return idx
+
+
+def _read_group(d: Path, g: dict) -> GroupResult:
+    """Read one group's safetensors file and check every tensor's shape against the index."""
+    from safetensors import safe_open
+
+    p = d / g["file"]
+    m, n = g["shape"]
+    r, space = g["rank"], g["space"]
+    want: dict[str, tuple[int, ...]] = {}
+    for lay in g["layers"]:
+        want[f"coef.{lay}"] = (r, n) if space == "output" else (m, r)
+        if space == "none":
+            want[f"basis.{lay}"] = (n, r)
+    if space != "none":
+        want["basis"] = (n, r) if space == "input" else (m, r)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            keys = set(f.keys())
+            missing = sorted(set(want) - keys)
+            if missing:
+                raise ValueError(f"{p}: missing tensor {missing[0]}")
+            ts = {k: f.get_tensor(k) for k in want}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{p}: missing (named in {d / INDEX_FILE})") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError) for corrupt files
+        if isinstance(e, ValueError) and str(e).startswith(str(p)):
+            raise
+        raise ValueError(f"{p}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
+    for k, shape in want.items():
+        t = ts[k]
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            raise ValueError(f"{p}: tensor {k} is {tuple(t.shape)} {t.dtype}, expected {shape} floating point")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{p}: tensor {k} holds NaN or Inf")
+    coefs = {lay: ts[f"coef.{lay}"].float() for lay in g["layers"]}
+    basis_t = ({lay: ts[f"basis.{lay}"].float() for lay in g["layers"]} if space == "none" else ts["basis"].float())
+    return GroupResult(g["role"], space, g.get("basis", "svd"), list(g["layers"]), list(g.get("tensors", [])),
+                       list(g.get("notes", [])), (m, n), r, basis_t, coefs, int(g.get("params_dense", 0)),
+                       int(g.get("params", 0)), float(g.get("energy_lost") or 0.0))
+
+
+@torch.no_grad()
+def apply_compressed(target, path: str | Path, *, role_map: Mapping[str, str] | str | None = None) -> int:
+    """Write the reconstructed dense matrices Ŵ_l of a compressed checkpoint into ``target``, in place.
+
+    Args:
+        target: nn.Module or a state dict (name → tensor) of the same architecture as the compressed source; its
+            matrices are found by role and layer (``assign_roles``: Llama/HF, GGUF names, GPT-2 Conv1D and fused
+            QKV are written through views into the stored layout).
+        path: the directory :func:`compress` wrote.
+        role_map: the user role map (default: the one recorded in the index).
+
+    Returns:
+        The number of matrices replaced.
+
+    Raises:
+        ValueError: a role / layer of the checkpoint missing in ``target``, a shape mismatch, a malformed file.
+    """
+    d = Path(path)
+    idx = read_index(d)
+    sd = target.state_dict() if isinstance(target, torch.nn.Module) else target
+    by_role = assign_roles(sd, role_map if role_map is not None else idx.get("role_map"))
+    lookup = {(r, rw.layer): rw for r, items in by_role.items() for rw in items}
+    # check every target before writing any (nothing half-applied on a mismatch)
+    for g in idx["groups"]:
+        for lay in g["layers"]:
+            rw = lookup.get((g["role"], lay))
+            if rw is None:
+                raise ValueError(f"{d}: role {g['role']} layer {lay} has no matrix in the model")
+            if tuple(rw.weight.shape) != tuple(g["shape"]):
+                raise ValueError(f"{d}: role {g['role']} layer {lay} is {tuple(g['shape'])} in the checkpoint but "
+                                 f"{tuple(rw.weight.shape)} in the model ({rw.name})")
+    n = 0
+    for g in idx["groups"]:
+        grp = _read_group(d, g)
+        for lay in grp.layers:
+            w = lookup[(g["role"], lay)].weight
+            w.copy_(grp.dense(lay).to(w.dtype))
+            n += 1
+    return n
+
+
+def compressed_source(path: str | Path) -> str:
+    """The source path recorded in a compressed checkpoint's index.
+
+    Raises:
+        ValueError: the index records no path (compressed from an in-memory model) or it no longer exists.
+    """
+    idx = read_index(path)
+    src = (idx.get("source") or {}).get("path")
+    if not src:
+        raise ValueError(f"{path}: compressed from an in-memory model; name the base model (--base)")
+    if not Path(src).exists():
+        raise ValueError(f"{path}: its base model {src} does not exist any more; name it with --base")
+    return str(src)
+
+
+def decompress(path: str | Path, base=None) -> dict[str, torch.Tensor]:
+    """The base model's state dict with the compressed roles replaced by their reconstructions, in the base's own
+    layout and names (for a GGUF base: GGUF names, Q/K un-permuted as :func:`~weightgeom.analysis.loaders.load`
+    returns them).
+
+    Args:
+        path: the compressed checkpoint directory.
+        base: the uncompressed source (default: the path recorded in the index).
+    """
+    from weightgeom.analysis.loaders import load
+
+    src = load(base if base is not None else compressed_source(path))
+    tensors = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in src.tensors.items()}
+    apply_compressed(tensors, path)
+    return tensors

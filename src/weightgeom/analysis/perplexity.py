@@ -1,0 +1,249 @@
+"""Perplexity of a causal language model on a text, in bounded time: ``perplexity(model, text, tokens=N)``.
+
+Models (:func:`load_causal_lm`): a Hugging Face model directory (``config.json`` + weights) or a llama.cpp ``.gguf``
+file, both through ``transformers`` with ``local_files_only`` (nothing is downloaded; GGUF tensors are dequantised to
+float32 by transformers); this package's own GPT / Llama checkpoints (a verified trainer checkpoint or a run
+directory: the model rebuilt from the checkpoint's config, the tokenizer from its ``[data]`` section); and a
+directory written by ``weightgeom compress``: its base model (recorded in the index, or ``base=``) with the compressed
+roles' dense reconstructions written into the weights (:func:`~weightgeom.analysis.compress.apply_compressed`).
+
+The text (default: the held-out tail of the bundled Shakespeare corpus, :func:`heldout_text`) is tokenized, the
+first ``tokens`` + 1 token ids kept, and cut into non-overlapping windows of ``context`` tokens; each window predicts
+its next tokens from the tokens before them in the same window. Perplexity = exp(mean next-token negative
+log-likelihood in nats) over the ``tokens`` predicted tokens. The cost is linear in ``tokens`` (one forward pass per
+window), so the token budget bounds the time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CausalLM", "PerplexityResult", "load_causal_lm", "perplexity", "perplexity_of_ids", "heldout_text",
+           "DEFAULT_TOKENS", "DEFAULT_CONTEXT", "HELDOUT_FRACTION"]
+
+DEFAULT_TOKENS = 2048
+"""Default token budget: predicted tokens per evaluation."""
+DEFAULT_CONTEXT = 512
+"""Default window length in tokens (capped at the model's context length)."""
+HELDOUT_FRACTION = 0.1
+"""Share of the bundled Shakespeare corpus at its end used as held-out text (the trainer's default val split)."""
+
+
+@dataclass
+class CausalLM:
+    """A causal language model ready for :func:`perplexity`.
+
+    Attributes:
+        model: the nn.Module (eval mode, CPU).
+        encode: text → token ids.
+        name: for messages and tables.
+        kind: ``hf`` | ``gguf`` | ``weightgeom``.
+        max_context: the longest input the model takes, in tokens.
+        source: the path it was loaded from.
+    """
+
+    model: torch.nn.Module
+    encode: Callable[[str], list[int]]
+    name: str
+    kind: str
+    max_context: int
+    source: str = ""
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (B, T, V) for token ids (B, T)."""
+        out = self.model(ids)
+        if isinstance(out, tuple):  # this package's models return (logits, loss)
+            return out[0]
+        return out.logits
+
+
+@dataclass
+class PerplexityResult:
+    """Attributes: ``ppl`` = exp(``nll``), ``nll`` mean next-token negative log-likelihood (nats/token),
+    ``tokens`` predicted tokens, ``windows``, ``context`` (tokens per window), ``seconds`` wall time, ``model``."""
+
+    ppl: float
+    nll: float
+    tokens: int
+    windows: int
+    context: int
+    seconds: float
+    model: str = ""
+
+    def as_dict(self) -> dict:
+        """The fields as a plain dict."""
+        return dict(self.__dict__)
+
+
+def heldout_text(fraction: float = HELDOUT_FRACTION) -> str:
+    """The last ``fraction`` of the bundled Shakespeare corpus (``weightgeom.data.corpora.shakespeare_text``), the part
+    the trainer holds out for validation at its default ``data.val_fraction``."""
+    from weightgeom.data.corpora import shakespeare_text
+
+    text = shakespeare_text()
+    return text[int(len(text) * (1.0 - fraction)):]
+
+
+def _transformers():
+    """``transformers``, offline; one line when it is missing."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("evaluating Hugging Face and GGUF models needs the transformers package: "
+                         "pip install transformers (or weightgeom[test])") from None
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def _hf_lm(path: Path) -> CausalLM:
+    """A Hugging Face model directory or a ``.gguf`` file through transformers (local files only)."""
+    tf = _transformers()
+    if path.is_file():
+        kw = {"gguf_file": path.name}
+        where, kind = str(path.parent), "gguf"
+    else:
+        kw, where, kind = {}, str(path), "hf"
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+        model = tf.AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **kw)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{path}: transformers cannot load it as a causal language model ({first})") from None
+    model.eval()
+    ctx = int(getattr(model.config, "max_position_embeddings", 0) or getattr(model.config, "n_positions", 0)
+              or DEFAULT_CONTEXT)
+    return CausalLM(model, lambda s: list(tok(s, add_special_tokens=False)["input_ids"]), path.name, kind, ctx,
+                    str(path))
+
+
+def _own_lm(path: Path) -> CausalLM:
+    """This package's GPT / Llama from a verified trainer checkpoint (or a run directory's newest one)."""
+    from weightgeom.analysis.loaders import _strip
+    from weightgeom.data.tokenizers import get_tokenizer
+    from weightgeom.train.checkpoint import is_checkpoint_file, latest_checkpoint, load_checkpoint
+    from weightgeom.train.trainer import model_from_config
+
+    ck = latest_checkpoint(path / "checkpoints") if path.is_dir() else path
+    if ck is None:
+        raise ValueError(f"{path}: neither a Hugging Face model (config.json), a .gguf file, a weightgeom checkpoint "
+                         "nor a run directory with checkpoints/")
+    with open(ck, "rb") as f:
+        head = f.read(16)
+    if not is_checkpoint_file(head):
+        raise ValueError(f"{ck}: not a weightgeom trainer checkpoint (eval reads Hugging Face directories, .gguf "
+                         "files, weightgeom checkpoints / run directories and weightgeom compress outputs)")
+    payload = load_checkpoint(ck)
+    cfg = payload.get("config") or {}
+    mcfg = dict(cfg.get("model") or {})
+    if mcfg.get("kind") not in ("gpt", "llama"):
+        raise ValueError(f"{ck}: model kind {mcfg.get('kind')!r} is not a causal language model (gpt, llama)")
+    model = model_from_config(mcfg)
+    model.load_state_dict(_strip(payload["model"]))
+    model.eval()
+    data = cfg.get("data") or {}
+    if data.get("tokenizer", "gpt2") == "gpt2":
+        tok = get_tokenizer("gpt2")
+    else:
+        from weightgeom.train.batches import _char_encode, _read_text_file, _shakespeare_text
+
+        text = _read_text_file(data["path"]) if data.get("kind") == "text" else _shakespeare_text()
+        tok = get_tokenizer("char", chars=_char_encode(text)[1]["chars"])
+    return CausalLM(model, lambda s: list(tok.encode(s)), path.name, "weightgeom", int(model.context_length()),
+                    str(path))
+
+
+def load_causal_lm(path: str | Path, *, base: str | Path | None = None) -> CausalLM:
+    """Load a causal LM for :func:`perplexity` (see the module docstring for the kinds).
+
+    Args:
+        path: HF directory, ``.gguf`` file, weightgeom checkpoint / run directory, or a ``weightgeom compress`` output.
+        base: for a compress output, the uncompressed model (default: the source path its index records).
+
+    Raises:
+        FileNotFoundError: no such path. ValueError: a file of no supported kind, or one that cannot be loaded (one
+        line naming it).
+    """
+    from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source, read_index
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory")
+    if p.is_dir() and (p / INDEX_FILE).exists():
+        read_index(p)
+        lm = load_causal_lm(base if base is not None else compressed_source(p))
+        n = apply_compressed(lm.model, p)
+        lm.name = f"{p.name} ({n} matrices from {lm.name})"
+        lm.source = str(p)
+        return lm
+    if p.is_file() and p.suffix == ".gguf" or p.is_dir() and (p / "config.json").exists():
+        return _hf_lm(p)
+    return _own_lm(p)
+
+
+@torch.no_grad()
+def perplexity_of_ids(lm: CausalLM, ids: list[int] | torch.Tensor, *, tokens: int = DEFAULT_TOKENS,
+                      context: int | None = None, progress: bool = False) -> PerplexityResult:
+    """Perplexity over the first ``tokens`` predicted tokens of ``ids`` (windows of ``context`` tokens).
+
+    Raises:
+        ValueError: fewer than 2 token ids, or a non-positive budget / context.
+    """
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    ctx = min(int(context or DEFAULT_CONTEXT), lm.max_context)
+    if ctx < 1:
+        raise ValueError(f"context must be >= 1, got {context}")
+    if ids.numel() < 2:
+        raise ValueError("the text has fewer than 2 tokens: nothing to predict")
+    ids = ids[:tokens + 1]
+    n_pred = ids.numel() - 1
+    t0 = time.perf_counter()
+    nll_sum, done, windows = 0.0, 0, 0
+    for start in range(0, n_pred, ctx):
+        w = ids[start:min(start + ctx, n_pred) + 1]
+        logits = lm.logits(w[None, :-1]).float()
+        nll_sum += float(torch.nn.functional.cross_entropy(logits[0], w[1:], reduction="sum"))
+        done += w.numel() - 1
+        windows += 1
+        if progress:
+            el = time.perf_counter() - t0
+            print(f"  [{done}/{n_pred} tokens] {lm.name}: ppl so far {math.exp(nll_sum / done):.3f}  {el:.1f} s "
+                  f"elapsed, ETA {el / done * (n_pred - done):.1f} s", file=sys.stderr, flush=True)
+    nll = nll_sum / n_pred
+    return PerplexityResult(math.exp(nll), nll, n_pred, windows, ctx, time.perf_counter() - t0, lm.name)
+
+
+def perplexity(model: CausalLM | str | Path, text: str | None = None, *, tokens: int = DEFAULT_TOKENS,
+               context: int | None = None, base: str | Path | None = None,
+               progress: bool = False) -> PerplexityResult:
+    """Perplexity of a causal LM on ``text`` (default :func:`heldout_text`) over ``tokens`` predicted tokens.
+
+    Args:
+        model: a :class:`CausalLM` or a path for :func:`load_causal_lm`.
+        text: the evaluation text.
+        tokens: the token budget (predicted tokens; the time is linear in it).
+        context: window length in tokens (default :data:`DEFAULT_CONTEXT`, capped at the model's).
+        base: for a compress output, its uncompressed base model.
+        progress: one stderr line per window.
+    """
+    lm = model if isinstance(model, CausalLM) else load_causal_lm(model, base=base)
+    text = heldout_text() if text is None else text
+    # tokenize only what the budget needs (≈ 8 characters per token is generous for BPE and char tokenizers alike)
+    need = max(64, 8 * (tokens + 1))
+    ids = lm.encode(text[:need])
+    while len(ids) < tokens + 1 and need < len(text):
+        need *= 2
+        ids = lm.encode(text[:need])
+    return perplexity_of_ids(lm, ids, tokens=tokens, context=context, progress=progress)
