@@ -1,4 +1,4 @@
-"""``weightgeom`` command line: train | sweep | analyze | report | claims | bench | data | demo.
+"""``weightgeom`` command line: train | sweep | analyze | compress | eval | report | claims | bench | data | demo.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only
 dispatches. An ``OSError`` a subcommand lets through (a path that cannot be written or read: not a directory, no
@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("weightgeom.experiments.report_cli", "regenerate tables and plots from run directories"),
     "claims": ("weightgeom.experiments.claims_cli", "the papers' claims table from reports (README, results page)"),
     "analyze": ("weightgeom.analysis.cli", "continuity analysis of a checkpoint (HF dir, torch .pt, GGUF)"),
+    "compress": ("weightgeom.analysis.compress_cli", "share low-rank bases across layers (input/output space)"),
+    "eval": ("weightgeom.analysis.eval_cli", "perplexity of a causal LM (HF dir, GGUF, ours, compressed)"),
     "bench": ("weightgeom.benchmarks_cli", "run a benchmark shipped in weightgeom.benchmarks (none: list them)"),
     "data": ("weightgeom.data.cli", "prepare token datasets (train.bin/val.bin) from text, JSONL, parquet"),
 }

@@ -427,6 +427,10 @@ def savings_table(groups: Sequence[dict]) -> pd.DataFrame:
 
 def _source_info(source) -> dict:
     """Where the compressed weights came from: path, size in bytes and modification time (None for in-memory)."""
+    from weightgeom.analysis.loaders import Loaded
+
+    if isinstance(source, Loaded):
+        source = source.meta.get("path")
     if isinstance(source, (str, Path)):
         p = Path(source).resolve()
         st = p.stat()

