@@ -240,8 +240,11 @@ def source_of(directory: Path, problems: Problems | None = None) -> str:
 
 # ------------------------------------------------------------------------------- manifold assignment
 def _attn(run: RunData) -> str:
+    """The run's attention geometry as the manifold report names it, marked ``+md`` under the MD wrapper (whose
+    sphere fixes the attention scale, so it is compared with neither plain geometry)."""
     from weightgeom.experiments.report.manifolds import _attn_manifold
-    return _attn_manifold(run)
+    name = str((run.config.get("optim") or {}).get("name", ""))
+    return _attn_manifold(run) + ("+md" if name.endswith("-md") else "")
 
 
 def _growth(s: pd.Series) -> float:
