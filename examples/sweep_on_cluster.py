@@ -10,7 +10,7 @@ What it shows:
    * per run, the command the cluster job runs and its resources (GPUs, CPUs, memory, time limit);
    * the CPUs and memory it sized from the model (built on PyTorch's meta device: no memory used);
    * the paths the runs read, flagged where they do not exist on this machine (the dataset lives on the cluster);
-   * the GPU-hours requested at most: runs × GPUs per run × time limit;
+   * the GPU-hours requested per time-limit window: runs × GPUs per run × time limit;
    * for SLURM, the sbatch script of the job array, written by submitit exactly as it would be submitted.
 
 2. The same sweep from the shell (what this script runs, flag for flag)::
@@ -20,16 +20,16 @@ What it shows:
            --slurm-opt account=myproj --slurm-setup 'module load cuda'
 
    Drop ``--dry-run`` on the cluster's login node to submit. ``--launcher ray --ray-address auto`` sends the same runs
-   to a Ray cluster as tasks (the dry run then lists the per-task command and resources; it needs
-   ``pip install 'weightgeom[ray]'`` even for the dry run).
+   to a Ray cluster as tasks (the dry run then lists the per-task command and resources and the Ray task spec;
+   it needs nothing from Ray, which only the real submission does: ``pip install 'weightgeom[ray]'``).
 
 The GPU-hours line counts one time-limit window per run. A run that needs longer is requeued from its checkpoint
-(up to 20 times, ``launchers.MAX_TIMEOUT_REQUEUES``), so set ``--time-limit`` near the expected run length for the
-estimate to mean "at most".
+(up to 20 times, ``launchers.MAX_TIMEOUT_REQUEUES``), each requeue another window, as the line says; set
+``--time-limit`` near the expected run length for the estimate to be close.
 
 Run:
     python examples/sweep_on_cluster.py                    # the paper sweep, 3 seeds, SLURM
-    python examples/sweep_on_cluster.py --launcher ray     # the same as Ray tasks (needs the ray package)
+    python examples/sweep_on_cluster.py --launcher ray     # the same as Ray tasks (the dry run needs no Ray)
     python examples/sweep_on_cluster.py --tiny             # the CI-sized preset (what the tests run)
 
 Time on a 2-core CPU: a few seconds at any size (nothing trains). Writes nothing: the sweep directory named in the

@@ -62,7 +62,7 @@ def _analyze_checkpoint(out: str) -> None:
 def _sweep_on_cluster(out: str) -> None:
     assert "dry run: --launcher slurm" in out
     assert "7 of 7 runs would be submitted as one SLURM job array" in out
-    assert "GPU-hours requested at most: 7 runs × 1 GPU × 8 h (the time limit) = 56 GPU-hours" in out
+    assert "GPU-hours requested per time-limit window: 7 runs × 1 GPU × 8 h = 56 GPU-hours" in out
     assert "#SBATCH --array=0-6" in out and "#SBATCH --partition=gpu" in out and "module load cuda" in out
     assert "nothing was written" in out and "nothing was submitted" in out
 

@@ -399,7 +399,7 @@ def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
     assert "paths the runs read (they must exist where the runs train):" in text
     assert f"  {data}  (NOT FOUND on this machine; every run)" in text
     assert f"  {sys.executable}  (exists here; every run)" in text
-    assert "GPU-hours requested at most: 2 runs × 2 GPU × 1.5 h (the time limit) = 6 GPU-hours" in text
+    assert "GPU-hours requested per time-limit window: 2 runs × 2 GPU × 1.5 h = 6 GPU-hours" in text
     # per-run CPUs and memory of a GPU run sized from the config where the command line is silent, and said how
     assert "  cpus per run 16: 8 per GPU (--cpus-per-run to change)" in text
     from weightgeom.experiments.launchers import BYTES_PER_PARAM, RUNTIME_GB_PER_PROCESS
@@ -430,3 +430,24 @@ def test_dry_run_lists_the_paths_runs_read_and_the_gpu_hours(tmp_path, capsys):
     assert f"  {data}  (exists here; every run)" in capsys.readouterr().out
     assert main(["sweep", "manifolds", "ci", "--out", str(out), "--check-paths", "--list"]) == 2
     assert "--check-paths is an option of --launcher slurm / ray" in capsys.readouterr().err
+
+
+def test_ray_dry_run_needs_no_ray_and_prints_the_task_spec(tmp_path, capsys, monkeypatch):
+    """A Ray dry run submits nothing, so it works without the ray package, and shows the task each run becomes."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "ray", "--only", "all-stiefel",
+                 "--gpus-per-run", "1", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "runs would be submitted as Ray tasks" in text
+    assert ".options(num_cpus=8, num_gpus=1, max_retries=3, retry_exceptions=False)" in text
+    assert not out.exists()

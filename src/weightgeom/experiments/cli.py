@@ -216,7 +216,7 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
     runner_launcher = launchers.make_launcher(  # a missing package is one line here, before anything is written
         launcher, resources, address=cl.get("ray_address") or "", max_retries=cl.get("max_retries", 3),
         array_parallelism=cl.get("array_parallelism") or 0, extra=extra, setup=cl.get("slurm_setup", []),
-        cluster=cl.get("submitit_cluster") or "slurm")
+        cluster=cl.get("submitit_cluster") or "slurm", check_package=not dry_run)
     planned = sweep_settings(recipe.name, sweep["_path"], parts, steps, set_values)
     if not list_only:  # what the sweep would refuse, refused before anything is written (and by --dry-run alike)
         from weightgeom._paths import unwritable_reason
@@ -235,7 +235,8 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
         # an sbatch script only where one would be submitted (--submitit-cluster local runs processes here)
         script = runner_launcher.sbatch_preview if getattr(runner_launcher, "cluster", "") == "slurm" else None
         launchers.dry_run(runs, out, launcher, resources, notes=notes, resume=resume,
-                          script=(lambda n: script(out, n)) if script is not None else None)
+                          script=(lambda n: script(out, n)) if script is not None else None,
+                          task_spec=runner_launcher.task_spec() if hasattr(runner_launcher, "task_spec") else "")
         return {"runs": [r.record() for r in runs]}, None
     if runner_launcher is not None:
         runner_launcher.check()

@@ -680,6 +680,19 @@ class RayLauncher(_Launcher):
     def record(self) -> dict[str, Any]:
         return {**super().record(), "address": self.address or "local", "max_retries": self.max_retries}
 
+    def task_options(self) -> dict[str, Any]:
+        """The options each run's Ray task is submitted with (``ray.remote(...).options(**task_options())``)."""
+        return {"num_cpus": self.resources.cpus, "num_gpus": self.resources.gpus, "max_retries": self.max_retries,
+                "retry_exceptions": False}
+
+    def task_spec(self) -> str:
+        """The Ray task each run is submitted as, in words and code (what a dry run shows)."""
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.task_options().items())
+        where = self.address or "a local Ray instance started for the sweep"
+        return (f"each run is one Ray task on {where}: ray.remote(weightgeom.experiments.launchers.ray_task)"
+                f".options({opts}).remote(JOB_FILE, {self.resources.gpus}); the task runs the command above in a "
+                "subprocess and resumes from the run's checkpoint when Ray retries it")
+
     def run(self, sweep: Any, todo: list[int]) -> None:
         """Start the tasks of ``todo`` (at most as many run at once as the cluster's resources allow), wait, record
         each outcome as it arrives; a run that must wait for another one starts once that one has finished."""
@@ -701,8 +714,7 @@ class RayLauncher(_Launcher):
                       f"{time.perf_counter() - t:.1f}s, resources {ray.cluster_resources()}", flush=True)
         refs: dict[Any, int] = {}
         try:
-            task = ray.remote(ray_task).options(num_cpus=self.resources.cpus, num_gpus=self.resources.gpus,
-                                                max_retries=self.max_retries, retry_exceptions=False)
+            task = ray.remote(ray_task).options(**self.task_options())
             t0: dict[int, float] = {}
             queue = list(todo)
             while queue or refs:
@@ -741,8 +753,11 @@ class RayLauncher(_Launcher):
 
 def make_launcher(name: str, resources: Resources, *, address: str = "", max_retries: int = 3,
                   array_parallelism: int = 0, extra: dict[str, str] | None = None, setup: list[str] | None = None,
-                  cluster: str = "slurm", poll_s: float | None = None) -> _Launcher | None:
-    """The launcher called ``name`` (None for ``local``), after checking its package is installed.
+                  cluster: str = "slurm", poll_s: float | None = None, check_package: bool = True
+                  ) -> _Launcher | None:
+    """The launcher called ``name`` (None for ``local``), after checking its package is installed (unless
+    ``check_package`` is False: a Ray dry run, which needs nothing from Ray; SLURM's dry run uses submitit's own
+    sbatch writer, so it always checks).
 
     Raises:
         ValueError: unknown name, or its package is missing (one line naming the pip extra).
@@ -751,7 +766,8 @@ def make_launcher(name: str, resources: Resources, *, address: str = "", max_ret
         return None
     if name not in LAUNCHERS:
         raise ValueError(f"--launcher {name!r}: choose one of {', '.join(LAUNCHERS)}")
-    require_package(name)
+    if check_package or name == "slurm":
+        require_package(name)
     if name == "slurm":
         return SlurmLauncher(resources=resources, poll_s=poll_s or (10.0 if cluster == "slurm" else 1.0),
                              array_parallelism=array_parallelism, extra=dict(extra or {}), setup=list(setup or []),
@@ -835,7 +851,7 @@ def check_paths(runs: Sequence[RunSpec]) -> None:
 
 
 def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources, file: Any = None,
-            notes: Sequence[str] = (), resume: bool = True, script: Any = None) -> int:
+            notes: Sequence[str] = (), resume: bool = True, script: Any = None, task_spec: str = "") -> int:
     """Print, per run, the command and resources that would be submitted (nothing is written or submitted); then the
     paths the runs read, flagged where they do not exist on this machine, and the GPU-hours the submitted runs
     request at most (runs × GPUs × time limit).
@@ -875,8 +891,12 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
             print(f"  {path}  ({here}; {who})", file=file)
     if launcher == "slurm" and resources.gpus and n:
         hours = n * resources.gpus * resources.time_min / 60
-        print(f"GPU-hours requested at most: {n} runs × {resources.gpus} GPU × {resources.time_min / 60:g} h (the "
-              f"time limit) = {hours:g} GPU-hours; runs that finish sooner use less", file=file)
+        print(f"GPU-hours requested per time-limit window: {n} runs × {resources.gpus} GPU × "
+              f"{resources.time_min / 60:g} h = {hours:g} GPU-hours; runs that finish sooner use less, and a run "
+              f"still going at its limit is requeued from its checkpoint (up to {MAX_TIMEOUT_REQUEUES} times), each "
+              f"requeue another window", file=file)
+    if task_spec and n:
+        print(task_spec, file=file)
     if script is not None and n:
         print(f"the sbatch script of the array (submitit writes it; array task i runs the command of the i-th run "
               f"above):\n{script(n).rstrip()}", file=file)
