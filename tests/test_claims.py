@@ -29,7 +29,7 @@ def test_every_claim_is_tested_by_a_recipe_or_says_why_not():
         if c.recipe is None:
             assert c.untested, c.key
         else:
-            assert c.recipe in cl.EVALUATORS and c.rule, c.key
+            assert (c.recipe in cl.EVALUATORS or c.recipe == "compress") and c.rule, c.key
 
 
 # (measured, Res+ReLU, expected verdict): the case — 0.30 against a random level of 0.05 is not "reproduced"
@@ -171,3 +171,19 @@ def test_readme_and_results_page_are_generated_from_the_recorded_claims():
     demo = [f for f in found if "(in weightgeom demo)" in f.source]
     assert {f.source.split(" (")[0] for f in demo} >= {"weightgeom sweep manifolds tiny-shakespeare",
                                                          "weightgeom sweep continuity cpu"}
+
+
+def test_pretrained_sharing_rule():
+    def rows(role, paper_ppl, other_ppl, paper="input"):
+        other = "output" if paper == "input" else "input"
+        return [{"role": role, "arm": arm, "savings_target": lv, "ppl": ppl}
+                for lv in (0.1, 0.5) for arm, ppl in ((paper, paper_ppl), (other, other_ppl))]
+
+    def verdict(*role_rows):
+        found = cl.compress_findings({"rows": [r for rs in role_rows for r in rs], "baseline": {"ppl": 10.0}})
+        return found[0][1]
+
+    assert verdict(rows("Q", 10, 20), rows("O", 10, 20, "output")) == "reproduced"
+    assert verdict(rows("Q", 20, 10), rows("O", 20, 10, "output")) == "reversed"
+    assert verdict(rows("Q", 10, 20), rows("Up", 20, 10)) == "partly reproduced"
+    assert verdict(rows("Q", 10, 10.3), rows("K", 10.2, 10)) == "not reproduced"  # within PPL_MARGIN

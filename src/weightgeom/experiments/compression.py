@@ -367,6 +367,7 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
 
     rows = record["rows"]
     write_atomic(out / "compress.json", json.dumps(record, indent=1, default=str))
+    write_claims_of(out, record)
     if rows:
         write_atomic(out / "compress.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
     if plot and rows:
@@ -374,6 +375,19 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
         write_atomic(out / "compress.md", _table_md(rows, record["baseline"]["ppl"], cfg, v))
         _plot(rows, record["baseline"]["ppl"], out / "compress.png",
               title or f"{record['model']}: perplexity vs parameters saved ({cfg.tokens} tokens)")
+
+
+def write_claims_of(out: Path, record: dict) -> None:
+    """``claims.json`` beside ``compress.json``: the continuity paper's pretrained-sharing claim as this sweep
+    measured it (:func:`weightgeom.experiments.report.claims.compress_findings`), for ``weightgeom claims``."""
+    from weightgeom.experiments.report.claims import Finding, compress_findings
+    from weightgeom.experiments.report.claims_page import CLAIMS_FILE, write_claims
+
+    rows = record.get("rows") or []
+    found = [Finding(key, verdict, evidence, "weightgeom sweep continuity compress", 0, len(rows),
+                     str(record.get("device_kind") or "not recorded"))
+             for key, verdict, evidence in compress_findings(record)]
+    write_claims(found, out / CLAIMS_FILE)
 
 
 def _word(flag: bool | None) -> str:

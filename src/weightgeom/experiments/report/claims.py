@@ -64,6 +64,9 @@ CV_MARGIN = 0.1
 (0.05). The continuity recipes run one seed, so no seed spread is available to set it."""
 CV_TOLERANCE = 0.1
 """Distance from a figure the continuity paper gives (e.g. gradient C_v 0.93) within which ours matches it."""
+PPL_MARGIN = 0.05
+"""Relative perplexity difference between two compressed models that counts (5 %): the compression recipe evaluates
+1024 tokens, over which the perplexity of the same model moves by less than this between text windows."""
 LOSS_MARGIN = 0.005
 """Val-loss difference (nats) below which an MD comparison counts as no difference (the MD recipe runs one seed)."""
 
@@ -169,8 +172,12 @@ CLAIMS: tuple[Claim, ...] = (
           "projection in its space: reproduced when all 7 match in every arm, partly reproduced when the 6 other "
           "than V do, else not reproduced", "continuity"),
     Claim("c-pretrained", "continuity", "pretrained checkpoints are continuous; sharing a basis must respect each "
-          "projection's space", "", None, "needs pretrained 8B–70B checkpoints, which cannot be downloaded here; "
-          "`weightgeom analyze` runs on such checkpoints"),
+          "projection's space (input for Q, K, Gate, Up; output for O, Down)",
+          f"per role, the shared basis in the paper's space against the other space at matched parameter savings: "
+          f"a role counts for the paper when its perplexity is lower by more than {PPL_MARGIN:.0%} at every level, "
+          f"against it when higher by more than that at every level; reproduced when every role counts for it, "
+          f"reversed when every role counts against, partly reproduced when some do, else not reproduced",
+          "compress"),
     Claim("md-transfer", "MD", "the optimal LR transfers across width with MD",
           "spread of the optimal LR over widths (grid steps), MD against its base optimizer: reproduced when "
           "smaller for every base, reversed when larger for every base, else not reproduced", "md"),
@@ -615,6 +622,47 @@ def _gap_text(vals: dict[str, float], pref: str) -> str:
     others = {k: v for k, v in finite.items() if k != pref}
     k = min(others, key=others.get)
     return f"{finite[pref] - others[k]:+.3f} vs the best other ({k})"
+
+
+# ------------------------------------------------------------------------------------- pretrained compression
+PAPER_SPACE = {"Q": "input", "K": "input", "Gate": "input", "Up": "input", "O": "output", "Down": "output"}
+"""The continuity paper's continuous space per projection role."""
+
+
+def compress_findings(record: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(key, verdict, evidence) of the pretrained-sharing claim from a compression sweep's record
+    (``compress.json``: rows of role, arm, savings target and perplexity; the spaces' continuity over random)."""
+    rows = [r for r in record.get("rows") or [] if isinstance(r, dict)]
+    spaces = record.get("spaces") or {}
+    per_role: dict[str, str] = {}
+    for role, paper in PAPER_SPACE.items():
+        other = "output" if paper == "input" else "input"
+        by = {(r["arm"], r["savings_target"]): r["ppl"] for r in rows if r.get("role") == role}
+        levels = sorted({lv for arm, lv in by if arm in (paper, other)})
+        pairs = [(by[(paper, lv)], by[(other, lv)]) for lv in levels if (paper, lv) in by and (other, lv) in by]
+        if not pairs:
+            continue
+        if all(a < b / (1 + PPL_MARGIN) for a, b in pairs):
+            per_role[role] = "for"
+        elif all(a > b * (1 + PPL_MARGIN) for a, b in pairs):
+            per_role[role] = "against"
+        else:
+            per_role[role] = "mixed"
+    if not per_role:
+        return []
+    votes = list(per_role.values())
+    verdict = ("reproduced" if all(v == "for" for v in votes) else "reversed" if all(v == "against" for v in votes)
+               else "partly reproduced" if "for" in votes else "not reproduced")
+    cont = [f"{role} {spaces[role][PAPER_SPACE[role]]:.0f}×" for role in per_role
+            if isinstance(spaces.get(role), dict) and isinstance(spaces[role].get(PAPER_SPACE[role]), (int, float))]
+    groups = {k: [r for r, v in per_role.items() if v == k] for k in ("for", "against", "mixed")}
+    levels = sorted({r["savings_target"] for r in rows})
+    ev = (f"{record.get('model', 'the model')}: continuity over random in the paper's space {', '.join(cont)}; at "
+          f"{'/'.join(f'{lv:.0%}' for lv in levels)} of a role's parameters the paper's space wins for "
+          f"{', '.join(groups['for']) or 'no role'}, the other space for {', '.join(groups['against']) or 'no role'}"
+          + (f", mixed for {', '.join(groups['mixed'])}" if groups["mixed"] else "")
+          + f" (perplexity {record.get('baseline', {}).get('ppl', math.nan):.1f} uncompressed)")
+    return [("c-pretrained", verdict, ev)]
 
 
 # --------------------------------------------------------------------------------------------- collecting
