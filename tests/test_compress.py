@@ -334,3 +334,16 @@ def test_real_gguf_streamed_compress_maps_onto_the_transformers_model(smollm, tm
         with torch.no_grad():
             for k, v in before.items():
                 sd[k].copy_(v)
+
+
+def test_sweep_directory_has_one_writer(tmp_path, capsys):
+    """A second compression sweep into a directory another sweep owns is refused in one line (exit 2), and writes
+    nothing there."""
+    from weightgeom.train.rundir import DirLock
+
+    out = tmp_path / "sw"
+    with DirLock(out, what="sweep directory"):
+        assert main(["sweep", "continuity", "compress-ci", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sweep directory" in err and "in use" in err
+    assert not (out / "compress.json").exists()

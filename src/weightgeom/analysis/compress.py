@@ -51,7 +51,7 @@ from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
 __all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
            "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
            "shared_basis", "coefficients", "reconstruct", "apply_compressed", "decompress", "read_index",
-           "space_ratios", "compressed_source", "FORMAT_VERSION"]
+           "compressed_source", "FORMAT_VERSION"]
 
 SHARE_MODES = ("input", "output", "auto", "none")
 SPACES = ("input", "output", "none")
@@ -182,12 +182,6 @@ def _per_layer_svd(W: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------------- spaces
-def space_ratios(cv: float, cv_rand: float, cu: float, cu_rand: float) -> dict[str, float]:
-    """C_v and C_u as multiples of their random levels: ``{"input": C_v/rand, "output": C_u/rand}`` (the rule of
-    ``analyze``'s plain-words reading)."""
-    return {"input": cv / cv_rand if cv_rand > 0 else math.nan, "output": cu / cu_rand if cu_rand > 0 else math.nan}
-
-
 def choose_spaces(source, roles: Mapping[str, str] | str | None = None,
                   only: Sequence[str] | None = None) -> dict[str, dict]:
     """Per role, the space whose top singular vectors are more continuous across adjacent layers.
@@ -200,7 +194,7 @@ def choose_spaces(source, roles: Mapping[str, str] | str | None = None,
         role → ``{"space": "input"|"output", "input": ratio, "output": ratio}``.
     """
     from weightgeom.analysis.api import SHARE_SPACE, analyze_full
-    from weightgeom.analysis.report import summary_table
+    from weightgeom.analysis.report import space_ratios, summary_table
 
     res = analyze_full(source, roles, metrics=("cv", "cu"), method="randomized")
     s = summary_table(res.pairs) if not res.pairs.empty else pd.DataFrame()

@@ -96,6 +96,12 @@ def _alpha_reading(alpha: float) -> str:
     return next(text for lo, hi, text in ALPHA_RANGES if lo <= alpha < hi)
 
 
+def space_ratios(cv: float, cv_rand: float, cu: float, cu_rand: float) -> dict[str, float]:
+    """C_v and C_u as multiples of their random levels: ``{"input": C_v/rand, "output": C_u/rand}`` — the rule by
+    which the plain-words reading (:func:`format_reading`) and ``compress --share auto`` pick a role's space."""
+    return {"input": cv / cv_rand if cv_rand > 0 else math.nan, "output": cu / cu_rand if cu_rand > 0 else math.nan}
+
+
 def format_reading(result: AnalysisResult) -> str:
     """The analysis in plain words, per role: which space (input: C_v, output: C_u) is continuous and how far above
     its random level (``CONTINUOUS_RATIO``), and, when the spectra were computed (``--spectra``), the range of α over
@@ -104,8 +110,7 @@ def format_reading(result: AnalysisResult) -> str:
     lines = ["In plain words:"]
     if not s.empty and {"cv", "cu"} <= set(s.columns):
         for role, r in s.iterrows():
-            ratios = {"input": r["cv"] / r["cv_rand"] if r["cv_rand"] > 0 else math.nan,
-                      "output": r["cu"] / r["cu_rand"] if r["cu_rand"] > 0 else math.nan}
+            ratios = space_ratios(float(r["cv"]), float(r["cv_rand"]), float(r["cu"]), float(r["cu_rand"]))
             best = max(ratios, key=lambda k: ratios[k] if math.isfinite(ratios[k]) else -1.0)
             value = r["cv"] if best == "input" else r["cu"]
             name = "C_v" if best == "input" else "C_u"

@@ -435,8 +435,11 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
     if progress:
         print(f"sweep continuity {label}: {len(grid)} points ({len(cfg.roles)} roles × {len(cfg.savings)} savings × "
               f"{len(cfg.arms)} arms) from {path} → {out}", flush=True)
-    rec = run_compress_sweep(cfg, out, progress=progress, resume=resume,
-                             title=f"weightgeom sweep continuity {label}: {Path(rec_model(cfg)).name}")
+    from weightgeom.train.rundir import DirLock
+
+    with DirLock(out, what="sweep directory"):  # one writer: a second sweep into ``out`` is refused in one line
+        rec = run_compress_sweep(cfg, out, progress=progress, resume=resume,
+                                 title=f"weightgeom sweep continuity {label}: {Path(rec_model(cfg)).name}")
     if progress:
         print(format_verdicts(rec))
         print(f"wall time {rec['wall_s']:.0f} s on {rec['device_kind']}", file=sys.stdout)
