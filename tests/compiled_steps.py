@@ -9,9 +9,10 @@ import torch._dynamo
 
 
 def assert_compiled_equals_eager(make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                                 init: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
+                                 init: list[torch.Tensor], grads: list[list[torch.Tensor]], atol: float = 0.0) -> None:
     """Parameters from ``init``, one step per entry of ``grads``, through ``make_opt(params).step`` eagerly and through
-    ``torch.compile(..., backend="eager")`` (graph breaks allowed): the final parameters are bitwise equal."""
+    ``torch.compile(..., backend="eager")`` (graph breaks allowed): the final parameters are bitwise equal (within
+    ``atol`` when given: a compiled manifold step runs the host-free path, batched)."""
 
     def run(compiled: bool) -> list[torch.Tensor]:
         ps = [torch.nn.Parameter(w.clone()) for w in init]
@@ -29,4 +30,4 @@ def assert_compiled_equals_eager(make_opt: Callable[[list[torch.nn.Parameter]], 
     finally:
         torch._dynamo.reset()
     for a, b in zip(eager, compiled):
-        assert torch.equal(a, b), float((a - b).abs().max())
+        assert torch.equal(a, b) if atol == 0 else float((a - b).abs().max()) <= atol, float((a - b).abs().max())

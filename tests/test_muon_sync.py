@@ -188,9 +188,11 @@ def test_compiled_step_has_no_graph_break_and_compiles_at_most_twice(monkeypatch
 
 @pytest.mark.parametrize("manifolds", [("stiefel", "dgram"), ("oblique",)], ids=lambda m: "+".join(m))
 def test_compiled_step_with_manifold_groups_equals_eager(manifolds):
-    """torch.compile(opt.step) (graph breaks allowed) of manifold groups with two same-shape matrices each, C kernels
-    on: 3 steps bitwise the eager optimizer's. Before, dynamo replayed one matrix's traced step for the next with the
-    first one's state (6e-3 off; C kernels then wrote through stale buffers: heap corruption, the process aborted)."""
+    """torch.compile(opt.step) of manifold groups with two same-shape matrices each, C kernels on (eagerly): 3 steps
+    within 1e-6 of the eager optimizer's (the trace runs the host-free path, each bucket batched: measured 4.5e-8).
+    Once, dynamo replayed one matrix's traced step for the next with the first one's state (6e-3 off; C kernels then
+    wrote through stale buffers: heap corruption); buckets are now built from the parameters and their state passed
+    in."""
     from compiled_steps import assert_compiled_equals_eager
 
     g = torch.Generator().manual_seed(2)
@@ -201,7 +203,7 @@ def test_compiled_step_with_manifold_groups_equals_eager(manifolds):
         return Muon([{"params": ps[2 * i:2 * i + 2], "names": [f"{m}{j}" for j in range(2)], "manifold": m}
                      for i, m in enumerate(manifolds)], lr=0.02, msign_dtype=torch.float32, ns_steps=8)
 
-    assert_compiled_equals_eager(make, init, grads)
+    assert_compiled_equals_eager(make, init, grads, atol=1e-6)
 
 
 def test_on_nonfinite_is_validated_and_in_the_config():

@@ -161,7 +161,10 @@ def _compile(name: str, source: str, cc: str, version: str, flags: tuple[str, ..
 
 
 def load_kernel(name: str = "md_adam") -> ctypes.CDLL | None:
-    """The compiled kernel library ``name`` (built on first call, then cached), or None where it cannot be had."""
+    """The compiled kernel library ``name`` (built on first call, then cached), or None where it cannot be had — also
+    inside a ``torch.compile`` trace, which cannot follow a ``ctypes`` call: the callers then take their torch path."""
+    if torch.compiler.is_compiling():
+        return None
     with _lock:
         if name not in _libs:
             lib, reason = _build(name)

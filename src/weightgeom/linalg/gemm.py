@@ -99,8 +99,9 @@ def onednn_products(enabled: bool = True) -> Iterator[None]:
 
 
 def onednn_active() -> bool:
-    """Whether this thread is inside ``onednn_products()`` (and oneDNN is available)."""
-    return getattr(_state, "on", False)
+    """Whether this thread is inside ``onednn_products()`` (and oneDNN is available); never inside a
+    ``torch.compile`` trace."""
+    return not torch.compiler.is_compiling() and getattr(_state, "on", False)
 
 
 def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

@@ -48,7 +48,10 @@ def column_norms(X: torch.Tensor, keepdim: bool = False, squared: bool = False) 
 def plain(X: torch.Tensor) -> bool:
     """Whether X is an ordinary tensor (or ``nn.Parameter``: an optimizer step reads the parameter itself) no autograd
     mode tracks here: not requiring grad under grad mode, no forward-mode tangent, not wrapped by torch.func (vmap,
-    grad, jvp) — the kernel reads its memory and has no derivative. Other subclasses keep torch's reduction."""
+    grad, jvp) — the kernel reads its memory and has no derivative. Other subclasses keep torch's reduction. False
+    inside a ``torch.compile`` trace (a kernel's pointer cannot be traced)."""
+    if torch.compiler.is_compiling():
+        return False
     if type(X) not in _PLAIN_TYPES or (X.requires_grad and torch.is_grad_enabled()):
         return False
     if torch._C._functorch.is_functorch_wrapped_tensor(X):

@@ -101,6 +101,8 @@ def with_full_precision(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # a trace cannot switch backend flags: ``compile_step`` sets them around it
+            return fn(*args, **kwargs)
         with full_precision():
             return fn(*args, **kwargs)
 

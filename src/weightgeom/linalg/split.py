@@ -117,8 +117,9 @@ def split_products(enabled: bool = True) -> Iterator[None]:
 
 
 def split_active() -> bool:
-    """Whether this thread is inside ``split_products()`` (and the routine is available)."""
-    return getattr(_state, "on", False)
+    """Whether this thread is inside ``split_products()`` (and the routine is available); never inside a
+    ``torch.compile`` trace (the routine is a ``ctypes`` call)."""
+    return not torch.compiler.is_compiling() and getattr(_state, "on", False)
 
 
 # bf16's largest finite value: hi pieces are clamped to it, so a float32 above it (which would round to inf) keeps a

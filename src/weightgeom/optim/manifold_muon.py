@@ -411,7 +411,7 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
         b = b * keep
         betas.append(b)
         q = Q[..., :, j + 1:j + 2]
-        torch.div(w * keep, b.clamp_min(tiny), out=q)  # a zero vector after a breakdown: later α, β are zero
+        q.copy_((w * keep) / b.clamp_min(tiny))  # a zero vector after a breakdown: later α, β are zero
     coef = torch.cat(alphas + betas + [torch.zeros_like(alphas[0])], dim=-1).squeeze(-2).to(torch.float64)
     return coef, unit
 

@@ -24,6 +24,7 @@ from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
 from weightgeom.manifolds.base import tall
+from weightgeom.optim import manifold_host_free
 from weightgeom.optim.checks import (
     check_fits_param,
     check_new_group,
@@ -285,6 +286,9 @@ class Muon(torch.optim.Optimizer):
         # so the step only looks them up: no benchmark, lock or environment read inside a compiled step).
         self._msign_choices: dict[str, tuple[torch.dtype, int]] = {}
         self._products: dict[str, str] = {}  # device -> manifold groups' constraint products there (PRODUCTS)
+        # manifold groups' host-free step (``manifold_host_free``): None = inside a torch.compile trace only, True =
+        # also eagerly (the path a compiled step runs, e.g. to count its operations), False = never
+        self.host_free: bool | None = None
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -296,8 +300,8 @@ class Muon(torch.optim.Optimizer):
         it with ``int()`` only when needed — that is a host sync on a GPU)."""
         return self._skipped
 
-    _OWN_ATTRS = ("on_nonfinite", "_skipped", "_msign_choices", "_products", "msign_auto", "_manifolds", "last_stats",
-                  "_far_retractions", "_warned_far_retraction")
+    _OWN_ATTRS = ("on_nonfinite", "host_free", "_skipped", "_msign_choices", "_products", "msign_auto", "_manifolds",
+                  "last_stats", "_far_retractions", "_warned_far_retraction")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (defaults, state, param_groups) plus Muon's own attributes, so ``copy.deepcopy`` and pickling
@@ -365,6 +369,10 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:  # and the constraint products' choice (it may measure, or reject the env var)
                 if p.device.type == "cpu" and p.dtype != torch.float64:
                     self._products_device(p.device)
+                if p.ndim == 2:  # the norm estimate's start vector, made here: a compiled step cannot run a Generator
+                    k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
+                    manifold_host_free.lanczos_start(min(rows // int(k) if k else rows, cols), _dual_dtype(p),
+                                                     p.device)
         if uses_msign_choice(group):
             for p in group["params"]:
                 if p.dtype != torch.float64:
@@ -609,7 +617,10 @@ class Muon(torch.optim.Optimizer):
                 self._skipped = self._skipped.to(device)
             ok = all_finite(grads, device=device)
             weights = self._manifold_items(work)
-            if weights:  # manifold groups read their dual ascent on the host anyway: one sync here, for both checks
+            if weights and self._host_free():  # NaN/Inf manifold weights cannot be named without a read: skipped
+                ok = ok & all_finite([p.detach() for *_, p in weights], device=device)
+                self._skipped.add_(~ok)
+            elif weights:  # manifold groups read their dual ascent on the host anyway: one sync here, for both checks
                 grads_ok, weights_ok = torch.stack([ok, all_finite([p.detach() for *_, p in weights],
                                                                    device=device)]).tolist()
                 if not weights_ok:
@@ -630,10 +641,16 @@ class Muon(torch.optim.Optimizer):
                     self._adamw_step(group, p, ok)
             elif group["manifold"] is None:
                 self._muon_group_batched(group, [p for _, p in items], ok)
+            elif self._host_free():  # inside a trace: full precision is set around it (``compile_step``)
+                self._manifold_group_host_free(group, [(self._name(group, i, gi), p) for i, p in items], ok)
             else:
                 with full_precision():  # the constraint arithmetic in IEEE float32 whatever the process's mode
                     self._manifold_group(group, [(self._name(group, i, gi), p) for i, p in items])
         self._warn_far_retraction()
+
+    def _host_free(self) -> bool:
+        """Whether manifold groups take the host-free step (``host_free``; by default inside a torch.compile trace)."""
+        return bool(self.host_free) or (self.host_free is None and torch.compiler.is_compiling())
 
     def _with_grads(self) -> list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]:
         """(group index, group, [(param index, param)]) for every group with at least one gradient, each checked
@@ -647,8 +664,9 @@ class Muon(torch.optim.Optimizer):
         for gi, group, items in work:  # init="auto": a matrix's first step only (no host read on later steps)
             if group["algorithm"] == "muon" and group["manifold"] is not None and group["init"] == "auto":
                 for i, p in items:
-                    if "momentum_buffer" not in self.state.get(p, {}) and not is_dtensor(p):
-                        self._refuse_pretrained(gi, group, i, p)
+                    if "momentum_buffer" not in self.state.get(p, {}) and not is_dtensor(p) \
+                            and not torch.compiler.is_compiling():  # a trace cannot read W: ``compile_step`` steps
+                        self._refuse_pretrained(gi, group, i, p)  # a first step eagerly, so this check runs
         return work
 
     @torch.compiler.disable
@@ -884,6 +902,99 @@ class Muon(torch.optim.Optimizer):
         for bucket in buckets.values():
             self._manifold_bucket(group, bucket)
 
+    @torch.compiler.disable
+    def _manifold_group_eager(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
+        """``_manifold_group`` at full precision, never traced (a manifold without a host-free retraction)."""
+        with full_precision():
+            self._manifold_group(group, entries)
+
+    def _manifold_group_host_free(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
+                                  ok: torch.Tensor | None) -> None:
+        """A manifold group's step without host reads (``manifold_host_free``): parameters of the same stored shape,
+        dtype and device and the same state keys step as one batch — buckets keyed by what the parameters are and
+        hold, their state passed in and written back, so a trace serves exactly the parameters it was traced for.
+        ``ok`` (``on_nonfinite="skip"``) masks every write. A manifold without a host-free retraction steps eagerly."""
+        manifold = self._manifold(group)
+        if not manifold_host_free.supports(manifold):
+            self._manifold_group_eager(group, entries)
+            return
+        buckets: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
+        for name, p in entries:
+            st = self.state[p]
+            key = (tuple(p.shape), p.dtype, p.device, *(k in st for k in ("momentum_buffer", *DUAL_STATE)))
+            buckets.setdefault(key, []).append((name, p))
+        for bucket in buckets.values():
+            self._manifold_bucket_host_free(group, manifold, bucket, ok)
+
+    def _manifold_bucket_host_free(self, group: dict[str, Any], manifold: manifolds.Manifold,
+                                   entries: list[tuple[str, torch.Tensor]], ok: torch.Tensor | None) -> None:
+        """One bucket of ``_manifold_group_host_free``: the eager ``_manifold_bucket``'s arithmetic on the stacked
+        matrices, a constant number of operations whatever their count (stack, one batched computation, one
+        ``_foreach_copy_`` back into each of parameters, momentum buffers and dual state)."""
+        layout, split = group["layout"], group["split"]
+        ps = [p for _, p in entries]
+        states = [self.state[p] for p in ps]
+        first = "momentum_buffer" not in states[0]
+        if first:
+            for p, st in zip(ps, states):
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        bufs = [st["momentum_buffer"] for st in states]
+        M = torch.stack(bufs)
+        U = momentum_direction(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
+                               group["momentum_form"], ok=ok)
+        torch._foreach_copy_(bufs, list(M.unbind(0)))
+        P = torch.stack([p.detach() for p in ps])  # (B, *stored): also the values a skipped step writes back
+        V, flip = _tall_batch(P, layout, split)
+        m, n = V.shape[-2:]
+        X = V.reshape(-1, m, n).clone(memory_format=torch.contiguous_format)  # (B·k, m, n) tall working copy
+        if group["init"] in ("retract", "auto") and first:  # start on the manifold, as the eager first step
+            X = manifold_host_free.retract(manifold, X, far=True)
+            if manifold.retraction != "paper":
+                X = manifold_host_free.retract(manifold, X)
+        G = _tall_batch(U, layout, split)[0].reshape(-1, m, n)
+        X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
+        inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
+
+        def stacked(key: str) -> torch.Tensor | None:
+            return torch.stack([st[key] for st in states]).reshape(-1, n, n) if key in states[0] else None
+
+        warm = group["dual_warm_start"]
+        direction, lam, cold, res, dres, iters = manifold_host_free.direction(
+            X32, G.to(X32.dtype), manifold, stacked("dual_multiplier") if warm else None,
+            stacked("dual_cold") if warm else None, steps=int(group["dual_steps"]), lr=group["dual_lr"],
+            tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], normalize=group["dual_normalize"],
+            project=group["dual_project"], final_msign_fn=final, final_continues=continues, keep=group["dual_keep"],
+            feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None)
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        scale = shape_scale(_matrices(ps[0], layout, split).shape, group["adjust_lr_fn"] or "none")
+        if wd != 0.0:  # apply_update's arithmetic, out of place
+            X = X.mul(1.0 - lr * wd)
+        X = X.add(direction.to(X.dtype), alpha=-lr * scale)
+        if group["init"] in ("retract", "auto"):
+            X = manifold_host_free.retract(manifold, X)
+        new = _from_tall(X.reshape(V.shape), layout, split, flip)
+        torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
+        b = len(ps)
+        for key, value in (("dual_multiplier", lam), ("dual_cold", cold)):
+            value = value.reshape(b, *_dual_shape(group, ps[0]))
+            old = stacked(key)
+            if ok is not None:  # a skipped first step leaves Λ = cold = 0: the next step starts cold, as eagerly
+                value = torch.where(ok, value, 0.0 if old is None else old.reshape(value.shape))
+            if old is None:
+                for st, v in zip(states, value.unbind(0)):
+                    st[key] = v.clone()
+            else:
+                torch._foreach_copy_([st[key] for st in states], list(value.unbind(0)))
+        counters = [_step_counter(st, p) for st, p in zip(states, ps)]
+        if ok is None:
+            torch._foreach_add_(counters, 1.0)
+        else:  # a list of 0-dim tensors: the Tensor-scalar overload reads its scalar on the host
+            torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
+        worst = [t.reshape(b, -1).amax(dim=1) for t in (res, iters, dres)]
+        for j, (name, _) in enumerate(entries):  # device tensors: read them (a sync) only when needed
+            self.last_stats[name] = {"tangent_residual": worst[0][j], "dual_iters": worst[1][j],
+                                     "dual_residual": worst[2][j]}
+
     def _manifold_msign_fns(self, group: dict[str, Any], X32: torch.Tensor) -> tuple[Any, Any, bool, torch.dtype]:
         """(inner msign, final msign or None, whether the final one continues the inner, compute dtype) of a
         manifold group: the per-device choice where the group leaves it (dual_project), float32/float64 otherwise."""
@@ -979,6 +1090,29 @@ class Muon(torch.optim.Optimizer):
                 layout.copy_(Wj, Rj.mT if f else Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
+
+
+def _tall_batch(T: torch.Tensor, layout: str, split: int | None) -> tuple[torch.Tensor, bool]:
+    """(view of a stack (B, *stored) of weights as tall (B, [k,] m, n) matrices, whether the (out, in) blocks were
+    transposed to get there)."""
+    X = T if layout == "out_in" else T.mT
+    if split:
+        X = X.unflatten(1, (int(split), -1))
+    flip = X.shape[-2] < X.shape[-1]
+    return (X.mT if flip else X), flip
+
+
+def _from_tall(X: torch.Tensor, layout: str, split: int | None, flip: bool) -> torch.Tensor:
+    """The inverse view of ``_tall_batch``: tall (B, [k,] m, n) matrices as the stored (B, *stored) weights."""
+    Y = X.mT if flip else X
+    if split:
+        Y = Y.flatten(1, 2)
+    return Y if layout == "out_in" else Y.mT
+
+
+def _dual_shape(group: dict[str, Any], p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of a manifold matrix's dual state (``_state_shapes``)."""
+    return _state_shapes(group, p)["dual_multiplier"]
 
 
 def _row_major(mats: list[torch.Tensor]) -> torch.Tensor:

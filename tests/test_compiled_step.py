@@ -1,0 +1,141 @@
+"""One compiled optimizer step: ``torch.compile(opt.step, fullgraph=True)`` traces Muon's plain and manifold groups
+whole (no graph break, no host read) and equals the eager step.
+
+Driven by ``CASES`` (tests as data): each row is a Muon configuration, the matrices' shapes and dtype, and the largest
+difference allowed between the compiled (or host-free) step and the eager one after ``STEPS`` steps, over every
+parameter and state tensor. The host-free path (``Muon.host_free``, ``optim/manifold_host_free.py``) is what a trace
+runs; it is checked eagerly for every row (fast) and through ``torch.compile(..., fullgraph=True,
+backend="aot_eager")`` for the rows in ``COMPILED`` (a graph break raises there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from weightgeom.optim import Muon
+from weightgeom.optim.config import PAPER_MUON
+
+STEPS = 5
+# Measured (2-core AMX Xeon, these rows): float32 rows bitwise equal host-free (0.0) and ≤ 1.4e-7 compiled; bf16
+# parameters ≤ one bf16 ulp of the weights.
+FP32_TOL = 1e-6
+# The paper preset as it runs (bf16 Polar Express inside the dual ascent): the eager CPU path accumulates the cold
+# start XᵀĜ of bf16 factors in MKL's split product, the host-free one in a float32 matmul of the same values; the
+# float32-rounding difference flips bf16 roundings of the shifted matrix, which 20 dual steps amplify. Measured over 5
+# steps: Stiefel ≤ 7.8e-3 (weights ~0.18, 2 bf16 ulps), DGram and Oblique 0.0.
+BF16_PAPER_TOL = 1.6e-2
+# bf16 parameters: the weights are rounded to bf16 at every step, so a float32-rounding difference in the update
+# flips a bf16 rounding now and then: one ulp of a weight ~0.2 is 2⁻¹⁰.
+BF16_PARAM_TOL = 2.0**-9
+
+_MIXED = [(64, 32), (64, 32), (32, 96), (48, 48)]
+_PAPER32 = {**PAPER_MUON, "msign_dtype": torch.float32}
+_PAPER = {**PAPER_MUON, "msign_dtype": torch.bfloat16}
+
+CASES = {
+    # name: (group keys, shapes, parameter dtype, tolerance)
+    "plain": ({}, [(32, 32), (32, 32), (32, 32), (64, 16), (16, 48)], torch.float32, FP32_TOL),
+    "stiefel": ({"manifold": "stiefel"}, _MIXED, torch.float32, FP32_TOL),
+    "dgram": ({"manifold": "dgram"}, _MIXED, torch.float32, FP32_TOL),
+    "oblique": ({"manifold": "oblique"}, _MIXED, torch.float32, FP32_TOL),
+    "stiefel-paper-fp32-msign": ({**_PAPER32, "manifold": "stiefel"}, _MIXED[:3], torch.float32, FP32_TOL),
+    "dgram-paper-fp32-msign": ({**_PAPER32, "manifold": "dgram"}, _MIXED[:3], torch.float32, FP32_TOL),
+    "oblique-paper-fp32-msign": ({**_PAPER32, "manifold": "oblique"}, _MIXED[:3], torch.float32, FP32_TOL),
+    "stiefel-paper": ({**_PAPER, "manifold": "stiefel"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
+    "dgram-paper": ({**_PAPER, "manifold": "dgram"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
+    "oblique-paper": ({**_PAPER, "manifold": "oblique"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
+    "stiefel-bf16-params": ({"manifold": "stiefel"}, _MIXED, torch.bfloat16, BF16_PARAM_TOL),
+    "dgram-split-in_out": ({"manifold": "dgram", "split": 2, "layout": "in_out"}, [(32, 64), (32, 64)],
+                           torch.float32, FP32_TOL),
+}
+# compiled with fullgraph=True (each ~30 s of tracing on the shared 2-core CPU): one row per manifold, the paper
+# preset, bf16 parameters
+COMPILED = ("plain", "stiefel", "dgram", "oblique", "stiefel-paper-fp32-msign", "stiefel-bf16-params")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:5")  # the per-device choice without measuring
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(case: str, mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor], Muon]:
+    """STEPS steps of one CASES row: mode "eager", "host_free" (the host-free path, eagerly) or "compiled"."""
+    keys, shapes, dtype, _ = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter((0.02 * torch.randn(*s, generator=g)).to(dtype)) for s in shapes]
+    opt = Muon([{"params": ps, **keys}], lr=0.02, on_nonfinite="skip")
+    opt.host_free = {"eager": False, "host_free": True, "compiled": None}[mode]
+    step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") if mode == "compiled" else opt.step
+    for _ in range(STEPS):
+        for p in ps:
+            p.grad = (1e-2 * torch.randn(p.shape, generator=g)).to(dtype)
+        step()
+    state = [v for p in ps for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
+    return [p.detach() for p in ps], state, opt
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_free_step_equals_eager(case):
+    """The host-free path (what a compiled step runs), eagerly: every parameter and state tensor within the row's
+    tolerance of the eager step after STEPS steps; the same state keys; statistics for every matrix."""
+    tol = CASES[case][3]
+    (pe, se, oe), (ph, sh, oh) = _run(case, "eager"), _run(case, "host_free")
+    assert _max_diff(pe, ph) <= tol and _max_diff(se, sh) <= max(tol, FP32_TOL)
+    assert [sorted(oe.state[p]) for p in oe.state] == [sorted(oh.state[p]) for p in oh.state]
+    assert oe.last_stats.keys() == oh.last_stats.keys()
+
+
+@pytest.mark.parametrize("case", COMPILED)
+def test_compiled_step_is_one_graph_and_equals_eager(case):
+    """torch.compile(opt.step, fullgraph=True, backend="aot_eager"): no graph break (it would raise), at most two
+    graphs (the first step creates state), and STEPS steps within the row's tolerance of the eager step."""
+    from torch._dynamo.utils import counters
+
+    tol = CASES[case][3]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        pe, se, _ = _run(case, "eager")
+        pc, sc, _ = _run(case, "compiled")
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+    assert _max_diff(pe, pc) <= tol and _max_diff(se, sc) <= max(tol, FP32_TOL)
+
+
+def test_host_free_skip_changes_nothing_and_reads_nothing(monkeypatch):
+    """A later step and a NaN gradient under the host-free path: no host read, every parameter and state tensor
+    bitwise unchanged, the skip counted; NaN manifold weights are skipped the same way (the eager path raises, naming
+    them)."""
+    from test_muon_sync import _count_syncs
+
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(0.02 * torch.randn(64, 32, generator=g)) for _ in range(2)]
+    opt = Muon([{"params": ps, "manifold": "stiefel"}], lr=0.02, on_nonfinite="skip")
+    opt.host_free = True
+    for seed in range(2):  # the first step (init="auto") reads W eagerly to refuse a pretrained matrix: not counted
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+        assert seed == 0 and opt.step() is None or _count_syncs(monkeypatch, opt.step) == (0, 0)
+    before = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
+    ps[1].grad[0, 0] = float("nan")
+    assert _count_syncs(monkeypatch, opt.step) == (0, 0)
+    after = [t for p in ps for t in (p.detach(), *opt.state[p].values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and int(opt.skipped_steps) == 1
+    ps[1].grad[0, 0] = 0.0
+    ps[0].data[0, 0] = float("nan")
+    before = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
+    assert _count_syncs(monkeypatch, opt.step) == (0, 0) and int(opt.skipped_steps) == 2
+    after = [t for p in ps for t in (p.detach(), *opt.state[p].values())]
+    assert all(torch.equal(a, b) for a, b in zip(before[1:], after[1:])) and after[0].isnan().any()
