@@ -5,6 +5,7 @@ See docs/ARCHITECTURE.md (optim) and docs/muon.md (derivations).
 """
 
 from weightgeom.optim.build import build_optimizer
+from weightgeom.optim.compiled import compile_step
 from weightgeom.optim.config import AdamWConfig, MDConfig, MuonConfig, OptimConfig
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
@@ -22,6 +23,7 @@ __all__ = [
     "Muon",
     "MagnitudeDirection",
     "build_optimizer",
+    "compile_step",
     "param_groups",
     "describe",
     "STRATEGIES",

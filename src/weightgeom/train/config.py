@@ -172,6 +172,9 @@ class TrainConfig(Section):
     ckpt_every: int = setting(0, "steps between checkpoints (0 = only at the end)", ge=0)
     keep_checkpoints: int = setting(2, "most recent checkpoints kept on disk", gt=0)
     log_every: int = setting(10, "steps between train-metric lines", gt=0)
+    compile_optimizer: Literal["auto", "on", "off"] = setting(
+        "auto", "torch.compile the optimizer step (weightgeom.optim.compile_step; CUDA graphs on CUDA): auto = on CUDA "
+                "only, on, off; the one-off cost is logged (split 'compile')")
     diverge_factor: float = setting(5.0, "diverged when loss > factor × best smoothed loss (0 = off; NaN/Inf always)",
                                     ge=0)
     diverge_warmup: int = setting(10, "steps before the loss-explosion check starts", ge=0)

@@ -44,6 +44,7 @@ from weightgeom.diagnostics.monitors import _clean, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
 from weightgeom.models import GPT, Llama, build_model
 from weightgeom.optim import MagnitudeDirection, describe
+from weightgeom.optim import compiled as compiled_optim
 from weightgeom.optim.build import from_config as optimizer_from_config
 from weightgeom.optim.muon import FarRetractionWarning
 from weightgeom.optim.sharded import is_dtensor
@@ -360,6 +361,11 @@ class _Trainer:
             self.sharded = False
         if cfg.run.compile:
             self.wrapped = torch.compile(self.wrapped)
+        # train.compile_optimizer: the optimizer step through torch.compile (not the sharded step's gather/scatter)
+        self.step_fn = self.stepper.step
+        if not self.sharded and compiled_optim.wanted(tr.compile_optimizer, self.device):
+            self.step_fn = compiled_optim.compile_step(self.stepper)
+        self._compile_logged = False
         self.clip_params = [p for p in self.model.parameters() if p.requires_grad]
         self.lr_fn = make_lr_fn(cfg.schedule, tr.max_steps)
 
@@ -701,8 +707,11 @@ class _Trainer:
             if self.callbacks:  # this step's loss, batch and (clipped) gradients, before the update
                 self.ctx.loss, self.ctx.batch, self.ctx.grads_available = loss_val, (x, y), True
                 self._cb("on_before_step")
-            self.stepper.step()
+            self.step_fn()
             self.step = s_next
+            if not self._compile_logged and getattr(self.step_fn, "compile_seconds", None) is not None:
+                self._compile_logged = True  # the compiled optimizer step's one-off cost, once per run
+                self.logger.log(self.step, "compile", {"optimizer_compile_s": self.step_fn.compile_seconds})
             self._cb("on_step_end")  # may change the weights (e.g. SigmaCap): before diagnostics and checkpoints
             if diag_due:
                 self._diagnostics(x, y, pre_clip)  # weights after this step's update; gradient norms before clipping

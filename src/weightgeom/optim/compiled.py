@@ -1,0 +1,104 @@
+"""``compile_step``: an optimizer's step through ``torch.compile`` — the one switch (docs/muon.md §6, "One compiled
+step"; config key ``train.compile_optimizer``).
+
+The first step runs eagerly: it creates the optimizer state and runs the checks a trace cannot (Muon's refusal of a
+pretrained-looking matrix at ``init="auto"``, the far-retraction warning), and on a GPU it captures nothing. Later
+steps run ``torch.compile(opt.step, fullgraph=...)`` inside ``full_precision()`` (a trace cannot switch the matmul
+precision itself), so Muon's plain, manifold (host-free path) and AdamW groups are one graph; on CUDA with
+``mode="reduce-overhead"`` (CUDA graphs) by default. Inductor keeps its compiled kernels in its on-disk cache
+(``TORCHINDUCTOR_CACHE_DIR``, on by default), so a second run of the same configuration skips most of the compilation;
+the one-off cost of this run is ``CompiledStep.compile_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from weightgeom.linalg import full_precision
+
+__all__ = ["compile_step", "CompiledStep", "default_mode", "COMPILE_OPTIMIZER"]
+
+# ``train.compile_optimizer`` values: "auto" compiles on CUDA only (on the CPU the compiled step has not measured
+# faster than the eager one with its C kernels: ``weightgeom bench optimizer_step``'s compiled column).
+COMPILE_OPTIMIZER = ("auto", "on", "off")
+
+
+def default_mode(opt: torch.optim.Optimizer) -> str | None:
+    """``"reduce-overhead"`` (CUDA graphs) when the optimizer's parameters are on CUDA, else None (inductor's
+    default)."""
+    devices = {p.device.type for g in opt.param_groups for p in g["params"]}
+    return "reduce-overhead" if devices == {"cuda"} else None
+
+
+def wanted(setting: str, device: torch.device | str) -> bool:
+    """Whether ``train.compile_optimizer = setting`` compiles the step on ``device`` ("auto": on CUDA only)."""
+    if setting not in COMPILE_OPTIMIZER:
+        raise ValueError(f"compile_optimizer={setting!r}: choose one of {list(COMPILE_OPTIMIZER)}")
+    return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+
+
+class CompiledStep:
+    """A callable ``step(closure=None)``: the first call eagerly, later ones compiled (``compile_step``).
+
+    Attributes:
+        compiled: the ``torch.compile``'d ``opt.step``.
+        compile_seconds: wall seconds of the calls that compiled (the second and third steps: state created, then
+            present), each minus the previous eager step's time; None until both ran.
+        fullgraph: whether a graph break is an error.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, mode: str | None, backend: str | None, fullgraph: bool) -> None:
+        self.opt = opt
+        self.fullgraph = fullgraph
+        kwargs: dict[str, Any] = {"fullgraph": fullgraph}
+        if backend is not None:
+            kwargs["backend"] = backend
+        if mode is not None:
+            kwargs["mode"] = mode
+        self.compiled = torch.compile(opt.step, **kwargs)
+        self.compile_seconds: float | None = None
+        self._calls = 0
+        self._eager_s = 0.0
+        self._spent = 0.0
+
+    def __call__(self, closure: Any = None) -> Any:
+        self._calls += 1
+        t0 = time.perf_counter()
+        if self._calls == 1:
+            out = self.opt.step(closure)
+            self._eager_s = time.perf_counter() - t0
+            return out
+        with full_precision():
+            out = self.compiled(closure)
+        if self._calls <= 3:
+            self._spent += max(0.0, time.perf_counter() - t0 - self._eager_s)
+            if self._calls == 3:
+                self.compile_seconds = self._spent
+        return out
+
+
+def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", backend: str | None = None,
+                 fullgraph: bool | None = None) -> CompiledStep:
+    """The optimizer's step compiled: ``step = compile_step(opt)``, then ``step()`` where ``opt.step()`` was.
+
+    Args:
+        opt: a Muon, MagnitudeDirection or torch optimizer.
+        mode: torch.compile's mode; ``"default"``: ``default_mode(opt)`` (CUDA graphs on CUDA).
+        backend: torch.compile's backend (None: inductor).
+        fullgraph: None: True when a step is one graph — a Muon with ``on_nonfinite="skip"`` (with ``"raise"`` the
+            check is a host read); False otherwise (torch's optimizers insert a graph break in ``step``;
+            MagnitudeDirection's step runs eagerly inside: ``torch.compiler.disable``).
+
+    Returns:
+        A ``CompiledStep`` (callable; ``compile_seconds`` after its third call).
+    """
+    from weightgeom.optim.muon import Muon
+
+    if mode == "default":
+        mode = default_mode(opt)
+    if fullgraph is None:
+        fullgraph = isinstance(opt, Muon) and opt.on_nonfinite == "skip"
+    return CompiledStep(opt, mode, backend, fullgraph)
