@@ -1,18 +1,20 @@
 """mkdocs hook (``hooks:`` in mkdocs.yml): fail the build when a public symbol has no docstring or no API entry.
 
 mkdocs and mkdocstrings do not fail on an undocumented public name by themselves; this runs
-``weightgeom._docs.api_problems`` before the build and stops it with the list (``tests/test_docs.py`` runs the same
-check).
+``gen_docs.api_problems`` (docs/gen_docs.py) before the build and stops it with the list (``tests/test_docs.py``
+runs the same check).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from mkdocs.exceptions import PluginError
 
-from weightgeom._docs import api_problems
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # docs/gen_docs.py: a checkout's tool, not in the package
+from gen_docs import api_problems  # noqa: E402
 
 
 def on_pre_build(config: Any) -> None:

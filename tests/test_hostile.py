@@ -45,4 +45,4 @@ def test_guarantees_page_lists_every_row():
     page = (Path(__file__).resolve().parents[1] / "docs" / "guarantees.md").read_text()
     missing = [f"{c.area}-{c.id}" for c in CASES if f"`{c.area}-{c.id}`" not in page]
     assert not missing, (f"docs/guarantees.md lacks rows: {missing} "
-                         "(.venv/bin/python -m weightgeom._docs guarantees --write)")
+                         "(.venv/bin/python docs/gen_docs.py guarantees --write)")

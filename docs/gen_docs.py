@@ -4,11 +4,11 @@ Two jobs, each with a command (run from a checkout, in its ``.venv``):
 
 * ``docs/guarantees.md`` is generated from the hostile-input table of the tests (``tests/test_hostile.py``, rows in
   ``tests/hostile_cases/``): :func:`render_guarantees`. Regenerate it with
-  ``.venv/bin/python -m weightgeom._docs guarantees --write``; ``tests/test_docs.py`` fails while it is stale.
+  ``.venv/bin/python docs/gen_docs.py guarantees --write``; ``tests/test_docs.py`` fails while it is stale.
 * every public symbol (the names in ``__all__`` of each subpackage in :data:`API_PACKAGES`) has a docstring and an
   entry (``::: path``) on its subpackage's page ``docs/api/<name>.md``: :func:`api_problems`, run by the mkdocs hook
   ``docs/hooks.py`` (so ``mkdocs build --strict`` fails) and by ``tests/test_docs.py``;
-  ``.venv/bin/python -m weightgeom._docs check-api`` prints the problems.
+  ``.venv/bin/python docs/gen_docs.py check-api`` prints the problems.
 
 Needs the ``docs`` extra (griffe, through mkdocstrings) for the API check; the guarantees page needs the repository's
 ``tests/`` folder.
@@ -32,13 +32,14 @@ from typing import Any
 __all__ = ["API_PACKAGES", "ROOT", "GUARANTEES_PATH", "REGENERATE_GUARANTEES", "AREAS", "render_guarantees",
            "public_symbols", "api_problems", "main"]
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository root (of a checkout: ``src/weightgeom/_docs.py`` lies two folders below it)."""
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (this file is ``docs/gen_docs.py`` of a checkout; it is not part of the installed package,
+which never reads outside itself)."""
 
 GUARANTEES_PATH = ROOT / "docs" / "guarantees.md"
 """Where the generated guarantees page lives."""
 
-REGENERATE_GUARANTEES = ".venv/bin/python -m weightgeom._docs guarantees --write"
+REGENERATE_GUARANTEES = ".venv/bin/python docs/gen_docs.py guarantees --write"
 """The one command that rewrites ``docs/guarantees.md`` from the hostile-input table."""
 
 API_PACKAGES = ("optim", "manifolds", "linalg", "analysis", "diagnostics", "train", "models", "data")
@@ -303,7 +304,7 @@ def render_guarantees(cases: Sequence[Any] | None = None) -> str:
     cases = _hostile_cases() if cases is None else list(cases)
     unknown = sorted({c.area for c in cases} - set(AREAS))
     if unknown:
-        raise ValueError(f"hostile-input area(s) {unknown} have no section: add them to weightgeom._docs.AREAS")
+        raise ValueError(f"hostile-input area(s) {unknown} have no section: add them to docs/gen_docs.py's AREAS")
     out = [_INTRO.format(command=REGENERATE_GUARANTEES)]
     for area, (title, summary) in AREAS.items():
         rows = [c for c in cases if c.area == area]
@@ -409,12 +410,12 @@ def api_problems(docs_dir: Path | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m weightgeom._docs guarantees [--write]`` | ``check-api``.
+    """``python docs/gen_docs.py guarantees [--write]`` | ``check-api``.
 
     Returns:
         The exit code: 0, or 1 when ``check-api`` finds problems.
     """
-    parser = argparse.ArgumentParser(prog="python -m weightgeom._docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python docs/gen_docs.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("guarantees", help="print docs/guarantees.md (or --write it)")
     g.add_argument("--write", action="store_true", help=f"write {GUARANTEES_PATH.relative_to(ROOT)}")
