@@ -842,6 +842,9 @@ class Muon(torch.optim.Optimizer):
             if len(ps) == 1:
                 self._muon_step(group, ps[0], "", ok)
                 continue
+            if self._host_free():  # a constant number of operations per bucket (what a compiled step traces)
+                self._muon_bucket_stacked(group, ps, ok)
+                continue
             U = None  # (len(ps), *shape): the momentum directions, filled one matrix at a time
             for j, p in enumerate(ps):
                 u = _matrices(self._momentum(group, p, ok), group["layout"], group["split"])
@@ -855,6 +858,39 @@ class Muon(torch.optim.Optimizer):
                 W = _matrices(p, group["layout"], group["split"])
                 apply_update(W, d, lr, shape_scale(W.shape, adjust), wd, ok=ok)
                 _step_counter(self.state[p], p).add_(1 if ok is None else ok)
+
+    def _muon_bucket_stacked(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
+        """``_muon_group_batched``'s bucket with every elementwise pass on the stacked matrices (the same values: the
+        passes are elementwise) and one ``_foreach_copy_`` back into the momentum buffers and the parameters each:
+        its operation count does not grow with the number of matrices."""
+        states = [self.state[p] for p in ps]
+        for p, st in zip(ps, states):
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        bufs = [st["momentum_buffer"] for st in states]
+        M = torch.stack(bufs)
+        U = momentum_direction(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
+                               group["momentum_form"], ok=ok)
+        torch._foreach_copy_(bufs, list(M.unbind(0)))
+        layout, split = group["layout"], group["split"]
+        X = U if layout == "out_in" else U.mT
+        X = X if not split else X.unflatten(1, (int(split), -1))
+        steps, dtype = self._msign_settings(group, X)
+        D = msign(X, method=group["msign_method"], steps=steps, dtype=dtype)
+        P = torch.stack([p.detach() for p in ps])
+        W = P if layout == "out_in" else P.mT
+        W = W if not split else W.unflatten(1, (int(split), -1))
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        new = W.mul(1.0 - lr * wd) if wd != 0.0 else W
+        new = new.add(D.to(W.dtype), alpha=-lr * shape_scale(W.shape, group["adjust_lr_fn"] or "original"))
+        new = new if not split else new.flatten(1, 2)
+        new = new if layout == "out_in" else new.mT
+        torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
+        counters = [_step_counter(st, p) for st, p in zip(states, ps)]
+        if ok is None:
+            torch._foreach_add_(counters, 1.0)
+        else:
+            torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
 
     def _momentum(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
         """Update p's momentum buffer (created at the first step) with its gradient; return the direction input U."""
