@@ -279,10 +279,14 @@ class Manifold(ABC):
     Class attributes:
         name: registry name (``"stiefel"``, ``"dgram"``, ...).
         retractions: the retraction variants the constructor's ``retraction`` accepts (first: the default).
+        entrywise_P: whether ``P`` acts entry by entry (keeps or zeroes each Gram entry, as Stiefel, DGram and
+            Oblique do). The optimizer's sampled tangent residual (a few Gram rows) is exact only then; for any
+            other self-adjoint projector it measures the full residual. False unless a subclass says so.
     """
 
     name: str = "manifold"
     retractions: tuple[str, ...] = ()
+    entrywise_P: bool = False
 
     # Methods that run inside ``full_precision()`` in every subclass (wrapped at class creation): a process-wide
     # TF32/bf16 float32-matmul mode would otherwise leave retracted points ~1e-3 off the manifold and make ``check``

@@ -218,6 +218,7 @@ class DGram(Manifold):
     """
 
     name = "dgram"
+    entrywise_P = True  # P keeps or zeroes each Gram entry
     retractions = _RETRACTIONS
 
     def __init__(self, retraction: str = "column_polar", method: str = "polar_express",

@@ -15,6 +15,7 @@ class Euclidean(Manifold):
     """All of R^{m×n}: P = 0, the retraction and the tangent projection are the identity."""
 
     name = "euclidean"
+    entrywise_P = True  # P keeps or zeroes each Gram entry
 
     def P(self, S: torch.Tensor) -> torch.Tensor:
         """Zero: no Gram entry is constrained."""

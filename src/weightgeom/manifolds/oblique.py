@@ -58,6 +58,7 @@ class Oblique(Manifold):
     """
 
     name = "oblique"
+    entrywise_P = True  # P keeps or zeroes each Gram entry
     retractions = _RETRACTIONS
 
     def __init__(self, retraction: str = "normalize") -> None:

@@ -196,6 +196,7 @@ class Stiefel(Manifold):
     """
 
     name = "stiefel"
+    entrywise_P = True  # P keeps or zeroes each Gram entry
     retractions = _RETRACTIONS
 
     def __init__(self, method: str = "polar_express", steps: int | None = None, retraction: str = "polar") -> None:

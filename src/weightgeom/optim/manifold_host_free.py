@@ -172,7 +172,7 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
                        columns: int = RESIDUAL_SAMPLE_COLUMNS) -> torch.Tensor:
     """``manifold_muon._sampled_residuals`` (B,) without its mask cache (the mask is built in the step)."""
     n = X.shape[-1]
-    if n <= columns:
+    if n <= columns or not manifold.entrywise_P:
         return _residual(X, A, manifold)[2]
     j0 = (n - columns) // 2
     J = slice(j0, j0 + columns)

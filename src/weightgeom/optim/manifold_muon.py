@@ -267,7 +267,7 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
         raise ValueError(f"sampled_tangent_residual: X {tuple(X.shape)} and A {tuple(A.shape)} must be the same "
                          "tall (m ≥ n) shape: pass tall views (weightgeom.manifolds.base.tall)")
     n = X.shape[-1]
-    if n <= columns:
+    if n <= columns or not manifold.entrywise_P:  # rows of P(XᵀA + AᵀX) are a mask's only for an entrywise P
         return manifold.tangent_residual(X, A)
     j0 = (n - columns) // 2
     J = slice(j0, j0 + columns)
