@@ -307,3 +307,23 @@ def test_argument_errors_are_one_line_with_exit_2(argv, needle, capsys):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and needle in err[0] and "--help)" in err[0], err
+
+
+def test_bench_markdown_block_replaces_its_own_block_and_keeps_the_page(tmp_path, monkeypatch, capsys):
+    """`--markdown FILE` puts the benchmark's table, its device kind and the command that reproduces it between
+    markers; a second run replaces that block and leaves the rest of the page (docs/benchmarks.md) as it was."""
+    monkeypatch.chdir(tmp_path)
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nhand-written text\n")
+    argv = ["bench", "md_overhead", "--base", "adamw", "--adamw-impl", "foreach", "--md-path", "eager", "--iters",
+            "1", "--warmup", "0", "--layers", "1", "--device", "cpu", "--markdown", str(page)]
+    assert cli.main(argv) == 0
+    first = page.read_text()
+    assert first.startswith("# Benchmarks\n\nhand-written text\n\n<!-- bench md_overhead on CPU ")
+    assert "`weightgeom bench md_overhead --base adamw --adamw-impl foreach --md-path eager --iters 1" in first
+    assert "--markdown" not in first and "| adamw(foreach) | eager | 4 | 7.1M |" in first
+    assert "markdown: appended to" in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    second = page.read_text()
+    assert second.count("<!-- bench md_overhead on CPU ") == 1 and second.startswith("# Benchmarks\n\nhand-written")
+    assert "markdown: replaced its block in" in capsys.readouterr().out

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 __all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops", "cpu_kind",
-           "capped_kind", "hardware_tag", "steady_allocator"]
+           "capped_kind", "hardware_tag", "steady_allocator", "markdown_block", "write_markdown", "bench_command"]
 
 # GPT-2 small block matrices in PyTorch (out, in) layout, per layer.
 GPT2_SMALL_SHAPES: dict[str, tuple[int, int]] = {
@@ -218,3 +220,64 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, object]:
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+# ------------------------------------------------------------------------------------------ markdown output
+Table = tuple[str, list[str], list[list[str]]]
+"""(title, header, rows) of one markdown table; cells already formatted."""
+
+
+def bench_command(name: str, argv: list[str] | None) -> str:
+    """The command that reproduces a benchmark run: ``weightgeom bench NAME ARGS`` without the output options
+    (``--markdown``, ``--json`` and their values)."""
+    args, skip = [], False
+    for a in list(sys.argv[1:] if argv is None else argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--markdown", "--json"):
+            skip = True
+            continue
+        if a.startswith(("--markdown=", "--json=")):
+            continue
+        args.append(a)
+    return "weightgeom bench " + shlex.join([name, *args])
+
+
+def _markers(name: str, hardware: str) -> tuple[str, str]:
+    return f"<!-- bench {name} on {hardware} -->", f"<!-- end bench {name} on {hardware} -->"
+
+
+def markdown_block(name: str, hardware: str, command: str, tables: list[Table]) -> str:
+    """A benchmark's result as markdown: the device kind, the torch version and the command that reproduces it,
+    then its tables, between markers naming the benchmark and the device kind (:func:`write_markdown` replaces the
+    block with the same markers)."""
+    begin, end = _markers(name, hardware)
+    lines = [begin, f"`{command}` on {hardware}, {os.cpu_count()} CPU cores, torch {torch.__version__}:", ""]
+    for title, header, rows in tables:
+        if not rows:
+            continue
+        lines += [f"*{title}*", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        lines.append("")
+    lines.append(end)
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, name: str, hardware: str, command: str, tables: list[Table]) -> str:
+    """Put a benchmark's markdown block into ``path``: in place of the block of the same benchmark and device kind
+    when the file has one (the rest of the file kept as it is), else appended (the file created if missing);
+    written atomically. Returns what was done, for the benchmark's last line."""
+    from weightgeom._files import write_atomic
+
+    block = markdown_block(name, hardware, command, tables)
+    begin, end = _markers(name, hardware)
+    p = Path(path)
+    text = p.read_text(encoding="utf-8") if p.is_file() else ""
+    i, j = text.find(begin), text.find(end)
+    if i >= 0 and j > i:
+        text, how = text[:i] + block + text[j + len(end):], "replaced its block in"
+    else:
+        text, how = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n", "appended to"
+    write_atomic(p, text)
+    return f"markdown: {how} {path}"

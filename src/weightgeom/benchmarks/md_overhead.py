@@ -34,7 +34,7 @@ import time
 import torch
 
 from weightgeom._files import write_atomic
-from weightgeom.benchmarks._common import hardware_tag, steady_allocator
+from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="3 timed steps after 1 warm-up per row (about a minute on a 2-core CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--markdown", default=None, metavar="FILE",
+                    help="put the results table into FILE as markdown (replacing this benchmark's block for this "
+                         "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": torch.cuda.get_device_name() if cuda else None}
     if args.json:
         write_atomic(args.json, json.dumps({"meta": meta, "results": results}, indent=2))
+    if args.markdown:
+        rows_md = [[f"{r['base']}({r['adamw_impl']})" if r["base"] == "adamw" else r["base"], r["md_path"],
+                    r["matrices"],
+                    f"{r['params'] / 1e6:.1f}M", f"{r['base_ms']:.2f}", f"{r['md_ms']:.2f}", f"**{r['ratio']:.3f}**",
+                    f"≤ {TARGET_RATIO}"] for r in results]
+        print(write_markdown(args.markdown, "md_overhead", tag, bench_command("md_overhead", argv), [
+            (f"MagnitudeDirection(base).step() ÷ base.step(), {layers} GPT-2-small layer(s), median of {iters} steps",
+             ["base", "MD path", "matrices", "params", "base ms", "MD ms", "ratio", "target"], rows_md)]))
     return 0
 
 

@@ -38,11 +38,13 @@ from weightgeom._files import write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.benchmarks._common import (
     GPT2_SMALL_SHAPES,
+    bench_command,
     hardware_tag,
     interleaved_medians,
     machine_info,
     matmul_gflops,
     steady_allocator,
+    write_markdown,
 )
 from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(torch.optim.Muon, our bf16 preset) are timed on, next to our default Muon (default: all; "
                          "--quick: " + ",".join(QUICK_PEER_SHAPES) + ")")
     ap.add_argument("--json", default="", help="write the results to this JSON file")
+    ap.add_argument("--markdown", default="", metavar="FILE",
+                    help="put the step-time tables into FILE as markdown (replacing this benchmark's block for this "
+                         "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
     selected = {k: v for k, v in CONFIGS.items() if not args.only or any(s in k for s in args.only.split(","))}
     if not selected:
@@ -370,7 +375,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_atomic(args.json, json.dumps(results, indent=2))
         print(f"wrote {args.json}")
+    if args.markdown:
+        print(write_markdown(args.markdown, "optimizer_step", tag, bench_command("optimizer_step", argv),
+                             markdown_tables(results)))
     return 0
+
+
+def markdown_tables(results: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The step-time tables of a run (``results`` as ``--json`` writes them) as markdown tables."""
+    def f(x: object, spec: str) -> str:
+        return format(x, spec) if isinstance(x, (int, float)) else "—"
+
+    shapes = ", ".join(f"{a} {b}×{c}" for a, (b, c) in results["shapes"].items())
+    rows = [[k, f(r.get("ms"), ".1f"), f(r.get("vs_our_muon"), ".2f"), f(r.get("residual_max"), ".1e")]
+            for k, r in results["rows"].items()]
+    peer = results["peer"]
+    prow = [[k, f(r.get("ms"), ".1f"), f(r.get("vs_torch_muon"), ".3f"), f(r.get("vs_torch_muon_cpu_time"), ".3f"),
+             f(r.get("orthogonality_error"), ".2e")] for k, r in peer["rows"].items()]
+    pshapes = ", ".join(f"{a} {b}×{c}" for a, (b, c) in peer["shapes"].items())
+    layers = f" × {results['layers']} layers" if results["layers"] > 1 else ""
+    return [(f"step time, {shapes}{layers}, median of {results['iters']} steps", ["optimizer", "ms/step",
+                                                                                   "÷ our Muon", "tangent residual"],
+             rows),
+            (f"against torch.optim.Muon, {pshapes}{layers}, median of {peer['iters']} steps",
+             ["optimizer", "ms/step", "÷ torch.optim.Muon", "÷ (process CPU time)", "orthogonality error"], prow)]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightgeom.benchmarks._common import hardware_tag, steady_allocator
+from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
@@ -125,6 +125,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--e2e", action="store_true", help="also time a full weightgeom.train.train run (ours only)")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 2 steps, 1 warmup step (smoke run)")
+    ap.add_argument("--markdown", default=None, metavar="FILE",
+                    help="put the result into FILE as a markdown table (replacing this benchmark's block for this "
+                         "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 3, 1, 1
@@ -230,6 +233,14 @@ def main(argv=None) -> dict:
                                    f"train.log_every={steps}"])
             out["tokens_per_s_trainer_e2e"] = res["final"]["tokens_per_s"]
     print(json.dumps(out))
+    if args.markdown:
+        row = [args.preset, f"{out['tokens_per_s_ours']:.0f}", f"{out['tokens_per_s_ref']:.0f}",
+               f"**{out['ratio']:.3f}**", f"{out['ratio_cpu_time']:.3f}" if dev.type == "cpu" else "—", "≥ 1.0"]
+        shape = ", ".join(f"{k} {v}" for k, v in P.items())
+        table = (f"tokens/s of our training step ÷ a plain nanoGPT loop ({shape}), median of {args.rounds} rounds",
+                 ["preset", "ours tok/s", "nanoGPT tok/s", "ratio", "ratio (process CPU time)", "target"], [row])
+        print(write_markdown(args.markdown, "train_throughput", out["hardware"],
+                             bench_command("train_throughput", argv), [table]))
     return out
 
 
