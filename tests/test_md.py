@@ -828,8 +828,9 @@ def test_gains_of_a_matrix_without_gradient_do_not_move_on_a_stale_grad():
 
 @pytest.mark.parametrize("base", ["adamw", "adamw-foreach", "muon", "stiefel"])
 def test_compiled_step_equals_eager(base):
-    """torch.compile(md.step) (graph breaks allowed), three same-shape matrices, 3 steps: bitwise the eager step.
-    Before, dynamo replayed one matrix's traced pass for the next (over AdamW's fused C path: 3.3e-3 off)."""
+    """torch.compile(md.step) (graph breaks allowed), three same-shape matrices, 3 steps: the eager step to rounding
+    (the trace runs the host-free path, batched: tests/test_compiled_md.py; measured ≤ 1.5e-8). Before, dynamo
+    replayed one matrix's traced pass for the next (over AdamW's fused C path: 3.3e-3 off)."""
     from compiled_steps import assert_compiled_equals_eager
     from weightgeom.optim import Muon
 
@@ -841,4 +842,4 @@ def test_compiled_step_equals_eager(base):
              "muon": lambda ps: Muon(ps, lr=0.02, msign_dtype=torch.float32, ns_steps=8),
              "stiefel": lambda ps: Muon([{"params": ps, "manifold": "stiefel"}], lr=0.02,
                                         msign_dtype=torch.float32, ns_steps=8)}
-    assert_compiled_equals_eager(lambda ps: MagnitudeDirection(bases[base](ps)), init, grads)
+    assert_compiled_equals_eager(lambda ps: MagnitudeDirection(bases[base](ps)), init, grads, atol=1e-6)

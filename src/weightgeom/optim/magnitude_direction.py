@@ -36,7 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from weightgeom import kernels, manifolds
-from weightgeom.optim import md_fused
+from weightgeom.optim import md_fused, md_host_free
 from weightgeom.optim.checks import (
     PARAM_SHAPED_STATE,
     check_fits_param,
@@ -73,7 +73,7 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     split_gradient,
     split_gradient_log,
 )
-from weightgeom.optim.muon import Muon
+from weightgeom.optim.muon import ON_NONFINITE, Muon
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = [
@@ -288,6 +288,7 @@ class MagnitudeDirection(Optimizer):
         model: torch.nn.Module | None = None,
         embedding_radius: float = 1.0,
         fused: bool | None = None,
+        on_nonfinite: str = "raise",
     ) -> None:
         if isinstance(base_optimizer, MagnitudeDirection):
             raise TypeError("MagnitudeDirection: the base optimizer is already a MagnitudeDirection")
@@ -307,6 +308,9 @@ class MagnitudeDirection(Optimizer):
             raise ValueError(f"MagnitudeDirection: gain_eps must be > 0, got {gain_eps}")
         if not embedding_radius > 0:
             raise ValueError(f"MagnitudeDirection: embedding_radius must be > 0, got {embedding_radius}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"MagnitudeDirection: on_nonfinite={on_nonfinite!r} is invalid: choose one of "
+                             f"{list(ON_NONFINITE)}")
         if fused not in (None, True, False):
             raise ValueError(f"MagnitudeDirection: fused must be None, True or False, got {fused!r}")
         if fused:
@@ -314,6 +318,10 @@ class MagnitudeDirection(Optimizer):
             if why:
                 raise ValueError(f"MagnitudeDirection: fused=True cannot run: {why}")
         self.fused = fused
+        self.on_nonfinite = on_nonfinite
+        # the host-free step (``md_host_free``): None = inside a torch.compile trace only, True = also eagerly (the
+        # path a compiled step runs, e.g. to count its operations; a Muon base is set alike), False = never
+        self._host_free_mode: bool | None = None
         groups = base_optimizer.param_groups
         for gi, group in enumerate(groups):  # what MD steps (and its finiteness scan reads): supported, listed once
             check_new_group("MagnitudeDirection", groups[:gi], group)
@@ -371,9 +379,35 @@ class MagnitudeDirection(Optimizer):
             self._versions[p] = p._version
         for p in decoupled:
             self._scale_for(p, self._group_of(p))  # validates manifold/sphere compatibility up front
+        first = next((q for g in base_optimizer.param_groups for q in g["params"]), None)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=first.device if first is not None else "cpu")
         with torch.no_grad():
             for p in unit_rows:
                 normalize_rows_(p, self.embedding_radius)
+
+    @property
+    def host_free(self) -> bool | None:
+        """Whether ``step`` takes the host-free path (``md_host_free``): None (default) inside a ``torch.compile``
+        trace only, True also eagerly, False never. Setting it sets a Muon base's ``host_free`` alike."""
+        return self._host_free_mode
+
+    @host_free.setter
+    def host_free(self, value: bool | None) -> None:
+        if value not in (None, True, False):
+            raise ValueError(f"MagnitudeDirection: host_free must be None, True or False, got {value!r}")
+        self._host_free_mode = value
+        if isinstance(self.base_optimizer, Muon):
+            self.base_optimizer.host_free = value
+
+    def _host_free(self) -> bool:
+        """Whether this step takes the host-free path (``host_free``; by default inside a torch.compile trace)."""
+        return bool(self._host_free_mode) or (self._host_free_mode is None and torch.compiler.is_compiling())
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped for a NaN/Inf gradient (``on_nonfinite="skip"``): a 0-dim int64 tensor on the parameters'
+        device (``int()`` it only when needed: a host sync on a GPU). Not part of ``state_dict()``."""
+        return self._skipped
 
     # ---- torch.optim citizenship -----------------------------------------------------------------------------------
     @property
@@ -485,14 +519,21 @@ class MagnitudeDirection(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
-            handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
-            step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
-                           whole=lambda g, q: id(q) in handled or g.get("algorithm") == "muon",
-                           name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
-                           merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
-        else:
-            self._update()
+        try:
+            if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
+                handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
+                step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
+                               whole=lambda g, q: id(q) in handled or g.get("algorithm") == "muon",
+                               name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
+                               merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
+            elif self._host_free():  # inside a torch.compile trace, or host_free=True
+                md_host_free.step(self)
+            else:
+                self._update()
+        except NonFiniteGradientError:  # refused before anything changed
+            if self.on_nonfinite == "raise":
+                raise
+            self._skipped += 1
         return loss
 
     # Never traced by torch.compile: a compiled `step` runs the body eagerly (one graph break). Its work lists are
@@ -606,6 +647,14 @@ class MagnitudeDirection(Optimizer):
         NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and one host sync,
         ``first_nonfinite``)."""
         params = [q for g in self.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
+        self._check_metadata(params)
+        bad = first_nonfinite([q.grad for q in params], cpu_scan=self._cpu_scan())
+        if bad is not None:
+            q = params[bad]
+            raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
+
+    def _check_metadata(self, params: list[torch.Tensor]) -> None:
+        """``_check_gradients`` without the finiteness scan (no tensor is read): dtypes, fits, sparse gradients."""
         decoupled = {id(p) for p in self._decoupled}
         sparse_ok = isinstance(self.base_optimizer, _SPARSE_BASES)
         for q in params:
@@ -620,10 +669,6 @@ class MagnitudeDirection(Optimizer):
                 raise ValueError(f"MagnitudeDirection: parameter {self._param_label(q)!r} has a sparse gradient, "
                                  f"which the base optimizer ({type(self.base_optimizer).__name__}) cannot step; step "
                                  "refused, nothing was changed")
-        bad = first_nonfinite([q.grad for q in params], cpu_scan=self._cpu_scan())
-        if bad is not None:
-            q = params[bad]
-            raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
 
     def _check_fits(self, q: torch.Tensor, decoupled: bool) -> None:
         """Refuse the step if q's gradient, its direction Ŵ (a decoupled matrix) or, for one of torch's optimizers,
@@ -1082,6 +1127,11 @@ class MagnitudeDirection(Optimizer):
 
     def _scale_for(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
         """None for a free / scale-invariant group; else s = radius/κ, κ = the manifold's fixed ‖Q‖_F."""
+        kappa = self._scale_divisor(p, group)
+        return None if kappa is None else self.state[p]["radius"].reshape(()) / kappa
+
+    def _scale_divisor(self, p: torch.Tensor, group: dict[str, Any]) -> float | None:
+        """κ = the fixed ‖Q‖_F of p's group's norm-fixing manifold (``_scale_for``), or None for a free group."""
         manifold = group.get("manifold")
         if manifold is None:
             return None
@@ -1095,7 +1145,7 @@ class MagnitudeDirection(Optimizer):
         if self.sphere != "frobenius":
             raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is in a {manifold!r} manifold group, "
                              f"which fixes ‖W‖_F; only sphere='frobenius' is supported there (got {self.sphere!r})")
-        return self.state[p]["radius"].reshape(()) / math.sqrt(k * block)
+        return math.sqrt(k * block)
 
     def _resync(self, p: torch.Tensor) -> None:
         """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius
