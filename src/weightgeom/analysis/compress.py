@@ -46,6 +46,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from weightgeom._files import read_json, write_atomic
+from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_computable
+from weightgeom.analysis.loaders import Loaded, load, materialize
+from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
 
 __all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
@@ -193,8 +197,6 @@ def choose_spaces(source, roles: Mapping[str, str] | str | None = None,
     Returns:
         role → ``{"space": "input"|"output", "input": ratio, "output": ratio}``.
     """
-    from weightgeom.analysis.api import SHARE_SPACE, analyze_full
-    from weightgeom.analysis.report import space_ratios, summary_table
 
     res = analyze_full(source, roles, metrics=("cv", "cu"), method="randomized")
     s = summary_table(res.pairs) if not res.pairs.empty else pd.DataFrame()
@@ -310,8 +312,6 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have, a
             non-finite matrix (named).
     """
-    from weightgeom.analysis.api import _as_loaded, as_computable
-    from weightgeom.analysis.loaders import materialize
 
     cfg.check()
     if by_role is None:
@@ -421,7 +421,6 @@ def savings_table(groups: Sequence[dict]) -> pd.DataFrame:
 
 def _source_info(source) -> dict:
     """Where the compressed weights came from: path, size in bytes and modification time (None for in-memory)."""
-    from weightgeom.analysis.loaders import Loaded
 
     if isinstance(source, Loaded):
         source = source.meta.get("path")
@@ -459,8 +458,6 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     """
     from safetensors.torch import save
 
-    from weightgeom._files import write_atomic
-    from weightgeom.analysis.api import _as_loaded
 
     cfg = cfg or CompressConfig(**kwargs)
     cfg.check()
@@ -534,7 +531,6 @@ def read_index(path: str | Path) -> dict:
             with a bad file name, role, space, shape or rank (one line naming the directory).
         FileNotFoundError: no such directory / index.
     """
-    from weightgeom._files import read_json
 
     d = Path(path)
     if not (d / INDEX_FILE).exists():
@@ -669,7 +665,6 @@ def decompress(path: str | Path, base=None) -> dict[str, torch.Tensor]:
         path: the compressed checkpoint directory.
         base: the uncompressed source (default: the path recorded in the index).
     """
-    from weightgeom.analysis.loaders import load
 
     src = load(base if base is not None else compressed_source(path))
     tensors = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in src.tensors.items()}

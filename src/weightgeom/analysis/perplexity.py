@@ -26,6 +26,14 @@ from pathlib import Path
 
 import torch
 
+from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source, read_index
+from weightgeom.analysis.loaders import _strip
+from weightgeom.data.corpora import shakespeare_text
+from weightgeom.data.tokenizers import get_tokenizer
+from weightgeom.train.batches import _char_encode, _read_text_file, _shakespeare_text
+from weightgeom.train.checkpoint import is_checkpoint_file, latest_checkpoint, load_checkpoint
+from weightgeom.train.trainer import model_from_config
+
 __all__ = ["CausalLM", "PerplexityResult", "load_causal_lm", "perplexity", "perplexity_of_ids", "heldout_text",
            "DEFAULT_TOKENS", "DEFAULT_CONTEXT", "HELDOUT_FRACTION"]
 
@@ -86,7 +94,6 @@ class PerplexityResult:
 def heldout_text(fraction: float = HELDOUT_FRACTION) -> str:
     """The last ``fraction`` of the bundled Shakespeare corpus (``weightgeom.data.corpora.shakespeare_text``), the part
     the trainer holds out for validation at its default ``data.val_fraction``."""
-    from weightgeom.data.corpora import shakespeare_text
 
     text = shakespeare_text()
     return text[int(len(text) * (1.0 - fraction)):]
@@ -129,10 +136,6 @@ def _hf_lm(path: Path) -> CausalLM:
 
 def _own_lm(path: Path) -> CausalLM:
     """This package's GPT / Llama from a verified trainer checkpoint (or a run directory's newest one)."""
-    from weightgeom.analysis.loaders import _strip
-    from weightgeom.data.tokenizers import get_tokenizer
-    from weightgeom.train.checkpoint import is_checkpoint_file, latest_checkpoint, load_checkpoint
-    from weightgeom.train.trainer import model_from_config
 
     ck = latest_checkpoint(path / "checkpoints") if path.is_dir() else path
     if ck is None:
@@ -155,7 +158,6 @@ def _own_lm(path: Path) -> CausalLM:
     if data.get("tokenizer", "gpt2") == "gpt2":
         tok = get_tokenizer("gpt2")
     else:
-        from weightgeom.train.batches import _char_encode, _read_text_file, _shakespeare_text
 
         text = _read_text_file(data["path"]) if data.get("kind") == "text" else _shakespeare_text()
         tok = get_tokenizer("char", chars=_char_encode(text)[1]["chars"])
@@ -174,7 +176,6 @@ def load_causal_lm(path: str | Path, *, base: str | Path | None = None) -> Causa
         FileNotFoundError: no such path. ValueError: a file of no supported kind, or one that cannot be loaded (one
         line naming it).
     """
-    from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source, read_index
 
     p = Path(path)
     if not p.exists():

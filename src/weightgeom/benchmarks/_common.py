@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._files import write_atomic
+
 __all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops", "cpu_kind",
            "capped_kind", "hardware_tag", "steady_allocator", "markdown_block", "write_markdown", "bench_command"]
 
@@ -268,7 +270,6 @@ def write_markdown(path: str, name: str, hardware: str, command: str, tables: li
     """Put a benchmark's markdown block into ``path``: in place of the block of the same benchmark and device kind
     when the file has one (the rest of the file kept as it is), else appended (the file created if missing);
     written atomically. Returns what was done, for the benchmark's last line."""
-    from weightgeom._files import write_atomic
 
     block = markdown_block(name, hardware, command, tables)
     begin, end = _markers(name, hardware)

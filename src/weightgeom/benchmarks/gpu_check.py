@@ -9,7 +9,8 @@ stop the others; the log is also written to ``--log``):
 3. msign accuracy and speed: Polar Express in bf16 and fp32 and torch.optim.Muon's quintic in bf16 on GPT-2 shapes and
    a 4096² matrix, max |σ/σ_max − 1| of the direction and ms per call;
 4. ``weightgeom bench optimizer_step``: our Muon vs torch.optim.Muon, manifold Muon (Stiefel, DGram), AdamW, on one
-   GPT-2-small layer and (on CUDA) on all 12, where same-shape matrices are batched;
+   GPT-2-small layer and (on CUDA) on all 12, where same-shape matrices are batched; on CUDA with ``--compiled``,
+   eager and compiled steps (``weightgeom.optim.compile_step``: one graph, CUDA graphs) side by side;
 5. ``weightgeom bench md_overhead``: the MD wrapper's overhead over AdamW and Muon;
 6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop);
 7. where a manifold step's time goes (``torch.profiler``, 3 steps of Stiefel and DGram on 12 GPT-2-small layers; one
@@ -151,11 +152,12 @@ def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[
     out.append((f"msign accuracy and speed ({device})", [py, "-c", _MSIGN, device]))
     bench = [py, "-m", "weightgeom.cli", "bench"]
     out.append((f"optimizer step: Muon vs torch.optim.Muon, manifold Muon ({device})",
-                [*bench, "optimizer_step", "--device", device, *quick, *([] if quick else ["--iters", str(iters)])]))
+                [*bench, "optimizer_step", "--device", device, *quick, *([] if quick else ["--iters", str(iters)]),
+                 *(["--compiled"] if device == "cuda" else [])]))
     if device == "cuda":  # the whole 12-layer model: same-shape matrices batched (manifold groups too, on a GPU)
         out.append(("optimizer step, 12 layers (cuda)",
                     [*bench, "optimizer_step", "--device", "cuda", "--layers", "12", "--iters", str(iters),
-                     "--only", "default,torch.optim.Muon"]))
+                     "--only", "default,torch.optim.Muon", "--compiled"]))  # eager and compiled side by side
     out.append((f"MD overhead ({device})", [*bench, "md_overhead", "--device", device, *quick]))
     if device == "cuda":
         out.append(("tokens/s of the 124M config",

@@ -48,7 +48,7 @@ from weightgeom.benchmarks._common import (
 )
 from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
-from weightgeom.optim import Muon
+from weightgeom.optim import Muon, compile_step
 from weightgeom.optim.muon import FarRetractionWarning
 
 # --layers at most this many (GPT-2-XL has 48; more would only take memory and time).
@@ -101,6 +101,16 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "adamw (ours)": ("ours", {"algorithm": "adamw", "lr": 1e-3}),
 }
 
+COMPILED_ROWS: dict[str, tuple[str, dict]] = {
+    "muon (ours, default, compiled)": ("ours_compiled", {"on_nonfinite": "skip"}),
+    "stiefel (default, compiled)": ("ours_compiled", {"manifold": "stiefel", "on_nonfinite": "skip"}),
+    "dgram (default, compiled)": ("ours_compiled", {"manifold": "dgram", "on_nonfinite": "skip"}),
+}
+"""The rows ``--compiled`` adds: the same optimizers stepped through ``weightgeom.optim.compile_step`` (one
+``torch.compile(fullgraph=True)`` graph per step; CUDA graphs on CUDA), compiled before the timing starts."""
+COMPILE_STEPS = 3
+"""Steps a compiled row takes before the timing (eager first step, then the two compiling calls)."""
+
 
 def build(kind: str, kw: dict, params: list[torch.nn.Parameter], names: list[str]) -> torch.optim.Optimizer:
     """The optimizer of one CONFIGS row over ``params``."""
@@ -108,9 +118,18 @@ def build(kind: str, kw: dict, params: list[torch.nn.Parameter], names: list[str
         return torch.optim.Muon(params, lr=0.02, weight_decay=0.0)
     if kind == "torch_adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=True)
+    kind = "ours" if kind == "ours_compiled" else kind
     if kw.get("ns_steps") == _CHOICE_STEPS:
         kw = {**kw, "ns_steps": msign_choice(params[0].device).steps}
     return Muon([{"params": params, "names": names}], **{"lr": 0.02, **kw})
+
+
+def stepper_of(kind: str, opt: torch.optim.Optimizer):
+    """The step function a row is timed with: ``opt.step``, or for a compiled row ``compile_step(opt)``."""
+    if kind != "ours_compiled":
+        return opt.step
+
+    return compile_step(opt)
 
 
 def msign_flops(m: int, n: int, steps: int) -> float:
@@ -135,10 +154,11 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
     n_steps = warmup + iters
     grads = [[(1e-3 * torch.randn(s, generator=g)).to(dev) for s in layer_shapes] for _ in range(n_steps)]
     names = [f"transformer.h.{i}.{k}.weight" for i in range(layers) for k, _ in shapes]
-    opts, params, counters, stats, deltas = {}, {}, {}, {}, {}
+    opts, params, counters, stats, deltas, steps = {}, {}, {}, {}, {}, {}
     for key, (kind, kw) in rows.items():
         ps = [torch.nn.Parameter(w.clone()) for w in init]
         params[key], opts[key], counters[key], stats[key] = ps, build(kind, kw, ps, names), [0], []
+        steps[key] = stepper_of(kind, opts[key])
 
     def stepper(key: str):
         def run() -> None:
@@ -147,7 +167,7 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
                 p.grad = gr
             first = counters[key][0] == 0
             before = [p.detach().clone() for p in params[key]] if first else None
-            opts[key].step()
+            steps[key]()
             if first:  # ΔW kept; its SVD is taken after the timing
                 deltas[key] = [p.detach() - b for p, b in zip(params[key], before)]
             counters[key][0] += 1
@@ -157,6 +177,10 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
 
         return run
 
+    for key, (kind, _) in rows.items():  # a compiled row compiles before the timing, not in it
+        if kind == "ours_compiled":
+            for _ in range(COMPILE_STEPS):
+                stepper(key)()
     times = interleaved_medians({k: stepper(k) for k in rows}, iters=iters, warmup=warmup, device=dev,
                                 cpu_seconds=cpu_seconds, progress=progress)
     ortho = {k: max(orthogonality_error(d) for d in ds) for k, ds in deltas.items()}
@@ -229,11 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                          "(torch.optim.Muon, our bf16 preset) are timed on, next to our default Muon (default: all; "
                          "--quick: " + ",".join(QUICK_PEER_SHAPES) + ")")
     ap.add_argument("--json", default="", help="write the results to this JSON file")
+    ap.add_argument("--compiled", action="store_true",
+                    help="add rows stepping our Muon, Stiefel and DGram through weightgeom.optim.compile_step "
+                         "(torch.compile, fullgraph; compiled before the timing, which takes minutes on a CPU)")
     ap.add_argument("--markdown", default="", metavar="FILE",
                     help="put the step-time tables into FILE as markdown (replacing this benchmark's block for this "
                          "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
-    selected = {k: v for k, v in CONFIGS.items() if not args.only or any(s in k for s in args.only.split(","))}
+    rows_all = {**CONFIGS, **(COMPILED_ROWS if args.compiled else {})}
+    selected = {k: v for k, v in rows_all.items() if not args.only or any(s in k for s in args.only.split(","))}
     if not selected:
         ap.error(f"argument --only: {args.only!r} matches no row; rows: {', '.join(CONFIGS)}")
     # the random start matrices are far from the manifolds: the first-step retraction warning is expected here

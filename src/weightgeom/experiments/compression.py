@@ -39,6 +39,17 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from weightgeom._files import read_json, read_toml, write_atomic
+from weightgeom._paths import unwritable_reason
+from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
+from weightgeom.analysis.perplexity import heldout_text, load_causal_lm, perplexity_of_ids
+from weightgeom.analysis.roles import assign_roles
+from weightgeom.experiments.report.claims import Finding, compress_findings
+from weightgeom.experiments.report.claims_page import CLAIMS_FILE, write_claims
+from weightgeom.experiments.runner import resolve_preset
+from weightgeom.train.rundir import DirLock
+from weightgeom.train.trainer import device_kind
+
 __all__ = ["CompressSweep", "ARMS", "is_compress_preset", "load_sweep", "resolve_model", "run_compress_sweep",
            "verdicts", "execute"]
 
@@ -76,7 +87,6 @@ class CompressSweep:
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) for a bad setting."""
-        from weightgeom.analysis.compress import CompressConfig
 
         bad = [a for a in self.arms if a not in ARMS]
         if bad or not self.arms:
@@ -93,8 +103,6 @@ def is_compress_preset(config: str | None, recipe: str) -> bool:
     """Whether ``weightgeom sweep RECIPE CONFIG`` names a compression preset (a file with a ``[compress]`` table)."""
     if recipe != "continuity" or not config:
         return False
-    from weightgeom._files import read_toml
-    from weightgeom.experiments.runner import resolve_preset
 
     try:
         _, path = resolve_preset(config, recipe)
@@ -114,8 +122,6 @@ def load_sweep(config: str, recipe: str = "continuity") -> tuple[str, CompressSw
     Raises:
         ValueError: unknown keys or bad values in ``[compress]`` (one line naming the file).
     """
-    from weightgeom._files import read_toml
-    from weightgeom.experiments.runner import resolve_preset
 
     label, path = resolve_preset(config, recipe)
     table = dict(read_toml(path)["compress"])
@@ -166,8 +172,6 @@ def _point(lm, by_role, role: str, arm: str, savings: float, cfg: CompressSweep,
     """Compress ``role`` in memory, evaluate, restore: one row of the table."""
     import torch
 
-    from weightgeom.analysis.compress import CompressConfig, compress_roles
-    from weightgeom.analysis.perplexity import perplexity_of_ids
 
     share, basis = _arm_settings(arm, auto_space)
     ccfg = CompressConfig(share=share, savings=savings, layers_per_group=cfg.layers_per_group, roles=(role,),
@@ -245,7 +249,6 @@ def _plot(rows: list[dict], baseline: float, path: Path, title: str) -> Path | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from weightgeom._files import write_atomic
 
     roles = list(dict.fromkeys(r["role"] for r in rows))
     if not roles:
@@ -298,11 +301,6 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     """
     import torch
 
-    from weightgeom._files import read_json
-    from weightgeom.analysis.compress import choose_spaces
-    from weightgeom.analysis.perplexity import heldout_text, load_causal_lm, perplexity_of_ids
-    from weightgeom.analysis.roles import assign_roles
-    from weightgeom.train.trainer import device_kind
 
     cfg.check()
     out = Path(out)
@@ -363,7 +361,6 @@ def _settings(cfg: CompressSweep) -> dict:
 def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) -> None:
     import pandas as pd
 
-    from weightgeom._files import write_atomic
 
     rows = record["rows"]
     write_atomic(out / "compress.json", json.dumps(record, indent=1, default=str))
@@ -380,8 +377,6 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
 def write_claims_of(out: Path, record: dict) -> None:
     """``claims.json`` beside ``compress.json``: the continuity paper's pretrained-sharing claim as this sweep
     measured it (:func:`weightgeom.experiments.report.claims.compress_findings`), for ``weightgeom claims``."""
-    from weightgeom.experiments.report.claims import Finding, compress_findings
-    from weightgeom.experiments.report.claims_page import CLAIMS_FILE, write_claims
 
     rows = record.get("rows") or []
     found = [Finding(key, verdict, evidence, "weightgeom sweep continuity compress", 0, len(rows),
@@ -414,7 +409,6 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
             list_only: bool = False, threads: int | None = None) -> tuple[dict, Path | None]:
     """``weightgeom sweep continuity <compress preset>``: returns ``(manifest, report path)`` like
     :func:`weightgeom.experiments.cli.execute` (one "run" per grid point)."""
-    from weightgeom._paths import unwritable_reason
 
     label, cfg, path = load_sweep(config)
     out = Path(out or Path("runs") / "sweeps" / f"continuity-{label}")
@@ -435,7 +429,6 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
     if progress:
         print(f"sweep continuity {label}: {len(grid)} points ({len(cfg.roles)} roles × {len(cfg.savings)} savings × "
               f"{len(cfg.arms)} arms) from {path} → {out}", flush=True)
-    from weightgeom.train.rundir import DirLock
 
     with DirLock(out, what="sweep directory"):  # one writer: a second sweep into ``out`` is refused in one line
         rec = run_compress_sweep(cfg, out, progress=progress, resume=resume,

@@ -40,6 +40,7 @@ from torch import nn
 
 from weightgeom import __version__
 from weightgeom._files import is_regular, read_json, write_atomic
+from weightgeom.benchmarks._common import cpu_kind
 from weightgeom.diagnostics.monitors import _clean, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
 from weightgeom.models import GPT, Llama, build_model
@@ -188,7 +189,6 @@ def device_kind(device: torch.device) -> str:
     (the CPU's matrix-unit class, which sets bf16 speed, and its core count)."""
     if device.type == "cuda":
         return f"GPU {torch.cuda.get_device_name(device)}"
-    from weightgeom.benchmarks._common import cpu_kind
 
     return f"CPU {cpu_kind()}, {os.cpu_count()} cores"
 

@@ -29,9 +29,26 @@ from weightgeom.experiments.report.common import (
     final_value,
     group_runs,
     loss_series,
+    run_file,
     tagged,
 )
-from weightgeom.experiments.report.inputs import MANIFEST, Problems, load_json
+from weightgeom.experiments.report.continuity_data import EXPECTED_SPACE
+from weightgeom.experiments.report.continuity_data import cont_curve as _cont_curve
+from weightgeom.experiments.report.continuity_data import cont_summary as _cont_summary
+from weightgeom.experiments.report.continuity_data import spread_mean as _spread_mean
+from weightgeom.experiments.report.inputs import MANIFEST, META, Problems, load_json
+from weightgeom.experiments.report.manifolds import _attn_manifold, head_saturation_series, study
+from weightgeom.experiments.report.md import (
+    ABLATION_CLAIMS,
+    _tag,
+    ablation_data,
+    ablation_verdict,
+    grid_edge_optima,
+    lr_table,
+    optimal_lrs,
+    warmup_difference,
+    warmup_points,
+)
 
 # ------------------------------------------------------------------------------------------------ the vocabulary
 VERDICTS: dict[str, str] = {
@@ -229,8 +246,6 @@ def _device(runs: Sequence[RunData], meta: Callable[[RunData], dict]) -> str:
 
 
 def _meta(run: RunData) -> dict:
-    from weightgeom.experiments.report.common import run_file
-    from weightgeom.experiments.report.inputs import META
     return run_file(run, "meta.json", META) or {}
 
 
@@ -249,7 +264,6 @@ def source_of(directory: Path, problems: Problems | None = None) -> str:
 def _attn(run: RunData) -> str:
     """The run's attention geometry as the manifold report names it, marked ``+md`` under the MD wrapper (whose
     sphere fixes the attention scale, so it is compared with neither plain geometry)."""
-    from weightgeom.experiments.report.manifolds import _attn_manifold
     name = str((run.config.get("optim") or {}).get("name", ""))
     return _attn_manifold(run) + ("+md" if name.endswith("-md") else "")
 
@@ -265,7 +279,6 @@ def chain_record(run: RunData) -> dict[str, Any]:
     """One run's links of the chain: attention geometry, diverged, σQ·σK and logit-max growth (last / first
     diagnostics step, largest layer), and peak saturation (largest head's where ``heads.jsonl`` exists, else the
     largest layer's)."""
-    from weightgeom.experiments.report.manifolds import head_saturation_series
     sat = head_saturation_series(run)
     if not len(sat):
         sat = diag_aggregate(run, "saturation")
@@ -304,7 +317,6 @@ STUDY_NAMES = {"main": "strategy comparison", "boundary": "stability boundary", 
 
 def manifolds_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, list[RunData]]]:
     """(key, verdict, evidence, runs used) for the manifold-assignment claims these runs test."""
-    from weightgeom.experiments.report.manifolds import study
     out: list[tuple[str, str, str, list[RunData]]] = []
     by_study: dict[str, list[RunData]] = {}
     for r in runs:
@@ -381,7 +393,6 @@ def _strategy_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, lis
 
 # ------------------------------------------------------------------------------------------------ continuity
 def _cv(groups: dict[str, list[RunData]], name: str, kind: str, key: str) -> float:
-    from weightgeom.experiments.report.continuity import _cont_summary
     return _mean([_cont_summary(r, kind).get(key, math.nan) for r in groups.get(name) or [] if not r.diverged])
 
 
@@ -448,7 +459,6 @@ def continuity_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, li
 
 def _dominance(g: dict[str, list[RunData]]) -> list[tuple[str, float, float]]:
     """(arm, final weight C_v, largest ‖ΔW‖/‖W₀‖ reached) per residual-MLP arm."""
-    from weightgeom.experiments.report.continuity import _cont_curve
     out = []
     for name, rs in g.items():
         w = _cv(g, name, "weight", "cv")
@@ -462,7 +472,6 @@ def _dominance(g: dict[str, list[RunData]]) -> list[tuple[str, float, float]]:
 def spread_findings(groups: dict[str, list[RunData]]) -> list[tuple[str, str, str]]:
     """(key, verdict, evidence) of the three activation / LayerNorm claims from the top-k spread of the final
     weights."""
-    from weightgeom.experiments.report.continuity import _spread_mean
 
     def get(name: str, key: str) -> float:
         return _spread_mean(groups.get(name) or [], key)
@@ -502,7 +511,6 @@ def _spread_findings(g: dict[str, list[RunData]]) -> list[tuple[str, str, str, l
 
 def llama_matches(runs: Sequence[RunData]) -> dict[str, tuple[int, int, bool]]:
     """Per Llama arm: (projections matching the paper's space other than V, how many were measured, V low)."""
-    from weightgeom.experiments.report.continuity import EXPECTED_SPACE, _cont_curve
     out = {}
     for name, rs in group_runs(runs).items():
         vals = {}
@@ -539,17 +547,6 @@ MD_PAIRS = (("adamw", "adamw-md"), ("muon", "muon-md"))
 
 def md_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, list[RunData]]]:
     """(key, verdict, evidence, runs used) for the MD claims these runs test."""
-    from weightgeom.experiments.report.md import (
-        ABLATION_CLAIMS,
-        _tag,
-        ablation_data,
-        ablation_verdict,
-        grid_edge_optima,
-        lr_table,
-        optimal_lrs,
-        warmup_difference,
-        warmup_points,
-    )
     runs = tagged(runs, ("optimizer", "width", "lr"), "the MD claims")
     lr_runs = [r for r in runs if _tag(r, "kind", "lr") == "lr"]
     out: list[tuple[str, str, str, list[RunData]]] = []

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from weightgeom.analysis.continuity import random_level_cos
-from weightgeom.analysis.recorder import ROW_METRICS
+from weightgeom.experiments.report.claims import CLAIM_BY_KEY, continuity_findings, spread_findings
 from weightgeom.experiments.report.common import (
     LINESTYLES,
     RunData,
@@ -30,6 +30,11 @@ from weightgeom.experiments.report.common import (
     plot_loss_curves,
     series,
 )
+from weightgeom.experiments.report.continuity_data import EXPECTED_SPACE, SPREAD_COLUMNS  # noqa: F401
+from weightgeom.experiments.report.continuity_data import cont_curve as _cont_curve
+from weightgeom.experiments.report.continuity_data import cont_summary as _cont_summary
+from weightgeom.experiments.report.continuity_data import spread_mean as _spread_mean  # noqa: F401
+from weightgeom.experiments.report.continuity_data import spread_summary as _spread_summary
 from weightgeom.experiments.report.inputs import md_code, plot_text
 
 # The continuity paper's figures for the residual-MLP ablations (K. Jeong, W.-G. Paeng, H. Suh, arXiv:2605.04971);
@@ -46,40 +51,6 @@ SEED_CONTINUITY = {
     "res-ln": "LayerNorm spreads continuity over several singular directions",
     "res-relu-ln": "activation + LayerNorm: the activation's v1 mode dominates",
 }
-SPREAD_COLUMNS = ("v1_share", "cv_rest", "topk_overlap", "topk_overlap_rand")
-
-# The continuity paper: expected continuity space per Llama projection
-EXPECTED_SPACE = {"q": "v1", "k": "v1", "gate": "v1", "up": "v1", "o": "u1", "down": "u1", "v": "low"}
-
-
-# -------------------------------------------------------------------------------------------------- continuity
-CONT_METRICS = ROW_METRICS
-
-
-def _cont_summary(run: RunData, kind: str, step: str | int = "last") -> dict[str, float]:
-    """Mean over layers (and roles) of each continuity metric at a step of ``continuity.jsonl``."""
-    c = run.continuity
-    if c is None or "kind" not in c:
-        return {}
-    sub = c[c["kind"] == kind]
-    if sub.empty:
-        return {}
-    s = int(sub["step"].max()) if step == "last" else (int(sub["step"].min()) if step == "first" else int(step))
-    sub = sub[sub["step"] == s]
-    return {m: float(sub[m].mean()) for m in CONT_METRICS + ("dominance",) if m in sub and sub[m].notna().any()}
-
-
-def _cont_curve(run: RunData, kind: str, metric: str, role: str | None = None) -> pd.Series:
-    c = run.continuity
-    if c is None or "kind" not in c or metric not in c:
-        return pd.Series(dtype=float)
-    sub = c[c["kind"] == kind]
-    if role is not None and "role" in sub:
-        sub = sub[sub["role"] == role]
-    if sub.empty:
-        return pd.Series(dtype=float)
-    return sub.groupby("step")[metric].mean().sort_index()
-
 
 def crossing_step(s: pd.Series, level: float = 1.0) -> float:
     """First step at which the series reaches ``level`` (linear interpolation; NaN if never)."""
@@ -158,7 +129,6 @@ def continuity_section(runs: Sequence[RunData], out: Path) -> str:
 def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
     """The residual-MLP claims' verdicts in words, from the same findings as the report's claims table
     (:func:`weightgeom.experiments.report.claims.continuity_findings`)."""
-    from weightgeom.experiments.report.claims import CLAIM_BY_KEY, continuity_findings
 
     runs = [r for rs in groups.values() for r in rs]
     checks = [f"{CLAIM_BY_KEY[key].text}: {evidence} — **{verdict}**"
@@ -173,29 +143,10 @@ def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
             + "\n".join(f"- {c}" for c in checks))
 
 
-def _spread_summary(run: RunData) -> dict[str, float]:
-    """Means over layer pairs of the top-k spread columns of the last weight record (empty when not recorded)."""
-    c = run.continuity
-    if c is None or "kind" not in c or "v1_share" not in c:
-        return {}
-    sub = c[(c["kind"] == "weight") & c["v1_share"].notna()]
-    if sub.empty:
-        return {}
-    sub = sub[sub["step"] == sub["step"].max()]
-    cols = [k for k in sub.columns if k in SPREAD_COLUMNS or (k.startswith("cv_dir") and k[6:].isdigit())]
-    return {k: float(sub[k].mean()) for k in cols if sub[k].notna().any()}
-
-
-def _spread_mean(rs: Sequence[RunData], key: str) -> float:
-    v = [x for x in (_spread_summary(r).get(key, float("nan")) for r in rs if not r.diverged) if math.isfinite(x)]
-    return float(np.mean(v)) if v else float("nan")
-
-
 def spread_verdicts(groups: dict[str, list[RunData]]) -> list[str]:
     """The continuity paper's three claims on activation vs LayerNorm in words, each ending in its verdict
     (reproduced / not reproduced / reversed), from the same findings as the claims table
     (:func:`weightgeom.experiments.report.claims.spread_findings`)."""
-    from weightgeom.experiments.report.claims import CLAIM_BY_KEY, spread_findings
 
     return [f"{CLAIM_BY_KEY[key].text}: {evidence} — " + (verdict if verdict == "reproduced" else f"**{verdict}**")
             for key, verdict, evidence in spread_findings(groups)]
