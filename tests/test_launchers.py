@@ -451,3 +451,20 @@ def test_ray_dry_run_needs_no_ray_and_prints_the_task_spec(tmp_path, capsys, mon
     assert "runs would be submitted as Ray tasks" in text
     assert ".options(num_cpus=8, num_gpus=1, max_retries=3, retry_exceptions=False)" in text
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--slurm-opt", "comment=x\n#SBATCH --foo\ntouch PWNED"], "line break or control character"),
+    (["--slurm-setup", "module load cuda\nrm -rf x"], "line break or control character"),
+    (["--partition", "a b;x"], "expected a SLURM partition name"),
+    (["--slurm-opt", "comment=a", "--slurm-opt", "comment=b"], "comment was already given"),
+])
+def test_cluster_options_cannot_add_lines_to_the_job_script(tmp_path, capsys, flags, says):
+    """A cluster option's value becomes part of the sbatch script: a line break in it, a partition that is not a
+    name, or one option given twice is refused in one line (exit 2) before anything is written."""
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--gpus-per-run", "1",
+                 "--dry-run", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+    assert not out.exists()

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import math
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -133,8 +134,21 @@ def cluster_options(args: argparse.Namespace) -> dict:
                          "runs train at once as the cluster's resources allow")
     from weightgeom.experiments import launchers
 
+    for key, value in given.items():  # each value becomes part of an sbatch script or a Ray address: one line each
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and re.search(r"[\x00-\x1f\x7f]", v):
+                raise ValueError(f"{CLUSTER_OPTIONS[key][0]} {v!r}: contains a line break or control character, "
+                                 "which would start a new line of the job script")
+    partition = given.get("partition")
+    if partition is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", partition):
+        raise ValueError(f"--partition {partition!r}: expected a SLURM partition name (letters, digits, _ . -; "
+                         "several separated by commas)")
+    seen: dict[str, str] = {}
     for item in given.get("slurm_opt", []):
-        launchers.check_slurm_opt(item)
+        key, _ = launchers.check_slurm_opt(item)
+        if key in seen:
+            raise ValueError(f"--slurm-opt {item!r}: {key} was already given ({seen[key]!r}); give each option once")
+        seen[key] = item
     mem = given.get("mem_per_run")
     if mem is not None and not (mem > 0 and math.isfinite(mem)):
         raise ValueError(f"--mem-per-run {mem:g}: must be a positive number of GB (SLURM reads 0 as all of a node's "
