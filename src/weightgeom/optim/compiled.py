@@ -4,7 +4,9 @@ step"; config key ``train.compile_optimizer``).
 The first step runs eagerly: it creates the optimizer state and runs the checks a trace cannot (Muon's refusal of a
 pretrained-looking matrix at ``init="auto"``, the far-retraction warning), and on a GPU it captures nothing. Later
 steps run ``torch.compile(opt.step, fullgraph=...)`` inside ``full_precision()`` (a trace cannot switch the matmul
-precision itself), so Muon's plain, manifold (host-free path) and AdamW groups are one graph; on CUDA with
+precision itself), so Muon's plain, manifold (host-free path) and AdamW groups are one graph, and so is a
+MagnitudeDirection step over torch's Adam/AdamW or Muon (its host-free path, ``md_host_free``; docs/md.md, "On a
+GPU"); on CUDA with
 ``mode="reduce-overhead"`` (CUDA graphs) by default. Inductor keeps its compiled kernels in its on-disk cache
 (``TORCHINDUCTOR_CACHE_DIR``, on by default), so a second run of the same configuration skips most of the compilation;
 the one-off cost of this run is ``CompiledStep.compile_seconds``.
@@ -89,16 +91,20 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
         mode: torch.compile's mode; ``"default"``: ``default_mode(opt)`` (CUDA graphs on CUDA).
         backend: torch.compile's backend (None: inductor).
         fullgraph: None: True when a step is one graph — a Muon with ``on_nonfinite="skip"`` (with ``"raise"`` the
-            check is a host read); False otherwise (torch's optimizers insert a graph break in ``step``;
-            MagnitudeDirection's step runs eagerly inside: ``torch.compiler.disable``).
+            check is a host read), or a MagnitudeDirection with ``on_nonfinite="skip"`` over torch's Adam/AdamW or
+            such a Muon (``md_host_free.one_graph``: the trace runs its host-free step, the base included); False
+            otherwise (torch's optimizers insert a graph break in ``step``).
 
     Returns:
         A ``CompiledStep`` (callable; ``compile_seconds`` after its third call).
     """
+    from weightgeom.optim import md_host_free
+    from weightgeom.optim.magnitude_direction import MagnitudeDirection
     from weightgeom.optim.muon import Muon
 
     if mode == "default":
         mode = default_mode(opt)
     if fullgraph is None:
-        fullgraph = isinstance(opt, Muon) and opt.on_nonfinite == "skip"
+        fullgraph = (isinstance(opt, Muon) and opt.on_nonfinite == "skip") or (
+            isinstance(opt, MagnitudeDirection) and md_host_free.one_graph(opt))
     return CompiledStep(opt, mode, backend, fullgraph)

@@ -51,7 +51,7 @@ from weightgeom.optim.muon import Muon
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
-__all__ = ["step", "own_adam", "split", "adam_base", "adam_gains", "resync", "project"]
+__all__ = ["step", "one_graph", "own_adam", "split", "adam_base", "adam_gains", "resync", "project"]
 
 GAIN_KEYS = ("gain_row", "gain_col")
 # W counts as still γ_r Ŵ γ_c within this many units in the last place (``magnitude_direction._RESYNC_ULPS``).
@@ -71,6 +71,13 @@ def own_adam(base: torch.optim.Optimizer) -> bool:
     setting amsgrad, maximize or differentiable."""
     return md_fused.base_fusable(base) is None and not any(
         g.get(k) for g in base.param_groups for k in _ADAM_FLAGS)
+
+
+def one_graph(md: MagnitudeDirection) -> bool:
+    """Whether ``torch.compile(md.step)`` is one graph (no host read): ``on_nonfinite="skip"`` and a base whose step
+    is masked on the device — torch's Adam/AdamW (``own_adam``) or a Muon with ``on_nonfinite="skip"``."""
+    base = md.base_optimizer
+    return md.on_nonfinite == "skip" and (own_adam(base) or (isinstance(base, Muon) and base.on_nonfinite == "skip"))
 
 
 def _gain_shape(key: str, stacked: torch.Tensor) -> torch.Tensor:
@@ -303,7 +310,7 @@ def step(md: MagnitudeDirection) -> None:
             for b, _ in work:
                 for p in b.ps:
                     md._rederive(p)
-    masks_base = adam or (isinstance(base, Muon) and base.on_nonfinite == "skip")
+    masks_base = one_graph(md)
     if ok is not None:
         md._skipped.add_(~ok)
         if not masks_base:  # this base cannot mask its own step: read the flag once (a graph break in a trace)
