@@ -262,6 +262,18 @@ class MagnitudeDirection(Optimizer):
             per matrix instead of the base step plus nine eager passes). None (default): used for every matrix it
             covers, eager elsewhere (``summary()`` says which and why). True: required — raises where it cannot run.
             False: always eager.
+        on_nonfinite: what ``step`` does when a gradient holds NaN/Inf. ``"raise"`` (default):
+            ``NonFiniteGradientError`` naming the parameter, nothing changed. ``"skip"``: the whole step is a no-op
+            (parameters, directions, gains, every state tensor, the base's included, bitwise unchanged), counted in
+            ``skipped_steps``; eagerly the check is one host read, on the host-free path (``host_free``; inside
+            ``torch.compile``) a 0-dim device flag masking every write (``md_host_free``), so that a step over
+            torch's Adam/AdamW or a Muon with ``on_nonfinite="skip"`` reads nothing on the host and traces as one
+            graph (``compile_step``).
+
+    Attributes:
+        host_free: None (default): the host-free step (``md_host_free``: same-shape matrices batched, every host
+            decision a device mask) inside a ``torch.compile`` trace only; True: also eagerly; False: never.
+        skipped_steps: 0-dim int64 tensor: the steps ``on_nonfinite="skip"`` skipped.
 
     Raises:
         ValueError: unknown option value; a base-optimizer param whose dtype is not float16, bfloat16, float32 or
@@ -536,9 +548,9 @@ class MagnitudeDirection(Optimizer):
             self._skipped += 1
         return loss
 
-    # Never traced by torch.compile: a compiled `step` runs the body eagerly (one graph break). Its work lists are
-    # built during the step, and dynamo guarded a traced per-matrix pass on the tensors' shapes, not on which
-    # parameter they were: over AdamW (the fused C path) three 256×64 matrices came out 3.3e-3 off the eager step.
+    # Never traced by torch.compile: a trace runs ``md_host_free.step`` instead (buckets keyed by the parameters, their
+    # state read inside the step). Tracing this body, dynamo guarded a traced per-matrix pass on the tensors' shapes,
+    # not on which parameter they were: over AdamW (the fused C path) three 256×64 matrices came out 3.3e-3 off.
     @torch.compiler.disable
     def _update(self) -> None:
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
