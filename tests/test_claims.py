@@ -138,7 +138,11 @@ def test_claims_command_refuses_bad_input_in_one_line(tmp_path):
                                              "steps": 1, "runs": 1, "device": "z"}, {"key": "nope"}]}))
     readme = tmp_path / "README.md"
     readme.write_text("no markers here\n")
-    out = claims(bad, "--readme", readme)
+    out = claims(bad, "--readme", readme)  # nothing readable: nothing written
+    assert out.returncode == 2 and "nothing written" in out.stderr and "Traceback" not in out.stderr
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"findings": [_finding()]}))
+    out = claims(good, "--readme", readme)
     assert out.returncode == 2 and "markers" in out.stderr and "Traceback" not in out.stderr
     assert readme.read_text() == "no markers here\n"  # nothing written
     out = claims(bad)
@@ -187,3 +191,47 @@ def test_pretrained_sharing_rule():
     assert verdict(rows("Q", 20, 10), rows("O", 20, 10, "output")) == "reversed"
     assert verdict(rows("Q", 10, 20), rows("Up", 20, 10)) == "partly reproduced"
     assert verdict(rows("Q", 10, 10.3), rows("K", 10.2, 10)) == "not reproduced"  # within PPL_MARGIN
+
+
+def _finding(**kw) -> dict:
+    f = {"key": "c-nores", "verdict": "reproduced", "evidence": "NoRes 0.05", "source": "weightgeom sweep continuity cpu",
+         "steps": 500, "runs": 2, "device": "CPU AMX, 2 cores"}
+    return {**f, **kw}
+
+
+def _claims_cli(*args):
+    return subprocess.run([sys.executable, "-m", "weightgeom", "claims", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_claims_from_a_hostile_file_stay_inert_and_bounded(tmp_path):
+    evil = tmp_path / "claims.json"
+    evil.write_text(json.dumps({"findings": [
+        _finding(source="a ` <script>alert(1)</script> ` b | c"),
+        _finding(key="c-symmetry", evidence="x" * 5_000_000)]}))
+    out = _claims_cli(evil)
+    assert out.returncode == 0 and "evidence is longer than 1000 characters" in out.stderr
+    row = next(line for line in out.stdout.splitlines() if "without residual connections" in line)
+    # inside a code span (fence longer than any backtick run in it) a renderer shows the tag as text; no extra cell
+    assert "``a ` <script>alert(1)</script> ` b \\| c``" in row and row.count(" | ") == 3
+    assert "x" * 1001 not in out.stdout
+
+
+def test_claims_never_rewrite_a_readme_from_nothing_or_through_a_link(tmp_path):
+    readme = tmp_path / "README.md"
+    body = f"# x\n\n{cp.README_BEGIN}\nOLD-TABLE\n{cp.README_END}\n"
+    readme.write_text(body)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    out = _claims_cli(bad, "--readme", readme)
+    assert out.returncode == 2 and "nothing written" in out.stderr and readme.read_text() == body
+    good = tmp_path / "claims.json"
+    good.write_text(json.dumps({"findings": [_finding()]}))
+    link = tmp_path / "link.md"
+    link.symlink_to(readme)
+    out = _claims_cli(good, "--readme", link)
+    assert out.returncode == 2 and "symbolic link" in out.stderr and link.is_symlink() and readme.read_text() == body
+    twice = tmp_path / "twice.md"
+    twice.write_text(body + body)
+    out = _claims_cli(good, "--readme", twice)
+    assert out.returncode == 2 and "more than once" in out.stderr and twice.read_text() == body + body

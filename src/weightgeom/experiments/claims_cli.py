@@ -56,10 +56,24 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"weightgeom claims: {given} does not exist", file=sys.stderr)
             return 2
+    files = list({str(f.resolve()): f for f in files}.values())  # a file given twice is read once
     problems = Problems()
-    found_all = [f for path in dict.fromkeys(files) for f in read_claims(path, problems)]
+    found_all = [f for path in files for f in read_claims(path, problems)]
     for line in problems.lines[:10]:
         print(f"weightgeom claims: warning: {line}", file=sys.stderr)
+    if len(problems.lines) > 10:
+        print(f"weightgeom claims: warning: and {len(problems.lines) - 10} more", file=sys.stderr)
+    writes = [(flag, value) for flag, value in (("--readme", args.readme), ("--page", args.page),
+                                                  ("--record", args.record)) if value]
+    if writes and not found_all:
+        print(f"weightgeom claims: no finding could be read from {len(files)} claims.json; nothing written",
+              file=sys.stderr)
+        return 2
+    for flag, value in writes:
+        if Path(value).is_symlink() or Path(value).is_dir():
+            what = "a symbolic link" if Path(value).is_symlink() else "a directory"
+            print(f"weightgeom claims: {flag} {value} is {what}; give the file itself", file=sys.stderr)
+            return 2
     merged = merge(found_all)
     table = readme_table(merged)
     try:
@@ -67,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
             readme = Path(args.readme)
             try:
                 text = replace_block(readme.read_text(encoding="utf-8"), table)
+            except UnicodeDecodeError:
+                print(f"weightgeom claims: {readme}: not a UTF-8 text file", file=sys.stderr)
+                return 2
             except ValueError as e:
                 print(f"weightgeom claims: {readme}: {e}", file=sys.stderr)
                 return 2

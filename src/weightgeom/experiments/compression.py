@@ -283,7 +283,7 @@ def _plot(rows: list[dict], baseline: float, path: Path, title: str) -> Path | N
 
 
 def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress: bool = True,
-                       resume: bool = True, title: str = "") -> dict:
+                       resume: bool = True, title: str = "", label: str = "compress") -> dict:
     """Run the grid (see the module docstring) and write its files to ``out``.
 
     Args:
@@ -333,7 +333,7 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
               "spaces: " + ", ".join(f"{r} {v['space']}" for r, v in spaces.items()), flush=True)
     record: dict[str, Any] = {"settings": settings, "model_path": str(model_path), "model": lm.name,
                               "device_kind": device_kind(torch.device("cpu")), "torch_threads": torch.get_num_threads(),
-                              "baseline": base.as_dict(), "spaces": spaces, "rows": rows}
+                              "baseline": base.as_dict(), "spaces": spaces, "rows": rows, "label": label}
     done = {(r["role"], r["arm"], r["savings_target"]) for r in rows}
     grid = [(role, s, arm) for role in cfg.roles for s in cfg.savings for arm in cfg.arms]
     for i, (role, s, arm) in enumerate(grid):
@@ -379,7 +379,8 @@ def write_claims_of(out: Path, record: dict) -> None:
     measured it (:func:`weightgeom.experiments.report.claims.compress_findings`), for ``weightgeom claims``."""
 
     rows = record.get("rows") or []
-    found = [Finding(key, verdict, evidence, "weightgeom sweep continuity compress", 0, len(rows),
+    source = f"weightgeom sweep continuity {record.get('label') or 'compress'}"
+    found = [Finding(key, verdict, evidence, source, 0, len(rows),
                      str(record.get("device_kind") or "not recorded"))
              for key, verdict, evidence in compress_findings(record)]
     write_claims(found, out / CLAIMS_FILE)
@@ -431,7 +432,7 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
               f"{len(cfg.arms)} arms) from {path} → {out}", flush=True)
 
     with DirLock(out, what="sweep directory"):  # one writer: a second sweep into ``out`` is refused in one line
-        rec = run_compress_sweep(cfg, out, progress=progress, resume=resume,
+        rec = run_compress_sweep(cfg, out, progress=progress, resume=resume, label=label,
                                  title=f"weightgeom sweep continuity {label}: {Path(rec_model(cfg)).name}")
     if progress:
         print(format_verdicts(rec))

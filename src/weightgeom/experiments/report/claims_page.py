@@ -15,7 +15,7 @@ from typing import Any
 
 from weightgeom._files import write_atomic
 from weightgeom.experiments.report.claims import CLAIM_BY_KEY, CLAIMS, VERDICTS, Claim, Finding
-from weightgeom.experiments.report.inputs import ListOf, NonNegInt, Problems, Str, load_json, md_text
+from weightgeom.experiments.report.inputs import ListOf, NonNegInt, Problems, Str, load_json, md_code, md_text
 
 CLAIMS_FILE = "claims.json"
 """Written by ``weightgeom report`` next to ``report.md``; read by ``weightgeom claims``."""
@@ -35,14 +35,22 @@ def write_claims(findings: Sequence[Finding], path: Path) -> Path:
     return path
 
 
+MAX_CHARS = {"key": 64, "verdict": 64, "evidence": 1000, "source": 200, "device": 200}
+"""Longest text a finding's field may hold (characters); a longer one leaves the finding out."""
+
+
 def read_claims(path: Path, problems: Problems) -> list[Finding]:
-    """The findings of a ``claims.json`` (untrusted: typed, bounded; unknown claims and verdicts left out and named
-    in ``problems``)."""
+    """The findings of a ``claims.json`` (untrusted: typed, each text field bounded by :data:`MAX_CHARS`; unknown
+    claims and verdicts left out and named in ``problems``)."""
     data = load_json(path, CLAIMS_SHAPE, problems) or {}
     out = []
     for i, f in enumerate(data.get("findings") or []):
+        long = [k for k, n in MAX_CHARS.items() if isinstance(f.get(k), str) and len(f[k]) > n]
         if set(FINDING_SHAPE) - set(f):
             problems.add(f"{path}:findings[{i}]", "incomplete finding; ignored")
+        elif long:
+            problems.add(f"{path}:findings[{i}]", f"{long[0]} is longer than {MAX_CHARS[long[0]]} characters; "
+                                                  "ignored")
         elif f["key"] not in CLAIM_BY_KEY:
             problems.add(f"{path}:findings[{i}]", f"unknown claim {f['key']!r}; ignored")
         elif f["verdict"] not in VERDICTS:
@@ -72,6 +80,11 @@ def headline(claim: Claim, fs: Sequence[Finding]) -> str:
     return fs[0].verdict if fs else "not tested"
 
 
+def _size(f: Finding) -> str:
+    """How many runs (or grid points) a finding used, and their training steps where they trained."""
+    return f"{f.runs} runs × {f.steps} steps" if f.steps else f"{f.runs} points"
+
+
 def _command(f: Finding) -> str:
     """The finding's command without the note on where it ran."""
     return f.source.split(" (")[0]
@@ -96,7 +109,7 @@ def report_section(findings: Sequence[Finding]) -> str:
     for f in findings:
         c = CLAIM_BY_KEY[f.key]
         rows.append(f"| {c.paper} | {c.text} | {_bold(f.verdict)} | {md_text(f.evidence)} | "
-                    f"{md_text(f.source)}, {f.runs} runs × {f.steps} steps |")
+                    f"{md_text(f.source)}, {_size(f)} |")
     lines = ["## The papers' claims", "",
              "Each verdict follows the claim's stated rule below, from these runs only (\"not reproduced\" means not "
              "at this scale, never \"false\").", "",
@@ -114,7 +127,7 @@ def readme_table(merged: dict[str, list[Finding]]) -> str:
     for c in CLAIMS:
         fs = merged.get(c.key) or []
         if fs:
-            ev = f"{md_text(fs[0].evidence)}: `{_command(fs[0])}`"
+            ev = f"{md_text(fs[0].evidence)}: {md_code(_command(fs[0]))}"
             also: dict[str, list[str]] = {}
             for f in fs[1:]:
                 also.setdefault(f.verdict, [])
@@ -157,8 +170,8 @@ def results_page(merged: dict[str, list[Finding]]) -> str:
             if not fs:
                 lines += [f"Not tested: {c.untested or 'no recorded run tests it'}.", ""]
                 continue
-            lines += ["| verdict | evidence | command | runs × steps | device |", "|---|---|---|---|---|"]
-            lines += [f"| {f.verdict} | {md_text(f.evidence)} | `{f.source}` | {f.runs} × {f.steps} | "
+            lines += ["| verdict | evidence | command | runs | device |", "|---|---|---|---|---|"]
+            lines += [f"| {f.verdict} | {md_text(f.evidence)} | {md_code(f.source)} | {_size(f)} | "
                       f"{md_text(f.device)} |" for f in fs]
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
@@ -173,6 +186,8 @@ def replace_block(text: str, block: str) -> str:
     i, j = text.find(README_BEGIN), text.find(README_END)
     if i < 0 or j < i:
         raise ValueError(f"the markers {README_BEGIN!r} … {README_END!r} were not found")
+    if text.count(README_BEGIN) > 1 or text.count(README_END) > 1:
+        raise ValueError("the claims-table markers appear more than once; keep one pair")
     return text[:i] + block + text[j + len(README_END):]
 
 
