@@ -194,8 +194,8 @@ def test_pretrained_sharing_rule():
 
 
 def _finding(**kw) -> dict:
-    f = {"key": "c-nores", "verdict": "reproduced", "evidence": "NoRes 0.05", "source": "weightgeom sweep continuity cpu",
-         "steps": 500, "runs": 2, "device": "CPU AMX, 2 cores"}
+    f = {"key": "c-nores", "verdict": "reproduced", "evidence": "NoRes 0.05",
+         "source": "weightgeom sweep continuity cpu", "steps": 500, "runs": 2, "device": "CPU AMX, 2 cores"}
     return {**f, **kw}
 
 
