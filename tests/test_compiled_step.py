@@ -245,3 +245,43 @@ def test_operations_per_bucket_do_not_grow_with_its_matrices(manifold):
     two, six = _step_ops(manifold, 2), _step_ops(manifold, 6)
     assert two.ops == six.ops <= OPS_PER_BUCKET[manifold], (two.ops, six.ops)
     assert two.reads == six.reads == 0
+
+
+def test_compiled_step_follows_a_learning_rate_schedule_and_still_refuses_a_bad_lr():
+    """A scheduler changes every group's lr between steps: the compiled step follows it (under fullgraph it used to
+    fail once dynamo turned the changed lr into a symbol that the value check could not test) and equals the eager
+    step; a NaN lr set by a scheduler is refused in one line before the compiled call, as the eager step refuses it.
+    Known cost: the step reads lr as a Python number (``float(group["lr"])``, ``alpha=``), so each new lr value is a
+    recompile until torch's cache limit, after which the step runs eagerly (docs/muon.md §6)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from weightgeom.optim import compile_step
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(2)]
+        opt = Muon([{"params": ps}], lr=0.02, on_nonfinite="skip")
+        step = compile_step(opt, backend="aot_eager") if compiled else opt.step
+        g = torch.Generator().manual_seed(1)
+        for i in range(8):
+            for group in opt.param_groups:
+                group["lr"] = 0.02 * (1 - i / 10)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            step()
+        for group in opt.param_groups:
+            group["lr"] = float("nan")
+        with pytest.raises(ValueError, match="lr=nan"):
+            step()
+        return [p.detach().clone() for p in ps]
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager, compiled = run(False), run(True)
+        assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # it did compile
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)

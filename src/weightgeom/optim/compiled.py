@@ -73,6 +73,9 @@ class CompiledStep:
             out = self.opt.step(closure)
             self._eager_s = time.perf_counter() - t0
             return out
+        for o in (self.opt, getattr(self.opt, "base_optimizer", None)):  # the checks a trace cannot make: values
+            if hasattr(o, "check_groups"):  # a scheduler set since the last step (a NaN lr), one line, nothing changed
+                o.check_groups()
         with full_precision():
             out = self.compiled(closure)
         if self._calls <= 3:

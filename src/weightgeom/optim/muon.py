@@ -690,6 +690,20 @@ class Muon(torch.optim.Optimizer):
                 "init='keep' to fine-tune it as it is, or init='retract' to project it; step refused, nothing was "
                 "changed")
 
+    def check_groups(self) -> None:
+        """Refuse, naming it, a hyperparameter value set in a group since it was added that the constructor refuses
+        (a scheduler's NaN lr, an ``eps`` of 0): what every eager step checks first. ``compile_step`` calls it before
+        each compiled step, whose trace cannot check values it sees as symbols.
+
+        Raises:
+            ValueError: one line naming the group and key; nothing was changed.
+        """
+        for gi, group in enumerate(self.param_groups):
+            try:
+                _validate_values(group, where=f"Muon group {gi}")
+            except ValueError as e:
+                raise ValueError(f"{e}; step refused, nothing was changed") from None
+
     def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
         """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
         the group since it was added that the constructor refuses (``_validate_values``, the manifold, the matrices'
@@ -702,7 +716,8 @@ class Muon(torch.optim.Optimizer):
             ValueError: one line naming the group or parameter; nothing was changed.
         """
         try:
-            _validate_values(group, where=f"Muon group {gi}")
+            if not torch.compiler.is_compiling():  # a trace sees the values as symbols: ``check_groups`` runs before
+                _validate_values(group, where=f"Muon group {gi}")  # each compiled step instead (compile_step)
             if group["manifold"] is not None:
                 self._manifold(group)
             for i, p in items:
