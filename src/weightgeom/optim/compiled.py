@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 from weightgeom.linalg import full_precision
+from weightgeom.optim import md_host_free
+from weightgeom.optim.magnitude_direction import MagnitudeDirection
+from weightgeom.optim.muon import Muon
 
 __all__ = ["compile_step", "CompiledStep", "default_mode", "COMPILE_OPTIMIZER"]
 
@@ -101,9 +104,6 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
     Returns:
         A ``CompiledStep`` (callable; ``compile_seconds`` after its third call).
     """
-    from weightgeom.optim import md_host_free
-    from weightgeom.optim.magnitude_direction import MagnitudeDirection
-    from weightgeom.optim.muon import Muon
 
     if mode == "default":
         mode = default_mode(opt)
