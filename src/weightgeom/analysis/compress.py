@@ -39,7 +39,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,8 +54,8 @@ from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
 
 __all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
            "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
-           "shared_basis", "coefficients", "reconstruct", "apply_compressed", "decompress", "read_index",
-           "compressed_source", "FORMAT_VERSION"]
+           "shared_basis", "random_basis", "coefficients", "reconstruct", "apply_compressed", "decompress",
+           "read_index", "compressed_source", "check_out", "source_fingerprint", "FORMAT_VERSION"]
 
 SHARE_MODES = ("input", "output", "auto", "none")
 SPACES = ("input", "output", "none")
@@ -148,6 +148,12 @@ def rank_for_savings(space: str, k: int, m: int, n: int, savings: float) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- linear algebra
+def random_basis(d: int, r: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random orthonormal d×r basis (float32): QR of a d×r standard Gaussian matrix (float64) drawn from
+    ``generator``."""
+    return torch.linalg.qr(torch.randn(d, r, generator=generator, dtype=torch.float64)).Q.float()
+
+
 def shared_basis(Ws: Sequence[torch.Tensor], space: str, r: int, basis: str = "svd",
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """The group's orthonormal basis (d×r, d = n for ``input``, m for ``output``), float32.
@@ -159,8 +165,7 @@ def shared_basis(Ws: Sequence[torch.Tensor], space: str, r: int, basis: str = "s
     m, n = Ws[0].shape
     d = n if space == "input" else m
     if basis == "random":
-        g = torch.randn(d, r, generator=generator, dtype=torch.float64)
-        return torch.linalg.qr(g).Q.float()
+        return random_basis(d, r, generator)
     G = torch.zeros(d, d, dtype=torch.float64)
     for W in Ws:
         W64 = W.double()
@@ -263,12 +268,27 @@ def _groups(items: list[RoleWeight], k: int) -> list[list[RoleWeight]]:
     return [run[i:i + k] for run in _runs(items) for i in range(0, len(run), k)]
 
 
-def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Mapping[str, str]
-          ) -> list[tuple[str, str, list[RoleWeight], int]]:
+def _plural(n: int, word: str) -> str:
+    """``"1 layer"``, ``"2 layers"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _percent(x: float) -> str:
+    """A fraction as a percentage with three significant digits (0.001 → ``"0.1%"``, 0.75 → ``"75%"``)."""
+    return f"{x * 100:.3g}%"
+
+
+def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Mapping[str, str],
+          allow_growth: bool = False) -> list[tuple[str, str, list[RoleWeight], int]]:
     """(role, space, group, rank) for every group, checked before anything is read.
 
+    Args:
+        allow_growth: accept a rank at which a group takes at least as many parameters as its dense matrices (a
+            full-rank round trip); refused by default.
+
     Raises:
-        ValueError: a rank larger than a group's matrices allow, or a savings target no rank ≥ 1 reaches.
+        ValueError: a rank larger than a group's matrices allow, a rank that saves no parameters (naming the largest
+            that does), or a savings target no rank ≥ 1 reaches.
     """
     plan = []
     for role, items in by_role.items():
@@ -285,18 +305,28 @@ def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Map
                     raise ValueError(f"--rank {cfg.rank} is larger than role {role} allows: {what} (layers "
                                      f"{g[0].layer}-{g[-1].layer}, {space} space); at most {top}")
                 r = int(cfg.rank)
+                if not allow_growth and group_params(space, k, m, n, r) >= k * m * n:
+                    best = min((k * m * n - 1) // group_params(space, k, m, n, 1), top)
+                    hint = (f"the largest rank that saves parameters is {best}" if best >= 1 else
+                            "no rank saves parameters there (choose another --share or --layers-per-group)")
+                    raise ValueError(f"--rank {r} saves nothing for role {role}: {_plural(k, 'layer')} of {m}×{n} "
+                                     f"(layers {g[0].layer}-{g[-1].layer}, {space} space) take "
+                                     f"{group_params(space, k, m, n, r)} parameters at rank {r}, not fewer than "
+                                     f"their {k * m * n} dense ones; {hint}")
             else:
                 r = rank_for_savings(space, k, m, n, float(cfg.savings))
                 if r < 1:
-                    raise ValueError(f"savings {cfg.savings:g}: even rank 1 keeps more than {1 - cfg.savings:.0%} of "
-                                     f"role {role}'s {m}×{n} parameters in the {space} space (k={k}); lower it")
+                    raise ValueError(f"savings {cfg.savings:g}: even rank 1 keeps more than "
+                                     f"{_percent(1 - cfg.savings)} of role {role}'s {m}×{n} parameters in the {space} "
+                                     f"space (k={k}); lower it")
             plan.append((role, space, g, r))
     return plan
 
 
 def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] | str | None = None,
                    spaces: Mapping[str, str] | None = None, progress: bool = False,
-                   by_role: dict[str, list[RoleWeight]] | None = None) -> Iterator[GroupResult]:
+                   by_role: dict[str, list[RoleWeight]] | None = None, allow_growth: bool = False,
+                   skip: Collection[str] = ()) -> Iterator[GroupResult]:
     """Compress group by group (a generator: each :class:`GroupResult` is yielded, then dropped by the caller).
 
     Args:
@@ -307,10 +337,13 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
             :func:`choose_spaces`).
         progress: one stderr line per group with the elapsed time and an ETA (by matrix size).
         by_role: already assigned roles (skips opening ``source``).
+        allow_growth: accept a rank that saves no parameters (see :func:`_plan`).
+        skip: roles planned but neither read nor yielded (already written by an interrupted :func:`compress`); their
+            random bases are drawn and dropped, so the other roles get those of an uninterrupted run.
 
     Raises:
-        ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have, a
-            non-finite matrix (named).
+        ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have or that
+            saves nothing, a non-finite matrix (named).
     """
 
     cfg.check()
@@ -323,11 +356,16 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         spaces = dict(spaces)
     else:
         spaces = dict.fromkeys(by_role, cfg.share)
-    plan = _plan(by_role, cfg, spaces)
+    plan = _plan(by_role, cfg, spaces, allow_growth)
     gen = torch.Generator().manual_seed(int(cfg.seed))
-    total = sum(rw.weight.numel() for _, _, g, _ in plan for rw in g) or 1
+    total = sum(rw.weight.numel() for role, _, g, _ in plan if role not in skip for rw in g) or 1
     done, t0 = 0, time.perf_counter()
     for j, (role, space, g, r) in enumerate(plan):
+        if role in skip:
+            if cfg.basis == "random" and space != "none":
+                m, n = g[0].weight.shape
+                random_basis(int(n if space == "input" else m), r, gen)
+            continue
         Ws = []
         for rw in g:
             W = as_computable(materialize(rw.weight), rw.name).float()
@@ -419,16 +457,130 @@ def savings_table(groups: Sequence[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+_WEIGHT_INDEXES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def source_fingerprint(path: str | Path) -> dict[str, list[int]]:
+    """A cheap fingerprint of a model source, nothing read: ``{file: [size in bytes, modification time in ns]}`` of the
+    file itself, or of a folder's weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``,
+    ``*.gguf``, ``config.json`` and the shard indexes) and those of its ``checkpoints/`` (a run directory)."""
+    p = Path(path)
+    if not p.is_dir():
+        st = p.stat()
+        return {p.name: [st.st_size, st.st_mtime_ns]}
+    out: dict[str, list[int]] = {}
+    for sub in (p, p / "checkpoints"):
+        if not sub.is_dir():
+            continue
+        for f in sorted(sub.iterdir()):
+            if (f.suffix.lower() in _WEIGHT_SUFFIXES or f.name in _WEIGHT_INDEXES) and f.is_file():
+                st = f.stat()
+                out[f.relative_to(p).as_posix()] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _fingerprint_change(old: Mapping, new: Mapping) -> str:
+    """What differs between two :func:`source_fingerprint` results, in words ("" when nothing)."""
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            return f"{name} is gone"
+        if name not in old:
+            return f"{name} was added"
+        if list(old[name]) != list(new[name]):
+            return f"{name} has another size or modification time"
+    return ""
+
+
 def _source_info(source) -> dict:
-    """Where the compressed weights came from: path, size in bytes and modification time (None for in-memory)."""
+    """Where the compressed weights came from: the resolved path and :func:`source_fingerprint` (path None for an
+    in-memory model)."""
 
     if isinstance(source, Loaded):
         source = source.meta.get("path")
     if isinstance(source, (str, Path)):
         p = Path(source).resolve()
-        st = p.stat()
-        return {"path": str(p), "bytes": st.st_size if p.is_file() else None, "mtime": int(st.st_mtime)}
+        return {"path": str(p), "fingerprint": source_fingerprint(p)}
     return {"path": None}
+
+
+def _jsonable(x):
+    """``x`` as it reads back from JSON (tuples become lists), for comparing settings with a written index."""
+    return json.loads(json.dumps(x, default=_json_default))
+
+
+def _names(entries: Sequence[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``."""
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return ", ".join(entries[:shown]) + more
+
+
+def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[str, str] | str | None = None
+              ) -> dict | None:
+    """Whether ``out`` may take :func:`compress`'s output for ``source`` and ``cfg``; nothing is written.
+
+    Returns:
+        None for a new or empty directory; the index to resume for an interrupted compress (``"complete": false``)
+        of the same source (path and :func:`source_fingerprint`), settings and role map.
+
+    Raises:
+        FileNotFoundError: no such source.
+        ValueError: the source is itself a compress output; ``out`` is the source or inside it; ``out`` is not empty
+            and is not an interrupted compress of the same source and settings (one line naming what differs).
+        FileExistsError: ``out`` holds a finished compressed checkpoint.
+    """
+    path = source.meta.get("path") if isinstance(source, Loaded) else source
+    out_p = Path(out)
+    info: dict = {"path": None}
+    if isinstance(path, (str, Path)):
+        sp = Path(path)
+        if not sp.exists():
+            raise FileNotFoundError(f"{sp}: no such file or directory")
+        if sp.is_dir() and (sp / INDEX_FILE).is_file():
+            raise ValueError(f"{sp}: is a compress output ({INDEX_FILE}), not a model; compress its source instead")
+        info = _source_info(sp)
+        o, s = out_p.resolve(), Path(info["path"])
+        if o == s or s in o.parents:
+            where = "is the source model" if o == s else "is inside the source model"
+            raise ValueError(f"--out {out}: {where} {sp}; compress writes into a directory of its own — choose "
+                             "another --out")
+    if not out_p.is_dir():
+        return None
+    entries = sorted(e.name for e in out_p.iterdir())
+    if not entries:
+        return None
+    if INDEX_FILE not in entries:
+        raise ValueError(f"--out {out}: is not empty ({_names(entries)}) and not a compress output; compress writes "
+                         "only into a new or empty directory — choose another --out")
+    idx = read_json(out_p / INDEX_FILE, what="compressed index")
+    if not isinstance(idx, dict) or idx.get("format") != "weightgeom-compressed":
+        raise ValueError(f"--out {out}: {INDEX_FILE} is not a weightgeom compressed index; choose another --out")
+    if idx.get("complete"):
+        raise FileExistsError(f"--out {out}: already holds a compressed checkpoint ({INDEX_FILE}); choose another "
+                              "--out or remove it")
+    if info["path"] is None:
+        raise ValueError(f"--out {out}: holds an interrupted compress, which an in-memory model cannot be matched to; "
+                         "choose another --out or remove it")
+    old_src = idx.get("source") if isinstance(idx.get("source"), dict) else {}
+    old_cfg = idx.get("config") if isinstance(idx.get("config"), dict) else {}
+    new_cfg = _jsonable(asdict(cfg))
+    diff = [k for k in new_cfg if old_cfg.get(k) != new_cfg[k]]
+    if old_src.get("path") != info["path"]:
+        diff.insert(0, f"source {old_src.get('path')}")
+    elif old_src.get("fingerprint") != info["fingerprint"]:
+        diff.insert(0, f"source files ({_fingerprint_change(old_src.get('fingerprint') or {}, info['fingerprint'])})")
+    if idx.get("role_map") != _jsonable(role_map):
+        diff.append("role map")
+    if idx.get("version") != FORMAT_VERSION:
+        diff.append(f"format version {idx.get('version')!r}")
+    if diff:
+        raise ValueError(f"--out {out}: holds an interrupted compress with another {', '.join(diff)}; rerun that "
+                         "command to finish it, or choose another --out")
+    groups = idx.get("groups")
+    if not isinstance(groups, list):
+        raise ValueError(f"{out_p / INDEX_FILE}: groups is not a list")
+    _check_groups(out_p, groups)
+    return idx
 
 
 def _group_file(role: str, j: int) -> str:
@@ -437,24 +589,27 @@ def _group_file(role: str, j: int) -> str:
 
 def compress(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
              role_map: Mapping[str, str] | str | None = None, progress: bool = False,
-             on_role_done: Callable[[CompressResult], None] | None = None, **kwargs) -> CompressResult:
+             on_role_done: Callable[[CompressResult], None] | None = None, allow_growth: bool = False,
+             **kwargs) -> CompressResult:
     """Compress ``source``'s roles with shared (or per-layer) low-rank bases; write them to ``out``.
 
     Args:
         source: HF directory, .safetensors, torch checkpoint (weights only), .gguf, run directory, nn.Module or state
             dict (paths are streamed: one group of matrices in memory at a time).
-        out: output directory (None: compute the table only, write nothing). Must not hold a compressed index yet.
+        out: output directory (None: compute the table only, write nothing): new, empty, or an interrupted compress
+            of the same source and settings, which is finished (its finished roles kept, see :func:`check_out`).
         cfg: :class:`CompressConfig` (or its fields as keyword arguments).
         role_map: user role map, as for ``analyze``.
         progress: one stderr line per group.
-        on_role_done: called after each finished role with the result so far.
+        on_role_done: called after each finished role with the result so far (a snapshot).
+        allow_growth: accept a rank that saves no parameters (a full-rank round trip); refused by default.
 
     Returns:
         :class:`CompressResult`.
 
     Raises:
-        ValueError: bad settings or source (one line); ``FileExistsError``: ``out`` already holds a compressed
-            checkpoint.
+        ValueError: bad settings, source or ``out`` (one line); ``FileExistsError``: ``out`` already holds a
+            compressed checkpoint.
     """
     from safetensors.torch import save
 
@@ -462,38 +617,43 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     cfg = cfg or CompressConfig(**kwargs)
     cfg.check()
     out_p = Path(out) if out is not None else None
-    if out_p is not None and (out_p / INDEX_FILE).exists():
-        raise FileExistsError(f"{out_p}/{INDEX_FILE} exists: {out_p} already holds a compressed checkpoint; choose "
-                              "another --out or remove it")
+    old = check_out(out_p, source, cfg, role_map) if out_p is not None else None
     src = _as_loaded(source)
     by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
-    spaces_info: dict = {}
-    if cfg.share == "auto":
+    old_spaces = old.get("spaces") if old is not None else None
+    if cfg.share == "auto" and isinstance(old_spaces, dict) and all(
+            isinstance(old_spaces.get(r), dict) and old_spaces[r].get("space") in ("input", "output")
+            for r in by_role):
+        spaces_info = {r: old_spaces[r] for r in by_role}  # resuming: the spaces the finished roles were cut in
+    elif cfg.share == "auto":
         spaces_info = choose_spaces(src, role_map, list(by_role))
-        spaces = {r: v["space"] for r, v in spaces_info.items()}
     else:
-        spaces = dict.fromkeys(by_role, cfg.share)
-        spaces_info = {r: {"space": s} for r, s in spaces.items()}
-    _plan(by_role, cfg, spaces)  # refuse a bad rank before anything is written
+        spaces_info = {r: {"space": cfg.share} for r in by_role}
+    spaces = {r: v["space"] for r, v in spaces_info.items()}
+    finished = {g["role"] for g in old["groups"]} if old is not None else set()
+    _plan(by_role, cfg, spaces, allow_growth)  # refuse a bad rank before anything is written
     index = {"format": "weightgeom-compressed", "version": FORMAT_VERSION, "complete": False,
-             "source": {**_source_info(source), "format": src.format}, "role_map": role_map if role_map is None
-             or isinstance(role_map, str) else dict(role_map), "config": asdict(cfg), "spaces": spaces_info,
-             "groups": []}
+             "source": {**_source_info(source), "format": src.format}, "role_map": _jsonable(role_map),
+             "config": asdict(cfg), "spaces": spaces_info, "groups": list(old["groups"]) if old is not None else []}
     counters: dict[str, int] = {}
-    role_done: list[str] = []
 
     def flush() -> None:
         if out_p is not None:
             write_atomic(out_p / INDEX_FILE, json.dumps(index, indent=1, default=_json_default))
             write_atomic(out_p / SAVINGS_FILE, lambda p: savings_table(index["groups"]).to_csv(p, index=False))
 
+    def role_done() -> None:
+        flush()
+        if on_role_done is not None:
+            snap = {**index, "groups": list(index["groups"])}
+            on_role_done(CompressResult(savings_table(snap["groups"]), snap, out_p, spaces_info))
+
+    flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
     current = None
-    for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role):
+    for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
+                            allow_growth=allow_growth, skip=finished):
         if current is not None and g.role != current:
-            role_done.append(current)
-            flush()
-            if on_role_done is not None:
-                on_role_done(CompressResult(savings_table(index["groups"]), index, out_p, spaces_info))
+            role_done()
         current = g.role
         j = counters[g.role] = counters.get(g.role, -1) + 1
         entry = {"role": g.role, "group": j, "space": g.space, "basis": g.basis, "layers": g.layers,
@@ -523,12 +683,66 @@ def _json_default(x):
 _FILE_RE = re.compile(r"^tensors/[A-Za-z]+-g\d{3}\.safetensors$")
 
 
+def _short(v) -> str:
+    """``repr(v)``, cut to 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_count(x, least: int = 0) -> bool:
+    return type(x) is int and x >= least
+
+
+def _group_problem(g) -> str:
+    """What is wrong with one group entry of an index, naming the field and the reason ("" when nothing)."""
+    if not isinstance(g, dict):
+        return f"is {type(g).__name__}, not an object"
+    if g.get("role") not in ROLES:
+        return f"role {_short(g.get('role'))} is not one of {', '.join(ROLES)}"
+    if g.get("space") not in SPACES:
+        return f"space {_short(g.get('space'))} is not one of {', '.join(SPACES)}"
+    if g.get("basis", "svd") not in BASES:
+        return f"basis {_short(g.get('basis'))} is not one of {', '.join(BASES)}"
+    f = g.get("file")
+    if not isinstance(f, str):
+        return "file is missing or not a string"
+    if not _FILE_RE.match(f):
+        if f.startswith("/") or ".." in f.replace("\\", "/").split("/"):
+            return f"file {_short(f)} escapes the directory"
+        return f"file {_short(f)} is not named tensors/<role>-g<NNN>.safetensors"
+    shape = g.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_is_count(x, 1) for x in shape)):
+        return f"shape {_short(shape)} is not two positive integers"
+    if not _is_count(g.get("rank"), 1):
+        return f"rank {_short(g.get('rank'))} is not a positive integer"
+    layers = g.get("layers")
+    if not (isinstance(layers, list) and layers and all(_is_count(x) for x in layers)):
+        return f"layers {_short(layers)} is not a non-empty list of layer indices"
+    if len(set(layers)) != len(layers):
+        return f"layers {_short(layers)} names a layer twice"
+    for key in ("params_dense", "params"):
+        if not _is_count(g.get(key, 0)):
+            return f"{key} {_short(g.get(key))} is not a non-negative integer"
+    if not (g.get("energy_lost") is None or type(g.get("energy_lost")) in (int, float)):
+        return f"energy_lost {_short(g.get('energy_lost'))} is not a number"
+    return ""
+
+
+def _check_groups(d: Path, groups: list) -> None:
+    """Refuse the first malformed group entry of ``d``'s index (one line: the group, the field and the reason)."""
+    for i, g in enumerate(groups):
+        problem = _group_problem(g)
+        if problem:
+            raise ValueError(f"{d}/{INDEX_FILE}: group {i}: {problem}")
+
+
 def read_index(path: str | Path) -> dict:
     """The index of a compressed checkpoint directory (``compressed.json``), checked.
 
     Raises:
         ValueError: not a compressed checkpoint, an unknown version, an incomplete (interrupted) one, or an entry
-            with a bad file name, role, space, shape or rank (one line naming the directory).
+            with a bad file name, role, space, shape or rank (one line naming the directory, the group, the field
+            and the reason).
         FileNotFoundError: no such directory / index.
     """
 
@@ -540,23 +754,16 @@ def read_index(path: str | Path) -> dict:
         raise ValueError(f"{d}/{INDEX_FILE}: not a weightgeom compressed index")
     if idx.get("version") != FORMAT_VERSION:
         raise ValueError(f"{d}/{INDEX_FILE}: format version {idx.get('version')!r}, expected {FORMAT_VERSION}")
-    if not idx.get("complete"):
-        done = sorted({g.get("role") for g in idx.get("groups", []) if isinstance(g, dict)})
-        raise ValueError(f"{d}: incomplete compressed checkpoint (interrupted; roles written: "
-                         f"{', '.join(map(str, done)) or 'none'}); run weightgeom compress again")
     groups = idx.get("groups")
-    if not isinstance(groups, list) or not groups:
+    if not isinstance(groups, list):
+        raise ValueError(f"{d}/{INDEX_FILE}: groups is not a list")
+    if not idx.get("complete"):
+        done = dict.fromkeys(str(g.get("role")) for g in groups if isinstance(g, dict))
+        raise ValueError(f"{d}: incomplete compressed checkpoint (interrupted; finished roles: "
+                         f"{', '.join(done) or 'none'}); run the same weightgeom compress command again to finish it")
+    if not groups:
         raise ValueError(f"{d}/{INDEX_FILE}: no groups")
-    for g in groups:
-        ok = (isinstance(g, dict) and g.get("role") in ROLES and g.get("space") in SPACES
-              and isinstance(g.get("file"), str) and _FILE_RE.match(g["file"])
-              and isinstance(g.get("shape"), list) and len(g["shape"]) == 2
-              and all(isinstance(x, int) and x > 0 for x in g["shape"])
-              and isinstance(g.get("rank"), int) and g["rank"] >= 1
-              and isinstance(g.get("layers"), list) and g["layers"]
-              and all(isinstance(x, int) and x >= 0 for x in g["layers"]))
-        if not ok:
-            raise ValueError(f"{d}/{INDEX_FILE}: malformed group entry {str(g)[:120]}")
+    _check_groups(d, groups)
     return idx
 
 
@@ -641,19 +848,40 @@ def apply_compressed(target, path: str | Path, *, role_map: Mapping[str, str] | 
     return n
 
 
-def compressed_source(path: str | Path) -> str:
-    """The source path recorded in a compressed checkpoint's index.
+def compressed_source(path: str | Path, base: str | Path | None = None) -> str:
+    """The base model of a compressed checkpoint, checked: ``base`` when given, else the source path its index
+    records, which must still be what was compressed (:func:`source_fingerprint`).
 
     Raises:
-        ValueError: the index records no path (compressed from an in-memory model) or it no longer exists.
+        ValueError: the index records no path (compressed from an in-memory model) and no ``base`` is given; the base
+            does not exist; it is itself a compress output (an index that loops back to its own directory, or to
+            another compress output); the recorded base changed since it was compressed.
     """
-    idx = read_index(path)
-    src = (idx.get("source") or {}).get("path")
-    if not src:
-        raise ValueError(f"{path}: compressed from an in-memory model; name the base model (--base)")
-    if not Path(src).exists():
-        raise ValueError(f"{path}: its base model {src} does not exist any more; name it with --base")
-    return str(src)
+    d = Path(path)
+    idx = read_index(d)
+    info = idx.get("source") if isinstance(idx.get("source"), dict) else {}
+    src = base if base is not None else info.get("path")
+    named = f"--base {base}" if base is not None else f"its base model {src}"
+    if not src or not isinstance(src, (str, Path)):
+        raise ValueError(f"{d}: compressed from an in-memory model; name the base model (--base)")
+    b = Path(src)
+    if not b.exists():
+        if base is not None:
+            raise ValueError(f"--base {base}: no such file or directory")
+        raise ValueError(f"{d}: its base model {src} does not exist any more; name it with --base")
+    if b.is_dir() and (b / INDEX_FILE).is_file():
+        if b.resolve() == d.resolve():
+            raise ValueError(f"{d}: {named} is this directory itself (the index loops back); name the uncompressed "
+                             "model with --base")
+        raise ValueError(f"{d}: {named} is itself a compress output, not a model; name the uncompressed model with "
+                         "--base")
+    old = info.get("fingerprint")
+    if base is None and isinstance(old, dict):
+        change = _fingerprint_change(old, source_fingerprint(b))
+        if change:
+            raise ValueError(f"{d}: its base model {src} changed since it was compressed ({change}); compress it "
+                             f"again, or pass --base {src} to use it as it is now")
+    return str(b)
 
 
 def decompress(path: str | Path, base=None) -> dict[str, torch.Tensor]:
@@ -663,10 +891,13 @@ def decompress(path: str | Path, base=None) -> dict[str, torch.Tensor]:
 
     Args:
         path: the compressed checkpoint directory.
-        base: the uncompressed source (default: the path recorded in the index).
+        base: the uncompressed source: a path, nn.Module or state dict (default: the path recorded in the index,
+            checked by :func:`compressed_source`).
     """
 
-    src = load(base if base is not None else compressed_source(path))
+    if base is None or isinstance(base, (str, Path)):
+        base = compressed_source(path, base)
+    src = load(base)
     tensors = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in src.tensors.items()}
     apply_compressed(tensors, path)
     return tensors

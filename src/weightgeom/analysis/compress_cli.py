@@ -35,9 +35,93 @@ def _fail(cmd: str, msg: str) -> int:
     return 2
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 600) -> str:
+    """The first line of an exception's message, cut at a word (with " …") when longer than ``limit``."""
     text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+    line = text.splitlines()[0] if text else type(e).__name__
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+
+
+ROLE_MAP_HINT = ("--role-map '{\"Q\": \"blocks.{i}.attn.wq.weight\"}' ({i} = layer index, or \"re:<regex>\" with "
+                 "one group for the layer)")
+ENERGY_WARN = 0.9
+"""A role losing more than this fraction of its weight energy (Σ‖W − Ŵ‖²/Σ‖W‖²) gets a warning line."""
+
+
+def _role_map_arg(text: str | None) -> dict | None:
+    """``--role-map``: JSON text or a JSON file naming ``{role: pattern}``, every role one of :data:`ROLE_NAMES`.
+
+    Raises:
+        ValueError: one line naming ``--role-map`` (not JSON, not an object, an unknown role, a bad pattern, a file
+            that cannot be read).
+    """
+    import json
+    import re
+
+    from weightgeom.analysis.cli import _role_map_text
+    from weightgeom.analysis.roles import parse_role_map
+
+    if text is None:
+        return None
+    try:
+        raw = _role_map_text(text)
+    except (OSError, ValueError) as e:  # the analysis' reader names its own option, --roles
+        raise ValueError(_first_line(e).replace("--roles", "--role-map")) from None
+    try:
+        m = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--role-map: not valid JSON ({e.msg}, line {e.lineno} column {e.colno}); e.g. "
+                         f"{ROLE_MAP_HINT}") from None
+    if not isinstance(m, dict) or not m:
+        raise ValueError(f"--role-map: expected a non-empty {{role: pattern}} object; e.g. {ROLE_MAP_HINT}")
+    bad = [r for r in m if r not in ROLE_NAMES]
+    if bad:
+        raise ValueError(f"--role-map: unknown role {bad[0]!r}; choose from {', '.join(ROLE_NAMES)}")
+    try:
+        parse_role_map(m)
+    except ValueError as e:
+        raise ValueError(f"--role-map: {_first_line(e).removeprefix('role map: ')}") from None
+    except re.error as e:
+        raise ValueError(f"--role-map: a pattern is not a valid regular expression ({e})") from None
+    return m
+
+
+def _no_roles_line(msg: str) -> str:
+    """The loaders' "no projection roles recognised …" line for compress: a few of the names seen, then how to pass
+    ``--role-map`` (the analysis' hint names ``weightgeom analyze --roles``)."""
+    from weightgeom.analysis.roles import ROLE_MAP_HELP
+
+    head = msg.replace(ROLE_MAP_HELP, "").rstrip(" .")
+    before, sep, seen = head.partition(" Seen: ")
+    if sep:
+        names = seen.split(", ")
+        head = f"{before} Seen: {', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+    return f"{head} — name the roles with {ROLE_MAP_HINT}"
+
+
+def _interrupted(out: Path) -> int:
+    """After Ctrl-C: one line saying what ``out`` holds (the roles its index lists) and how to finish; exit 130."""
+    from weightgeom._files import read_json
+
+    roles = None
+    try:
+        idx = read_json(out / "compressed.json", what="compressed index")
+        groups = idx.get("groups") if isinstance(idx, dict) else None
+        if isinstance(groups, list):
+            roles = list(dict.fromkeys(str(g.get("role")) for g in groups if isinstance(g, dict)))
+    except (OSError, ValueError):
+        pass
+    if roles is None:
+        msg = f"interrupted before anything was written to {out}"
+    elif roles:
+        msg = (f"interrupted; {out}/ keeps the finished roles ({', '.join(roles)}), marked incomplete — run the same "
+               "command again to finish it")
+    else:
+        msg = f"interrupted before any role was finished; run the same command again to finish {out}/"
+    print(f"weightgeom compress: {msg}", file=sys.stderr)
+    return 130
 
 
 # ------------------------------------------------------------------------------------------------------- compress
@@ -46,7 +130,8 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="HF model directory (safetensors), .safetensors, torch checkpoint (weights only), "
                                 "weightgeom run directory, or llama.cpp .gguf file")
     p.add_argument("--out", required=True, help="output directory (compressed.json, tensors/*.safetensors, "
-                                                "savings.csv); must not hold a compressed checkpoint already")
+                                                "savings.csv): new or empty, outside the model's folder; an "
+                                                "interrupted compress of the same model and settings is finished")
     p.add_argument("--share", choices=("input", "output", "auto", "none"), default="auto",
                    help="space of each group's shared basis: input (right basis V, W ≈ C Vᵀ), output (left basis U, "
                         "W ≈ U C), auto (each role's more continuous space, from the continuity analysis), none "
@@ -65,7 +150,8 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                         "(baseline). Default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="seed of --basis random (default: %(default)s)")
     p.add_argument("--role-map", default=None,
-                   help="role map as JSON text or a .json file, as analyze --roles: {\"Q\": \"blocks.{i}.wq.weight\"}")
+                   help="role map as JSON text or a .json file: {\"Q\": \"blocks.{i}.wq.weight\"} ({i} = layer "
+                        f"index, or \"re:<regex>\"); roles from {', '.join(ROLE_NAMES)}")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -74,11 +160,12 @@ def run_compress(args: argparse.Namespace) -> int:
     """Compress, print the parameters table, write the checkpoint.
 
     Returns:
-        0, or 2 with one line on stderr on bad input (missing or unsafe file, unknown role, no recognised role, a
-        rank larger than the matrices allow, an unusable or already used --out); 130 after Ctrl-C with the finished
-        roles kept.
+        0, or 2 with one line on stderr on bad input (missing or unsafe file, a compress output as the model, unknown
+        role, bad --role-map, no recognised role, a rank larger than the matrices allow or one that saves nothing, an
+        --out that is the model's folder or inside it, not empty, or already finished); 130 after Ctrl-C with the
+        finished roles kept (the same command finishes them).
     """
-    from weightgeom.analysis.cli import _out_of_memory, _role_map_text, _unusable_out
+    from weightgeom.analysis.cli import _out_of_memory, _unusable_out
 
     bad = [r for r in (args.roles or []) if r not in ROLE_NAMES]
     if bad:
@@ -89,48 +176,46 @@ def run_compress(args: argparse.Namespace) -> int:
     problem = _unusable_out(out)
     if problem:
         return _fail("compress", problem)
-    if (out / "compressed.json").exists():
-        return _fail("compress", f"--out {out}: already holds a compressed checkpoint (compressed.json); choose "
-                                 "another --out or remove it")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from weightgeom.analysis.compress import CompressConfig, compress
-    from weightgeom.analysis.loaders import open_lazy
+    from weightgeom.analysis.compress import CompressConfig, _plural, check_out, compress
 
     try:
-        role_map = _role_map_text(args.role_map)
+        role_map = _role_map_arg(args.role_map)
         cfg = CompressConfig(share=args.share, rank=args.rank, savings=args.savings,
                              layers_per_group=args.layers_per_group,
                              roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed)
         cfg.check()
-        t0 = time.perf_counter()
-        if not args.quiet:
-            print(f"opening {path} ...", file=sys.stderr)
-        src = open_lazy(path)
+        old = check_out(out, path, cfg, role_map)  # before anything is read or written
+    except FileExistsError as e:
+        return _fail("compress", _first_line(e))
     except (ValueError, FileNotFoundError) as e:
         return _fail("compress", _first_line(e))
     except OSError as e:
         return _fail("compress", f"{e.filename or path}: cannot read ({e.strerror or e})")
-    partial: dict = {}
+    t0 = time.perf_counter()
+    if not args.quiet:
+        done = list(dict.fromkeys(g["role"] for g in old["groups"])) if old is not None else []
+        print(f"resuming the interrupted compress in {out} (finished roles: {', '.join(done) or 'none'}); opening "
+              f"{path} ..." if old is not None else f"opening {path} ...", file=sys.stderr)
     try:
-        res = compress(src, out, cfg, role_map=role_map, progress=not args.quiet,
-                       on_role_done=lambda r: partial.update(res=r))
+        res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
     except KeyboardInterrupt:
-        done = sorted({g["role"] for g in partial["res"].index["groups"]}) if "res" in partial else []
-        print(f"weightgeom compress: interrupted; {out}/ holds the finished roles ({', '.join(done) or 'none'}), "
-              "marked incomplete in compressed.json", file=sys.stderr)
-        raise
-    except ValueError as e:
-        msg = _first_line(e)
-        return _fail("compress", msg if msg.startswith(str(path)) else f"{path}: {msg}")
+        return _interrupted(out)
     except FileExistsError as e:
         return _fail("compress", _first_line(e))
+    except (ValueError, FileNotFoundError) as e:
+        msg = str(e).strip()
+        msg = _no_roles_line(msg) if "no projection roles recognised" in msg else _first_line(e)
+        return _fail("compress", msg if msg.startswith((str(path), "--")) else f"{path}: {msg}")
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
         return _fail("compress", f"{path}: not enough memory ({_first_line(e)})")
+    except OSError as e:
+        return _fail("compress", f"{e.filename or path}: cannot read or write ({e.strerror or e})")
     t = res.table.copy()
     t["saved_frac"] = t["saved_frac"].map(lambda x: f"{x:.1%}")
     t["energy_lost"] = t["energy_lost"].map(lambda x: f"{x:.4f}")
@@ -139,8 +224,15 @@ def run_compress(args: argparse.Namespace) -> int:
         print("auto spaces (C_v / C_u over their random levels): " + ", ".join(
             f"{r} {v['space']} ({v.get('input', float('nan')):.1f}× / {v.get('output', float('nan')):.1f}×)"
             for r, v in res.spaces.items()))
+    lossy = [f"{row.role} {row.energy_lost:.0%}" for row in res.table.itertuples()
+             if row.role != "total" and row.energy_lost > ENERGY_WARN]
+    if lossy:
+        print(f"weightgeom compress: warning: {'roles' if len(lossy) > 1 else 'role'} {', '.join(lossy)} lose more "
+              f"than {ENERGY_WARN:.0%} of their weight energy; the model will be far from the original — raise "
+              "--rank or lower --savings", file=sys.stderr)
+    n = len(res.index["groups"])
     print(f"compressed in {time.perf_counter() - t0:.1f} s; wrote {out}/compressed.json, {out}/savings.csv and "
-          f"{len(res.index['groups'])} group files in {out}/tensors/")
+          f"{_plural(n, 'group file')} in {out}/tensors/")
     return 0
 
 
@@ -167,53 +259,62 @@ def run_eval(args: argparse.Namespace) -> int:
     """Print the perplexity (and with ``--compare`` the base's).
 
     Returns:
-        0, or 2 with one line on stderr (missing or unreadable file, a model of no supported kind, an incomplete
-        compressed checkpoint, a text with fewer than 2 tokens).
+        0, or 2 with one line on stderr (missing, unreadable or pickled file, a model of no supported kind or without
+        a tokenizer, --compare or --base for a model that is not a compress output, an incomplete compressed
+        checkpoint or one whose base is missing, changed or loops back, a missing or empty text, a text with fewer
+        than 2 tokens).
     """
     from weightgeom._files import is_regular, read_text_bounded
 
     path = Path(args.path)
     if not path.exists():
         return _fail("eval", f"{path}: no such file or directory")
+    compressed = path.is_dir() and (path / "compressed.json").is_file()
+    for flag, given in (("--compare", args.compare), ("--base", args.base is not None)):
+        if given and not compressed:
+            return _fail("eval", f"{flag} is for a weightgeom compress output directory; {path} is not one (no "
+                                 "compressed.json)")
     text = None
     if args.text is not None:
         try:
             if not is_regular(args.text, "--text"):
-                return _fail("eval", f"--text {args.text}: not a regular file")
+                return _fail("eval", f"--text {args.text}: no such file")
             text = read_text_bounded(args.text, limit=512 * 2**20, what="--text")
         except (OSError, ValueError) as e:
             return _fail("eval", f"--text {args.text}: cannot read ({getattr(e, 'strerror', None) or _first_line(e)})")
+        if not text.strip():
+            return _fail("eval", f"--text {args.text}: empty (nothing to evaluate)")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    from weightgeom.analysis.compress import _plural, compressed_source
     from weightgeom.analysis.perplexity import DEFAULT_TOKENS, load_causal_lm, perplexity
 
     tokens = args.tokens or DEFAULT_TOKENS
     try:
-        t0 = time.perf_counter()
-        if not args.quiet:
-            print(f"loading {path} ...", file=sys.stderr)
-        lm = load_causal_lm(path, base=args.base)
-        if not args.quiet:
-            print(f"loaded {lm.name} ({lm.kind}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        results = [perplexity(lm, text, tokens=tokens, context=args.context, progress=not args.quiet)]
-        if args.compare:
-            from weightgeom.analysis.compress import INDEX_FILE, compressed_source
-
-            if not (path / INDEX_FILE).exists():
-                return _fail("eval", f"--compare needs a compress output directory; {path} is not one")
-            base = load_causal_lm(args.base or compressed_source(path))
-            results.insert(0, perplexity(base, text, tokens=tokens, context=args.context, progress=not args.quiet))
+        results = []  # the model's, then (--compare) its base's
+        models = [(path, args.base)] + ([(None, None)] if args.compare else [])
+        for model, base in models:
+            model = model or Path(compressed_source(path, args.base))  # --compare: the uncompressed base
+            t0 = time.perf_counter()
+            if not args.quiet:
+                print(f"loading {model} ...", file=sys.stderr)
+            lm = load_causal_lm(model, base=base)
+            if not args.quiet:
+                print(f"loaded {lm.name} ({lm.kind}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            results.append(perplexity(lm, text, tokens=tokens, context=args.context, progress=not args.quiet))
+            del lm
     except (ValueError, FileNotFoundError) as e:
         return _fail("eval", _first_line(e))
     except OSError as e:
         return _fail("eval", f"{e.filename or path}: cannot read ({e.strerror or e})")
-    for r in results:
-        print(f"{r.model}: perplexity {r.ppl:.4f} (NLL {r.nll:.4f} nats/token) over {r.tokens} tokens, {r.windows} "
-              f"windows of ≤ {r.context}, {r.seconds:.1f} s")
+    for r in results[::-1]:
+        short = f" (all the text holds; {tokens} requested)" if r.tokens < tokens else ""
+        print(f"{r.model}: perplexity {r.ppl:.4f} (NLL {r.nll:.4f} nats/token) over {_plural(r.tokens, 'token')}"
+              f"{short}, {_plural(r.windows, 'window')} of ≤ {r.context}, {r.seconds:.1f} s")
     if len(results) == 2:
-        print(f"compressed / uncompressed perplexity: {results[1].ppl / results[0].ppl:.3f}×")
+        print(f"compressed / uncompressed perplexity: {results[0].ppl / results[1].ppl:.3f}×")
     return 0
 
 

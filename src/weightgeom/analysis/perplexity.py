@@ -16,18 +16,21 @@ window), so the token budget bounds the time.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source, read_index
-from weightgeom.analysis.loaders import _strip
+from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source
+from weightgeom.analysis.loaders import _strip, open_lazy
 from weightgeom.data.corpora import shakespeare_text
 from weightgeom.data.tokenizers import get_tokenizer
 from weightgeom.train.batches import _char_encode, _read_text_file, _shakespeare_text
@@ -113,20 +116,59 @@ def _transformers():
     return transformers
 
 
+@contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """No per-tensor progress bar while transformers dequantises a GGUF file: it draws one with ``tqdm`` itself,
+    which neither its logging verbosity nor ``disable_progress_bar`` switches off."""
+    try:
+        mod = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:  # no GGUF support in this transformers: nothing to silence
+        yield
+        return
+    bar = getattr(mod, "tqdm", None)
+    if bar is not None:
+        mod.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            mod.tqdm = bar
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files of which a Hugging Face model directory needs one for its tokenizer."""
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def _hf_lm(path: Path) -> CausalLM:
-    """A Hugging Face model directory or a ``.gguf`` file through transformers (local files only)."""
-    tf = _transformers()
+    """A Hugging Face model directory or a ``.gguf`` file through transformers (local files only).
+
+    A directory's weights are first opened as tensors only (:func:`~weightgeom.analysis.loaders.open_lazy`), so a
+    pickled ``pytorch_model.bin`` is refused with the loaders' one line before transformers sees it.
+    """
     if path.is_file():
         kw = {"gguf_file": path.name}
         where, kind = str(path.parent), "gguf"
     else:
         kw, where, kind = {}, str(path), "hf"
+        open_lazy(path)  # tensors only: a pickle, a truncated or missing weights file is one line naming it
+        if not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ValueError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); eval needs the model's "
+                             "tokenizer — save it beside the weights with tokenizer.save_pretrained()")
+    tf = _transformers()
     try:
         tok = tf.AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
-        model = tf.AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **kw)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        raise ValueError(f"{path}: its tokenizer cannot be loaded ({_first(e)})") from None
+    try:
+        with _quiet_gguf():
+            model = tf.AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **kw)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ValueError(f"{path}: transformers cannot load it as a causal language model ({first})") from None
+        raise ValueError(f"{path}: transformers cannot load it as a causal language model ({_first(e)})") from None
     model.eval()
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or getattr(model.config, "n_positions", 0)
               or DEFAULT_CONTEXT)
@@ -170,23 +212,26 @@ def load_causal_lm(path: str | Path, *, base: str | Path | None = None) -> Causa
 
     Args:
         path: HF directory, ``.gguf`` file, weightgeom checkpoint / run directory, or a ``weightgeom compress`` output.
-        base: for a compress output, the uncompressed model (default: the source path its index records).
+        base: for a compress output, the uncompressed model (default: the source path its index records, which must
+            be unchanged since it was compressed).
 
     Raises:
-        FileNotFoundError: no such path. ValueError: a file of no supported kind, or one that cannot be loaded (one
-        line naming it).
+        FileNotFoundError: no such path. ValueError: a file of no supported kind, one that cannot be loaded or holds
+        pickled Python objects, ``base`` for a model that is not a compress output, or a compress output whose base
+        is missing, changed, or loops back to a compress output (one line naming it).
     """
 
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory")
     if p.is_dir() and (p / INDEX_FILE).exists():
-        read_index(p)
-        lm = load_causal_lm(base if base is not None else compressed_source(p))
+        lm = load_causal_lm(compressed_source(p, base))  # never a compress output itself: no recursion
         n = apply_compressed(lm.model, p)
         lm.name = f"{p.name} ({n} matrices from {lm.name})"
         lm.source = str(p)
         return lm
+    if base is not None:
+        raise ValueError(f"{p}: is not a compress output (no {INDEX_FILE}); a base model is only for one")
     if p.is_file() and p.suffix == ".gguf" or p.is_dir() and (p / "config.json").exists():
         return _hf_lm(p)
     return _own_lm(p)

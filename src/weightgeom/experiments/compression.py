@@ -226,11 +226,12 @@ def verdicts(rows: list[dict], spaces: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _table_md(rows: list[dict], baseline: float, cfg: CompressSweep, v: dict) -> str:
-    """The Markdown table: one line per (role, savings), perplexity per arm, the better space and auto's pick."""
+def _table_md(rows: list[dict], baseline: float, cfg: CompressSweep, v: dict, title: str) -> str:
+    """The Markdown page: ``title`` as its heading, then one line per (role, savings), perplexity per arm, the better
+    space and auto's pick."""
     arms = [a for a in ARMS if a in cfg.arms]
     head = "| role | saved | " + " | ".join(f"{a} ppl" for a in arms) + " | better | auto |"
-    lines = [f"Baseline (uncompressed) perplexity: **{baseline:.2f}**", "", head,
+    lines = [f"# {title}", "", f"Baseline (uncompressed) perplexity: **{baseline:.2f}**", "", head,
              "|" + "---|" * (len(arms) + 4)]
     for role in dict.fromkeys(r["role"] for r in rows):
         for s in sorted({r["savings_target"] for r in rows if r["role"] == role}):
@@ -369,9 +370,9 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
         write_atomic(out / "compress.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
     if plot and rows:
         v = record.get("verdicts") or verdicts(rows, record["spaces"])
-        write_atomic(out / "compress.md", _table_md(rows, record["baseline"]["ppl"], cfg, v))
-        _plot(rows, record["baseline"]["ppl"], out / "compress.png",
-              title or f"{record['model']}: perplexity vs parameters saved ({cfg.tokens} tokens)")
+        title = title or f"{record['model']}: perplexity vs parameters saved ({cfg.tokens} tokens)"
+        write_atomic(out / "compress.md", _table_md(rows, record["baseline"]["ppl"], cfg, v, title))
+        _plot(rows, record["baseline"]["ppl"], out / "compress.png", title)
 
 
 def write_claims_of(out: Path, record: dict) -> None:
