@@ -303,6 +303,7 @@ def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
     assert rows["input"]["energy_lost"] < rows["random"]["energy_lost"]
     for f in ("compress.csv", "compress.json", "compress.md", "compress.png"):
         assert (tmp_path / "sw" / f).stat().st_size > 0, f
+    assert (tmp_path / "sw" / "compress.md").read_text().startswith("# ")  # the page has a title
     for k, v in smollm.model.state_dict().items():  # every point restored the weights
         if k in before:
             torch.testing.assert_close(v, before[k], rtol=0, atol=0)
