@@ -472,6 +472,8 @@ def test_no_roles_message_is_whole_and_names_compress(tmp_path, capsys):
     err = _one_line(capsys, "compress")
     assert "no projection roles recognised" in err and "analyze" not in err and "--roles" not in err
     assert err.endswith("with one group for the layer)") and "--role-map '{" in err
+    with pytest.raises(ValueError, match="unknown role 'Zed'"):  # the API refuses an unknown role of a role map too
+        compress(_llama_sd(L=2), None, rank=1, role_map={"Zed": "model.layers.{i}.mlp.up_proj.weight"})
 
 
 def test_interrupted_compress_resumes_with_the_same_command(tmp_path, capsys, monkeypatch):

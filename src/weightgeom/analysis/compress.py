@@ -48,7 +48,7 @@ import torch
 
 from weightgeom._files import read_json, write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_computable
-from weightgeom.analysis.loaders import Loaded, load, materialize
+from weightgeom.analysis.loaders import Loaded, check_source, load, materialize
 from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
 
@@ -396,7 +396,11 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
 
 
 def _select(by_role: dict[str, list[RoleWeight]], roles: Sequence[str] | None) -> dict[str, list[RoleWeight]]:
-    """The requested roles (default: all recognised but V); refuses a requested role the source lacks."""
+    """The requested roles (default: all recognised but V); refuses a requested role the source lacks, and a role
+    (from a user role map) that is not one of :data:`ROLES`."""
+    unknown = [r for r in by_role if r not in ROLES]
+    if unknown:
+        raise ValueError(f"role map: unknown role {unknown[0]!r}; choose from {', '.join(ROLES)}")
     if roles is None:
         sel = {r: v for r, v in by_role.items() if r not in DEFAULT_ROLES_EXCLUDED}
         if not sel:
@@ -515,6 +519,15 @@ def _names(entries: Sequence[str], shown: int = 3) -> str:
     return ", ".join(entries[:shown]) + more
 
 
+def _recorded_source(d: Path) -> str:
+    """`` (<path>)`` of the source a compress output's index records; "" when it cannot be read or names ``d``."""
+    try:
+        src = read_json(d / INDEX_FILE, what="compressed index")["source"]["path"]
+        return f" ({src})" if Path(src).resolve() != d.resolve() else ""
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[str, str] | str | None = None
               ) -> dict | None:
     """Whether ``out`` may take :func:`compress`'s output for ``source`` and ``cfg``; nothing is written.
@@ -525,8 +538,9 @@ def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[st
 
     Raises:
         FileNotFoundError: no such source.
-        ValueError: the source is itself a compress output; ``out`` is the source or inside it; ``out`` is not empty
-            and is not an interrupted compress of the same source and settings (one line naming what differs).
+        ValueError: a dangling link or special file as the source; the source is itself a compress output; ``out``
+            is the source or inside it; ``out`` is not empty and is not an interrupted compress of the same source
+            and settings (one line naming what differs).
         FileExistsError: ``out`` holds a finished compressed checkpoint.
     """
     path = source.meta.get("path") if isinstance(source, Loaded) else source
@@ -534,10 +548,10 @@ def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[st
     info: dict = {"path": None}
     if isinstance(path, (str, Path)):
         sp = Path(path)
-        if not sp.exists():
-            raise FileNotFoundError(f"{sp}: no such file or directory")
+        check_source(sp)  # nothing there, a dangling link or a special file: one line
         if sp.is_dir() and (sp / INDEX_FILE).is_file():
-            raise ValueError(f"{sp}: is a compress output ({INDEX_FILE}), not a model; compress its source instead")
+            raise ValueError(f"{sp}: is a compress output ({INDEX_FILE}), not a model; compress its source"
+                             f"{_recorded_source(sp)} instead")
         info = _source_info(sp)
         o, s = out_p.resolve(), Path(info["path"])
         if o == s or s in o.parents:
