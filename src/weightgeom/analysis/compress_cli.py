@@ -189,9 +189,7 @@ def run_compress(args: argparse.Namespace) -> int:
                              roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed)
         cfg.check()
         old = check_out(out, path, cfg, role_map)  # before anything is read or written
-    except FileExistsError as e:
-        return _fail("compress", _first_line(e))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # before OSError, which these two are
         return _fail("compress", _first_line(e))
     except OSError as e:
         return _fail("compress", f"{e.filename or path}: cannot read ({e.strerror or e})")
