@@ -163,6 +163,9 @@ class MDConfig(Section):
     embeddings: Embeddings = setting("exclude", "embeddings: exclude | unit_rows | decouple")
     embedding_radius: float = setting(1.0, "row norm of unit_rows embeddings", gt=0)
     fused: bool | None = setting(None, "use the fused C kernel (unset: when it is built and faster)")
+    on_nonfinite: OnNonfinite = setting("raise", "a NaN/Inf gradient: raise (naming the parameter; one host sync per "
+                                        "step) | skip (the whole step skipped on the device, no host sync; counted "
+                                        "in skipped_steps)")
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`weightgeom.optim.MagnitudeDirection` (unset ``params`` left out)."""
