@@ -47,6 +47,7 @@ from weightgeom.optim.manifold_muon import (
     _residual,
     _shifted,
     initial_multiplier,
+    warm_multiplier,
 )
 
 __all__ = ["supports", "lanczos_start", "top_eigenvalue_psd", "spectral_norm", "near_polar", "retract",
@@ -207,12 +208,7 @@ def direction(
     # product; a narrow product would round XᵀĜ to bf16)
     cold = initial_multiplier(Xf.to(X.dtype), Yf.to(X.dtype), manifold) if Xf.dtype != X.dtype else \
         initial_multiplier(Xf, Yf, manifold)
-    if Lambda0 is None:
-        Lam = cold
-    elif cold0 is not None:
-        Lam = Lambda0.to(X.dtype) + (cold - cold0.to(X.dtype))
-    else:
-        Lam = Lambda0.to(X.dtype)
+    Lam = warm_multiplier(cold.to(X.dtype), Lambda0, cold0)
     last = keep == "last"
     dev = X.device
     active = torch.ones(b, dtype=torch.bool, device=dev)

@@ -81,6 +81,16 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> 
 
 
 @with_full_precision
+def warm_multiplier(cold: torch.Tensor, Lambda0: torch.Tensor | None, cold0: torch.Tensor | None) -> torch.Tensor:
+    """The dual ascent's starting multiplier: this step's cold start, or the previous step's multiplier Λ₀ moved by
+    how much the cold start moved since (when the previous cold start is kept), or Λ₀ itself; in ``cold``'s dtype."""
+    if Lambda0 is None:
+        return cold
+    if cold0 is not None:
+        return Lambda0.to(cold.dtype) + (cold - cold0.to(cold.dtype))
+    return Lambda0.to(cold.dtype)
+
+
 def manifold_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -176,12 +186,7 @@ def manifold_direction(
         Xf = X
         Yf = Y if scale is None else Y * scale
     cold = initial_multiplier(Xf, Yf, manifold).to(X.dtype)
-    if Lambda0 is None:
-        Lam = cold
-    elif cold0 is not None:
-        Lam = Lambda0.to(X.dtype) + (cold - cold0.to(X.dtype))
-    else:
-        Lam = Lambda0.to(X.dtype)
+    Lam = warm_multiplier(cold, Lambda0, cold0)
     last = keep == "last"
     # (residual, A, Λ, XᵀA, per-matrix residuals, whether A is this call's own tensor: the widened copy of a
     # narrower msign output, which the projection may then overwrite)

@@ -874,10 +874,10 @@ class Muon(torch.optim.Optimizer):
                 apply_update(W, d, lr, shape_scale(W.shape, adjust), wd, ok=ok)
                 _step_counter(self.state[p], p).add_(1 if ok is None else ok)
 
-    def _muon_bucket_stacked(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
-        """``_muon_group_batched``'s bucket with every elementwise pass on the stacked matrices (the same values: the
-        passes are elementwise) and one ``_foreach_copy_`` back into the momentum buffers and the parameters each:
-        its operation count does not grow with the number of matrices."""
+    def _stacked_momentum(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None
+                          ) -> torch.Tensor:
+        """The bucket's momentum step on the stacked buffers (created as zeros on a first step), written back with
+        one ``_foreach_copy_``; returns the stacked direction U (B, *shape) msign is taken of."""
         states = [self.state[p] for p in ps]
         for p, st in zip(ps, states):
             if "momentum_buffer" not in st:
@@ -887,6 +887,13 @@ class Muon(torch.optim.Optimizer):
         U = momentum_direction(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
                                group["momentum_form"], ok=ok)
         torch._foreach_copy_(bufs, list(M.unbind(0)))
+        return U
+
+    def _muon_bucket_stacked(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
+        """``_muon_group_batched``'s bucket with every elementwise pass on the stacked matrices (the same values: the
+        passes are elementwise) and one ``_foreach_copy_`` back into the momentum buffers and the parameters each:
+        its operation count does not grow with the number of matrices."""
+        U = self._stacked_momentum(group, ps, ok)
         layout, split = group["layout"], group["split"]
         X = U if layout == "out_in" else U.mT
         X = X if not split else X.unflatten(1, (int(split), -1))
@@ -901,7 +908,7 @@ class Muon(torch.optim.Optimizer):
         new = new if not split else new.flatten(1, 2)
         new = new if layout == "out_in" else new.mT
         torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
-        counters = [_step_counter(st, p) for st, p in zip(states, ps)]
+        counters = [_step_counter(st, p) for st, p in zip((self.state[p] for p in ps), ps)]
         if ok is None:
             torch._foreach_add_(counters, 1.0)
         else:
@@ -986,14 +993,7 @@ class Muon(torch.optim.Optimizer):
         ps = [p for _, p in entries]
         states = [self.state[p] for p in ps]
         first = "momentum_buffer" not in states[0]
-        if first:
-            for p, st in zip(ps, states):
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        bufs = [st["momentum_buffer"] for st in states]
-        M = torch.stack(bufs)
-        U = momentum_direction(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
-                               group["momentum_form"], ok=ok)
-        torch._foreach_copy_(bufs, list(M.unbind(0)))
+        U = self._stacked_momentum(group, ps, ok)
         P = torch.stack([p.detach() for p in ps])  # (B, *stored): also the values a skipped step writes back
         V, flip = _tall_batch(P, layout, split)
         m, n = V.shape[-2:]
