@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"ms": 1e3 * t}
             timed = stats[key][warmup:]
             if timed:
-                its = [s["dual_iters"] for st in timed for s in st.values()]
-                res = [s["tangent_residual"] for st in timed for s in st.values()]
-                dres = [s.get("dual_residual", s["tangent_residual"]) for st in timed for s in st.values()]
+                # (a compiled or host-free step keeps its stats as 0-dim tensors on the device: read once, here)
+                its = [int(s["dual_iters"]) for st in timed for s in st.values()]
+                res = [float(s["tangent_residual"]) for st in timed for s in st.values()]
+                dres = [float(s.get("dual_residual", s["tangent_residual"])) for st in timed for s in st.values()]
                 row.update(dual_iters_mean=statistics.mean(its), dual_iters_max=max(its), residual_max=max(res),
                            dual_residual_max=max(dres))
                 extra = f"  {statistics.mean(its):.1f}/{max(its)}, {max(res):.1e} (dual {max(dres):.1e})"
