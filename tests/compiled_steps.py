@@ -31,3 +31,18 @@ def assert_compiled_equals_eager(make_opt: Callable[[list[torch.nn.Parameter]], 
         torch._dynamo.reset()
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b) if atol == 0 else float((a - b).abs().max()) <= atol, float((a - b).abs().max())
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest absolute difference between two lists of tensors of the same shapes and dtypes (float64)."""
+    assert len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+def eager_and_compiled(run: Callable[[bool], tuple]) -> tuple[tuple, tuple]:
+    """``(run(False), run(True))`` between two ``torch._dynamo.reset()``, so no trace leaks into other tests."""
+    torch._dynamo.reset()
+    try:
+        return run(False), run(True)
+    finally:
+        torch._dynamo.reset()

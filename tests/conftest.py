@@ -31,3 +31,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fixed_msign(monkeypatch):
+    """Muon's per-device msign choice fixed (float32, 5 steps) instead of measured, so tests that compare or count a
+    step's operations see the same arithmetic on every machine. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread", "fixed_msign")``."""
+    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:5")
+    yield

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from compiled_steps import eager_and_compiled, max_diff
 from weightgeom.optim import Muon, NonFiniteGradientError
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
@@ -72,13 +73,9 @@ CASES = {
 COMPILED = ("adamw", "adamw-foreach", "adamw-fused", "adamw-bf16", "muon", "muon-bf16", "stiefel")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:5")  # Muon's per-device choice without measuring
-    yield
-    torch.set_num_threads(n)
+# one thread (the 2-core machine is shared; tiny ops with two threads wait on each other) and the msign
+# choice fixed instead of measured
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fixed_msign")
 
 
 def _tensors(md: MagnitudeDirection, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,9 +107,6 @@ def _run(case: str, mode: str, on_nonfinite: str = "skip") -> tuple[list[torch.T
     return _tensors(md, [*mats, bias]), md
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    assert len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -120,7 +114,7 @@ def test_host_free_step_equals_eager(case):
     """The host-free path (what a compiled step runs), eagerly: every parameter and state tensor within the row's
     tolerance of the eager step after STEPS steps, the same state keys; the summary names the path."""
     (eager, oe), (free, oh) = _run(case, "eager"), _run(case, "host_free")
-    assert _max_diff(eager, free) <= CASES[case][4]
+    assert max_diff(eager, free) <= CASES[case][4]
     assert [sorted(map(str, oe.state[p])) for p in oe._decoupled] == [sorted(map(str, oh.state[p]))
                                                                       for p in oh._decoupled]
     assert "host-free" in oh.summary() and int(oh.skipped_steps) == 0
@@ -140,7 +134,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(case):
         assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
-    assert _max_diff(eager, compiled) <= CASES[case][4]
+    assert max_diff(eager, compiled) <= CASES[case][4]
 
 
 def _small(base: str, on_nonfinite: str = "skip") -> tuple[MagnitudeDirection, list[torch.nn.Parameter]]:
@@ -210,7 +204,7 @@ def test_host_free_rederives_a_changed_weight_as_the_eager_step_does():
             ps[0].mul_(2.0)
         md.step()
         out.append(_tensors(md, ps))
-    assert _max_diff(*out) <= FP32_TOL
+    assert max_diff(*out) <= FP32_TOL
     for mode in ("raise", "skip"):
         md, ps = _small("adamw", on_nonfinite=mode)
         with torch.no_grad():
@@ -284,13 +278,9 @@ def test_compile_step_runs_md_as_one_graph_and_equals_eager():
             step()
         return _tensors(md, [*mats, vec]), step
 
-    torch._dynamo.reset()
-    try:
-        (eager, _), (comp, step) = run(False), run(True)
-    finally:
-        torch._dynamo.reset()
+    (eager, _), (comp, step) = eager_and_compiled(run)
     assert step.fullgraph and step.compile_seconds is not None and step.compile_seconds >= 0
-    assert _max_diff(eager, comp) <= FP32_TOL
+    assert max_diff(eager, comp) <= FP32_TOL
     p = torch.nn.Parameter(torch.randn(4, 4))
     assert not compile_step(MagnitudeDirection(torch.optim.AdamW([p])), backend="eager").fullgraph
     assert not compile_step(MagnitudeDirection(torch.optim.SGD([p], lr=0.1), on_nonfinite="skip"),

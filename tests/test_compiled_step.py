@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from compiled_steps import eager_and_compiled, max_diff
 from weightgeom.optim import Muon
 from weightgeom.optim.config import PAPER_MUON
 
@@ -55,13 +56,9 @@ CASES = {
 COMPILED = ("plain", "stiefel", "dgram", "oblique", "stiefel-paper-fp32-msign", "stiefel-bf16-params")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:5")  # the per-device choice without measuring
-    yield
-    torch.set_num_threads(n)
+# one thread (the 2-core machine is shared; tiny ops with two threads wait on each other) and the msign
+# choice fixed instead of measured
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fixed_msign")
 
 
 def _run(case: str, mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor], Muon]:
@@ -80,9 +77,6 @@ def _run(case: str, mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor], 
     return [p.detach() for p in ps], state, opt
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    assert len(a) == len(b)
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -91,7 +85,7 @@ def test_host_free_step_equals_eager(case):
     tolerance of the eager step after STEPS steps; the same state keys; statistics for every matrix."""
     tol = CASES[case][3]
     (pe, se, oe), (ph, sh, oh) = _run(case, "eager"), _run(case, "host_free")
-    assert _max_diff(pe, ph) <= tol and _max_diff(se, sh) <= max(tol, FP32_TOL)
+    assert max_diff(pe, ph) <= tol and max_diff(se, sh) <= max(tol, FP32_TOL)
     assert [sorted(oe.state[p]) for p in oe.state] == [sorted(oh.state[p]) for p in oh.state]
     assert oe.last_stats.keys() == oh.last_stats.keys()
 
@@ -111,7 +105,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(case):
         assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
-    assert _max_diff(pe, pc) <= tol and _max_diff(se, sc) <= max(tol, FP32_TOL)
+    assert max_diff(pe, pc) <= tol and max_diff(se, sc) <= max(tol, FP32_TOL)
 
 
 def test_host_free_skip_changes_nothing_and_reads_nothing(monkeypatch):
@@ -159,13 +153,9 @@ def test_compile_step_equals_eager_and_reports_its_cost():
             step()
         return [p.detach() for p in (*mats, vec)], step
 
-    torch._dynamo.reset()
-    try:
-        (eager, _), (comp, step) = run(False), run(True)
-    finally:
-        torch._dynamo.reset()
+    (eager, _), (comp, step) = eager_and_compiled(run)
     assert step.fullgraph and step.compile_seconds is not None and step.compile_seconds >= 0
-    assert _max_diff(eager, comp) <= FP32_TOL
+    assert max_diff(eager, comp) <= FP32_TOL
 
 
 def test_trainer_compile_optimizer_logs_its_one_off_cost(tmp_path, monkeypatch):

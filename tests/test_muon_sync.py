@@ -22,14 +22,9 @@ from weightgeom.schema import from_dict
 _READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """One intra-op thread: the 2-core machine is shared, and tiny ops with two threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("WEIGHTGEOM_MSIGN", "float32:5")  # the per-device choice without measuring
-    yield
-    torch.set_num_threads(n)
+# one thread (the 2-core machine is shared; tiny ops with two threads wait on each other) and the msign
+# choice fixed instead of measured
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fixed_msign")
 
 
 class _ScalarReads(TorchDispatchMode):
