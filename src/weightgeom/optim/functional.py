@@ -21,6 +21,7 @@ __all__ = [
     "all_finite",
     "momentum_direction",
     "shape_scale",
+    "decoupled_step",
     "apply_update",
     "adamw_update",
 ]
@@ -202,6 +203,48 @@ def shape_scale(shape: tuple[int, ...] | torch.Size, adjust_lr_fn: str | None = 
     raise ValueError(f"adjust_lr_fn: unknown value {adjust_lr_fn!r}; choose one of {ADJUST_LR_FNS}")
 
 
+def _times(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x·c rounded to x's dtype as the eager kernel rounds it (the product in float32 for bf16/fp16, then x's dtype).
+
+    Inside ``torch.compile`` a scheduled c is a symbol that the trace may hold as a 0-dim float32 tensor, which a bf16
+    kernel would round to bf16 first: low precision is therefore multiplied in float32 explicitly."""
+    if not torch.compiler.is_compiling():
+        return x.mul(c)
+    return (x.float() * c).to(x.dtype) if x.dtype in _LOW_PRECISION else x * c
+
+
+def _plus_times(x: torch.Tensor, y: torch.Tensor, c: float) -> torch.Tensor:
+    """x + c·y (y in x's dtype) rounded as the eager ``x.add(y, alpha=c)`` rounds it on x's device: one fused
+    multiply-add in float32 (x's dtype when wider), then x's dtype; for bf16/fp16 on the CPU with c itself rounded to
+    x's dtype first, as torch's CPU kernel takes ``alpha`` (measured: 0 of 10⁶ bf16 sums differ from that model, 36 %
+    from an unrounded c); on CUDA torch's kernel keeps c in float32 (``AddFunctor<opmath_t>``, from its source).
+
+    Inside ``torch.compile`` ``alpha=`` would make Dynamo specialise c (a Scalar argument), so every new learning rate
+    from a scheduler would compile the step again; the trace instead forms c·y + x in float64 — exact for these
+    operands (24 + 24 bits and the alignment of x fit in float64's 53) — and rounds it to float32 once, which is the
+    fused multiply-add's result: the compiled step equals the eager one bit for bit (``tests/test_compiled_step.py``).
+    Devices without float64 (MPS) use float32 (a product, then a sum: ≤ 1 ulp of float32 apart)."""
+    y = y.to(x.dtype)
+    if not torch.compiler.is_compiling():
+        return x.add(y, alpha=c)
+    if x.dtype == torch.float64:
+        return x + y * c
+    if x.device.type == "mps":
+        return (x.float() + y.float() * c).to(x.dtype)
+    alpha = x.dtype if x.dtype in _LOW_PRECISION and x.device.type == "cpu" else torch.float32
+    c_t = (torch.ones((), dtype=torch.float64, device=x.device) * c).to(alpha).double()  # a graph input, not a guard
+    return (x.double() + y.double() * c_t).float().to(x.dtype)
+
+
+def decoupled_step(param: torch.Tensor, direction: torch.Tensor, lr: float, scale: float,
+                   weight_decay: float) -> torch.Tensor:
+    """W·(1 − lr·wd) − lr·s·O out of place, rounded as the eager in-place ``mul_``/``add_(alpha=)`` round it (O is
+    cast to W's dtype first). Inside ``torch.compile`` written so that a scheduled lr is a graph input rather than
+    a constant (``_times``, ``_plus_times``): two graphs for any number of lr values, not one per value."""
+    new = _times(param, 1.0 - lr * weight_decay) if weight_decay != 0.0 else param
+    return _plus_times(new, direction, -lr * scale)
+
+
 def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, scale: float, weight_decay: float,
                  ok: torch.Tensor | None = None) -> None:
     """W ← W·(1 − lr·wd) − lr·s·O, in place (decoupled weight decay, then the step).
@@ -215,14 +258,13 @@ def apply_update(param: torch.Tensor, direction: torch.Tensor, lr: float, scale:
         ok: optional 0-dim bool tensor: W is written only where it is True (``torch.where``: W stays bitwise
             unchanged when False, whatever O holds; bitwise the unconditional result when True).
     """
-    if ok is None:
+    if ok is None and not torch.compiler.is_compiling():
         if weight_decay != 0.0:
             param.mul_(1.0 - lr * weight_decay)
         param.add_(direction.to(param.dtype), alpha=-lr * scale)
         return
-    new = param.mul(1.0 - lr * weight_decay) if weight_decay != 0.0 else param
-    new = new.add(direction.to(param.dtype), alpha=-lr * scale)
-    param.copy_(torch.where(ok, new, param))
+    new = decoupled_step(param, direction, lr, scale, weight_decay)
+    param.copy_(new if ok is None else torch.where(ok, new, param))
 
 
 def adamw_update(
@@ -262,16 +304,19 @@ def adamw_update(
     else:
         bc1 = 1.0 - beta1**step
         bc2 = 1.0 - beta2**step
+    keep = 1.0 - lr * weight_decay
     if ok is None:
-        if weight_decay != 0.0:
-            param.mul_(1.0 - lr * weight_decay)
+        if weight_decay != 0.0 and torch.compiler.is_compiling():
+            param.copy_(_times(param, keep))
+        elif weight_decay != 0.0:
+            param.mul_(keep)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         m, v, p = exp_avg, exp_avg_sq, param
     else:
         m = exp_avg.lerp(grad, 1.0 - beta1)
         v = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        p = param.mul(1.0 - lr * weight_decay) if weight_decay != 0.0 else param.clone()
+        p = _times(param, keep) if weight_decay != 0.0 else param.clone()
     if torch.is_tensor(step):
         denom = (v.sqrt() * inv_bc2_sqrt).add_(eps)
         p.add_(m / denom * neg_step_size)

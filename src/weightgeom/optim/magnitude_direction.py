@@ -611,7 +611,7 @@ class MagnitudeDirection(Optimizer):
             Per decoupled matrix with a gradient: (p, G, its base group, why it is not fused (None: fused),
             the re-derived (Ŵ, radius) or None when W still equals γ_r Ŵ γ_c or never changed).
         """
-        self._check_groups()
+        self.check_groups()
         self._check_gradients()
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
         plan = []
@@ -635,11 +635,17 @@ class MagnitudeDirection(Optimizer):
             check_step()
         return plan
 
-    def _check_groups(self) -> None:
+    def check_groups(self) -> None:
         """Refuse the step for a value set in a group since it was added on which a later part of the step would
         raise: the gains group's (``_invalid_gain_key``, stepped after the base) and, for one of torch's optimizers,
         a base group's numeric hyperparameter of another kind than its default (``checks.check_group_kinds``; MD's
-        passes run before the base step). A Muon base checks its own groups (``Muon.check_step``)."""
+        passes run before the base step). A Muon base checks its own groups (``Muon.check_step``). Every eager step
+        runs it first; ``compile_step`` runs it before each compiled step, whose trace sees a scheduled lr as a
+        symbol it cannot test.
+
+        Raises:
+            ValueError: one line naming the group and key; nothing was changed.
+        """
         gains = self._gain_groups[0]
         bad = _invalid_gain_key(gains)
         if bad is not None:

@@ -252,7 +252,8 @@ def _gains(md: MagnitudeDirection, b: _Bucket, TH: dict[str, torch.Tensor]
 def _check(md: MagnitudeDirection) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """What the eager ``_plan`` refuses, without reading a tensor: the groups, each gradient's fit (metadata), sparse
     gradients; then the non-finite check — ``ok`` on the device (``"skip"``), or the eager scan and raise."""
-    md._check_groups()
+    if not torch.compiler.is_compiling():  # a trace sees a scheduled lr as a symbol: compile_step checks before
+        md.check_groups()
     base = md.base_optimizer
     params = [q for g in base.param_groups for q in g["params"] if q.grad is not None]
     md._check_metadata(params)

@@ -43,6 +43,7 @@ from weightgeom.optim.functional import (
     adamw_update,
     all_finite,
     apply_update,
+    decoupled_step,
     first_nonfinite,
     momentum_direction,
     shape_scale,
@@ -903,8 +904,7 @@ class Muon(torch.optim.Optimizer):
         W = P if layout == "out_in" else P.mT
         W = W if not split else W.unflatten(1, (int(split), -1))
         lr, wd = float(group["lr"]), group["weight_decay"]
-        new = W.mul(1.0 - lr * wd) if wd != 0.0 else W
-        new = new.add(D.to(W.dtype), alpha=-lr * shape_scale(W.shape, group["adjust_lr_fn"] or "original"))
+        new = decoupled_step(W, D, lr, shape_scale(W.shape, group["adjust_lr_fn"] or "original"), wd)
         new = new if not split else new.flatten(1, 2)
         new = new if layout == "out_in" else new.mT
         torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
@@ -1018,9 +1018,7 @@ class Muon(torch.optim.Optimizer):
             feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None)
         lr, wd = float(group["lr"]), group["weight_decay"]
         scale = shape_scale(_matrices(ps[0], layout, split).shape, group["adjust_lr_fn"] or "none")
-        if wd != 0.0:  # apply_update's arithmetic, out of place
-            X = X.mul(1.0 - lr * wd)
-        X = X.add(direction.to(X.dtype), alpha=-lr * scale)
+        X = decoupled_step(X, direction, lr, scale, wd)  # apply_update's arithmetic, out of place
         if group["init"] in ("retract", "auto"):
             X = manifold_host_free.retract(manifold, X)
         new = _from_tall(X.reshape(V.shape), layout, split, flip)

@@ -3,7 +3,8 @@
 The published repository is github.com/kiratoyoshihara/module-wise-manifold-muon; its files are read from a checkout
 given on the command line and run as they are (``msign.py`` and ``manifold_muon.py`` imported, ``train.py``'s
 ``Muon`` class compiled from that file's own source — ``train.py`` itself trains at import). Nothing of it is copied
-into this project: only the inputs and the outputs it produced, as tensors, in ``published.safetensors``.
+into this project: only the inputs and the outputs it produced, as tensors, in ``published-<class>.safetensors`` (one per class of
+bf16 matrix product: the published bf16 msign rounds differently on each; README.md here).
 
 Usage (the command that made the file in this folder; see README.md here for the commit):
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import platform
 import subprocess
 import sys
@@ -41,7 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "published.safetensors"
+
+
 STEPS = 5
 FLOOR_RUNS = 32
 SHAPES = {"tall": (96, 32), "wide": (32, 96)}
@@ -50,6 +53,16 @@ LRS = (0.02, 0.1)
 # train.py's hyper-parameters for the Muon matrices
 MOMENTUM, DUAL_STEPS, DUAL_ALPHA, WEIGHT_DECAY = 0.95, 20, 0.1, 0.1
 GRAD_SCALE = 0.1
+
+
+def golden_kind(capped: bool = True) -> str:
+    """The class of this process's bf16 matrix products (``weightgeom.benchmarks._common.cpu_kind``: AMX, AVX512-BF16,
+    AVX512, AVX2, ...), which decides how the published bf16 msign rounds, so golden outputs are kept per class;
+    with a oneDNN cap (``ONEDNN_MAX_CPU_ISA``) the cap's class, unless ``capped`` is False."""
+    from weightgeom.benchmarks._common import cpu_kind  # noqa: PLC0415
+
+    kind = cpu_kind()
+    return kind.split(" (")[0] if capped else kind.split("CPU: ")[-1].rstrip(")")
 
 
 def _load(repo: Path):
@@ -114,6 +127,9 @@ def main() -> None:
                                              "train.py)")
     ap.add_argument("--commit", default="f283b76e680243a7e894e33123ba27b26d8fd834",
                     help="the published commit the checkout holds (recorded in the file's metadata)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where to write (default: published-<bf16 kind>.safetensors here: "
+                         "weightgeom.benchmarks._common.cpu_kind(), a oneDNN cap's class where ONEDNN_MAX_CPU_ISA sets one)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     msign, init_on_manifold, Muon = _load(args.repo.resolve())
@@ -140,16 +156,21 @@ def main() -> None:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "")
     amx = " with AMX" if "amx_bf16" in cpu else (" with AVX512-BF16" if "avx512_bf16" in cpu else "")
+    kind = golden_kind()
+    out = args.out or HERE / f"published-{kind}.safetensors"
     meta = {
         "source": "github.com/kiratoyoshihara/module-wise-manifold-muon",
         "commit": args.commit,
-        "command": "python tests/golden/published/make_golden.py /tmp/published",
+        "command": ("ONEDNN_MAX_CPU_ISA=" + os.environ["ONEDNN_MAX_CPU_ISA"] + " "
+                    if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")
+        + "python tests/golden/published/make_golden.py /tmp/published",
+        "bf16_kind": kind,
         "torch": torch.__version__,
-        "cpu": (model or platform.machine()) + amx,
+        "cpu": (model or platform.machine()) + amx + (f" (capped to {kind})" if kind != golden_kind(False) else ""),
         "threads": "1",
     }
-    save_file({k: v.contiguous() for k, v in t.items()}, str(OUT), metadata=meta)
-    print(f"wrote {OUT} ({len(t)} tensors)")
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out), metadata=meta)
+    print(f"wrote {out} ({len(t)} tensors)")
 
 
 if __name__ == "__main__":
