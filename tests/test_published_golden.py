@@ -1,11 +1,19 @@
 """``optim.preset = "paper"`` against the manifold-assignment paper's published code itself, not a transcription.
 
-The golden file ``tests/golden/published/published.safetensors`` holds inputs and outputs of that code
+The golden files ``tests/golden/published/published-<class>.safetensors`` hold inputs and outputs of that code
 (github.com/kiratoyoshihara/module-wise-manifold-muon, the commit in the file's metadata), recorded on the CPU by
 ``tests/golden/published/make_golden.py`` (its docstring gives the command). The published code is not part of this
 project; a transcription of ours could share our mistake, these outputs cannot.
 
-Tolerances, named and measured (AMX Xeon, torch 2.13, one thread — the recording machine):
+The published msign runs in bf16, whose matrix products round differently on each class of CPU matrix unit: its own
+outputs lie up to 2.5e-2 (msign) and 3.3e-2 (weights after 5 steps) of their largest entry apart between AMX,
+AVX512-BF16 and AVX2. So the tests compare with the file of this machine's class (``cpu_kind``); every tolerance
+below holds on all three (measured: AMX Xeon, AMD EPYC with AVX512-BF16, the same EPYC with oneDNN capped to AVX2),
+msign bit for bit on each. A class without a file is held to the published code's spread between the recorded
+classes (``_within_every_class``, also checked on every class by
+``test_within_the_published_codes_spread_between_classes``).
+
+Tolerances, named and measured (AMX Xeon, torch 2.13, one thread):
 
 - msign: one bf16 rounding per entry (``MSIGN_ULPS``); measured: every entry equal, bit for bit, in all 6 cases.
 - The start on the manifold (``init_on_manifold``): Stiefel bit for bit (both a bf16 msign); DGram's published SVD
@@ -34,6 +42,7 @@ import torch
 from safetensors import safe_open
 
 from weightgeom import manifolds
+from weightgeom.benchmarks._common import cpu_kind
 from weightgeom.linalg import msign
 from weightgeom.optim import Muon
 from weightgeom.optim.config import OptimConfig
@@ -41,21 +50,45 @@ from weightgeom.optim.config import OptimConfig
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 msign_mod = importlib.import_module("weightgeom.linalg.msign")  # the module (the package exports the function)
-GOLDEN = Path(__file__).parent / "golden" / "published" / "published.safetensors"
+HERE = Path(__file__).parent / "golden" / "published"
 MSIGN_ULPS = 1
 INIT_RTOL = 1e-5
 NOISE_HEADROOM = 1.5
 STEPS = 5
 
 
-def _load() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(GOLDEN), "pt") as f:
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-T, META = _load()
+# golden outputs per bf16 product class (the file name's suffix): the published bf16 msign itself rounds differently
+# on each (AMX, AVX512-BF16, AVX2: up to 3e-2 of the largest weight apart after 5 steps)
+GOLDENS = {p.stem.removeprefix("published-"): _load(p) for p in sorted(HERE.glob("published-*.safetensors"))}
+KIND = cpu_kind().split(" (")[0]  # a oneDNN cap's class where ONEDNN_MAX_CPU_ISA caps it
+RECORDED = KIND in GOLDENS
+T, META = GOLDENS.get(KIND, GOLDENS["AMX"])
 MSIGN_CASES = sorted(k.split("/")[1] for k in T if k.startswith("msign/") and k.endswith("/in"))
 STEP_CASES = sorted({k.rsplit("/", 1)[0] for k in T if k.startswith(("mm/", "plain/"))})
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max-entry-relative distance max|a − b| / max|b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _spread(key: str) -> float:
+    """How far the published code's own outputs for ``key`` lie apart between the recorded classes (largest pair)."""
+    outs = [t[key] for t, _ in GOLDENS.values()]
+    return max(_rel(a, b) for a in outs for b in outs)
+
+
+def _within_every_class(ours: torch.Tensor, key: str) -> None:
+    """On a class without golden outputs: ours lies within NOISE_HEADROOM × the published code's spread between the
+    recorded classes of each class's output (what another bf16 product rounding does to the reference itself)."""
+    bound = NOISE_HEADROOM * _spread(key)
+    for kind, (t, _) in GOLDENS.items():
+        assert _rel(ours, t[key]) <= bound, (kind, _rel(ours, t[key]), bound)
 
 
 def _case(key: str) -> tuple[str | None, float]:
@@ -74,25 +107,39 @@ def _paper_keys(manifold: str | None, lr: float, **override) -> dict:
     return {**kw, **override}
 
 
-def _distances(key: str, **override) -> list[float]:
-    """Max-entry-relative distance of ours to the published weights after each of the 5 steps."""
+def _weights(key: str, golden: dict[str, torch.Tensor] | None = None, **override) -> torch.Tensor:
+    """Our weights after the 5 steps from ``golden``'s start and gradients (default: this class's)."""
+    out: list[torch.Tensor] = []
+    _distances(key, golden, out, **override)
+    return out[-1]
+
+
+def _distances(key: str, golden: dict[str, torch.Tensor] | None = None, weights: list | None = None,
+               **override) -> list[float]:
+    """Max-entry-relative distance of ours to the published weights (``golden``: this class's) after each of the 5
+    steps; ``weights`` collects ours."""
     manifold, lr = _case(key)
-    p = torch.nn.Parameter(T[f"{key}/W0"].clone())
+    golden = T if golden is None else golden
+    p = torch.nn.Parameter(golden[f"{key}/W0"].clone())
     opt = Muon([{"params": [p], "manifold": manifold, **_paper_keys(manifold, lr, **override)}])
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a random start is moved far onto its manifold (expected)
         for k in range(1, STEPS + 1):
-            p.grad = T[f"{key}/g{k}"].clone()
+            p.grad = golden[f"{key}/g{k}"].clone()
             opt.step()
-            w = T[f"{key}/w{k}"]
-            out.append(float((p.detach() - w).abs().max() / w.abs().max()))
+            out.append(_rel(p.detach(), golden[f"{key}/w{k}"]))
+            if weights is not None:
+                weights.append(p.detach().clone())
     return out
 
 
-def test_golden_file_names_its_source():
-    assert META["source"] == "github.com/kiratoyoshihara/module-wise-manifold-muon"
-    assert META["commit"].startswith("f283b76") and "make_golden.py" in META["command"]
+def test_golden_files_name_their_source_and_cover_the_common_classes():
+    for kind, (t, meta) in GOLDENS.items():
+        assert meta["source"] == "github.com/kiratoyoshihara/module-wise-manifold-muon"
+        assert meta["commit"].startswith("f283b76") and "make_golden.py" in meta["command"]
+        assert meta.get("bf16_kind", kind) == kind and t.keys() == T.keys()
+    assert {"AMX", "AVX512-BF16", "AVX2"} <= GOLDENS.keys()
     assert len(MSIGN_CASES) == 6 and len(STEP_CASES) == 14
 
 
@@ -101,11 +148,13 @@ def test_msign_equals_the_published_msign(case):
     X, gold = T[f"msign/{case}/in"], T[f"msign/{case}/out"]
     ours = msign(X, method="polar_express_paper")
     assert ours.dtype == gold.dtype == torch.float32
+    if case == "zero":
+        assert not bool(ours.any())
+    if not RECORDED:
+        return _within_every_class(ours, f"msign/{case}/out")
     # one bf16 rounding of each entry: 2^(e − 7) for |x| in [2^e, 2^(e+1)) (8 significant bits)
     ulp = torch.exp2(torch.floor(torch.log2(gold.abs().clamp_min(2.0**-126))) - 7)
     assert bool(((ours - gold).abs() <= MSIGN_ULPS * ulp).all()), float((ours - gold).abs().max())
-    if case == "zero":
-        assert not bool(ours.any())
 
 
 @pytest.mark.parametrize("key", [k for k in STEP_CASES if k.startswith("mm/")])
@@ -113,17 +162,35 @@ def test_start_on_the_manifold_equals_the_published_one(key):
     manifold, _ = _case(key)
     W0, gold = T[f"{key}/W0"], T[f"{key}/init"]
     ours = manifolds.get(manifold, retraction="paper").retract(W0)
-    err = float((ours - gold).abs().max() / gold.abs().max())
+    if not RECORDED and manifold == "stiefel":  # a bf16 msign: another class rounds it otherwise
+        return _within_every_class(ours, f"{key}/init")
+    err = _rel(ours, gold)
     assert err <= (0.0 if manifold == "stiefel" else INIT_RTOL), err
 
 
 @pytest.mark.parametrize("key", STEP_CASES)
 def test_paper_preset_steps_within_the_published_codes_noise_floor(key):
+    if not RECORDED:
+        bound = NOISE_HEADROOM * max(_spread(f"{key}/w{k}") + float(T[f"{key}/floor"].max()) for k in range(1, 6))
+        for kind, (t, _) in GOLDENS.items():
+            assert max(_distances(key, t)) <= bound, kind
+        return
     floor = float(T[f"{key}/floor"].max())
     got = _distances(key)
     assert max(got) <= NOISE_HEADROOM * floor, (got, floor)
     if key.startswith("plain/"):
         assert max(got) == 0.0  # the published plain step, bit for bit
+
+
+@pytest.mark.parametrize("key", [f"msign/{c}/out" for c in MSIGN_CASES] + [f"{k}/w5" for k in STEP_CASES])
+def test_within_the_published_codes_spread_between_classes(key):
+    """What a class without golden outputs is held to (``_within_every_class``), checked on every class: ours lies
+    within the published code's own spread between the recorded classes of each one's outputs."""
+    if key.startswith("msign/"):
+        ours = msign(T[key.replace("/out", "/in")], method="polar_express_paper")
+    else:
+        ours = _weights(key.rsplit("/", 1)[0])
+    _within_every_class(ours, key)
 
 
 def _previous_order(G, preset, steps, dtype, start_step):
