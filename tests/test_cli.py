@@ -280,7 +280,7 @@ def test_gpu_check_kills_a_hung_section_and_repeats_the_verdicts(tmp_path, capsy
     from weightgeom.benchmarks import gpu_check
 
     py = sys.executable
-    monkeypatch.setattr(gpu_check, "_sections", lambda device, iters, tests: [
+    monkeypatch.setattr(gpu_check, "_sections", lambda device, iters, tests, markdown=None: [
         ("hangs", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"]),
         ("reports", [py, "-c", "print('ratio 0.4  (target ≤ 1: met)'); print('3 passed, 1 skipped in 2.0s')"]),
     ])
@@ -291,6 +291,19 @@ def test_gpu_check_kills_a_hung_section_and_repeats_the_verdicts(tmp_path, capsy
     summary = out.split("== summary: targets and test results ==", 1)[1]
     assert "[reports] ratio 0.4  (target ≤ 1: met)" in summary and "[reports] 3 passed, 1 skipped" in summary
     assert "1 section(s) failed: hangs" in summary and log.read_text().count("== summary") == 1
+
+
+def test_gpu_check_times_compiled_steps_and_writes_the_docs_blocks():
+    """On CUDA, gpu_check's optimizer-step, MD-overhead and throughput sections time eager and compiled steps side by
+    side, and with --markdown each writes its table into the file (docs/benchmarks.md is one command away)."""
+    from weightgeom.benchmarks import gpu_check
+
+    sections = dict(gpu_check._sections("cuda", 10, None, "docs/benchmarks.md"))
+    timed = [cmd for cmd in sections.values() if "bench" in cmd]
+    names = {cmd[cmd.index("bench") + 1] for cmd in timed if "--markdown" in cmd}
+    assert names == {"optimizer_step", "md_overhead", "train_throughput"}
+    assert all("--compiled" in cmd for cmd in timed), timed
+    assert not any("--markdown" in cmd for cmd in dict(gpu_check._sections("cuda", 10, None)).values())
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -285,3 +285,33 @@ def test_compile_step_runs_md_as_one_graph_and_equals_eager():
     assert not compile_step(MagnitudeDirection(torch.optim.AdamW([p])), backend="eager").fullgraph
     assert not compile_step(MagnitudeDirection(torch.optim.SGD([p], lr=0.1), on_nonfinite="skip"),
                             backend="eager").fullgraph
+
+
+def test_benchmarks_time_the_compiled_step_beside_the_eager_one(tmp_path, monkeypatch, capsys):
+    """``bench md_overhead --compiled`` and ``bench train_throughput --compiled``: a compiled column beside the eager
+    one (compile_step with torch's "eager" backend here: no inductor build in the suite), in the printed table, the
+    JSON and the markdown block; the compiled optimizer compiled before the timing, its cost reported."""
+    import json
+
+    from weightgeom.benchmarks import md_overhead, train_throughput
+    from weightgeom.cli import main
+    from weightgeom.optim import compiled
+
+    real = compiled.compile_step
+    for mod in (md_overhead, train_throughput):
+        monkeypatch.setattr(mod, "compile_step", lambda opt: real(opt, backend="eager"))
+    out, md = tmp_path / "md.json", tmp_path / "bench.md"
+    torch._dynamo.reset()
+    try:
+        assert main(["bench", "md_overhead", "--base", "adamw", "--adamw-impl", "foreach", "--md-path", "fused",
+                     "--iters", "1", "--warmup", "0", "--compiled", "--json", str(out), "--markdown", str(md)]) == 0
+        rows = json.loads(out.read_text())["results"]
+        assert [r["base"] for r in rows] == ["adamw"]
+        assert all(r["compiled_ms"] > 0 and r["compiled_ratio"] > 0 and r["compile_s"] >= 0 for r in rows)
+        assert "compiled ratio" in md.read_text() and "compiled ms" in capsys.readouterr().out
+        got = train_throughput.main(["--quick", "--compiled", "--markdown", str(md)])
+    finally:
+        torch._dynamo.reset()
+    assert got["ratio_compiled"] > 0 and got["optimizer_compile_s"] >= 0
+    text = md.read_text()
+    assert "| compile_step |" in text and "| eager |" in text and text.count("<!-- bench md_overhead") == 1

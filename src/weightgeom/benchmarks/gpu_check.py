@@ -11,8 +11,9 @@ stop the others; the log is also written to ``--log``):
 4. ``weightgeom bench optimizer_step``: our Muon vs torch.optim.Muon, manifold Muon (Stiefel, DGram), AdamW, on one
    GPT-2-small layer and (on CUDA) on all 12, where same-shape matrices are batched; on CUDA with ``--compiled``,
    eager and compiled steps (``weightgeom.optim.compile_step``: one graph, CUDA graphs) side by side;
-5. ``weightgeom bench md_overhead``: the MD wrapper's overhead over AdamW and Muon;
-6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop);
+5. ``weightgeom bench md_overhead``: the MD wrapper's overhead over AdamW and Muon (on CUDA also compiled);
+6. ``weightgeom bench train_throughput --preset gpt2``: tokens/s of the 124M GPT-2 config (ours vs a plain loop; on
+   CUDA also with the optimizer step compiled);
 7. where a manifold step's time goes (``torch.profiler``, 3 steps of Stiefel and DGram on 12 GPT-2-small layers; one
    layer with ``--device cpu``): wall ms per step, GPU busy ms, kernel launches and host synchronisations per step,
    and the kernels that take the most GPU time — so a launch-bound step (GPU busy ≪ wall) tells itself from an
@@ -21,6 +22,7 @@ stop the others; the log is also written to ``--log``):
 Usage::
 
     weightgeom bench gpu_check --tests tests      # on a machine with a CUDA device, from a source checkout
+    weightgeom bench gpu_check --tests tests --markdown docs/benchmarks.md   # and regenerate that GPU's tables
     weightgeom bench gpu_check --device cpu       # smoke run of the same path on a CPU (quick settings)
 
 Exit code: 0 when every section passed, 1 when one failed, 2 without a CUDA device (unless ``--device cpu``).
@@ -141,9 +143,11 @@ for manifold in ("muon", "stiefel", "dgram"):
 """
 
 
-def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[str, list[str]]]:
+def _sections(device: str, iters: int, source_tests: Path | None,
+              markdown: str | None = None) -> list[tuple[str, list[str]]]:
     py = sys.executable
     quick = ["--quick"] if device == "cpu" else []
+    md = ["--markdown", markdown] if markdown else []  # the one-layer optimizer step, MD overhead, throughput
     out: list[tuple[str, list[str]]] = [("machine", [py, "-c", _MACHINE])]
     if device == "cuda" and source_tests is not None:
         out.append(("CUDA tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
@@ -153,17 +157,20 @@ def _sections(device: str, iters: int, source_tests: Path | None) -> list[tuple[
     bench = [py, "-m", "weightgeom.cli", "bench"]
     out.append((f"optimizer step: Muon vs torch.optim.Muon, manifold Muon ({device})",
                 [*bench, "optimizer_step", "--device", device, *quick, *([] if quick else ["--iters", str(iters)]),
-                 *(["--compiled"] if device == "cuda" else [])]))
+                 *(["--compiled"] if device == "cuda" else []), *md]))
     if device == "cuda":  # the whole 12-layer model: same-shape matrices batched (manifold groups too, on a GPU)
         out.append(("optimizer step, 12 layers (cuda)",
                     [*bench, "optimizer_step", "--device", "cuda", "--layers", "12", "--iters", str(iters),
                      "--only", "default,torch.optim.Muon", "--compiled"]))  # eager and compiled side by side
-    out.append((f"MD overhead ({device})", [*bench, "md_overhead", "--device", device, *quick]))
-    if device == "cuda":
+    out.append((f"MD overhead ({device})", [*bench, "md_overhead", "--device", device, *quick,
+                                             *(["--compiled"] if device == "cuda" else []), *md]))
+    if device == "cuda":  # eager and compiled optimizer steps side by side
         out.append(("tokens/s of the 124M config",
-                    [*bench, "train_throughput", "--device", "cuda", "--preset", "gpt2", "--rounds", "5"]))
+                    [*bench, "train_throughput", "--device", "cuda", "--preset", "gpt2", "--rounds", "5",
+                     "--compiled", *md]))
     else:
-        out.append(("tokens/s (CPU preset, quick)", [*bench, "train_throughput", "--device", "cpu", "--quick"]))
+        out.append(("tokens/s (CPU preset, quick)",
+                    [*bench, "train_throughput", "--device", "cpu", "--quick", *md]))
     out.append((f"where a manifold step's time goes ({device})",
                 [py, "-c", _PROFILE, device, "12" if device == "cuda" else "1"]))
     return out
@@ -179,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds one section may run before it is killed and counted as failed (default 240)")
     ap.add_argument("--tests", default=None, metavar="DIR",
                     help="a source checkout's tests/ folder: run its CUDA-marked tests first (default: skip them)")
+    ap.add_argument("--markdown", default=None, metavar="FILE",
+                    help="the one-layer optimizer step, MD overhead and throughput sections put their tables into "
+                         "FILE (each replacing its own block for this device kind, e.g. docs/benchmarks.md)")
     args = ap.parse_args(argv)
     tests = Path(args.tests) if args.tests else None
     if tests is not None and not (tests / "conftest.py").is_file():
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t_all = time.perf_counter()
         verdicts: list[str] = []  # each section's target lines, repeated at the end as the run's summary
-        for name, cmd in _sections(args.device, args.iters, tests):
+        for name, cmd in _sections(args.device, args.iters, tests, args.markdown):
             say(f"== {name} ==")
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

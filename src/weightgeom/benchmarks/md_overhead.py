@@ -15,12 +15,17 @@ MD's default, where Muon's own step runs unfused and MD's passes around it run i
 ``kernels.md_split``/``md_finish``; ``--muon-md-path eager`` times the all-torch passes instead). On CUDA the C
 passes do not apply (MD runs eagerly there).
 
+``--compiled`` adds a column: MD (``on_nonfinite="skip"``) stepped through ``weightgeom.optim.compile_step`` (one
+``torch.compile(fullgraph=True)`` graph per step, the base's step inside it; CUDA graphs on CUDA), compiled before
+the timing, timed in the same interleaved loop and divided by the same eager base step.
+
 Usage::
 
     python -m weightgeom.benchmarks.md_overhead  # all rows, 1 layer, CPU
     python -m weightgeom.benchmarks.md_overhead --quick  # the same rows, 3 timed steps each
     python -m weightgeom.benchmarks.md_overhead --base adamw --adamw-impl default --md-path fused
     python -m weightgeom.benchmarks.md_overhead --device cuda --layers 12 --iters 50 --json md_overhead.json
+    python -m weightgeom.benchmarks.md_overhead --quick --compiled --adamw-impl foreach --md-path fused
 """
 
 from __future__ import annotations
@@ -36,12 +41,15 @@ import torch
 from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
+from weightgeom.optim.compiled import compile_step
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
 GPT2_SMALL = {"attn.c_attn": (2304, 768), "attn.c_proj": (768, 768), "mlp.c_fc": (3072, 768),
               "mlp.c_proj": (768, 3072)}
 TARGET_RATIO = 1.10
+COMPILE_STEPS = 3
+"""Steps the compiled MD takes before the timing (eager first step, then the two compiling calls)."""
 
 
 def make_params(layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[list, list[str]]:
@@ -57,13 +65,15 @@ def make_params(layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> 
     return params, names
 
 
-def make_base(kind: str, params: list, names: list[str], adamw_impl: str = "default") -> torch.optim.Optimizer:
-    """The bare base optimizer over ``params`` (named groups); ``adamw_impl``: default | foreach | fused."""
+def make_base(kind: str, params: list, names: list[str], adamw_impl: str = "default",
+              **muon_kw: object) -> torch.optim.Optimizer:
+    """The bare base optimizer over ``params`` (named groups); ``adamw_impl``: default | foreach | fused;
+    ``muon_kw``: further Muon arguments (``on_nonfinite="skip"`` for a compiled step)."""
     if kind == "adamw":
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw_impl]
         return torch.optim.AdamW([{"params": params, "names": names}], lr=1e-4, weight_decay=0.0, **impl)
     if kind == "muon":
-        return Muon([{"params": params, "names": names}], lr=0.02)
+        return Muon([{"params": params, "names": names}], lr=0.02, **muon_kw)
     raise ValueError(f"unknown base {kind!r}")
 
 
@@ -73,33 +83,48 @@ def _sync(device: str) -> None:
 
 
 def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype: torch.dtype,
-            md_kw: dict | None = None, adamw_impl: str = "default", md_path: str = "fused") -> dict:
+            md_kw: dict | None = None, adamw_impl: str = "default", md_path: str = "fused",
+            compiled: bool = False) -> dict:
     """Median seconds per step of the bare base and of MD around an identical base; their ratio.
 
     ``md_path``: ``"fused"`` (MD's default, ``fused=None``: the fused kernel, or the C passes around another base,
-    wherever they apply) or ``"eager"`` (``fused=False``).
+    wherever they apply) or ``"eager"`` (``fused=False``). ``compiled``: also MD with ``on_nonfinite="skip"`` (over
+    a Muon base with the same) through ``compile_step``, compiled before the timing (``compiled_ms``,
+    ``compiled_ratio``: over the same eager base step; ``compile_s``: its one-off cost).
     """
     p_base, names = make_params(layers, device, dtype)
     p_md, _ = make_params(layers, device, dtype)
     base = make_base(kind, p_base, names, adamw_impl)
     md = MagnitudeDirection(make_base(kind, p_md, names, adamw_impl), fused=None if md_path == "fused" else False,
                             **(md_kw or {}))
-    t_base, t_md = [], []
+    timed: list[tuple[object, list[float]]] = [(base.step, []), (md.step, [])]
+    step_c = None
+    if compiled:
+        p_c, _ = make_params(layers, device, dtype)
+        base_c = make_base(kind, p_c, names, adamw_impl, on_nonfinite="skip")
+        step_c = compile_step(MagnitudeDirection(base_c, on_nonfinite="skip", **(md_kw or {})))
+        for _ in range(COMPILE_STEPS):  # the eager first step and the two compiling calls, before the timing
+            step_c()
+        timed.append((step_c, []))
     for it in range(warmup + iters):
-        for opt, sink in ((base, t_base), (md, t_md)):
+        for step, sink in timed:
             _sync(device)
             t0 = time.perf_counter()
-            opt.step()
+            step()
             _sync(device)
             if it >= warmup:
                 sink.append(time.perf_counter() - t0)
-    b, m = statistics.median(t_base), statistics.median(t_md)
+    b, m = statistics.median(timed[0][1]), statistics.median(timed[1][1])
     paths = sorted({path.split(" (")[0] for path in md._path.values()})
-    return {"base": kind, "md_path": "+".join(paths),
-            "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
-            "device": device, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "md": md_kw or {},
-            "adamw_impl": adamw_impl if kind == "adamw" else None,
-            "base_ms": 1e3 * b, "md_ms": 1e3 * m, "ratio": m / b, "target": TARGET_RATIO}
+    out = {"base": kind, "md_path": "+".join(paths),
+           "layers": layers, "matrices": len(p_base), "params": sum(p.numel() for p in p_base),
+           "device": device, "dtype": str(dtype).replace("torch.", ""), "iters": iters, "md": md_kw or {},
+           "adamw_impl": adamw_impl if kind == "adamw" else None,
+           "base_ms": 1e3 * b, "md_ms": 1e3 * m, "ratio": m / b, "target": TARGET_RATIO}
+    if step_c is not None:
+        c = statistics.median(timed[2][1])
+        out.update(compiled_ms=1e3 * c, compiled_ratio=c / b, compile_s=step_c.compile_seconds)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true",
                     help="3 timed steps after 1 warm-up per row (about a minute on a 2-core CPU)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="add MD stepped through weightgeom.optim.compile_step (torch.compile, fullgraph; compiled "
+                         "before the timing, which takes minutes on a CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--markdown", default=None, metavar="FILE",
                     help="put the results table into FILE as markdown (replacing this benchmark's block for this "
@@ -151,15 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     steady_allocator()  # steady timings: see its docstring
     tag = hardware_tag(args.device)
     print(f"hardware: {tag}; {layers} layer(s), median of {iters} steps after {args.warmup} warm-up")
-    print(f"{'base':16s} {'MD path':8s} {'matrices':>8s} {'params':>8s} {'base ms':>9s} {'MD ms':>9s} {'ratio':>7s}")
+    comp_head = f" {'compiled ms':>11s} {'ratio':>7s}" if args.compiled else ""
+    print(f"{'base':16s} {'MD path':8s} {'matrices':>8s} {'params':>8s} {'base ms':>9s} {'MD ms':>9s} {'ratio':>7s}"
+          f"{comp_head}")
     results = []
     for kind, impl, path in rows:
-        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains}, impl, path)
+        r = measure(kind, layers, iters, args.warmup, args.device, dtype, {"gains": args.gains}, impl, path,
+                    compiled=args.compiled)
         results.append(r)
         flag = "ok" if r["ratio"] <= TARGET_RATIO else f"above target {TARGET_RATIO}"
         label = f"{kind}({impl})" if kind == "adamw" else kind
+        comp = f" {r['compiled_ms']:11.2f} {r['compiled_ratio']:7.3f}" if args.compiled else ""
         print(f"{label:16s} {r['md_path']:8s} {r['matrices']:8d} {r['params'] / 1e6:7.1f}M {r['base_ms']:9.2f} "
-              f"{r['md_ms']:9.2f} {r['ratio']:7.3f}  {flag}", flush=True)
+              f"{r['md_ms']:9.2f} {r['ratio']:7.3f}{comp}  {flag}", flush=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
             "machine": platform.machine(), "hardware": tag,
             "gpu": torch.cuda.get_device_name() if cuda else None}
@@ -169,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         rows_md = [[f"{r['base']}({r['adamw_impl']})" if r["base"] == "adamw" else r["base"], r["md_path"],
                     r["matrices"],
                     f"{r['params'] / 1e6:.1f}M", f"{r['base_ms']:.2f}", f"{r['md_ms']:.2f}", f"**{r['ratio']:.3f}**",
+                    *([f"{r['compiled_ms']:.2f}", f"**{r['compiled_ratio']:.3f}**"] if args.compiled else []),
                     f"≤ {TARGET_RATIO}"] for r in results]
+        head = ["base", "MD path", "matrices", "params", "base ms", "MD ms", "ratio",
+                *(["compiled MD ms", "compiled ratio"] if args.compiled else []), "target"]
         print(write_markdown(args.markdown, "md_overhead", tag, bench_command("md_overhead", argv), [
             (f"MagnitudeDirection(base).step() ÷ base.step(), {layers} GPT-2-small layer(s), median of {iters} steps",
-             ["base", "MD path", "matrices", "params", "base ms", "MD ms", "ratio", "target"], rows_md)]))
+             head, rows_md)]))
     return 0
 
 

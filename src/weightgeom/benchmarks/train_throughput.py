@@ -4,6 +4,7 @@
     python -m weightgeom.benchmarks.train_throughput --preset gpt2  # GPT-2 small, T=1024 (CUDA; bf16 autocast)
     python -m weightgeom.benchmarks.train_throughput --e2e          # also time a whole `weightgeom.train.train` run
     weightgeom bench train_throughput --quick                       # smoke run
+    weightgeom bench train_throughput --quick --compiled            # also with the optimizer step compiled
 
 "Ours" is the trainer's step: ``weightgeom.models`` GPT, batches from ``weightgeom.train.batches``, the LR schedule
 applied to every group, global grad-norm clipping (``weightgeom.train.distributed.clip_grad_norm``), AdamW from
@@ -31,6 +32,7 @@ from torch import nn
 
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
+from weightgeom.optim.compiled import compile_step
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
 from weightgeom.train.config import load_config
@@ -109,6 +111,9 @@ class RefGPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+COMPILE_STEPS = 3
+"""Steps the compiled side takes before the timing (eager first step, then the two compiling calls)."""
+
 PRESETS = {
     "cpu": dict(n_layer=4, n_head=4, n_embd=256, block_size=128, batch_size=8, vocab_size=8192),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=16, vocab_size=50304),
@@ -125,6 +130,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--e2e", action="store_true", help="also time a full weightgeom.train.train run (ours only)")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 2 steps, 1 warmup step (smoke run)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time our step with the optimizer through weightgeom.optim.compile_step (as "
+                         "train.compile_optimizer=on runs it; compiled during the warm-up)")
     ap.add_argument("--markdown", default=None, metavar="FILE",
                     help="put the result into FILE as a markdown table (replacing this benchmark's block for this "
                          "device kind, e.g. in docs/benchmarks.md)")
@@ -151,28 +159,39 @@ def main(argv=None) -> dict:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     # ours: the trainer's components
-    torch.manual_seed(0)
     batches = build_batches(cfg)
-    model = model_from_config(cfg.model).to(dev)
-    opt = build_optimizer_from_config(model, cfg)
-    capture_base_lrs(opt)
     lr_fn = make_lr_fn(cfg.schedule, 1000)
-    params = [p for p in model.parameters() if p.requires_grad]
     info = DistInfo(device=dev)
-    state = {"s": 0}
 
-    def ours_step():
-        s = state["s"]
-        apply_lr(opt, lr_fn(s))
-        x, y = batches.get("train", s, 0, dev)
-        with amp():
-            _, loss = model(x, y)
-        loss.backward()
-        clip_grad_norm(params, 1.0, info)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state["s"] += 1
-        return loss
+    def ours(compiled: bool):
+        """Our training step (the trainer's components); ``compiled``: the optimizer step through compile_step."""
+        torch.manual_seed(0)
+        model = model_from_config(cfg.model).to(dev)
+        opt = build_optimizer_from_config(model, cfg)
+        capture_base_lrs(opt)
+        step_fn = compile_step(opt) if compiled else opt.step
+        params = [p for p in model.parameters() if p.requires_grad]
+        state = {"s": 0}
+
+        def step():
+            s = state["s"]
+            apply_lr(opt, lr_fn(s))
+            x, y = batches.get("train", s, 0, dev)
+            with amp():
+                _, loss = model(x, y)
+            loss.backward()
+            clip_grad_norm(params, 1.0, info)
+            step_fn()
+            opt.zero_grad(set_to_none=True)
+            state["s"] += 1
+            return loss
+
+        return model, step, step_fn
+
+    model, ours_step, _ = ours(False)
+    sides = {"ours": ours_step}
+    if args.compiled:
+        _, sides["ours_compiled"], compiled_fn = ours(True)
 
     # reference: nanoGPT
     torch.manual_seed(0)
@@ -196,13 +215,15 @@ def main(argv=None) -> dict:
         ref_opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
-        ours_step()
-        ref_step()
-    times = {"ours": [], "ref": []}
-    cpu = {"ours": [], "ref": []}
+    sides["ref"] = ref_step
+    for i in range(max(args.warmup, COMPILE_STEPS if args.compiled else 0)):
+        for name, fn in sides.items():
+            if i < args.warmup or name == "ours_compiled":  # the compiled side compiles before the timing
+                fn()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(args.rounds):
-        for name, fn in (("ours", ours_step), ("ref", ref_step)):
+        for name, fn in sides.items():
             sync()
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
@@ -225,6 +246,12 @@ def main(argv=None) -> dict:
         "params_ours": sum(p.numel() for p in model.parameters()),
         "params_ref": sum(p.numel() for p in ref.parameters()),
     }
+    if args.compiled:
+        out.update(tokens_per_s_ours_compiled=tok / med["ours_compiled"],
+                   ratio_compiled=med["ref"] / med["ours_compiled"],
+                   ratio_cpu_time_compiled=cmed["ref"] / cmed["ours_compiled"],
+                   ms_per_step_ours_compiled=med["ours_compiled"] * 1e3,
+                   optimizer_compile_s=compiled_fn.compile_seconds)
     if args.e2e:
         with tempfile.TemporaryDirectory() as d:
             steps = args.rounds * args.steps
@@ -234,11 +261,17 @@ def main(argv=None) -> dict:
             out["tokens_per_s_trainer_e2e"] = res["final"]["tokens_per_s"]
     print(json.dumps(out))
     if args.markdown:
-        row = [args.preset, f"{out['tokens_per_s_ours']:.0f}", f"{out['tokens_per_s_ref']:.0f}",
-               f"**{out['ratio']:.3f}**", f"{out['ratio_cpu_time']:.3f}" if dev.type == "cpu" else "—", "≥ 1.0"]
+        on_cpu = dev.type == "cpu"
+        rows = [[args.preset, "eager", f"{out['tokens_per_s_ours']:.0f}", f"{out['tokens_per_s_ref']:.0f}",
+                 f"**{out['ratio']:.3f}**", f"{out['ratio_cpu_time']:.3f}" if on_cpu else "—", "≥ 1.0"]]
+        if args.compiled:
+            rows.append([args.preset, "compile_step", f"{out['tokens_per_s_ours_compiled']:.0f}",
+                         f"{out['tokens_per_s_ref']:.0f}", f"**{out['ratio_compiled']:.3f}**",
+                         f"{out['ratio_cpu_time_compiled']:.3f}" if on_cpu else "—", "≥ 1.0"])
         shape = ", ".join(f"{k} {v}" for k, v in P.items())
         table = (f"tokens/s of our training step ÷ a plain nanoGPT loop ({shape}), median of {args.rounds} rounds",
-                 ["preset", "ours tok/s", "nanoGPT tok/s", "ratio", "ratio (process CPU time)", "target"], [row])
+                 ["preset", "our optimizer step", "ours tok/s", "nanoGPT tok/s", "ratio", "ratio (process CPU time)",
+                  "target"], rows)
         print(write_markdown(args.markdown, "train_throughput", out["hardware"],
                              bench_command("train_throughput", argv), [table]))
     return out

@@ -3,8 +3,8 @@
 The published repository is github.com/kiratoyoshihara/module-wise-manifold-muon; its files are read from a checkout
 given on the command line and run as they are (``msign.py`` and ``manifold_muon.py`` imported, ``train.py``'s
 ``Muon`` class compiled from that file's own source — ``train.py`` itself trains at import). Nothing of it is copied
-into this project: only the inputs and the outputs it produced, as tensors, in ``published-<class>.safetensors`` (one per class of
-bf16 matrix product: the published bf16 msign rounds differently on each; README.md here).
+into this project: only the inputs and the outputs it produced, as tensors, in ``published-<class>.safetensors``
+(one per class of bf16 matrix product: the published bf16 msign rounds differently on each; README.md here).
 
 Usage (the command that made the file in this folder; see README.md here for the commit):
 
@@ -129,7 +129,8 @@ def main() -> None:
                     help="the published commit the checkout holds (recorded in the file's metadata)")
     ap.add_argument("--out", type=Path, default=None,
                     help="where to write (default: published-<bf16 kind>.safetensors here: "
-                         "weightgeom.benchmarks._common.cpu_kind(), a oneDNN cap's class where ONEDNN_MAX_CPU_ISA sets one)")
+                         "weightgeom.benchmarks._common.cpu_kind(), a oneDNN cap's class where "
+                         "ONEDNN_MAX_CPU_ISA sets one)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     msign, init_on_manifold, Muon = _load(args.repo.resolve())
