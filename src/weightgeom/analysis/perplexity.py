@@ -216,9 +216,10 @@ def load_causal_lm(path: str | Path, *, base: str | Path | None = None) -> Causa
             be unchanged since it was compressed).
 
     Raises:
-        FileNotFoundError: no such path. ValueError: a file of no supported kind, one that cannot be loaded or holds
-        pickled Python objects, ``base`` for a model that is not a compress output, or a compress output whose base
-        is missing, changed, or loops back to a compress output (one line naming it).
+        FileNotFoundError: no such path.
+        ValueError: a file of no supported kind, one that cannot be loaded or holds pickled Python objects, ``base``
+            for a model that is not a compress output, or a compress output whose base is missing, changed, or loops
+            back to a compress output (one line naming it).
     """
 
     p = Path(path)
