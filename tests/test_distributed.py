@@ -210,7 +210,7 @@ def _user_loop_worker(out_dir: str) -> None:
 
 GLOO_ABORT = "terminate called without an active exception"
 """A C++ abort of one rank inside torch's gloo backend: 1 to 2 in 5 launches of the user-loop script under pytest on
-the 2-core machine (2026-12-03), with this project's code before and after that day's changes alike, and never in 6
+the 2-core AMX machine, with this project's code before and after a change alike, and never in 6
 direct launches; the rank dies with SIGABRT and no Python frame. A launch that dies this way is relaunched (at most
 GLOO_ABORT_RETRIES times); any other failure, and every assertion on the results, stands."""
 GLOO_ABORT_RETRIES = 2

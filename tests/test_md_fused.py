@@ -14,7 +14,7 @@ from weightgeom.optim import md_fused
 from weightgeom.optim.magnitude_direction import MagnitudeDirection, gain_init, sphere_norm
 from weightgeom.optim.md_functional import fused_step_reference
 
-# Kernel ÷ float64 reference, relative to the largest entry, over the cases below (2026-12-03): float64 ≤ 2.1e-15
+# Kernel ÷ float64 reference, relative to the largest entry, over the cases below (AMX Xeon): float64 ≤ 2.1e-15
 # (summation order, √v·(1/√bc2) for √v/√bc2); float32 ≤ 1.3e-6 (the reference computes in float64). The limits leave
 # ~500× and ~15× headroom; a 0.1 % error in one gain gradient fails them.
 KERNEL_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
@@ -520,7 +520,7 @@ def test_md_overhead_benchmark_runs_and_reports_the_path(tmp_path, capsys):
 
 # ---- the C passes of the eager path (any other base: Muon, SGD, Adam with amsgrad, ...) ------------------------------
 # eager-C ÷ eager (fused=False) after STEPS steps: the same operations in the same order, but the sums (gain
-# gradients, sphere norms) in float64 instead of torch's reductions; measured over the cases below (2026-12-04):
+# gradients, sphere norms) in float64 instead of torch's reductions; measured over the cases below (AMX Xeon):
 # float64 ≤ 2.6e-15, float32 ≤ 1.2e-6 (the limits leave ~400× and ~17× headroom).
 C_PATH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 

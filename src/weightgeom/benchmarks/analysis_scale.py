@@ -14,11 +14,11 @@ Measured in one run:
         child process: wall time, peak RSS (the child's VmHWM), GB/s over the bytes of the role matrices read and
         over the checkpoint's size. Targets for the 8B shape: ≤ 10 min and ≤ 3 GB RSS on 2 cores.
 
-Measured (2026-12-03, Intel Xeon with AMX and AVX512-BF16, 2 cores, the other mostly idle, torch 2.13, one thread,
+Measured (Intel Xeon with AMX and AVX512-BF16, 2 cores, the other mostly idle, torch 2.13, one thread,
 default ``gram="auto"``): 8B shape, 32 layers: analysis 252 s (7.9 s per layer), peak RSS 1.14 GB; plain read 13.2 s
 (page cache). Both targets met.
 
-Measured (2026-12-03, AMD EPYC, AVX2, 2 cores shared with other jobs, torch 2.13, one thread; default
+Measured (AMD EPYC, AVX2, 2 cores shared with other jobs, torch 2.13, one thread; default
 ``gram="auto"``, i.e. the sketched Gram alignment for every projection but K and V):
     8B shape, 32 layers (16.06 GB, 13.96 GB of role matrices), at load 12–18: analysis 1291 s (40 s per layer),
     peak RSS 1.07 GB; plain read 114 s (0.14 GB/s, not served from the page cache). Per role over the 32 layers:

@@ -16,7 +16,7 @@ Threads: the default is one torch thread. On the shared 2-core CPU, with other j
 two OpenMP threads spin-wait on each other and the same run took 31.9 s instead of 9.0 s; ``--threads 0`` keeps
 torch's default (use it on a quiet many-core machine).
 
-Measured here (2026-12-02, x86_64 2 cores shared, load ≈ 10, torch 2.13 CPU, ``--threads 1``): fast 9.0 s,
+Measured here (x86_64 2 cores shared, load ≈ 10, torch 2.13 CPU, ``--threads 1``): fast 9.0 s,
 full SVD 53.5 s (5.9×); max |fast − SVD| C_v 4.3e-3, C_u 3.8e-3 (synthetic tops are near-degenerate by design),
 Gram alignments 2.7e-7.
 
