@@ -290,3 +290,28 @@ def test_compiled_step_follows_a_learning_rate_schedule_in_two_graphs(name):
     (eager, _), (compiled, graphs) = eager_and_compiled(run)
     assert graphs == 2, graphs
     assert max_diff(eager, compiled) <= tol
+
+
+def test_trainer_compiled_muon_follows_its_lr_schedule_in_two_graphs(tmp_path, monkeypatch):
+    """The trainer sets every group's lr each step (warm-up, then cosine); with ``train.compile_optimizer=on``,
+    ``on_nonfinite="skip"`` (one graph per step) and an AOT backend (what inductor traces) the compiled Muon step
+    stays two graphs over the run instead of one per lr value."""
+    from torch._dynamo.utils import counters
+
+    from weightgeom.optim import compiled
+    from weightgeom.train import train
+
+    real = compiled.compile_step
+    monkeypatch.setattr(compiled, "compile_step", lambda opt: real(opt, backend="aot_eager"))
+    cfg = {"model": {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+           "data": {"kind": "synthetic", "block_size": 16, "batch_size": 4},
+           "optim": {"name": "muon", "muon": {"on_nonfinite": "skip"}}, "schedule": {"kind": "cosine", "warmup": 2},
+           "train": {"max_steps": 6, "eval_every": 0, "eval_iters": 1, "log_every": 1}}
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        train(cfg, run_dir=tmp_path / "c", progress=False, overrides=["train.compile_optimizer=on"])
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert 1 <= graphs <= 2, dict(counters["stats"])
