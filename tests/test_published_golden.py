@@ -41,8 +41,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from golden.published.make_golden import golden_kind  # the class a golden file is recorded for
 from weightgeom import manifolds
-from weightgeom.benchmarks._common import cpu_kind
 from weightgeom.linalg import msign
 from weightgeom.optim import Muon
 from weightgeom.optim.config import OptimConfig
@@ -65,7 +65,7 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 # golden outputs per bf16 product class (the file name's suffix): the published bf16 msign itself rounds differently
 # on each (AMX, AVX512-BF16, AVX2: up to 3e-2 of the largest weight apart after 5 steps)
 GOLDENS = {p.stem.removeprefix("published-"): _load(p) for p in sorted(HERE.glob("published-*.safetensors"))}
-KIND = cpu_kind().split(" (")[0]  # a oneDNN cap's class where ONEDNN_MAX_CPU_ISA caps it
+KIND = golden_kind()  # a oneDNN cap's class where ONEDNN_MAX_CPU_ISA caps it
 RECORDED = KIND in GOLDENS
 T, META = GOLDENS.get(KIND, GOLDENS["AMX"])
 MSIGN_CASES = sorted(k.split("/")[1] for k in T if k.startswith("msign/") and k.endswith("/in"))

@@ -41,15 +41,13 @@ import torch
 from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
-from weightgeom.optim.compiled import compile_step
+from weightgeom.optim.compiled import WARM_CALLS, compile_step
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
 GPT2_SMALL = {"attn.c_attn": (2304, 768), "attn.c_proj": (768, 768), "mlp.c_fc": (3072, 768),
               "mlp.c_proj": (768, 3072)}
 TARGET_RATIO = 1.10
-COMPILE_STEPS = 3
-"""Steps the compiled MD takes before the timing (eager first step, then the two compiling calls)."""
 
 
 def make_params(layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[list, list[str]]:
@@ -103,7 +101,7 @@ def measure(kind: str, layers: int, iters: int, warmup: int, device: str, dtype:
         p_c, _ = make_params(layers, device, dtype)
         base_c = make_base(kind, p_c, names, adamw_impl, on_nonfinite="skip")
         step_c = compile_step(MagnitudeDirection(base_c, on_nonfinite="skip", **(md_kw or {})))
-        for _ in range(COMPILE_STEPS):  # the eager first step and the two compiling calls, before the timing
+        for _ in range(WARM_CALLS):  # the eager first step and the two compiling calls, before the timing
             step_c()
         timed.append((step_c, []))
     for it in range(warmup + iters):

@@ -49,6 +49,7 @@ from weightgeom.benchmarks._common import (
 from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
 from weightgeom.optim import Muon, compile_step
+from weightgeom.optim.compiled import WARM_CALLS
 from weightgeom.optim.muon import FarRetractionWarning
 
 # --layers at most this many (GPT-2-XL has 48; more would only take memory and time).
@@ -108,8 +109,6 @@ COMPILED_ROWS: dict[str, tuple[str, dict]] = {
 }
 """The rows ``--compiled`` adds: the same optimizers stepped through ``weightgeom.optim.compile_step`` (one
 ``torch.compile(fullgraph=True)`` graph per step; CUDA graphs on CUDA), compiled before the timing starts."""
-COMPILE_STEPS = 3
-"""Steps a compiled row takes before the timing (eager first step, then the two compiling calls)."""
 
 
 def build(kind: str, kw: dict, params: list[torch.nn.Parameter], names: list[str]) -> torch.optim.Optimizer:
@@ -179,7 +178,7 @@ def run_rows(rows: dict[str, tuple[str, dict]], shapes: list[tuple[str, tuple[in
 
     for key, (kind, _) in rows.items():  # a compiled row compiles before the timing, not in it
         if kind == "ours_compiled":
-            for _ in range(COMPILE_STEPS):
+            for _ in range(WARM_CALLS):
                 stepper(key)()
     times = interleaved_medians({k: stepper(k) for k in rows}, iters=iters, warmup=warmup, device=dev,
                                 cpu_seconds=cpu_seconds, progress=progress)

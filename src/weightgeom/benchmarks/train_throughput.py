@@ -32,7 +32,7 @@ from torch import nn
 
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.cli import OneLineParser
-from weightgeom.optim.compiled import compile_step
+from weightgeom.optim.compiled import WARM_CALLS, compile_step
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches
 from weightgeom.train.config import load_config
@@ -110,9 +110,6 @@ class RefGPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-
-COMPILE_STEPS = 3
-"""Steps the compiled side takes before the timing (eager first step, then the two compiling calls)."""
 
 PRESETS = {
     "cpu": dict(n_layer=4, n_head=4, n_embd=256, block_size=128, batch_size=8, vocab_size=8192),
@@ -216,7 +213,7 @@ def main(argv=None) -> dict:
         return loss
 
     sides["ref"] = ref_step
-    for i in range(max(args.warmup, COMPILE_STEPS if args.compiled else 0)):
+    for i in range(max(args.warmup, WARM_CALLS if args.compiled else 0)):
         for name, fn in sides.items():
             if i < args.warmup or name == "ours_compiled":  # the compiled side compiles before the timing
                 fn()

@@ -24,11 +24,15 @@ from weightgeom.optim import md_host_free
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
-__all__ = ["compile_step", "CompiledStep", "default_mode", "COMPILE_OPTIMIZER"]
+__all__ = ["compile_step", "CompiledStep", "default_mode", "COMPILE_OPTIMIZER", "WARM_CALLS"]
 
 # ``train.compile_optimizer`` values: "auto" compiles on CUDA only (on the CPU the compiled step has not measured
 # faster than the eager one with its C kernels: ``weightgeom bench optimizer_step``'s compiled column).
 COMPILE_OPTIMIZER = ("auto", "on", "off")
+
+WARM_CALLS = 3
+"""Calls of a ``CompiledStep`` before it runs its compiled graph as every later step will: the eager first step,
+then the two compiling calls (state created, then present). Benchmarks make these before they time it."""
 
 
 def default_mode(opt: torch.optim.Optimizer) -> str | None:
@@ -81,9 +85,9 @@ class CompiledStep:
                 o.check_groups()
         with full_precision():
             out = self.compiled(closure)
-        if self._calls <= 3:
+        if self._calls <= WARM_CALLS:
             self._spent += max(0.0, time.perf_counter() - t0 - self._eager_s)
-            if self._calls == 3:
+            if self._calls == WARM_CALLS:
                 self.compile_seconds = self._spent
         return out
 

@@ -220,9 +220,10 @@ def _plus_times(x: torch.Tensor, y: torch.Tensor, c: float) -> torch.Tensor:
     from an unrounded c); on CUDA torch's kernel keeps c in float32 (``AddFunctor<opmath_t>``, from its source).
 
     Inside ``torch.compile`` ``alpha=`` would make Dynamo specialise c (a Scalar argument), so every new learning rate
-    from a scheduler would compile the step again; the trace instead forms c·y + x in float64 — exact for these
-    operands (24 + 24 bits and the alignment of x fit in float64's 53) — and rounds it to float32 once, which is the
-    fused multiply-add's result: the compiled step equals the eager one bit for bit (``tests/test_compiled_step.py``).
+    from a scheduler would compile the step again; the trace instead forms c·y + x in float64 — the product of two
+    float32 values is exact there (24 + 24 bits), and the sum is exact unless x and c·y lie more than 5 binary orders
+    apart — and rounds it to float32: the fused multiply-add's result except where rounding the float64 sum to float32
+    meets a tie (measured: the compiled Muon steps equal the eager ones bit for bit, ``tests/test_compiled_step.py``).
     Devices without float64 (MPS) use float32 (a product, then a sum: ≤ 1 ulp of float32 apart)."""
     y = y.to(x.dtype)
     if not torch.compiler.is_compiling():

@@ -43,8 +43,6 @@ import torch
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-
-
 STEPS = 5
 FLOOR_RUNS = 32
 SHAPES = {"tall": (96, 32), "wide": (32, 96)}
@@ -61,7 +59,7 @@ def golden_kind(capped: bool = True) -> str:
     with a oneDNN cap (``ONEDNN_MAX_CPU_ISA``) the cap's class, unless ``capped`` is False."""
     from weightgeom.benchmarks._common import cpu_kind  # noqa: PLC0415
 
-    kind = cpu_kind()
+    kind = cpu_kind()  # "AVX2 (capped; CPU: AMX)" under a cap
     return kind.split(" (")[0] if capped else kind.split("CPU: ")[-1].rstrip(")")
 
 
