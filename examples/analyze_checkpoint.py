@@ -10,7 +10,8 @@ What it shows:
        weightgeom analyze OUT/model.safetensors --suggest --out OUT/analysis
 
    which compares each projection role (Q, K, V, O, Up, Down) of layer l with the same role of layer l+1.
-3. What the numbers mean (printed at the end as well):
+3. What the numbers mean (printed at the end as well, by ``weightgeom.analysis.report.format_legend``, the legend
+   ``weightgeom analyze`` ends with):
 
    * **C_v** = |cos(v1_l, v1_l+1)|: the top right singular vectors (the *input* direction each matrix amplifies most)
      of two adjacent layers; **C_u** the same for the top left singular vectors (the *output* space). 1 means the
@@ -45,8 +46,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
-from weightgeom.analysis import analyze_full, random_level_cos, shared_basis_runs, write_report
-from weightgeom.analysis.report import format_reading, format_suggestions, format_summary
+from weightgeom.analysis import analyze_full, shared_basis_runs, write_report
+from weightgeom.analysis.report import format_legend, format_reading, format_suggestions, format_summary
 from weightgeom.data import shakespeare_text
 from weightgeom.models import GPT, GPTConfig
 
@@ -77,22 +78,6 @@ def train_small_gpt(steps: int, width: int, seed: int = 0) -> GPT:
         if step == 0 or (step + 1) % max(1, steps // 4) == 0:
             print(f"  step {step + 1:4d}  loss {float(loss.detach()):.3f}")
     return model
-
-
-def explain(width: int) -> str:
-    """The legend printed under the tables (the same words as this file's docstring, with this model's numbers)."""
-    return "\n".join([
-        "How to read this:",
-        "  C_v = |cos(v1_l, v1_l+1)|: do adjacent layers amplify the same input direction? C_u: the same output one.",
-        "  (x.xxx) beside a value is its random level sqrt(2/(π d)), d the dimension of that space: "
-        f"{random_level_cos(width):.3f} for the width d = {width},",
-        f"  {random_level_cos(4 * width):.3f} for the MLP's hidden d = {4 * width}. "
-        "Near it: no more alike than chance; 2x it or more: continuous.",
-        "  gram_in / gram_out compare the whole σ²-weighted spectra (Gram matrices), not only the top vector.",
-        "  --suggest: layer runs where layer l's top-8 singular basis keeps >= 50% of W_l+1's energy, i.e. where one",
-        "  shared low-rank basis would lose least; 'none' means sharing a basis is not advised for this model.",
-        "  Same analysis from the shell: weightgeom analyze CHECKPOINT --suggest --out DIR",
-    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_reading(result))  # the same in plain words
         print()
-        print(explain(width))
+        print(format_legend(result, suggest=True))  # the legend `weightgeom analyze` ends with, too
+        print("  Same analysis from the shell: weightgeom analyze CHECKPOINT --suggest --out DIR")
 
         # result.pairs: one row per (role, layer pair); result.layers: one row per matrix (σ1, stable rank, ...)
         first = result.pairs.iloc[0]

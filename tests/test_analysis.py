@@ -643,3 +643,40 @@ def test_reading_says_which_space_is_continuous_and_reads_alpha():
     assert "run with --spectra" in no_alpha
     assert "nothing to say about continuity" in format_reading(AnalysisResult(pairs=pd.DataFrame(),
                                                                               layers=pd.DataFrame()))
+
+
+def test_analyze_ends_with_the_examples_legend(tmp_path, capsys):
+    """`weightgeom analyze` ends with the "how to read this" legend, the same text examples/analyze_checkpoint.py
+    prints (one definition: report.format_legend), with the random levels of this model's dimensions."""
+    import ast
+
+    from safetensors.torch import save_file
+
+    from weightgeom.analysis.continuity import random_level_cos
+    from weightgeom.analysis.report import format_legend
+    from weightgeom.cli import main
+
+    g = torch.Generator().manual_seed(0)
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(16, 8, generator=g) for i in range(3)},
+              str(tmp_path / "m.safetensors"))
+    assert main(["analyze", str(tmp_path / "m.safetensors"), "--quiet", "--no-plots", "--suggest",
+                 "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    legend = out[out.index("How to read this:"):]
+    assert legend.rstrip("\n").endswith("'none' means sharing a basis is not advised for this model.")
+    assert f"{random_level_cos(8):.3f} for d = 8, {random_level_cos(16):.3f} for d = 16." in legend
+    assert "C_v = |cos(v1_l, v1_l+1)|" in legend and "2x it or more: continuous" in legend
+    empty = format_legend(_empty_result())  # without --suggest and without layers: the formula, no table advice
+    assert "--suggest: layer runs" not in empty and "sqrt(2/(π d))." in empty
+    # the example prints the library's legend, not its own copy
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "examples" / "analyze_checkpoint.py").read_text())
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "format_legend" in calls and "How to read this" not in ast.unparse(tree)
+
+
+def _empty_result():
+    import pandas as pd
+
+    from weightgeom.analysis.api import AnalysisResult
+
+    return AnalysisResult(pairs=pd.DataFrame(), layers=pd.DataFrame())

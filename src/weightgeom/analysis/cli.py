@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from weightgeom._cli_args import positive_int
 from weightgeom._paths import unwritable_reason
-from weightgeom.cli import positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -224,4 +224,8 @@ def run(args: argparse.Namespace) -> int:
                      + (f" ({e.filename})" if getattr(e, "filename", None) else ""))
     print(f"analysis {res.meta['time_total_s']:.1f} s (+ load {t_load:.1f} s); wrote {len(paths)} files to {out}/: "
           + ", ".join(p.name for p in paths))
+    from weightgeom.analysis.report import format_legend
+
+    print()
+    print(format_legend(res, suggest=args.suggest))  # the same legend as examples/analyze_checkpoint.py
     return 0

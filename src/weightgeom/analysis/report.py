@@ -21,7 +21,7 @@ from weightgeom.analysis.api import SHARE_SPACE, AnalysisResult
 
 __all__ = ["summary_table", "format_summary", "format_reading", "CONTINUOUS_RATIO", "WEAK_RATIO", "ALPHA_RANGES",
            "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
-           "format_suggestions"]
+           "format_suggestions", "format_legend"]
 
 _LABELS = {
     "cv": "C_v = |cos(v1_l, v1_l+1)| (input space)",
@@ -143,6 +143,44 @@ def format_reading(result: AnalysisResult) -> str:
             lines.append(f"    {role}: {span} over {len(a)} layer{'s' if len(a) != 1 else ''} — {reading}.")
     elif not layers.empty:
         lines.append("  α per layer (heavy-tailed spectra, as WeightWatcher reads them): run with --spectra.")
+    return "\n".join(lines)
+
+
+def format_legend(result: AnalysisResult, suggest: bool = False) -> str:
+    """"How to read this": what C_v, C_u, the random levels and the Gram columns mean, with this model's dimensions.
+
+    One text for ``weightgeom analyze`` (printed last) and ``examples/analyze_checkpoint.py``.
+
+    Args:
+        result: the analysis; the random levels are given for the dimensions of its analysed matrices
+            (``layers``' ``in_dim`` / ``out_dim``; at most four, smallest first).
+        suggest: also explain the ``--suggest`` table.
+
+    Returns:
+        The lines, joined with newlines (no trailing newline).
+    """
+    from weightgeom.analysis.continuity import random_level_cos
+
+    layers = result.layers
+    dims: list[int] = []
+    if not layers.empty and {"in_dim", "out_dim"} <= set(layers.columns):
+        dims = sorted({int(d) for d in pd.concat([layers["in_dim"], layers["out_dim"]]).dropna()})
+    levels = ", ".join(f"{random_level_cos(d):.3f} for d = {d}" for d in dims[:4]) or "sqrt(2/(π d))"
+    more = f" (and {len(dims) - 4} more dimensions)" if len(dims) > 4 else ""
+    lines = [
+        "How to read this:",
+        "  C_v = |cos(v1_l, v1_l+1)|: do adjacent layers amplify the same input direction? C_u: the same output one.",
+        "  (x.xxx) beside a value is its random level sqrt(2/(π d)), d the dimension of that space:",
+        f"  {levels}{more}.",
+        f"  Near it: no more alike than chance; {CONTINUOUS_RATIO:g}x it or more: continuous "
+        f"({WEAK_RATIO:g}x-{CONTINUOUS_RATIO:g}x: weakly).",
+        "  gram_in / gram_out compare the whole σ²-weighted spectra (Gram matrices), not only the top vector.",
+    ]
+    if suggest:
+        lines += [
+            "  --suggest: layer runs where layer l's top-8 singular basis keeps >= 50% of W_l+1's energy, i.e. where",
+            "  one shared low-rank basis would lose least; 'none' means sharing a basis is not advised for this model.",
+        ]
     return "\n".join(lines)
 
 
