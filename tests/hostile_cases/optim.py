@@ -637,6 +637,35 @@ def _muon_load_bad_state(tmp_path: Path) -> None:
         _refused_load(opt, model, edited(fn), *must)
 
 
+def _muon_load_nonfinite_state(tmp_path: Path) -> None:
+    """A Muon state dict of the right shapes whose momentum buffer (plain and manifold group), dual multiplier, cold
+    multiplier or AdamW moment holds a NaN or Inf (a corrupt checkpoint, or one saved after a blow-up) is refused
+    when loaded, naming the parameter and the tensor; nothing changed; a fresh optimizer refuses it too; the clean
+    state dict still loads and resumes bitwise."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    model = _mlp()
+    make = {"plain": lambda m: _muon_for(m), "stiefel": lambda m: _muon_for(m, manifold="stiefel")}
+    for kind, build in make.items():
+        opt = build(model)
+        _train(opt, model, 2)
+        good = copy.deepcopy(opt.state_dict())
+        keys = [(0, "momentum_buffer", "'0.weight'"), (1, "momentum_buffer", "'1.weight'"),
+                (2, "exp_avg", "'0.bias'"), (3, "exp_avg_sq", "'1.bias'")]
+        if kind == "stiefel":
+            keys += [(0, "dual_multiplier", "'0.weight'"), (1, "dual_cold", "'1.weight'")]
+        for k, key, name in keys:
+            for bad in (NAN, INF):
+                sd = copy.deepcopy(good)
+                sd["state"][k][key].view(-1)[0] = bad
+                _refused_load(opt, model, sd, name, f"'{key}'", "NaN/Inf", "nothing was loaded")
+                fresh = build(copy.deepcopy(model))
+                with _refused(name, f"'{key}'"):
+                    fresh.load_state_dict(sd)
+        _round_trip_bitwise(opt, model, build, kind)
+
+
 def _md_over(model: torch.nn.Module, base: str):
     from weightgeom.optim import MagnitudeDirection
 
@@ -1036,6 +1065,12 @@ CASES: list[Hostile] = [
             "key, or another number of groups or parameters is refused with one line naming the parameter or key; "
             "nothing changed and the optimizer still steps",
             _muon_load_bad_state),
+    Hostile("muon-load-nonfinite-state", "optim",
+            "A Muon state dict of the right shapes whose momentum buffer (plain or Stiefel group), dual multiplier, "
+            "cold multiplier or AdamW moment holds a NaN or Inf is refused by `load_state_dict` (hence by `weightgeom "
+            "train --resume`, HF Trainer and Lightning resumes) with one line naming the parameter and the tensor; "
+            "nothing changed (before: it loaded, and those matrices never moved again, silently)",
+            _muon_load_nonfinite_state),
     Hostile("md-load-bad-state", "optim",
             "`MagnitudeDirection.load_state_dict` (over AdamW and over Muon) of the base's own state dict, or of an "
             "MD state dict whose gains (before: a gain of shape (1,) was broadcast), gain moments, radius, entry "

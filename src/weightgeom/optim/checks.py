@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from weightgeom.optim.state_checks import check_state_finite, state_entries
+
 __all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "dtype_supported", "param_label",
            "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer", "torch_state_shapes",
            "check_group_kinds", "describe_state_dict", "check_torch_layout", "check_param_state", "check_torch_state"]
@@ -376,7 +378,8 @@ def check_torch_state(who: str, opt: torch.optim.Optimizer, sd: Any) -> None:
     """Validate a state dict for a plain torch optimizer (a base of ``MagnitudeDirection``) without loading it: torch's
     layout (``check_torch_layout``), group keys this optimizer's groups have (others name another optimizer's), for
     torch's own optimizers with values of their defaults' kinds (``check_group_kinds``), and parameter-shaped state
-    (``PARAM_SHAPED_STATE``, ``step``) of its parameter's shape.
+    (``PARAM_SHAPED_STATE``, ``step``) of its parameter's shape, every floating state tensor finite
+    (``state_checks.check_state_finite``).
 
     Raises:
         ValueError: one line naming what does not fit; nothing loaded.
@@ -393,7 +396,11 @@ def check_torch_state(who: str, opt: torch.optim.Optimizer, sd: Any) -> None:
         if is_torch_optimizer(opt):
             check_group_kinds(f"{who}.load_state_dict", opt, gi, saved,
                               f"the state dict's value is refused; {_NOTHING}")
+    entries = []
     for k, st in sd["state"].items():
         gi, i = ids[k]
         p = opt.param_groups[gi]["params"][i]
-        check_param_state(who, param_label(None, gi, i, p), st, torch_state_shapes(p), strict=False)
+        label = param_label(None, gi, i, p)
+        check_param_state(who, label, st, torch_state_shapes(p), strict=False)
+        entries += state_entries(label, st)
+    check_state_finite(who, entries)

@@ -50,6 +50,7 @@ from weightgeom.optim.functional import (
 )
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, manifold_direction, spectral_norm_estimate
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
+from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
@@ -433,7 +434,8 @@ class Muon(torch.optim.Optimizer):
         (``checks.check_torch_layout``; another optimizer's or MD's state dict is named as such); each group's keys
         and values as the constructor checks them (keys it lacks are taken from this optimizer's group); the
         ``STRUCTURAL_KEYS`` (algorithm, manifold, layout, split, momentum_form, dual_normalize) equal to this
-        optimizer's; each parameter's state only the entries this optimizer creates for it, with their shapes.
+        optimizer's; each parameter's state only the entries this optimizer creates for it, with their shapes; every
+        state tensor finite (``state_checks.check_state_finite``: one fused reduction, one host read).
 
         Returns:
             The param groups to load: each saved group over this optimizer's (its ``names`` kept).
@@ -447,11 +449,14 @@ class Muon(torch.optim.Optimizer):
         ids = check_torch_layout("Muon", self.param_groups, state_dict, what)
         groups = [self._loaded_group(gi, saved, group)
                   for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups))]
+        entries = []
         for k, st in state_dict["state"].items():
             gi, i = ids[k]
             p = self.param_groups[gi]["params"][i]
             label = param_label(self._name(groups[gi], i, gi), gi, i, p)
             check_param_state("Muon", label, st, _state_shapes(groups[gi], p))
+            entries += state_entries(label, st)
+        check_state_finite("Muon", entries)  # a NaN momentum or dual state would freeze its matrix silently
         return groups
 
     def _loaded_group(self, gi: int, saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
