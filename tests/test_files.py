@@ -3,22 +3,30 @@ special files before blocking on them and is size-bounded; JSON/TOML parse error
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from weightgeom._files import (
+    READ_CHUNK,
     FileTooLargeError,
+    OutputAliasError,
     SpecialFileError,
+    distinct_outputs,
     open_append,
     open_regular,
     read_bounded,
     read_json,
     read_text_bounded,
     read_toml,
+    read_upto,
     write_atomic,
 )
 
@@ -155,6 +163,78 @@ def test_reads_are_bounded(tmp_path):
     assert read_json(q) == {"a": 1}
     with pytest.raises(FileTooLargeError):
         read_bounded(q, limit=4)
+
+
+class _Reads(io.BytesIO):
+    """A stream that records the size of every read asked of it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.asked: list[int] = []
+
+    def read(self, n=-1):
+        self.asked.append(n)
+        return super().read(n)
+
+
+@pytest.mark.parametrize("data,first,limit,largest", [
+    (b"x" * 1000, 1001, 8 << 30, 1001),  # the file's size + 1, never the 8 GiB bound
+    (b"x" * 1000, 1, 8 << 30, READ_CHUNK),  # a size that was not reported: 1 MiB pieces
+    (b"x" * (3 * READ_CHUNK), 11, 8 << 30, READ_CHUNK),  # a file that grew after fstat
+    (b"x" * 1000, READ_CHUNK, 100, 101),  # never more than the bound + 1
+])
+def test_read_upto_reserves_what_is_there_not_the_bound(data, first, limit, largest):
+    f = _Reads(data)
+    got = read_upto(f, limit, first=first)
+    assert got == data[:limit + 1] and max(f.asked) == largest
+
+
+def test_bounded_read_of_a_small_file_under_an_address_space_limit(tmp_path):
+    # ulimit -v as clusters set it: an 8 GiB bound must not reserve 8 GiB (it was a MemoryError for a 1 KB file)
+    p = tmp_path / "small.txt"
+    p.write_text("to be or not to be\n" * 50)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+            "from weightgeom._files import read_bounded; "
+            "sys.stdout.write(str(len(read_bounded(sys.argv[1], 8 << 30))))")
+    res = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout == "950", res.stderr[-2000:]
+
+
+def test_distinct_outputs_refuses_one_file_under_two_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("a.md").write_text("keep")
+    Path("link.md").symlink_to("a.md")
+    os.link("a.md", "hard.md")
+    Path("sub").mkdir()
+    for other in ("a.md", "./a.md", "sub/../a.md", str(tmp_path / "a.md"), "link.md", "hard.md"):
+        with pytest.raises(OutputAliasError, match=r"--readme a\.md and --page .* name one file") as e:
+            distinct_outputs([("--readme", "a.md"), ("--page", other)])
+        assert "\n" not in str(e.value) and other in str(e.value)
+    distinct_outputs([("--readme", "a.md"), ("--page", "b.md"), ("--record", None), ("--x", "sub/a.md")])
+    assert Path("a.md").read_text() == "keep"
+
+
+@pytest.mark.parametrize("fault", ["ENOSPC at fsync", "EROFS at mkstemp"])
+def test_write_atomic_errors_name_the_file_asked_for(tmp_path, monkeypatch, fault):
+    import tempfile
+
+    import weightgeom._files as files
+
+    target = tmp_path / "page.md"
+    target.write_text("old")
+    if fault.startswith("ENOSPC"):  # a full disk: the system names no file
+        def fail(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(files.os, "fsync", fail)
+    else:  # a read-only filesystem: the system names the temporary file
+        def fail(**kw):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / ".page.md.x1y2.tmp"))
+        monkeypatch.setattr(tempfile, "mkstemp", fail)
+    with pytest.raises(OSError) as e:
+        write_atomic(target, "new")
+    monkeypatch.undo()
+    assert e.value.filename == str(target) and e.value.errno in (errno.ENOSPC, errno.EROFS)
+    assert target.read_text() == "old" and sorted(q.name for q in tmp_path.iterdir()) == ["page.md"]
 
 
 @pytest.mark.parametrize("reader,text,words", [

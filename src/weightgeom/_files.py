@@ -11,8 +11,11 @@ us is refused before anything blocks on it (the file is opened non-blocking and 
 no window between the check and the open), and whole-file reads carry a size bound, so ``config.json -> /dev/zero``
 or a 2 GB sparse file is one clear line rather than an out-of-memory kill.
 
-Errors are :class:`SpecialFileError` / :class:`FileTooLargeError` (both ``ValueError``: bad input, one line, exit 2)
-naming the path and what it is.
+Several outputs of one command (:func:`distinct_outputs`): two output flags that name one file — alike, through a
+link, ``..`` or a hard link — are refused before anything is written, so one output can never replace another.
+
+Errors are :class:`SpecialFileError` / :class:`FileTooLargeError` / :class:`OutputAliasError` (all ``ValueError``: bad
+input, one line, exit 2) naming the path and what it is.
 """
 
 from __future__ import annotations
@@ -31,14 +34,18 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["write_atomic", "open_append", "open_regular", "read_bounded", "read_text_bounded", "read_json",
-           "read_toml", "is_regular", "file_kind", "SpecialFileError", "FileTooLargeError", "SMALL_FILE_LIMIT",
-           "fsync_dir"]
+__all__ = ["write_atomic", "open_append", "open_regular", "read_bounded", "read_upto", "read_text_bounded", "read_json",
+           "read_toml", "is_regular", "file_kind", "distinct_outputs", "SpecialFileError", "FileTooLargeError",
+           "OutputAliasError", "SMALL_FILE_LIMIT", "READ_CHUNK", "fsync_dir"]
 
 SMALL_FILE_LIMIT = 64 << 20
 """Size bound (bytes) for the small JSON/TOML files read from user and run folders (``config.json``, an index, a
 run's ``status.json``, ``sweep.json`` …): the largest such file a real model has (a 70B model's
 ``model.safetensors.index.json``) is ~60 KB, so 64 MiB is three orders of magnitude of headroom."""
+
+
+READ_CHUNK = 1 << 20
+"""Bytes :func:`read_bounded` reserves per read once a file turns out longer than ``fstat`` said (1 MiB)."""
 
 
 class SpecialFileError(ValueError):
@@ -105,7 +112,8 @@ def write_atomic(path: str | os.PathLike, content: Content, *, fsync: bool = Tru
 
     The file gets the permissions an ordinary ``open(path, "w")`` would give (0666 less the umask), not the 0600 of a
     temporary file, so collaborators on a shared filesystem can read it. On any error the temporary file is removed
-    and whatever was at ``path`` before is left as it was.
+    and whatever was at ``path`` before is left as it was; an ``OSError`` (a full disk, a read-only filesystem) names
+    ``path`` itself as its ``filename``, never the temporary file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +121,10 @@ def write_atomic(path: str | os.PathLike, content: Content, *, fsync: bool = Tru
         raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
     # a writer function keeps the final suffix, so tools that pick a format by it (savefig) see the right one
     suffix = ".tmp" + (path.suffix if callable(content) else "")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=suffix, dir=path.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=suffix, dir=path.parent)
+    except OSError as e:  # a read-only or full filesystem: name the file asked for, not the temporary one
+        raise _naming(e, path) from None
     tmp = Path(tmp_name)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
@@ -135,17 +146,71 @@ def write_atomic(path: str | os.PathLike, content: Content, *, fsync: bool = Tru
                 if fsync:
                     os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if fd >= 0:
             os.close(fd)
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):  # a full disk names no file: name the one asked for
+            raise _naming(e, path) from None
         raise
     if fsync:
         fsync_dir(path.parent)
     return path
+
+
+class OutputAliasError(ValueError):
+    """Two output flags of one command name one file (directly, through a link, ``..`` or a hard link)."""
+
+
+def _file_keys(path: str | os.PathLike) -> set:
+    """Every identity under which a write to ``path`` could land: the fully resolved path (links followed), the
+    resolved folder + the name (a link at the name, which :func:`write_atomic` replaces rather than follows), and
+    the device + inode of what is there (a hard link)."""
+    p = os.path.abspath(os.fspath(path))
+    keys: set = {os.path.realpath(p), os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))}
+    try:
+        st = os.stat(p)
+        keys.add((st.st_dev, st.st_ino))
+    except OSError:
+        pass
+    return keys
+
+
+def distinct_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]]) -> None:
+    """Refuse two output flags that name one file, before anything is read or written.
+
+    Every command with several output files (``weightgeom claims --readme/--page/--record`` …) calls this first, so
+    ``--readme same.md --page same.md`` cannot write one output over the other, whether the two name the file
+    alike, through a symbolic link, through ``..`` or through a hard link.
+
+    Args:
+        outputs: ``(flag, path)`` pairs as the user gave them; a ``None`` or empty path (flag not given) is skipped.
+
+    Raises:
+        OutputAliasError: one line naming both flags, both paths and the file they share.
+    """
+    seen: list[tuple[str, str, set]] = []
+    for flag, value in outputs:
+        if value is None or value == "":
+            continue
+        keys = _file_keys(value)
+        for other_flag, other_value, other_keys in seen:
+            if keys & other_keys:
+                raise OutputAliasError(
+                    f"{other_flag} {other_value} and {flag} {value} name one file "
+                    f"({os.path.realpath(value)}); give each output a file of its own (nothing was written)")
+        seen.append((flag, os.fspath(value), keys))
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` (the file a caller asked for) instead of a temporary file or nothing; its class (from
+    the errno: ``PermissionError``, ``FileNotFoundError`` …) and reason kept."""
+    if e.errno is None or e.filename == str(path):
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(path))
 
 
 def open_append(path: str | os.PathLike, *, text: bool = True, buffering: int = -1) -> IO:
@@ -231,17 +296,40 @@ def read_bounded(path: str | os.PathLike, limit: int = SMALL_FILE_LIMIT, what: s
     """The whole of a regular file, refused if it is larger than ``limit`` bytes (see :func:`open_regular`).
 
     The bound is checked on the size ``fstat`` reports and again on the bytes read (a file that grows while it is
-    read, or a filesystem that reports no size), so at most ``limit + 1`` bytes are ever held.
+    read, or a filesystem that reports no size), so at most ``limit + 1`` bytes are ever held. Memory is reserved
+    for what the file holds (+1 byte), then in :data:`READ_CHUNK` pieces if it turns out longer — never for the
+    whole bound, so a generous bound costs nothing under an address-space limit (``ulimit -v``).
     """
     with open_regular(path, what) as f:
         size = os.fstat(f.fileno()).st_size
         label = f" ({what})" if what else ""
         if size > limit:
             raise FileTooLargeError(f"{path}{label}: {size} bytes, more than the {_mib(limit)} this file may hold")
-        data = f.read(limit + 1)
+        data = read_upto(f, limit, first=min(size, limit) + 1)
         if len(data) > limit:
             raise FileTooLargeError(f"{path}{label}: more than the {_mib(limit)} this file may hold")
         return data
+
+
+def read_upto(f: IO[bytes], limit: int, first: int = READ_CHUNK) -> bytes:
+    """At most ``limit + 1`` bytes of an open binary stream (a file, a ``gzip`` stream), reserving memory only for
+    what is there: ``first`` bytes, then :data:`READ_CHUNK` pieces.
+
+    ``f.read(limit + 1)`` would reserve the whole bound up front (Python allocates a read's size before reading), so
+    an 8 GiB bound under an address-space limit (``ulimit -v``) is a ``MemoryError`` even for a 1 MB file. A caller
+    that gets more than ``limit`` bytes back refuses the file.
+    """
+    chunks: list[bytes] = []
+    total, want = 0, max(1, first)
+    while total <= limit:
+        asked = min(want, limit + 1 - total)
+        chunk = f.read(asked)
+        chunks.append(chunk)
+        total += len(chunk)
+        if len(chunk) < asked:  # a buffered read returns less only at the end of the stream
+            break
+        want = READ_CHUNK  # longer than expected (it grew, or its size was unknown): go on piece by piece
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def read_text_bounded(path: str | os.PathLike, limit: int = SMALL_FILE_LIMIT, what: str = "") -> str:

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from weightgeom._files import FileTooLargeError, is_regular, open_regular, read_bounded
+from weightgeom._files import FileTooLargeError, is_regular, open_regular, read_bounded, read_upto
 
 ENCODING_ERRORS = ("strict", "replace")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -94,7 +94,7 @@ def _read_bytes(path: Path) -> bytes:
         return read_bounded(path, TEXT_FILE_LIMIT, "a text file is read whole; split it or use JSONL")
     try:
         with gzip.open(open_regular(path), "rb") as f:
-            data = f.read(TEXT_FILE_LIMIT + 1)
+            data = read_upto(f, TEXT_FILE_LIMIT)  # reserves what is there, never the whole bound
         if len(data) > TEXT_FILE_LIMIT:
             raise FileTooLargeError(f"{path}: more than {TEXT_FILE_LIMIT >> 30} GiB of text once decompressed "
                                     "(a text file is read whole; split it or use JSONL)")

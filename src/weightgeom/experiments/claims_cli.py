@@ -24,12 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page", default=None, metavar="FILE", help="write the results page (markdown) to FILE")
 
 
+def _reason(e: OSError) -> str:
+    """The system's reason for an ``OSError`` without the path it names (``No space left on device (ENOSPC)``)."""
+    from weightgeom._cli_args import os_error_line
+
+    return os_error_line(OSError(e.errno, e.strerror or str(e)) if e.errno is not None else e)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``weightgeom claims``."""
     import json
     from pathlib import Path
 
-    from weightgeom._files import write_atomic
+    from weightgeom._files import distinct_outputs, read_text_bounded, write_atomic
     from weightgeom.experiments.report.claims_page import (
         CLAIMS_FILE,
         merge,
@@ -41,6 +48,13 @@ def run(args: argparse.Namespace) -> int:
     )
     from weightgeom.experiments.report.inputs import Problems
 
+    writes = [(flag, value) for flag, value in (("--readme", args.readme), ("--page", args.page),
+                                                  ("--record", args.record)) if value]
+    try:
+        distinct_outputs(writes)  # --readme X --page X would write the page over the whole README
+    except ValueError as e:
+        print(f"weightgeom claims: {e}", file=sys.stderr)
+        return 2
     files: list[Path] = []
     for given in args.reports:
         p = Path(given)
@@ -63,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightgeom claims: warning: {line}", file=sys.stderr)
     if len(problems.lines) > 10:
         print(f"weightgeom claims: warning: and {len(problems.lines) - 10} more", file=sys.stderr)
-    writes = [(flag, value) for flag, value in (("--readme", args.readme), ("--page", args.page),
-                                                  ("--record", args.record)) if value]
     if writes and not found_all:
         print(f"weightgeom claims: no finding could be read from {len(files)} claims.json; nothing written",
               file=sys.stderr)
@@ -76,28 +88,34 @@ def run(args: argparse.Namespace) -> int:
             return 2
     merged = merge(found_all)
     table = readme_table(merged)
-    try:
-        if args.readme:
-            readme = Path(args.readme)
-            try:
-                text = replace_block(readme.read_text(encoding="utf-8"), table)
-            except UnicodeDecodeError:
-                print(f"weightgeom claims: {readme}: not a UTF-8 text file", file=sys.stderr)
-                return 2
-            except ValueError as e:
-                print(f"weightgeom claims: {readme}: {e}", file=sys.stderr)
-                return 2
-            write_atomic(readme, text)
-        if args.page:
-            write_atomic(Path(args.page), results_page(merged))
-        if args.record:
-            Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(Path(args.record), json.dumps(record(found_all), indent=1, ensure_ascii=False) + "\n")
-    except OSError as e:
-        from weightgeom.cli import os_error_line
-
-        print(f"weightgeom claims: {os_error_line(e)}", file=sys.stderr)
-        return 2
+    contents = {}
+    if args.readme:
+        readme = Path(args.readme)
+        try:  # a regular file only (a FIFO never blocks), bounded, UTF-8
+            text = read_text_bounded(readme, what="--readme")
+        except OSError as e:
+            print(f"weightgeom claims: --readme {readme}: cannot read it ({_reason(e)})", file=sys.stderr)
+            return 2
+        except ValueError as e:  # a FIFO, device or directory, too large, not UTF-8: the reader names the path
+            print(f"weightgeom claims: {e}; give the README (a UTF-8 text file) holding the claims-table markers",
+                  file=sys.stderr)
+            return 2
+        try:
+            contents["--readme"] = replace_block(text, table)
+        except ValueError as e:
+            print(f"weightgeom claims: --readme {readme}: {e}", file=sys.stderr)
+            return 2
+    if args.page:
+        contents["--page"] = results_page(merged)
+    if args.record:
+        contents["--record"] = json.dumps(record(found_all), indent=1, ensure_ascii=False) + "\n"
+    for flag, value in writes:
+        try:
+            write_atomic(Path(value), contents[flag])
+        except OSError as e:  # write_atomic: the file named is left as it was
+            print(f"weightgeom claims: {flag} {value}: cannot write it ({_reason(e)}); it is left as it was — free "
+                  f"some space or choose a writable {flag}, then run the command again", file=sys.stderr)
+            return 2
     if not (args.readme or args.page or args.record):
         print(table)
     tested = sum(bool(fs) for fs in merged.values())

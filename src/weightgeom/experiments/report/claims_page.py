@@ -96,7 +96,7 @@ def _label(f: Finding) -> str:
 
 
 def _bold(verdict: str) -> str:
-    return f"**{verdict}**" if verdict not in ("not tested",) else verdict
+    return f"**{verdict}**" if verdict not in ("not tested", "inconclusive") else verdict
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -184,10 +184,16 @@ def replace_block(text: str, block: str) -> str:
         ValueError: when the markers are missing or out of order.
     """
     i, j = text.find(README_BEGIN), text.find(README_END)
-    if i < 0 or j < i:
-        raise ValueError(f"the markers {README_BEGIN!r} … {README_END!r} were not found")
+    if i < 0 or j < 0:
+        missing = " and ".join(repr(m) for m, at in ((README_BEGIN, i), (README_END, j)) if at < 0)
+        raise ValueError(f"the claims-table marker{'s' if i < 0 and j < 0 else ''} {missing} "
+                         f"{'were' if i < 0 and j < 0 else 'was'} not found; put {README_BEGIN!r} and "
+                         f"{README_END!r} where the table belongs")
     if text.count(README_BEGIN) > 1 or text.count(README_END) > 1:
         raise ValueError("the claims-table markers appear more than once; keep one pair")
+    if j < i:
+        raise ValueError(f"the claims-table markers are in reverse order ({README_END!r} comes before "
+                         f"{README_BEGIN!r}); put the begin marker first")
     return text[:i] + block + text[j + len(README_END):]
 
 
