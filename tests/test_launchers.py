@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import weightgeom.cli as wgcli
+import weightgeom._signals as wgsig
 from weightgeom.cli import Terminated, main
 from weightgeom.experiments import launchers
 from weightgeom.experiments.cli import get_recipe
@@ -62,6 +62,34 @@ def test_slurm_dry_run_prints_commands_and_resources_and_writes_nothing(tmp_path
     assert [ln for ln in text.splitlines() if ln.startswith("unconstrained-s0:")][0].split("  [")[0].endswith(
         f"-m weightgeom.experiments.launchers {out.resolve() / '.launch' / 'unconstrained-s0.json'}")
     assert "1 of 2 runs would be submitted" in text
+
+
+def test_dry_run_prints_each_arms_settings_and_an_expected_run_time(tmp_path, capsys):
+    """Each run's arm is named with the settings that differ between arms, and the run time is the stated FLOP
+    estimate (6 · non-embedding parameters · tokens at the recorded rate), per run and for the whole sweep."""
+    from weightgeom.experiments import estimate
+
+    out = tmp_path / "sw"
+    assert main(["sweep", "manifolds", "ci", "--out", str(out), "--launcher", "slurm", "--dry-run", "--only",
+                 "all-stiefel,unconstrained", "--gpus-per-run", "1", "--steps", "40"]) == 0
+    text = capsys.readouterr().out
+    assert not out.exists()
+    assert "settings every run shares: train.max_steps=40," in text
+    arms = [ln for ln in text.splitlines() if ln.startswith("  arm ")]
+    assert len(arms) == 2 * len([ln for ln in text.splitlines() if ln.startswith("all-stiefel-s")])
+    stiefel = next(ln for ln in arms if ln.startswith("  arm all-stiefel:"))
+    assert "optim.strategy=all-stiefel" in stiefel and "train.max_steps" not in stiefel
+    # the estimate, from the same settings the runs train with
+    _, parts, sweep = load_parts("ci", "manifolds")
+    spec = plan("manifolds", get_recipe("manifolds").variants(parts, sweep, 40), parts, [0], steps=40,
+                only=["all-stiefel"])[0]
+    params = estimate.nonembedding_params(spec.config["model"])
+    tokens = estimate.run_tokens(spec.resolved())
+    assert params > 0 and tokens == 40 * spec.resolved()["data.batch_size"] * spec.resolved()["data.block_size"]
+    secs = 6 * params * tokens / estimate.GPU_TRAIN_FLOPS
+    assert stiefel.endswith(f"expected ≥ {estimate.format_duration(secs)}")
+    assert "expected run time:" in text and "the time limit is 240 min per job" in text
+    assert "a lower bound" in text
 
 
 @pytest.mark.parametrize("launcher,module,extra", [("slurm", "submitit", "slurm"), ("ray", "ray", "ray")])
@@ -246,11 +274,11 @@ def test_stop_request_waits_until_the_main_thread_leaves_threading_code(monkeypa
                                      f_back=types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"},
                                                                   f_back=None))
     outside = types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"}, f_back=None)
-    monkeypatch.setattr(wgcli, "_STOP", {})
+    monkeypatch.setattr(wgsig, "_STOP", {})
     armed = []
     monkeypatch.setattr(signal, "setitimer", lambda which, secs: armed.append((which, secs)))
     launchers._raise_terminated(signal.SIGTERM, in_queue)  # deferred: nothing raised, a retry armed
-    assert armed == [(signal.ITIMER_REAL, wgcli._STOP_RETRY_S)]
+    assert armed == [(signal.ITIMER_REAL, wgsig._STOP_RETRY_S)]
     launchers._raise_terminated(signal.SIGALRM, in_queue)  # still inside: retried again
     assert len(armed) == 2
     with pytest.raises(Terminated, match="stopped by SIGTERM"):
@@ -258,13 +286,13 @@ def test_stop_request_waits_until_the_main_thread_leaves_threading_code(monkeypa
     launchers._raise_terminated(signal.SIGALRM, outside)  # a late retry of a request already raised: nothing
     with pytest.raises(Terminated, match="stopped by SIGUSR2"):
         launchers._raise_terminated(signal.SIGUSR2, outside)  # outside threading code: raised at once
-    wgcli._STOP.update(reason="stopped by SIGTERM (preemption or time limit)",
-                           since=time.monotonic() - wgcli.STOP_DEFER_S)
+    wgsig._STOP.update(reason="stopped by SIGTERM (preemption or time limit)",
+                           since=time.monotonic() - wgsig.STOP_DEFER_S)
     with pytest.raises(Terminated, match="stopped by SIGTERM"):
         launchers._raise_terminated(signal.SIGALRM, in_queue)  # deferred long enough: raised regardless
     assert len(armed) == 2
     # the plain CLI (weightgeom train under SIGTERM) installs the same deferring handler, SIGALRM included
-    with wgcli._sigterm_unwinds():
+    with wgsig.sigterm_unwinds():
         assert signal.getsignal(signal.SIGALRM) is signal.getsignal(signal.SIGTERM)
         assert signal.getsignal(signal.SIGTERM).__qualname__.startswith("stop_request_handler")
 
@@ -372,13 +400,13 @@ def test_gpus_per_run_that_the_trainer_would_refuse_is_refused_before_submitting
 def test_a_once_handler_raises_one_stop_and_ignores_the_next_signal(monkeypatch):
     """A sweep worker's SIGINT handler (once=True): Ctrl-C reaches it from the terminal and from the sweep; the second
     must not interrupt the unwinding that writes the run's status (hostile trial: runs left "running")."""
-    monkeypatch.setattr(wgcli, "_STOP", {})
+    monkeypatch.setattr(wgsig, "_STOP", {})
     outside = types.SimpleNamespace(f_globals={"__name__": "weightgeom.train.trainer"}, f_back=None)
-    h = wgcli.stop_request_handler("interrupted ({signal})", exc_type=KeyboardInterrupt, once=True)
+    h = wgsig.stop_request_handler("interrupted ({signal})", exc_type=KeyboardInterrupt, once=True)
     with pytest.raises(KeyboardInterrupt, match="interrupted"):
         h(signal.SIGINT, outside)
     h(signal.SIGINT, outside)  # ignored
-    again = wgcli.stop_request_handler("x", exc_type=KeyboardInterrupt)
+    again = wgsig.stop_request_handler("x", exc_type=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         again(signal.SIGINT, outside)
     with pytest.raises(KeyboardInterrupt):  # without once, every signal raises

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightgeom._files import open_append, read_json, write_atomic
 from weightgeom._optional import import_extra
-from weightgeom.cli import Terminated, stop_request_handler
+from weightgeom._signals import Terminated, stop_request_handler
 
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import RunSpec
@@ -383,7 +383,7 @@ def _watch_driver(value: str) -> None:
 
 
 _raise_terminated = stop_request_handler("stopped by {signal} (preemption or time limit)")
-"""Handler of SIGTERM/SIGUSR2 in the training process, and of SIGALRM, its retry (``weightgeom.cli``)."""
+"""Handler of SIGTERM/SIGUSR2 in the training process, and of SIGALRM, its retry (``weightgeom._signals``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -867,6 +867,16 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
     print(f"dry run: --launcher {launcher}, per run {resources.describe(launcher)}; {where}", file=file)
     for line in notes:
         print(f"  {line}", file=file)
+    estimate = importlib.import_module("weightgeom.experiments.estimate")  # each arm's settings and expected time
+    shared = estimate.shared_settings(runs)
+    params = {json.dumps(spec.config["model"], sort_keys=True, default=str): 0 for spec in runs}
+    for key in params:
+        params[key] = estimate.nonembedding_params(json.loads(key))
+    gpus = resources.gpus if launcher != "local" else 0
+    seconds: list[float] = []
+    print("settings every run shares: " + ", ".join(
+        f"{k}={shared[k]}" for k in ("train.max_steps", "data.batch_size", "data.block_size", "train.grad_accum",
+                                     "model.kind", "model.n_layer", "model.n_embd") if k in shared), file=file)
     for spec in runs:
         state = _rundir().read_status(Path(out) / spec.name).get("state")
         if state in ("done", "diverged") and resume:
@@ -878,8 +888,24 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         n += 1
         cmd = run_command(job_file(Path(out).resolve(), spec.name), resources.gpus if launcher != "local" else 0)
         print(f"{spec.name}: {' '.join(cmd)}  [{resources.describe(launcher)}]", file=file)
+        secs = estimate.expected_seconds(spec.resolved(), params[json.dumps(spec.config["model"], sort_keys=True,
+                                                                            default=str)], gpus, resources.cpus)
+        if secs is not None:
+            seconds.append(secs)
+        print(f"  arm {spec.variant}: {estimate.arm_settings(spec, shared)}; expected "
+              f"{'≥ ' + estimate.format_duration(secs) if secs is not None else 'unknown (no parameter count)'}",
+              file=file)
     how = {"slurm": " as one SLURM job array", "ray": " as Ray tasks"}.get(launcher, "")
     print(f"{n} of {len(runs)} runs would be submitted{how}", file=file)
+    if seconds:
+        device = f"{gpus} GPU(s) at the H200's recorded rate" if gpus else \
+            f"{max(1, resources.cpus)} CPU core(s) at the AMX Xeon's recorded rate"
+        limit = (f"; the time limit is {resources.time_min} min per job" if launcher == "slurm" else "")
+        lo, hi = estimate.format_duration(min(seconds)), estimate.format_duration(max(seconds))
+        print(f"expected run time: {lo if lo == hi else f'{lo}–{hi}'} "
+              f"per run, {estimate.format_duration(sum(seconds))} for all {len(seconds)} one after another — a FLOP "
+              f"estimate (6 · non-embedding parameters · tokens on {device}; weightgeom.experiments.estimate), a "
+              f"lower bound: small models and manifold/MD arms run slower{limit}", file=file)
     paths = required_paths(runs)
     if launcher != "local":
         paths = {sys.executable: [spec.name for spec in runs], **paths}  # the interpreter each command names

@@ -1,0 +1,104 @@
+"""What a planned sweep run will do and cost, before it runs: each arm's own settings and an expected run time.
+
+Used by ``weightgeom sweep ... --dry-run`` (``launchers.dry_run``). The run time is a stated FLOP estimate, not a
+measurement of the run: ``6 · N · tokens`` (a forward and a backward pass, N the model's non-embedding parameters,
+tokens = ``train.max_steps`` × ``data.batch_size`` × ``data.block_size`` × ``train.grad_accum``), divided by a
+training throughput recorded on a named device (:data:`GPU_TRAIN_FLOPS`, :data:`CPU_TRAIN_FLOPS_PER_CORE`). The
+optimizer's own work (manifold Muon's dual step, MD's gains) is not in ``6 · N · tokens``: it adds per step what
+docs/benchmarks.md records (manifold Muon ≈ 5× a Muon step on an H200, MD ≈ 11× an AdamW step), so manifold arms take
+longer than the estimate says, and models far below GPT-2's size run below the recorded rate (launch- or
+overhead-bound): read the figure as a lower bound, for choosing ``--time-limit``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightgeom.experiments.runner import RunSpec
+
+__all__ = ["GPU_TRAIN_FLOPS", "CPU_TRAIN_FLOPS_PER_CORE", "arm_settings", "shared_settings", "run_tokens",
+           "nonembedding_params", "expected_seconds", "format_duration"]
+
+GPU_TRAIN_FLOPS = 6 * 85.0e6 * 331.7e3
+"""Training FLOP/s (``6 · N · tokens/s``) recorded on one NVIDIA H200: weightgeom's trainer on GPT-2 124M (85.0 M
+non-embedding parameters; T = 1024, B = 16, bf16 autocast, AdamW) at 331.7 k tokens/s — the
+``train_throughput --preset gpt2`` row of docs/benchmarks.md (``weightgeom bench gpu_check``). ≈ 1.7e14."""
+
+CPU_TRAIN_FLOPS_PER_CORE = 6 * 147_456 * (250 * 16 * 64) / 11.9
+"""Training FLOP/s per CPU core recorded by ``weightgeom demo``'s strategy comparison on the 2-core Intel Xeon with
+AMX: 16 runs of a 3-layer GPT of width 64 (147,456 non-embedding parameters), each 250 steps × 16 × 64 tokens, in
+86–103 s on 2 cores (one run per core: ≈ 11.9 s a run; docs/experiments.md, "Measured at CPU scale"). ≈ 1.9e10."""
+
+_SKIP = ("run.seed", "run.name")  # named by the run itself
+
+
+def run_tokens(settings: dict[str, Any]) -> int:
+    """Tokens a run trains on: ``train.max_steps`` × ``data.batch_size`` × ``data.block_size`` ×
+    ``train.grad_accum`` (from :func:`weightgeom.experiments.runner.resolved_settings`)."""
+    return int(settings.get("train.max_steps", 0)) * int(settings.get("data.batch_size", 0)) \
+        * int(settings.get("data.block_size", 0)) * int(settings.get("train.grad_accum", 1) or 1)
+
+
+def nonembedding_params(model_config: dict[str, Any]) -> int:
+    """Parameters of the model a run builds, without its embeddings and output head (``nn.Embedding`` weights and
+    any matrix tied to one), counted on the meta device (no memory, no data); 0 where the model cannot be built that
+    way (a model that needs its data)."""
+    import torch
+
+    model_from_config = importlib.import_module("weightgeom.train.trainer").model_from_config
+    try:
+        with torch.device("meta"):
+            model = model_from_config(dict(model_config))
+    except Exception:  # noqa: BLE001 - an estimate: a model that needs its data to be built counts as unknown
+        return 0
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in embedding)
+
+
+def expected_seconds(settings: dict[str, Any], params: int, gpus: int, cpus: int) -> float | None:
+    """The FLOP estimate of one run's training time in seconds (module docstring), or None when it cannot be made
+    (no parameter count, no tokens).
+
+    Args:
+        settings: the run's resolved settings (``section.key -> value``).
+        params: the model's non-embedding parameters (:func:`nonembedding_params`).
+        gpus: GPUs the run gets (0: CPU only); the GPU rate scales with their number.
+        cpus: CPU cores of a CPU-only run (its threads).
+    """
+    tokens = run_tokens(settings)
+    if params <= 0 or tokens <= 0:
+        return None
+    rate = GPU_TRAIN_FLOPS * gpus if gpus else CPU_TRAIN_FLOPS_PER_CORE * max(1, cpus)
+    return 6 * params * tokens / rate
+
+
+def format_duration(seconds: float) -> str:
+    """``"45 s"``, ``"12 min"``, ``"3.4 h"``."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def shared_settings(runs: Sequence[RunSpec]) -> dict[str, Any]:
+    """The settings every run has with the same value (``section.key -> value``)."""
+    all_settings = [spec.resolved() for spec in runs]
+    if not all_settings:
+        return {}
+    first = all_settings[0]
+    return {k: v for k, v in first.items()
+            if all(json.dumps(s.get(k), sort_keys=True, default=str) == json.dumps(v, sort_keys=True, default=str)
+                   for s in all_settings[1:])}
+
+
+def arm_settings(spec: RunSpec, shared: dict[str, Any]) -> str:
+    """The settings that make ``spec`` its arm: every key whose value is not the one all runs share, as
+    ``key=value`` separated by commas (``"(the shared settings)"`` when none)."""
+    own = {k: v for k, v in spec.resolved().items() if k not in shared and k not in _SKIP}
+    return ", ".join(f"{k}={json.dumps(v, default=str) if not isinstance(v, str) else v}"
+                     for k, v in sorted(own.items())) or "(the shared settings)"
