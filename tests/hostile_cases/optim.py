@@ -666,6 +666,95 @@ def _muon_load_nonfinite_state(tmp_path: Path) -> None:
         _round_trip_bitwise(opt, model, build, kind)
 
 
+# What a step refuses before it changes anything, as data: (id, the parameter it hits, how it is made, what the one
+# line names). ``_refusals_eager_and_compiled`` runs every row through the eager step and ``compile_step`` (on_nonfinite
+# "skip" and "raise"): the same line, nothing changed.
+def _to_double(p: torch.nn.Parameter) -> None:
+    p.grad = torch.randn(p.shape)  # float32 gradient, then the parameter becomes float64 under it
+    p.data = p.data.double()
+
+
+def _reshaped(p: torch.nn.Parameter) -> None:
+    p.grad = torch.randn(p.shape)
+    p.data = torch.randn(*reversed(p.shape)) if p.ndim == 2 else torch.randn(p.numel() + 1)
+
+
+def _sparse_grad(p: torch.nn.Parameter) -> None:
+    p.grad = torch.randn(p.shape).to_sparse()
+
+
+def _to_complex(p: torch.nn.Parameter) -> None:
+    p.data = p.data.to(torch.complex64)
+    p.grad = torch.randn_like(p)
+
+
+STEP_REFUSALS = [
+    ("dtype-changed", "fc.weight", _to_double, ("'fc.weight'", "float64", "gradient is float32")),
+    ("shape-changed", "fc.weight", _reshaped, ("'fc.weight'", "shape (8, 16)", "gradient is float32 (16, 8)")),
+    ("sparse-gradient", "fc.weight", _sparse_grad, ("'fc.weight'", "sparse gradient")),
+    ("complex", "fc.weight", _to_complex, ("'fc.weight'", "complex64")),
+    ("adamw-dtype-changed", "fc.bias", _to_double, ("'fc.bias'", "float64", "gradient is float32")),
+    ("adamw-shape-changed", "fc.bias", _reshaped, ("'fc.bias'", "shape (17,)")),
+    ("adamw-sparse-gradient", "fc.bias", _sparse_grad, ("'fc.bias'", "sparse gradient")),
+]
+
+
+def _refusals_eager_and_compiled(tmp_path: Path) -> None:
+    """Every row of ``STEP_REFUSALS`` through Muon's eager step and its compiled step (``compile_step``, backend
+    "eager": the dynamo trace and its guards, without inductor's compile time), with on_nonfinite "skip" and
+    "raise": after two good steps (the second compiled) the hostile change is refused with the same one line, every
+    parameter and all state bitwise unchanged; undone, the next step runs."""
+    import warnings
+
+    from weightgeom.optim import Muon, compile_step
+
+    warnings.simplefilter("ignore")
+
+    def build(mode: str):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 16), "out": torch.nn.Linear(16, 8, bias=False)})
+        params = dict(model.named_parameters())
+        mats, vecs = ["fc.weight", "out.weight"], ["fc.bias"]
+        opt = Muon([{"params": [params[n] for n in mats], "names": mats},
+                    {"params": [params[n] for n in vecs], "names": vecs, "algorithm": "adamw", "lr": 1e-2}],
+                   lr=0.02, on_nonfinite=mode)
+        return model, params, opt
+
+    def grads(params) -> None:
+        g = torch.Generator().manual_seed(5)
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=g)
+
+    for mode in ("skip", "raise"):
+        eager_model, eager_params, eager_opt = build(mode)
+        model, params, opt = build(mode)
+        step = compile_step(opt, backend="eager")
+        for _ in range(2):  # the first call eager, the second compiled
+            grads(eager_params)
+            eager_opt.step()
+            grads(params)
+            step()
+        for rid, target, make, must in STEP_REFUSALS:
+            lines = []
+            for m, ps, o, run in ((eager_model, eager_params, eager_opt, eager_opt.step), (model, params, opt, step)):
+                keep = ps[target].data
+                grads(ps)
+                make(ps[target])
+                before = snapshot(o, m)
+                with pytest.raises(ValueError) as info:
+                    run()
+                lines.append(str(info.value))
+                assert "\n" not in lines[-1] and all(x in lines[-1] for x in (*must, "nothing was changed")), (
+                    f"{mode}, {rid}: {lines[-1]!r}")
+                assert_unchanged(before, snapshot(o, m), f"{mode}, {rid}: after the refused step")
+                ps[target].grad = None
+                ps[target].data = keep
+            assert lines[0] == lines[1], f"{mode}, {rid}: eager {lines[0]!r} but compiled {lines[1]!r}"
+        grads(params)
+        step()  # the hostile changes undone: the compiled step runs again
+        assert all(bool(torch.isfinite(p).all()) for p in params.values())
+
+
 def _md_over(model: torch.nn.Module, base: str):
     from weightgeom.optim import MagnitudeDirection
 
@@ -1071,6 +1160,14 @@ CASES: list[Hostile] = [
             "train --resume`, HF Trainer and Lightning resumes) with one line naming the parameter and the tensor; "
             "nothing changed (before: it loaded, and those matrices never moved again, silently)",
             _muon_load_nonfinite_state),
+    Hostile("muon-compiled-refuses-as-eager", "optim",
+            "Whatever Muon's eager step refuses before changing anything — a parameter turned float64 under its "
+            "float32 gradient (`p.data = p.data.double()`), given another shape, turned complex, or a sparse "
+            "gradient, in a Muon or an AdamW group — its compiled step (`compile_step`, on_nonfinite \"skip\" and "
+            "\"raise\") refuses with the same one line, nothing changed (before: under \"skip\" the float64 "
+            "parameter was stepped; otherwise `InternalTorchDynamoError`, `Unsupported: Attempted to wrap sparse "
+            "Tensor` or a RuntimeError from `torch.stack`)",
+            _refusals_eager_and_compiled),
     Hostile("md-load-bad-state", "optim",
             "`MagnitudeDirection.load_state_dict` (over AdamW and over Muon) of the base's own state dict, or of an "
             "MD state dict whose gains (before: a gain of shape (1,) was broadcast), gain moments, radius, entry "

@@ -697,14 +697,22 @@ class Muon(torch.optim.Optimizer):
                 "changed")
 
     def check_groups(self) -> None:
-        """Refuse, naming it, a hyperparameter value set in a group since it was added that the constructor refuses
-        (a scheduler's NaN lr, an ``eps`` of 0): what every eager step checks first. ``compile_step`` calls it before
-        each compiled step, whose trace cannot check values it sees as symbols.
+        """Refuse, naming it, what every eager step refuses before it changes anything, short of a NaN/Inf (that is
+        ``on_nonfinite``'s): a hyperparameter value set in a group since it was added that the constructor refuses (a
+        scheduler's NaN lr, an ``eps`` of 0), and per parameter with a gradient an unsupported dtype, a sparse
+        gradient, or a gradient or state that no longer fits it (``_check_step_group``: ``p.data = p.data.double()``,
+        another shape). Metadata only: no host synchronisation. ``compile_step`` calls it on the host before each
+        compiled step, whose trace cannot check values it sees as symbols and fails on what it cannot trace (a sparse
+        gradient, a changed shape), so that the compiled step refuses with the eager step's line.
 
         Raises:
-            ValueError: one line naming the group and key; nothing was changed.
+            ValueError: one line naming the group, key or parameter; nothing was changed.
         """
         for gi, group in enumerate(self.param_groups):
+            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            if items:
+                self._check_step_group(gi, group, items)
+                continue
             try:
                 _validate_values(group, where=f"Muon group {gi}")
             except ValueError as e:
