@@ -34,8 +34,10 @@ The source is streamed like ``analyze``: only one group's matrices (k of them, f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -46,11 +48,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from weightgeom._files import read_json, write_atomic
+from weightgeom._files import is_regular, read_json, write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_computable
 from weightgeom.analysis.loaders import Loaded, check_source, load, materialize
 from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
+from weightgeom.train.rundir import LOCK_NAME
 
 __all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
            "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
@@ -560,7 +563,7 @@ def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[st
                              "another --out")
     if not out_p.is_dir():
         return None
-    entries = sorted(e.name for e in out_p.iterdir())
+    entries = sorted(e.name for e in out_p.iterdir() if not e.name.startswith(LOCK_NAME))
     if not entries:
         return None
     if INDEX_FILE not in entries:
@@ -569,7 +572,7 @@ def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[st
     idx = read_json(out_p / INDEX_FILE, what="compressed index")
     if not isinstance(idx, dict) or idx.get("format") != "weightgeom-compressed":
         raise ValueError(f"--out {out}: {INDEX_FILE} is not a weightgeom compressed index; choose another --out")
-    if idx.get("complete"):
+    if _complete(out_p, idx):
         raise FileExistsError(f"--out {out}: already holds a compressed checkpoint ({INDEX_FILE}); choose another "
                               "--out or remove it")
     if info["path"] is None:
@@ -662,29 +665,56 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
             snap = {**index, "groups": list(index["groups"])}
             on_role_done(CompressResult(savings_table(snap["groups"]), snap, out_p, spaces_info))
 
-    flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
-    current = None
-    for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
-                            allow_growth=allow_growth, skip=finished):
-        if current is not None and g.role != current:
-            role_done()
-        current = g.role
-        j = counters[g.role] = counters.get(g.role, -1) + 1
-        entry = {"role": g.role, "group": j, "space": g.space, "basis": g.basis, "layers": g.layers,
-                 "tensors": g.names, "notes": g.notes, "shape": list(g.shape), "rank": g.rank,
-                 "params_dense": g.params_dense, "params": g.params, "energy_lost": g.energy_lost}
-        if out_p is not None:
-            tensors = {f"coef.{lay}": c.contiguous() for lay, c in g.coefs.items()}
-            if isinstance(g.basis_t, dict):
-                tensors.update({f"basis.{lay}": b.contiguous() for lay, b in g.basis_t.items()})
-            else:
-                tensors["basis"] = g.basis_t.contiguous()
-            entry["file"] = _group_file(g.role, j)
-            write_atomic(out_p / entry["file"], save(tensors, metadata={"role": g.role, "space": g.space}))
-        index["groups"].append(entry)
-    index["complete"] = True
-    flush()
+    with _one_writer(out_p):  # one compress writes into out_p at a time; a second is refused
+        if out_p is not None:  # again under the lock: what another compress finished meanwhile
+            check_out(out_p, source, cfg, role_map)
+        flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
+        current = None
+        for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
+                                allow_growth=allow_growth, skip=finished):
+            if current is not None and g.role != current:
+                role_done()
+            current = g.role
+            j = counters[g.role] = counters.get(g.role, -1) + 1
+            entry = {"role": g.role, "group": j, "space": g.space, "basis": g.basis, "layers": g.layers,
+                     "tensors": g.names, "notes": g.notes, "shape": list(g.shape), "rank": g.rank,
+                     "params_dense": g.params_dense, "params": g.params, "energy_lost": g.energy_lost}
+            if out_p is not None:
+                tensors = {f"coef.{lay}": c.contiguous() for lay, c in g.coefs.items()}
+                if isinstance(g.basis_t, dict):
+                    tensors.update({f"basis.{lay}": b.contiguous() for lay, b in g.basis_t.items()})
+                else:
+                    tensors["basis"] = g.basis_t.contiguous()
+                entry["file"] = _group_file(g.role, j)
+                write_atomic(out_p / entry["file"], save(tensors, metadata=_group_metadata(entry)))
+            index["groups"].append(entry)
+        index["complete"] = True
+        flush()
     return CompressResult(savings_table(index["groups"]), index, out_p, spaces_info)
+
+
+@contextlib.contextmanager
+def _one_writer(out: Path | None) -> Iterator[None]:
+    """Hold ``out``'s :class:`~weightgeom.train.rundir.DirLock` (the lock runs and sweeps use) while a compress
+    writes into it: a second compress into the same directory is refused with one line naming it and its owner.
+
+    Raises:
+        ValueError: (``LockError``) another live process is writing into ``out``.
+    """
+    if out is None:
+        yield
+        return
+    from weightgeom.train.rundir import DirLock
+
+    with DirLock(out, what="--out"):
+        yield
+
+
+def _group_metadata(entry: dict) -> dict[str, str]:
+    """What a group file records about itself (safetensors metadata, strings): its role, space, group number and
+    layers, checked against the index when it is read, so files swapped between groups are refused."""
+    return {"role": str(entry.get("role")), "space": str(entry.get("space")), "group": str(entry.get("group")),
+            "layers": ",".join(str(x) for x in entry.get("layers") or ())}
 
 
 def _json_default(x):
@@ -742,12 +772,37 @@ def _group_problem(g) -> str:
     return ""
 
 
+def _complete(d: Path, idx: dict) -> bool:
+    """The index's ``complete`` flag, which must be a JSON boolean (``"no"`` is no more complete than ``"yes"``).
+
+    Raises:
+        ValueError: one line naming the index and the value.
+    """
+    flag = idx.get("complete")
+    if type(flag) is not bool:
+        raise ValueError(f"{d}/{INDEX_FILE}: complete is {_short(flag)}, not true or false (weightgeom compress "
+                         "writes a boolean); compress the model again into a new --out")
+    return flag
+
+
 def _check_groups(d: Path, groups: list) -> None:
-    """Refuse the first malformed group entry of ``d``'s index (one line: the group, the field and the reason)."""
+    """Refuse the first malformed group entry of ``d``'s index (one line: the group, the field and the reason), and
+    a layer of a role or a file that two groups both claim (a duplicated group would be applied twice)."""
+    layers: dict[tuple[str, int], int] = {}
+    files: dict[str, int] = {}
     for i, g in enumerate(groups):
         problem = _group_problem(g)
         if problem:
             raise ValueError(f"{d}/{INDEX_FILE}: group {i}: {problem}")
+        if g["file"] in files:
+            raise ValueError(f"{d}/{INDEX_FILE}: group {i}: file {g['file']} is also group {files[g['file']]}'s; "
+                             "each group has a file of its own — compress the model again into a new --out")
+        files[g["file"]] = i
+        for lay in g["layers"]:
+            other = layers.setdefault((g["role"], lay), i)
+            if other != i:
+                raise ValueError(f"{d}/{INDEX_FILE}: group {i}: role {g['role']} layer {lay} is also in group "
+                                 f"{other} (a duplicated group); compress the model again into a new --out")
 
 
 def read_index(path: str | Path) -> dict:
@@ -771,7 +826,7 @@ def read_index(path: str | Path) -> dict:
     groups = idx.get("groups")
     if not isinstance(groups, list):
         raise ValueError(f"{d}/{INDEX_FILE}: groups is not a list")
-    if not idx.get("complete"):
+    if not _complete(d, idx):
         done = dict.fromkeys(str(g.get("role")) for g in groups if isinstance(g, dict))
         raise ValueError(f"{d}: incomplete compressed checkpoint (interrupted; finished roles: "
                          f"{', '.join(done) or 'none'}); run the same weightgeom compress command again to finish it")
@@ -779,6 +834,42 @@ def read_index(path: str | Path) -> dict:
         raise ValueError(f"{d}/{INDEX_FILE}: no groups")
     _check_groups(d, groups)
     return idx
+
+
+def _check_group_file(d: Path, p: Path) -> None:
+    """Refuse a group file that is not a regular file (a FIFO would block the reader) or that resolves outside the
+    output directory ``d`` (a link leading out), as ``analyze`` refuses shards that lead out of a model folder.
+
+    Raises:
+        ValueError: one line naming the file and what is wrong; FileNotFoundError: nothing there.
+    """
+    if not os.path.lexists(p):
+        raise FileNotFoundError(str(p))
+    real, root = Path(os.path.realpath(p)), Path(os.path.realpath(d))
+    if root not in real.parents:
+        raise ValueError(f"{p}: a link that leads outside {d} (to {real}); a compress output's files live in it — "
+                         "compress the model again into a new --out")
+    try:
+        is_regular(p)
+    except ValueError as e:
+        raise ValueError(f"{e}; a compress output's group files are safetensors files") from None
+
+
+def _check_group_metadata(d: Path, p: Path, g: dict, meta: dict) -> None:
+    """Refuse a group file whose recorded role (and, where recorded, space, group number and layers) is not the
+    index's for it: two same-shape files swapped (Q ↔ K) would otherwise load as the wrong matrices.
+
+    Raises:
+        ValueError: one line naming the file, what it records and what the index says.
+    """
+    want = _group_metadata(g)
+    for key in ("role", "space", "group", "layers"):
+        if key not in meta and key != "role":
+            continue  # older outputs record role and space only
+        if meta.get(key) != want[key]:
+            raise ValueError(f"{p}: records {key} {_short(meta.get(key))} but {d / INDEX_FILE} lists it as "
+                             f"{want[key]!r} (files swapped or copied between groups); compress the model again "
+                             "into a new --out")
 
 
 def _read_group(d: Path, g: dict) -> GroupResult:
@@ -796,11 +887,13 @@ def _read_group(d: Path, g: dict) -> GroupResult:
     if space != "none":
         want["basis"] = (n, r) if space == "input" else (m, r)
     try:
+        _check_group_file(d, p)  # a FIFO never blocks; a link never leads out of the output
         with safe_open(str(p), framework="pt") as f:
             keys = set(f.keys())
             missing = sorted(set(want) - keys)
             if missing:
                 raise ValueError(f"{p}: missing tensor {missing[0]}")
+            _check_group_metadata(d, p, g, f.metadata() or {})
             ts = {k: f.get_tensor(k) for k in want}
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: missing (named in {d / INDEX_FILE})") from None

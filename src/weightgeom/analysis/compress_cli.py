@@ -8,6 +8,7 @@ library is imported at module level (``--help`` needs no torch).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,22 @@ def _role_map_arg(text: str | None) -> dict | None:
     except re.error as e:
         raise ValueError(f"--role-map: a pattern is not a valid regular expression ({e})") from None
     return m
+
+
+def _os_failure(e: OSError, path: Path, out: Path) -> str:
+    """One line for an ``OSError`` during a compress: a file under ``--out`` that could not be written (a full disk,
+    a read-only filesystem) is named with what to do, never the source model; otherwise the file that could not be
+    read."""
+    from weightgeom.cli import os_error_line
+
+    reason = os_error_line(OSError(e.errno, e.strerror) if e.errno is not None else e)
+    if e.filename is None:
+        return f"{path} → {out}: cannot read or write ({reason})"
+    where, o = Path(os.path.abspath(e.filename)), Path(os.path.abspath(out))
+    if where == o or o in where.parents:
+        return (f"--out {out}: cannot write {e.filename} ({reason}); what was finished is kept — free some space "
+                "or make --out writable, then run the same command again to finish it")
+    return f"{e.filename}: cannot read ({reason})"
 
 
 def _no_roles_line(msg: str) -> str:
@@ -213,7 +230,7 @@ def run_compress(args: argparse.Namespace) -> int:
             raise
         return _fail("compress", f"{path}: not enough memory ({_first_line(e)})")
     except OSError as e:
-        return _fail("compress", f"{e.filename or path}: cannot read or write ({e.strerror or e})")
+        return _fail("compress", _os_failure(e, path, out))
     t = res.table.copy()
     t["saved_frac"] = t["saved_frac"].map(lambda x: f"{x:.1%}")
     t["energy_lost"] = t["energy_lost"].map(lambda x: f"{x:.4f}")

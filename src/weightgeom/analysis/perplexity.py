@@ -155,6 +155,7 @@ def _hf_lm(path: Path) -> CausalLM:
         where, kind = str(path.parent), "gguf"
     else:
         kw, where, kind = {}, str(path), "hf"
+        _refuse_not_causal(path)  # an encoder or a classifier: before transformers bolts a random LM head onto it
         open_lazy(path)  # tensors only: a pickle, a truncated or missing weights file is one line naming it
         if not any((path / f).exists() for f in TOKENIZER_FILES):
             raise ValueError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); eval needs the model's "
@@ -166,14 +167,50 @@ def _hf_lm(path: Path) -> CausalLM:
         raise ValueError(f"{path}: its tokenizer cannot be loaded ({_first(e)})") from None
     try:
         with _quiet_gguf():
-            model = tf.AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32, **kw)
+            model, info = tf.AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=torch.float32,
+                                                                  output_loading_info=True, **kw)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"{path}: transformers cannot load it as a causal language model ({_first(e)})") from None
+    fresh = sorted({str(k) for k in info.get("missing_keys") or ()}
+                   | {str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or ()})
+    if fresh:  # transformers fills what the file lacks with random weights: its perplexity would mean nothing
+        more = f" and {len(fresh) - 3} more" if len(fresh) > 3 else ""
+        raise ValueError(f"{path}: not a causal language model as saved — {len(fresh)} of the weights transformers "
+                         f"needs for {type(model).__name__} are not in it ({', '.join(fresh[:3])}{more}) and would "
+                         "be random, so its perplexity would mean nothing; eval a causal LM saved with its "
+                         "language-model head")
     model.eval()
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or getattr(model.config, "n_positions", 0)
               or DEFAULT_CONTEXT)
     return CausalLM(model, lambda s: list(tok(s, add_special_tokens=False)["input_ids"]), path.name, kind, ctx,
                     str(path))
+
+
+CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+"""Endings of the ``architectures`` names in a ``config.json`` that are causal language models (``LlamaForCausalLM``,
+``GPT2LMHeadModel`` …); a model saved as anything else (``BertModel``, ``…ForMaskedLM``, ``…ForSequenceClassification``)
+has no trained next-token head."""
+
+
+def _refuse_not_causal(path: Path) -> None:
+    """Refuse a Hugging Face directory whose ``config.json`` says it is not a causal LM (an encoder, an
+    encoder-decoder, a classifier), before transformers bolts a random LM head onto it.
+
+    Raises:
+        ValueError: one line naming the path, the architecture and what to do.
+    """
+    from weightgeom._files import read_json
+
+    cfg = read_json(path / "config.json", what="model config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}/config.json: not a JSON object; eval needs a Hugging Face causal LM's config")
+    archs = cfg.get("architectures")
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if cfg.get("is_encoder_decoder") is True or names and not any(a.endswith(CAUSAL_ARCHITECTURES) for a in names):
+        what = names[0] if names else "an encoder-decoder model"
+        raise ValueError(f"{path}: is {what} (config.json), not a causal language model (…ForCausalLM, "
+                         "…LMHeadModel); eval measures next-token perplexity, which only a decoder with its "
+                         "trained language-model head has — evaluate a causal LM")
 
 
 def _own_lm(path: Path) -> CausalLM:
