@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["API_PACKAGES", "ROOT", "GUARANTEES_PATH", "REGENERATE_GUARANTEES", "AREAS", "render_guarantees",
+__all__ = ["API_PACKAGES", "MATHJAX_SITE_PATH", "mathjax_script",
+           "ROOT", "GUARANTEES_PATH", "REGENERATE_GUARANTEES", "AREAS", "render_guarantees",
            "public_symbols", "api_problems", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,26 @@ GUARANTEES_PATH = ROOT / "docs" / "guarantees.md"
 
 REGENERATE_GUARANTEES = ".venv/bin/python docs/gen_docs.py guarantees --write"
 """The one command that rewrites ``docs/guarantees.md`` from the hostile-input table."""
+
+MATHJAX_SITE_PATH = "assets/mathjax/tex-svg-full.js"
+"""Where the site serves MathJax from (mkdocs.yml's ``extra_javascript``; docs/hooks.py copies it there)."""
+
+
+def mathjax_script() -> Path:
+    """MathJax 3's ``tex-svg-full.js`` (TeX input, SVG output, every extension built in: it loads nothing more) from
+    the installed ``django-static-mathjax`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (it is in the ``docs`` extra).
+    """
+    spec = importlib.util.find_spec("mathjax")
+    base = Path(spec.origin).parent if spec and spec.origin else None
+    script = base / "static" / "mathjax" / "es5" / "tex-svg-full.js" if base else None
+    if script is None or not script.is_file():
+        raise FileNotFoundError("MathJax not found: the docs site serves its own copy from the django-static-mathjax "
+                                'package — pip install -e ".[docs]"')
+    return script
+
 
 API_PACKAGES = ("optim", "manifolds", "linalg", "analysis", "diagnostics", "train", "models", "data")
 """Subpackages of ``weightgeom`` with a page in the API reference (``docs/api/<name>.md``)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from weightgeom.analysis.recorder import ContinuityRecorder
 from weightgeom.experiments import report as rep
+from weightgeom.experiments.callbacks import register_callback
 from weightgeom.experiments.cli import execute, get_recipe
 from weightgeom.experiments.runner import (
     SweepSettingsError,
@@ -26,7 +27,7 @@ from weightgeom.experiments.runner import (
     run_sweep,
     settings_differences,
 )
-from weightgeom.train.callbacks import SigmaCap, register_callback
+from weightgeom.train.callbacks import SigmaCap
 from weightgeom.train.config import parse_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

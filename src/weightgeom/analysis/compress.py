@@ -53,7 +53,7 @@ from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_co
 from weightgeom.analysis.loaders import Loaded, check_source, load, materialize
 from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
-from weightgeom.train.rundir import LOCK_NAME
+from weightgeom.train.rundir import LOCK_NAME, DirLock
 
 __all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
            "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
@@ -531,9 +531,12 @@ def _recorded_source(d: Path) -> str:
         return ""
 
 
-def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[str, str] | str | None = None
-              ) -> dict | None:
+def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[str, str] | str | None = None, *,
+              locked: bool = False) -> dict | None:
     """Whether ``out`` may take :func:`compress`'s output for ``source`` and ``cfg``; nothing is written.
+
+    ``out`` in use by another live compress (its lock, :class:`~weightgeom.train.rundir.DirLock`) is refused, unless
+    ``locked``: the caller holds that lock itself (the check :func:`compress` repeats under it).
 
     Returns:
         None for a new or empty directory; the index to resume for an interrupted compress (``"complete": false``)
@@ -563,6 +566,9 @@ def check_out(out: str | Path, source, cfg: CompressConfig, role_map: Mapping[st
                              "another --out")
     if not out_p.is_dir():
         return None
+    busy = "" if locked else DirLock(out_p, what="--out").in_use_reason()  # another compress writing there now
+    if busy:
+        raise ValueError(busy)
     entries = sorted(e.name for e in out_p.iterdir() if not e.name.startswith(LOCK_NAME))
     if not entries:
         return None
@@ -667,7 +673,7 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
 
     with _one_writer(out_p):  # one compress writes into out_p at a time; a second is refused
         if out_p is not None:  # again under the lock: what another compress finished meanwhile
-            check_out(out_p, source, cfg, role_map)
+            check_out(out_p, source, cfg, role_map, locked=True)
         flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
         current = None
         for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
@@ -704,8 +710,6 @@ def _one_writer(out: Path | None) -> Iterator[None]:
     if out is None:
         yield
         return
-    from weightgeom.train.rundir import DirLock
-
     with DirLock(out, what="--out"):
         yield
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from weightgeom.cli import positive_int
+from weightgeom._cli_args import positive_int
 
 __all__ = ["add_compress_arguments", "run_compress", "add_eval_arguments", "run_eval", "add_arguments", "run"]
 
@@ -105,6 +105,20 @@ def _os_failure(e: OSError, path: Path, out: Path) -> str:
     return f"{e.filename}: cannot read ({reason})"
 
 
+def _compress_output(out: Path) -> bool:
+    """Whether ``out`` is (or is becoming) a compress output: it holds ``compressed.json``, or nothing but the lock a
+    compress takes. Its lock is then the compress's own (:func:`~weightgeom.analysis.compress.check_out` refuses a
+    live owner and takes over a stale one), not the mark of a training run."""
+    from weightgeom.analysis.compress import INDEX_FILE
+    from weightgeom.train.rundir import LOCK_NAME
+
+    try:
+        names = [e.name for e in out.iterdir()] if out.is_dir() else []
+    except OSError:
+        return False
+    return INDEX_FILE in names or bool(names) and all(n.startswith(LOCK_NAME) for n in names)
+
+
 def _no_roles_line(msg: str) -> str:
     """The loaders' "no projection roles recognised …" line for compress: a few of the names seen, then how to pass
     ``--role-map`` (the analysis' hint names ``weightgeom analyze --roles``)."""
@@ -182,6 +196,7 @@ def run_compress(args: argparse.Namespace) -> int:
         --out that is the model's folder or inside it, not empty, or already finished); 130 after Ctrl-C with the
         finished roles kept (the same command finishes them).
     """
+    from weightgeom._paths import unwritable_reason
     from weightgeom.analysis.cli import _out_of_memory, _unusable_out
 
     bad = [r for r in (args.roles or []) if r not in ROLE_NAMES]
@@ -190,7 +205,7 @@ def run_compress(args: argparse.Namespace) -> int:
     if args.basis == "random" and args.share == "none":
         return _fail("compress", "--basis random needs a shared space (--share input, output or auto)")
     path, out = Path(args.path), Path(args.out)
-    problem = _unusable_out(out)
+    problem = unwritable_reason(out) if _compress_output(out) else _unusable_out(out)
     if problem:
         return _fail("compress", problem)
     if args.threads:
