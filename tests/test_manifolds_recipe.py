@@ -15,6 +15,7 @@ import torch
 import weightgeom.experiments.report.manifolds as report_manifolds
 import weightgeom.experiments.runner as runner
 from weightgeom.diagnostics.monitors import collect, logit_stats
+from weightgeom.experiments.callbacks import build_callbacks
 from weightgeom.experiments.cli import execute, get_recipe
 from weightgeom.experiments.manifolds import ATTRIBUTION_ARMS, DEFAULT_LADDER, PAPER_STRATEGIES
 from weightgeom.experiments.report.manifolds import (
@@ -28,7 +29,7 @@ from weightgeom.models import GPT, GPTConfig
 from weightgeom.optim import Muon, MuonConfig, param_groups
 from weightgeom.train import train
 from weightgeom.train.auto_assign import AUTO_FILE, AutoAssign, logit_bound
-from weightgeom.train.callbacks import TrainContext, build_callbacks
+from weightgeom.train.callbacks import TrainContext
 from weightgeom.train.head_stats import HEADS_FILE, HeadStats
 
 # the tests start from random weights: their retraction onto the manifold at the first step is expected

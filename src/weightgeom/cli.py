@@ -15,12 +15,11 @@ where function-level imports are the rule; ``tests/test_cli.py`` checks that no 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import importlib
-import signal
 import sys
-import threading
+
+from weightgeom._cli_args import OneLineParser, nonneg_int, os_error_line, positive_int
+from weightgeom._signals import Terminated, sigterm_unwinds
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -36,21 +35,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("weightgeom.data.cli", "prepare token datasets (train.bin/val.bin) from text, JSONL, parquet"),
 }
 
-
-def os_error_line(e: OSError) -> str:
-    """One line for an ``OSError``: the path(s) it names and the system's reason, e.g.
-    ``cannot use runs/x/checkpoints/ckpt_00000008.pt: No space left on device (ENOSPC)``. The one formatter every
-    command uses."""
-    reason = e.strerror or str(e) or type(e).__name__
-    code = errno.errorcode.get(e.errno) if isinstance(e.errno, int) else None
-    if code:
-        reason += f" ({code})"
-    if e.filename is None:
-        return reason
-    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 is not None else "")
-    if isinstance(e, FileExistsError):  # os.makedirs on a path that is a regular file
-        reason = "exists and is not a directory"
-    return f"cannot use {where}: {reason}"
+__all__ = ["main", "build_parser", "version_line", "SUBCOMMANDS", "OneLineParser", "os_error_line", "positive_int",
+           "nonneg_int", "Terminated"]
 
 
 def version_line() -> str:
@@ -83,35 +69,6 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def _int_at_least(text: str, low: int, expected: str) -> int:
-    """``int(text)`` if it is ≥ ``low``, else an argparse error saying ``expected``."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = low - 1
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--steps``, ``--jobs``, ``--threads`` of sweep, demo and analyze)."""
-    return _int_at_least(text, 1, "a positive integer")
-
-
-def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0 (``--gpus-per-run``, ``--max-retries``)."""
-    return _int_at_least(text, 0, "an integer >= 0")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (``weightgeom sweep: error: argument --steps: ... (see weightgeom
-    sweep --help)``) with exit code 2, instead of the usage block followed by the error; subparsers inherit it."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per available subcommand."""
     parser = OneLineParser(prog="weightgeom", description=__doc__.splitlines()[0])
@@ -130,83 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(BaseException):
-    """Raised in the main thread when the process gets SIGTERM (a scheduler's or ``kill``'s stop request), so a run
-    unwinds like on Ctrl-C: ``status.json`` says failed with the reason, locks are released, logs are closed."""
-
-
-SYNC_MODULES = frozenset({"threading", "queue", "logging"})
-"""Modules whose code a stop request never interrupts: an exception raised inside their lock and condition
-bookkeeping can leave a lock released under its owner or a waiter never woken, so the unwinding then hangs
-(seen: TensorBoard's writer thread never woken in ``SummaryWriter.close``, 3 of 26 preempted jobs on a loaded 2-core
-machine) until something kills the process, with the run's lock left behind and no reason logged."""
-
-STOP_DEFER_S = 5.0
-"""Longest a stop request waits for the main thread to leave :data:`SYNC_MODULES` before it is raised regardless."""
-
-_STOP_RETRY_S = 0.02
-_STOP: dict = {}  # the pending stop request: {"reason": str, "since": monotonic seconds}
-
-
-def _in_sync_code(frame) -> bool:
-    """Whether the interrupted main thread is inside :data:`SYNC_MODULES` (anywhere on its stack)."""
-    while frame is not None:
-        if frame.f_globals.get("__name__") in SYNC_MODULES:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def stop_request_handler(reason: str, exc_type: type[BaseException] = Terminated, once: bool = False):
-    """A signal handler that raises :class:`Terminated` (``reason``, with ``{signal}`` replaced by the signal's name)
-    in the main thread, so a run unwinds: status failed with the reason, lock released, logs closed.
-
-    Never while the main thread is inside ``threading``/``queue``/``logging`` code (e.g. handing TensorBoard's writer
-    thread a batch of scalars, or waiting for it in a flush): there the request is kept and retried every
-    ``_STOP_RETRY_S`` seconds through SIGALRM (``setitimer``: no lock is taken here), for at most
-    :data:`STOP_DEFER_S` seconds. Install the returned handler for SIGALRM too. ``exc_type`` is what is raised
-    (``KeyboardInterrupt`` for a sweep worker's SIGINT); with ``once``, signals after the first raise are ignored, so
-    a second Ctrl-C (the terminal's and the sweep's own) cannot interrupt the unwinding that writes the run's status.
-    """
-    import time
-
-    raised: list[bool] = []
-
-    def handler(signum, frame) -> None:
-        if once and raised and signum != signal.SIGALRM:
-            return
-        if signum != signal.SIGALRM:
-            _STOP.setdefault("reason", reason.format(signal=signal.Signals(signum).name))
-            _STOP.setdefault("since", time.monotonic())
-        elif "reason" not in _STOP:
-            return  # a retry of a request already raised
-        if _in_sync_code(frame) and time.monotonic() - _STOP["since"] < STOP_DEFER_S:
-            signal.setitimer(signal.ITIMER_REAL, _STOP_RETRY_S)
-            return
-        why = _STOP.pop("reason")
-        _STOP.clear()
-        raised.append(True)
-        raise exc_type(why)
-
-    return handler
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds():
-    """Turn SIGTERM into :class:`Terminated` while a command runs (main thread only; restored afterwards)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handler = stop_request_handler("terminated by {signal}")
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGALRM)}
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``weightgeom`` script. Returns the process exit code (130 after Ctrl-C, 143 after
     SIGTERM)."""
@@ -216,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with _sigterm_unwinds():
+        with sigterm_unwinds():
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("weightgeom: interrupted", file=sys.stderr)

@@ -33,7 +33,7 @@ from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compresse
 from weightgeom.analysis.loaders import _strip, open_lazy
 from weightgeom.data.corpora import shakespeare_text
 from weightgeom.data.tokenizers import get_tokenizer
-from weightgeom.train.batches import _char_encode, _read_text_file, _shakespeare_text
+from weightgeom.train.batches import char_encode, read_text_file, shakespeare_corpus
 from weightgeom.train.checkpoint import is_checkpoint_file, latest_checkpoint, load_checkpoint
 from weightgeom.train.trainer import model_from_config
 
@@ -238,8 +238,8 @@ def _own_lm(path: Path) -> CausalLM:
         tok = get_tokenizer("gpt2")
     else:
 
-        text = _read_text_file(data["path"]) if data.get("kind") == "text" else _shakespeare_text()
-        tok = get_tokenizer("char", chars=_char_encode(text)[1]["chars"])
+        text = read_text_file(data["path"]) if data.get("kind") == "text" else shakespeare_corpus()
+        tok = get_tokenizer("char", chars=char_encode(text)[1]["chars"])
     return CausalLM(model, lambda s: list(tok.encode(s)), path.name, "weightgeom", int(model.context_length()),
                     str(path))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._device import capped_kind, cpu_kind
 from weightgeom._files import write_atomic
 
 __all__ = ["GPT2_SMALL_SHAPES", "sync", "time_call", "interleaved_medians", "machine_info", "matmul_gflops", "cpu_kind",
@@ -102,59 +103,6 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, de
     b = torch.randn(k, n, dtype=dtype, device=device)
     secs = interleaved_medians({"mm": lambda: a @ b}, iters=iters, warmup=1, device=device)["mm"]
     return 2.0 * m * k * n / secs / 1e9
-
-
-def cpu_kind() -> str:
-    """The matrix-unit class a bf16 matmul in this process runs on, which decides how fast it is: ``"AMX"`` (AMX-BF16
-    tiles), ``"AVX512-BF16"`` (AVX-512 with bf16 dot products), ``"AVX512"``, ``"AVX2"``, or torch's capability string
-    (e.g. ``"NEON"``/``"DEFAULT"``) where ``/proc/cpuinfo`` is missing or lists none of these.
-
-    Only the first two have bf16 units; on the others a bf16 matmul is emulated and typically 10–40× slower than fp32.
-    A process whose oneDNN is capped below the CPU's class (``ONEDNN_MAX_CPU_ISA``/``DNNL_MAX_CPU_ISA``, e.g. ``AVX2``
-    on an AMX CPU) runs at the cap's speed: the cap's class is returned, marked, e.g. ``"AVX2 (capped; CPU: AMX)"``.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set()
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[-1].split())
-    except OSError:
-        flags = set()
-    if "amx_bf16" in flags:
-        kind = "AMX"
-    elif "avx512_bf16" in flags:
-        kind = "AVX512-BF16"
-    elif "avx512f" in flags:
-        kind = "AVX512"
-    elif "avx2" in flags:
-        kind = "AVX2"
-    else:
-        return str(torch.backends.cpu.get_cpu_capability()).upper()
-    return capped_kind(kind, os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "")
-
-
-_KINDS = ("AVX2", "AVX512", "AVX512-BF16", "AMX")  # slowest to fastest bf16 matmul
-
-
-def capped_kind(kind: str, cap: str) -> str:
-    """``kind`` (one of ``cpu_kind``'s classes) under a oneDNN ISA cap (``ONEDNN_MAX_CPU_ISA``'s value: ``"AVX2"``,
-    ``"AVX512_CORE"``, ``"AVX512_CORE_BF16"``, ``"AVX512_CORE_AMX"``, ``"ALL"``, ...): the lower of the two classes,
-    marked ``"(capped; CPU: kind)"`` when the cap lowers it; an empty, ``ALL``/``DEFAULT`` or unknown cap leaves it."""
-    c = cap.strip().upper()
-    if "AMX" in c:
-        limit = "AMX"
-    elif "BF16" in c or "FP16" in c:
-        limit = "AVX512-BF16"
-    elif c.startswith("AVX512"):
-        limit = "AVX512"
-    elif c.startswith(("AVX2", "AVX", "SSE")):
-        limit = "AVX2"  # AVX2 or below: no bf16 units either way
-    else:
-        return kind
-    if kind in _KINDS and _KINDS.index(limit) < _KINDS.index(kind):
-        return f"{limit} (capped; CPU: {kind})"
-    return kind
 
 
 # glibc malloc settings of ``steady_allocator`` (mallopt parameter numbers from glibc's malloc.h).

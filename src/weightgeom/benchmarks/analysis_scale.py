@@ -58,9 +58,9 @@ from pathlib import Path
 import torch
 
 from weightgeom._cache import cache_root
+from weightgeom._cli_args import OneLineParser
 from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import cpu_kind, hardware_tag
-from weightgeom.cli import OneLineParser
 
 RSS_TARGET_GB = 3.0
 TIME_TARGET_S = 600.0

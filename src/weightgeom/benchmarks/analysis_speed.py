@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._cli_args import OneLineParser
 from weightgeom._files import write_atomic
 from weightgeom.analysis import analyze_full, load
 from weightgeom.benchmarks._common import hardware_tag
-from weightgeom.cli import OneLineParser
 
 TARGET_S = 30.0
 SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_attn.v_proj": (192, 576),

@@ -36,8 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from weightgeom._cli_args import OneLineParser
 from weightgeom._files import open_append, write_atomic
-from weightgeom.cli import OneLineParser
 
 _MACHINE = r"""
 import platform, torch

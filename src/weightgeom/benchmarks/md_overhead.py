@@ -38,9 +38,9 @@ import time
 
 import torch
 
+from weightgeom._cli_args import OneLineParser
 from weightgeom._files import write_atomic
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
-from weightgeom.cli import OneLineParser
 from weightgeom.optim.compiled import WARM_CALLS, compile_step
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._cli_args import OneLineParser, nonneg_int, positive_int
 from weightgeom._files import write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.benchmarks._common import (
@@ -46,7 +47,6 @@ from weightgeom.benchmarks._common import (
     steady_allocator,
     write_markdown,
 )
-from weightgeom.cli import OneLineParser, nonneg_int, positive_int
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
 from weightgeom.optim import Muon, compile_step
 from weightgeom.optim.compiled import WARM_CALLS

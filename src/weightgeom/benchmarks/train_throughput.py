@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightgeom._cli_args import OneLineParser
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
-from weightgeom.cli import OneLineParser
 from weightgeom.optim.compiled import WARM_CALLS, compile_step
 from weightgeom.train import train
 from weightgeom.train.batches import build_batches

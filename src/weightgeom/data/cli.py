@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from weightgeom.cli import os_error_line
+from weightgeom._cli_args import os_error_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

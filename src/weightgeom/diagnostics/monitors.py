@@ -43,6 +43,7 @@ from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
 __all__ = [
     "matrix_stats",
+    "bare_name",
     "qk_sigma_prod",
     "logit_stats",
     "grad_norms",
@@ -183,7 +184,7 @@ def _inner_optimizers(optimizer) -> list:
     return [optimizer, optimizer.base_optimizer] if isinstance(optimizer, MagnitudeDirection) else [optimizer]
 
 
-def _clean(name: str) -> str:
+def bare_name(name: str) -> str:
     """Drop torch.compile / DDP wrapper prefixes so metric names match the bare model's parameter names."""
     name = name.replace("_orig_mod.", "")
     while name.startswith("module."):
@@ -197,10 +198,10 @@ def _param_names(model: nn.Module | None, optimizer) -> dict[int, str]:
     for o in _inner_optimizers(optimizer):
         for g in getattr(o, "param_groups", []):
             for p, n in zip(g.get("params", []), g.get("names", []) or []):
-                names.setdefault(id(p), _clean(n))
+                names.setdefault(id(p), bare_name(n))
     if model is not None:
         for n, p in model.named_parameters():
-            names[id(p)] = _clean(n)
+            names[id(p)] = bare_name(n)
     return names
 
 
@@ -265,7 +266,7 @@ def monitored_matrices(model: nn.Module, optimizer=None) -> list[tuple[str, torc
     if chosen:
         return chosen
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [(_clean(n), p) for n, p in model.named_parameters()
+    return [(bare_name(n), p) for n, p in model.named_parameters()
             if p.ndim == 2 and id(p) not in emb and not n.split(".")[-2:-1] == ["lm_head"]]
 
 
@@ -567,7 +568,7 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX
             out[f"attn.{i}.{k}"] = v
     have_grads = any(p.grad is not None for p in model.parameters())
     if grads and have_grads:
-        out.update(grad_norms((_clean(n), p.grad) for n, p in model.named_parameters()))
+        out.update(grad_norms((bare_name(n), p.grad) for n, p in model.named_parameters()))
     if batch is not None:
         want_grad = grads and not have_grads
         args, kwargs, has_targets = _forward_inputs(model, batch, forward_kwargs, max_seqs, want_grad)
@@ -644,7 +645,7 @@ def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, thre
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
                     gs = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-                    out.update(grad_norms((_clean(n), g) for (n, _), g in zip(named, gs)))
+                    out.update(grad_norms((bare_name(n), g) for (n, _), g in zip(named, gs)))
     finally:
         for h in hooks:
             h.remove()

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightgeom.cli import nonneg_int, os_error_line, positive_int
+from weightgeom._cli_args import nonneg_int, os_error_line, positive_int
 
 if TYPE_CHECKING:
     from weightgeom.experiments.runner import Recipe

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightgeom report: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. an unwritable or full output directory
-        from weightgeom.cli import os_error_line
+        from weightgeom._cli_args import os_error_line
 
         print(f"weightgeom report: {os_error_line(e)}", file=sys.stderr)
         return 2

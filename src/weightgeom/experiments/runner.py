@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from weightgeom._files import read_json, read_toml, write_atomic
-from weightgeom.cli import stop_request_handler
+from weightgeom._signals import stop_request_handler
+from weightgeom.experiments.callbacks import build_callbacks
 from weightgeom.train import train
-from weightgeom.train.callbacks import build_callbacks
 from weightgeom.train.config import (
     bundled_configs,
     config_to_dict,
@@ -88,7 +88,7 @@ class Variant:
         description: one line for the report.
         part: which base config of a multi-part preset this variant uses (``"main"`` for single-config recipes).
         controls: the trainer callbacks the run uses, declared as ``{name: value}`` and built by
-            :func:`weightgeom.train.callbacks.build_callbacks` (``name``: a key of its registry; ``value``: the
+            :func:`weightgeom.experiments.callbacks.build_callbacks` (``name``: a key of its registry; ``value``: the
             callback's argument, or a table of its keyword arguments); recorded in the manifest and, as
             ``controls.<name>``, in the settings.
         group: optional grouping key for reports (e.g. the optimizer in the MD sweep).
@@ -652,8 +652,8 @@ CONTROLS_FILE = "controls.json"
 def default_train_fn(spec: RunSpec, run_dir: Path, progress: bool) -> dict[str, Any]:
     """Train one run with ``weightgeom.train.train`` and the callbacks its variant declares.
 
-    The callbacks are built from ``spec.controls`` by :func:`weightgeom.train.callbacks.build_callbacks`; when the run
-    trained (it was not already finished), their merged summaries are written to ``run_dir/controls.json``.
+    The callbacks are built from ``spec.controls`` by :func:`weightgeom.experiments.callbacks.build_callbacks`; when
+    the run trained (it was not already finished), their merged summaries are written to ``run_dir/controls.json``.
     """
     callbacks = build_callbacks(spec.controls)
     result = train(spec.config, run_dir=str(run_dir), progress=progress, resume=False if spec.fresh else "auto",

@@ -33,14 +33,14 @@ from weightgeom.manifolds.base import (
 )
 
 __all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "scaled_gram_deviation", "polar_near",
-           "NEAR_TOL", "NEAR_REMAINDER"]
+           "NEAR_TOL", "NEAR_REMAINDER", "ORDER_REMAINDER", "NEAR_MAX_ITERS"]
 
 _METHODS = ("polar_express", "svd")
 _RETRACTIONS = ("polar", "paper")
 
 # ``polar_near`` iterates X ← X·p(E), E = XᵀX − I, p the Taylor series of (I + E)^{-1/2} cut after E^k: p₁ = I − E/2,
 # p₂ = p₁ + 3E²/8, p₃ = p₂ − 5E³/16. For an eigenvalue x of E (x = s² − 1, s a singular value of X) the new deviation
-# is (1 + x)·p_k(x)² − 1 = c_k·x^{k+1} + O(x^{k+2}), c = (3/4, 5/8, 35/128) (``_ORDER_REMAINDER``); with p₃,
+# is (1 + x)·p_k(x)² − 1 = c_k·x^{k+1} + O(x^{k+2}), c = (3/4, 5/8, 35/128) (``ORDER_REMAINDER``); with p₃,
 # |x| ≤ 0.5 → ≤ 0.044 → ≤ 1e-6, so from ‖E‖_F ≤ NEAR_TOL three iterations always suffice. Each iteration takes the
 # lowest order k whose remainder bound c_k·ρ^k·‖E‖_F (ρ ≤ min(‖E‖_F, ‖E‖_∞), the spectral radius bounds of a
 # symmetric E) is below NEAR_REMAINDER[dtype] — that dtype's rounding — and then stops; when none is, it applies p₃
@@ -50,8 +50,10 @@ _RETRACTIONS = ("polar", "paper")
 # iteration: 2 m×n×n + 1 n×n×n products, against ~30 m×n×n-sized ones for 10 Polar Express steps.
 NEAR_TOL = 0.5
 NEAR_REMAINDER = {torch.float32: 5e-8, torch.float64: 5e-16}
-_ORDER_REMAINDER = (0.75, 0.625, 35 / 128)
-_NEAR_MAX_ITERS = 4
+ORDER_REMAINDER = (0.75, 0.625, 35 / 128)
+"""c_k of the remainder c_k·x^{k+1} of ``polar_near``'s order-k step, k = 1, 2, 3 (see the comment above)."""
+NEAR_MAX_ITERS = 4
+"""Iterations ``polar_near`` (and the host-free batched form in ``optim.manifold_host_free``) run at most."""
 
 
 def sym(M: torch.Tensor) -> torch.Tensor:
@@ -105,7 +107,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
 
     Returns:
         The polar factor (times S) in ``compute_dtype(X)``, or None if X is too far from the manifold
-        (‖E‖_F > NEAR_TOL) or did not converge in ``_NEAR_MAX_ITERS`` iterations — callers then use the Polar
+        (‖E‖_F > NEAR_TOL) or did not converge in ``NEAR_MAX_ITERS`` iterations — callers then use the Polar
         Express iteration.
     """
     Xc = X.to(compute_dtype(X))
@@ -118,7 +120,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
     s = None if scale is None else scale.to(Xc.dtype)
     fused = Xc.ndim == 2 and Xc.dtype == torch.float32 and split_here(Xc) and plain(Xc) \
         and (s is None or (s.numel() == Xc.shape[-1] and plain(s))) and kernels.load_kernel("linalg") is not None
-    for _ in range(_NEAR_MAX_ITERS):
+    for _ in range(NEAR_MAX_ITERS):
         got = None
         if E is None:
             G = gram if gram is not None else constraint_gram(Xc)
@@ -134,7 +136,7 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         if not e <= NEAR_TOL:  # also NaN
             return None
         rho = min(e, inf)
-        order = next((k for k, c in enumerate(_ORDER_REMAINDER, 1) if c * rho**k * e <= tol), None)
+        order = next((k for k, c in enumerate(ORDER_REMAINDER, 1) if c * rho**k * e <= tol), None)
         last = order is not None
         parts = None
         if got is not None:  # the powers of E as small_mm forms them, then F, its diagonal and bf16 rest in one pass

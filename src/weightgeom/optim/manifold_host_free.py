@@ -19,7 +19,7 @@ What differs from the eager path, numerically:
   quotient in float64 instead of ``eigvalsh`` (agreement to ~1e-13 relative on the optimizer's matrices, tested);
 * far from the manifold (‖XᵀX − I‖_F > ``NEAR_TOL``) the eager retraction switches to Polar Express; here only the
   first step (known on the host: a matrix without momentum) does, and later steps keep iterating the third-order series
-  for its ``_NEAR_MAX_ITERS`` iterations, which converges for singular values in about (0.3, 1.5) — a step of
+  for its ``NEAR_MAX_ITERS`` iterations, which converges for singular values in about (0.3, 1.5) — a step of
   spectral size lr moves them by ≤ lr, so this holds for lr ≲ 0.3;
 * the DGram column-polar retraction assumes no zero column (a zero column of a fresh point is completed exactly by the
   eager path; here it gives NaN, which ``on_nonfinite="skip"`` then skips);
@@ -38,7 +38,7 @@ from weightgeom.linalg.gemm import addmm_batched
 from weightgeom.manifolds.base import Manifold, compute_dtype, polar
 from weightgeom.manifolds.dgram import dgram_retract_paper
 from weightgeom.manifolds.oblique import normalize_columns, normalize_columns_paper
-from weightgeom.manifolds.stiefel import _NEAR_MAX_ITERS, _ORDER_REMAINDER, NEAR_REMAINDER
+from weightgeom.manifolds.stiefel import NEAR_MAX_ITERS, NEAR_REMAINDER, ORDER_REMAINDER
 from weightgeom.optim.manifold_muon import (
     _NORM_EPS,
     PROJECT_NORM_ITERS,
@@ -118,7 +118,7 @@ def spectral_norm(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS, gram_dtype: 
 
 
 def near_polar(X: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``stiefel.polar_near`` of a batch (B, m, n) of tall matrices with a fixed count: ``_NEAR_MAX_ITERS``
+    """``stiefel.polar_near`` of a batch (B, m, n) of tall matrices with a fixed count: ``NEAR_MAX_ITERS``
     iterations, each matrix choosing its series order and stopping where ``polar_near`` does alone (its later
     iterations are masked out). ``scale``: column scales s (B, 1, n), as ``polar_near``'s. In compute dtype."""
     Xc = X.to(compute_dtype(X))
@@ -127,13 +127,13 @@ def near_polar(X: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tens
     eye = torch.eye(n, dtype=Xc.dtype, device=Xc.device)
     s = None if scale is None else scale.to(Xc.dtype)
     active = torch.ones(Xc.shape[0], 1, 1, dtype=torch.bool, device=Xc.device)
-    for _ in range(_NEAR_MAX_ITERS):
+    for _ in range(NEAR_MAX_ITERS):
         G = Xc.mT @ Xc
         E = (G if s is None else G / (s.mT * s)) - eye
         # the order test in float64, as polar_near takes it on the host
         e = torch.linalg.matrix_norm(E).to(torch.float64)
         rho = torch.minimum(e, E.abs().sum(dim=-1).amax(dim=-1).to(torch.float64))
-        o1, o2, o3 = ((c * rho**k * e <= tol).reshape(-1, 1, 1) for k, c in enumerate(_ORDER_REMAINDER, 1))
+        o1, o2, o3 = ((c * rho**k * e <= tol).reshape(-1, 1, 1) for k, c in enumerate(ORDER_REMAINDER, 1))
         F1 = E * -0.5
         E2 = E @ E
         F2 = torch.add(F1, E2, alpha=0.375)

@@ -39,7 +39,7 @@ from weightgeom.data.tokenizers import GPT2_VOCAB_SIZE, get_tokenizer
 from weightgeom.data.tokens import TokenDataset
 from weightgeom.train.config import Config
 
-__all__ = ["Batches", "build_batches", "batch_seed"]
+__all__ = ["Batches", "build_batches", "batch_seed", "char_encode", "shakespeare_corpus", "read_text_file"]
 
 _SPLIT_ID = {"train": 0, "val": 1}
 
@@ -118,7 +118,7 @@ def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndar
     return tokens[:n], tokens[n:]
 
 
-def _char_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
+def char_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
     """Character ids: the sorted distinct characters of ``text`` (by code point) numbered 0..V−1, vectorised through
     the UTF-32 code points (≈ 50× faster than a per-character dict lookup on the bundled corpus)."""
     codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
@@ -140,18 +140,19 @@ def _gpt2_encode(text: str) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _encode(text: str, tokenizer: str) -> tuple[np.ndarray, dict[str, Any]]:
-    return _char_encode(text) if tokenizer == "char" else _gpt2_encode(text)
+    return char_encode(text) if tokenizer == "char" else _gpt2_encode(text)
 
 
-def _shakespeare_text() -> str:
-    """The bundled Shakespeare corpus (``weightgeom.data.shakespeare_text``)."""
+def shakespeare_corpus() -> str:
+    """The bundled Shakespeare corpus (``weightgeom.data.shakespeare_text``); a missing one is a ValueError naming
+    ``data.kind``."""
     try:
         return shakespeare_text()
     except FileNotFoundError as e:
         raise ValueError(f"config key data.kind='shakespeare': {e}") from None
 
 
-def _read_text_file(value: str) -> str:
+def read_text_file(value: str) -> str:
     """The UTF-8 text of the ``data.path`` file for ``data.kind='text'``.
 
     Raises:
@@ -230,7 +231,7 @@ def build_batches(cfg: Config) -> Batches:
         va = _synthetic(4_000, vocab, 4321)
         return Batches("lm", tr, va, B, T, vocab, seed=seed, meta={"tokenizer": "synthetic", "vocab_size": vocab})
     if kind in ("shakespeare", "text"):
-        text = _read_text_file(d.path) if kind == "text" else _shakespeare_text()
+        text = read_text_file(d.path) if kind == "text" else shakespeare_corpus()
         tokens, meta = _encode(text, d.tokenizer)
         tr, va = _split(tokens, val_fraction)
         _check_lengths(tr, va, T, ("the train split", "the val split"), "a data.val_fraction that leaves both splits "

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         raise
     except OSError as e:  # unwritable or full run directory: one line naming the path and the reason
-        from weightgeom.cli import os_error_line
+        from weightgeom._cli_args import os_error_line
 
         print(f"weightgeom train: error: {os_error_line(e)}", file=sys.stderr)
         return 2

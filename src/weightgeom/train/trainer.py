@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 from weightgeom import __version__
+from weightgeom._device import cpu_kind
 from weightgeom._files import is_regular, read_json, write_atomic
-from weightgeom.benchmarks._common import cpu_kind
-from weightgeom.diagnostics.monitors import _clean, grad_norms
+from weightgeom.diagnostics.monitors import bare_name, grad_norms
 from weightgeom.diagnostics.monitors import collect as collect_diagnostics
 from weightgeom.models import GPT, Llama, build_model
 from weightgeom.optim import MagnitudeDirection, describe
@@ -761,7 +761,7 @@ class _Trainer:
         return f"non-finite gradient norm ({gnorm}) at step {step}: non-finite gradient in {', '.join(bad[:3])}{more}"
 
     def _grad_norms(self) -> dict[str, float]:
-        return grad_norms((_clean(n), p.grad) for n, p in self.model.named_parameters())
+        return grad_norms((bare_name(n), p.grad) for n, p in self.model.named_parameters())
 
     def _diagnostics(self, x, y, pre_clip: dict[str, float] | None = None) -> None:
         dc = self.cfg.diagnostics
