@@ -37,8 +37,14 @@ NORES = [(0.30, 0.94, "partly reproduced"), (0.19, 0.94, "partly reproduced"), (
          (0.90, 0.94, "not reproduced"), (0.95, 0.60, "reversed")]
 
 
-def _cont_run(root: Path, variant: str, weight_cv: float, grad_cv: float, dominance: float = 0.3) -> None:
-    d = root / f"{variant}-s0"
+def _cont_run(root: Path, variant: str, weight_cv: float, grad_cv: float, dominance: float = 0.3,
+              seeds: tuple[int, ...] = (0, 1)) -> None:
+    for seed in seeds:
+        _cont_seed(root, variant, weight_cv, grad_cv, dominance, seed)
+
+
+def _cont_seed(root: Path, variant: str, weight_cv: float, grad_cv: float, dominance: float, seed: int) -> None:
+    d = root / f"{variant}-s{seed}"
     d.mkdir(parents=True)
     rows = []
     for layer in range(2):
@@ -47,7 +53,7 @@ def _cont_run(root: Path, variant: str, weight_cv: float, grad_cv: float, domina
                  {"step": 20, "kind": "delta", "role": "mlp", "layer": layer, "cv": 0.9, "cu": 0.1,
                   "dominance": dominance}]
     (d / "continuity.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (d / "experiment.json").write_text(json.dumps({"recipe": "continuity", "variant": variant, "seed": 0,
+    (d / "experiment.json").write_text(json.dumps({"recipe": "continuity", "variant": variant, "seed": seed,
                                                    "part": "resmlp"}))
     (d / "status.json").write_text(json.dumps({"state": "done", "step": 20}))
     (d / "metrics.jsonl").write_text(json.dumps({"step": 20, "split": "val", "loss": 0.3}) + "\n")
@@ -61,7 +67,7 @@ def test_nores_verdict_follows_its_rule(tmp_path, nores, base, verdict):
     found = {f.key: f for f in cl.findings([rep.load_run(d) for d in sorted((tmp_path / "c").iterdir())])}
     assert found["c-nores"].verdict == verdict
     assert f"NoRes gradient C_v {nores:.2f}" in found["c-nores"].evidence
-    assert found["c-nores"].device == "CPU AMX, 2 cores" and found["c-nores"].runs == 2
+    assert found["c-nores"].device == "CPU AMX, 2 cores" and found["c-nores"].runs == 4
 
 
 @pytest.mark.parametrize("diff,verdict", [(0.0, "not reproduced"), (0.25, "not reproduced"), (0.26, "reproduced"),
@@ -87,6 +93,80 @@ def test_dominance_rule(tmp_path):
     assert found["c-dominance"].verdict == "reproduced"
 
 
+# (values compared per strategy, gap, margin, expected verdict): a verdict needs two seeds and a gap beyond the noise
+EVIDENCE = [([[2.5], [2.4]], -0.1, 0.0, "inconclusive", "1 seed"),
+            ([[2.5, 2.6], [2.4]], -0.1, 0.05, "inconclusive", "1 seed"),
+            ([[2.5, 2.6], [2.4, 2.5]], -0.05, 0.08, "inconclusive", "within noise"),
+            ([[2.5, 2.6], [2.4, 2.5]], -0.1, 0.08, "reproduced", "")]
+
+
+@pytest.mark.parametrize("compared,gap,margin,verdict,reason", EVIDENCE)
+def test_a_verdict_needs_two_seeds_and_a_gap_beyond_the_noise(compared, gap, margin, verdict, reason):
+    v, ev = cl._evidence_gate("reproduced", "HETERO 2.4", gap, margin, compared)
+    assert v == verdict
+    assert cl.inconclusive_reason(cl.Finding("ma-hetero-best", v, ev, "s", 1, 1, "d")) == reason
+    if reason:
+        assert ev == f"{reason} — HETERO 2.4; by its rule alone: reproduced"
+
+
+def _ma_run(root: Path, strategy: str, seed: int, lr: float, growth: float) -> None:
+    d = root / f"{strategy}-lr{lr:g}-s{seed}"
+    d.mkdir(parents=True)
+    rows = [{"step": s, "split": "diag", "attn.0.qk_sigma_prod": 1.0 + (growth - 1.0) * s / 100,
+             "attn.0.logit_max": 2.0} for s in (0, 50, 100)]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (d / "config.resolved.toml").write_text(f'[optim]\nstrategy = "{strategy}"\n[optim.muon]\nlr = {lr}\n')
+    (d / "experiment.json").write_text(json.dumps({"recipe": "manifolds", "variant": strategy, "seed": seed}))
+    (d / "status.json").write_text(json.dumps({"state": "done", "step": 100}))
+
+
+# (seeds, Muon learning rates) of each side's runs -> σ-growth verdict: two strategies at one seed and one lr are one
+# replicate; a ladder of lrs (the long sweep) or two seeds are two
+CHAIN = [((0,), (0.02,), "inconclusive"), ((0, 1), (0.02,), "reproduced"), ((0,), (0.02, 0.04), "reproduced")]
+
+
+@pytest.mark.parametrize("seeds,lrs,verdict", CHAIN)
+def test_chain_claims_need_two_replicates_per_side(tmp_path, seeds, lrs, verdict):
+    for strategy, growth in (("all-dgram", 9.0), ("hetero-inv", 8.0), ("all-stiefel", 1.1), ("hetero", 1.0)):
+        for seed in seeds:
+            for lr in lrs:
+                _ma_run(tmp_path, strategy, seed, lr, growth)
+    found = {f.key: f for f in cl.findings([rep.load_run(d) for d in sorted(tmp_path.iterdir())])}
+    assert found["ma-sigma-growth"].verdict == verdict
+    assert found["ma-sigma-growth"].evidence.startswith("1 seed — ") == (verdict == "inconclusive")
+
+
+def test_quick_demo_reads_one_seed_as_inconclusive_and_says_it_is_a_smoke_test(tmp_path, monkeypatch, capsys):
+    """The quick demo's own report path (demo → report → claims.json → console) on a one-seed continuity sweep: no
+    bold verdict, each reads "inconclusive (1 seed)", and the report and console say the verdicts are a smoke test
+    and point to the recorded table."""
+    import argparse
+
+    from weightgeom.experiments import cli as ecli
+    from weightgeom.experiments import demo
+
+    def execute(recipe, preset, out, **kw):
+        _cont_run(out, "res-relu", 0.8, 0.94, seeds=(0,))
+        _cont_run(out, "nores", 0.05, 0.30, seeds=(0,))
+        (out / "sweep.json").write_text(json.dumps({"recipe": recipe, "label": preset,
+                                                    "command": "weightgeom demo --quick"}))
+        return {"runs": [{"status": "done"}] * 2}, None
+
+    monkeypatch.setattr(ecli, "execute", execute)
+    args = argparse.Namespace(quick=True, out=str(tmp_path / "q"), only="continuity", verbose=False, sets=[], jobs=1)
+    assert demo.run(args) == 0
+    text = (tmp_path / "q" / "report.md").read_text()
+    section = text.split("## The papers' claims")[1].split("\n## ")[0]
+    assert "| inconclusive | 1 seed — NoRes gradient C_v 0.30 vs Res+ReLU 0.94" in section
+    assert "by its rule alone: partly reproduced" in section and "| **" not in section
+    assert demo.SMOKE_NOTE in text.split("## ")[0] and "docs/results.md" in demo.SMOKE_NOTE
+    assert "— **" not in text.split("## Geometric continuity")[1]  # the section's verdict lines: not bold either
+    out = capsys.readouterr().out
+    assert demo.SMOKE_NOTE in out and "inconclusive (1 seed)" in out
+    assert not any(v in line for line in out.splitlines() if line.startswith("  ")
+                   for v in ("  reproduced", "partly reproduced", "reversed"))
+
+
 # ---------------------------------------------------------------------------------- report → claims → README
 def test_report_carries_the_claims_table_and_claims_json(tmp_path):
     _cont_run(tmp_path / "c", "res-relu", 0.8, 0.94)
@@ -97,7 +177,7 @@ def test_report_carries_the_claims_table_and_claims_json(tmp_path):
     text = path.read_text()
     section = text.split("## The papers' claims")[1].split("\n## ")[0]
     assert "| **partly reproduced** | NoRes gradient C_v 0.30 vs Res+ReLU 0.94" in section
-    assert "weightgeom sweep continuity cpu (in weightgeom demo), 2 runs × 20 steps" in section
+    assert "weightgeom sweep continuity cpu (in weightgeom demo), 4 runs × 20 steps" in section
     assert "Rules:" in section and f"within {cl.CV_TOLERANCE:g} of the paper's 0.05" in section
     # the continuity section's own verdict line says the same
     assert "NoRes gradient C_v 0.30 vs Res+ReLU 0.94 (random level" in text.split("## Geometric continuity")[1]

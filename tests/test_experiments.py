@@ -847,3 +847,34 @@ def test_report_reads_table_valued_controls_without_a_warning():
     got = conform({"controls": {"auto_assign": {"threshold": {"deep": 1}}}}, EXPERIMENT, "e.json", problems)
     assert got == {"controls": {}} and problems.lines == [
         "e.json:controls:auto_assign: dict is not a plain value; ignored"]
+
+
+def test_report_plots_label_axes_with_units_and_keep_overlapping_arms_apart(tmp_path, monkeypatch):
+    """Two arms with identical curves (the common case of a report's overlapping arms) stay distinguishable by line
+    style and marker, not colour alone; every panel's axes carry a label with a unit."""
+    from weightgeom.experiments.report import common
+    from weightgeom.experiments.report import manifolds as rman
+
+    figs = []
+    monkeypatch.setattr(common, "_savefig", lambda fig, path, rect=None: figs.append(fig) or path)
+    monkeypatch.setattr(rman, "_savefig", lambda fig, path, rect=None: figs.append(fig) or path)
+    groups = {}
+    for name in ("all-dgram", "hetero-inv"):
+        d = tmp_path / f"{name}-s0"
+        d.mkdir()
+        rows = [{"step": s, "split": split, "loss": 2.0 - s / 100, **({"attn.0.logit_max": 1.0 + s} if split ==
+                                                                       "diag" else {})}
+                for s in range(0, 50, 5) for split in ("train", "val", "diag")]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (d / "status.json").write_text(json.dumps({"state": "done", "step": 45}))
+        groups[name] = [rep.load_run(d)]
+    common.plot_loss_curves(groups, tmp_path / "loss.png", "t")
+    rman.plot_mechanism(groups, tmp_path / "mech.png")
+    assert len(figs) == 2
+    for fig in figs:
+        for ax in fig.get_axes():
+            if not ax.get_lines():
+                continue
+            assert "(" in ax.get_xlabel() and "(" in ax.get_ylabel(), (ax.get_xlabel(), ax.get_ylabel())
+            styles = {(ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines() if ln.get_label()[:1] != "_"}
+            assert len(styles) == 2, styles  # one (line style, marker) per arm

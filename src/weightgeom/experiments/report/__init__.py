@@ -120,7 +120,8 @@ MAX_PROBLEM_LINES = 10
 """Warnings printed about unusable files or values (the rest are counted in one more line)."""
 
 
-def make_report(paths: Sequence[str | Path], out: str | Path | None = None, title: str | None = None) -> Path:
+def make_report(paths: Sequence[str | Path], out: str | Path | None = None, title: str | None = None,
+                note: str | None = None) -> Path:
     """Write ``report.md`` and its PNGs for the run directories under ``paths``; return the markdown path.
 
     The directories are untrusted input (a sweep received from someone else): every file is read bounded and typed
@@ -137,6 +138,7 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
         paths: run directories or directories containing them (sweep directories).
         out: output directory (default: the single given directory, else ``./report``).
         title: heading of the report.
+        note: a paragraph (markdown) printed in bold under the heading, e.g. the quick demo's "smoke test" notice.
     """
     dirs = discover(paths)
     runs = [load_run(d) for d in dirs]
@@ -163,6 +165,8 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
     for r in runs:
         by_recipe.setdefault(r.recipe or "", []).append(r)
     parts = [f"# {md_text(title) if title else 'weightgeom experiment report'}", ""]
+    if note:
+        parts += [f"**{note}**", ""]
     parts.append(f"{len(runs) + len(unfinished)} run directories: "
                  + ", ".join(md_code(d) for d in sorted({str(d.parent) for d in dirs})) + ".")
     if unfinished:

@@ -60,6 +60,9 @@ VERDICTS: dict[str, str] = {
     "reversed": "the opposite direction, beyond the margin",
     "gain": "a future-work item built here beats every alternative beyond the margin",
     "no gain": "a future-work item built here does not beat every alternative beyond the margin",
+    "inconclusive": "the runs cannot carry a verdict: decided from fewer than two seeds (\"1 seed\"), or the "
+                    "difference lies inside the measured seed noise (\"within noise\"); the evidence names the "
+                    "reason first and what the rule alone would read",
     "not tested": "no run here tests it",
 }
 """Every verdict a claim can get, with what it means. "Not reproduced" means *not at this scale*, never "false"."""
@@ -86,6 +89,15 @@ PPL_MARGIN = 0.05
 1024 tokens, over which the perplexity of the same model moves by less than this between text windows."""
 LOSS_MARGIN = 0.005
 """Val-loss difference (nats) below which an MD comparison counts as no difference (the MD recipe runs one seed)."""
+MIN_SEEDS = 2
+"""Fewest seeds a comparison needs for a verdict. Below it the verdict reads ``inconclusive`` with the reason
+:data:`ONE_SEED`. The DGram-against-Stiefel chain claims pool runs over a learning-rate ladder, so there each side
+needs this many independent settings: distinct (seed, Muon learning rate) pairs (two strategies at one seed and one
+learning rate are not two replicates)."""
+ONE_SEED = "1 seed"
+"""Reason of an ``inconclusive`` verdict decided from fewer than :data:`MIN_SEEDS` seeds (or runs per side)."""
+WITHIN_NOISE = "within noise"
+"""Reason of an ``inconclusive`` verdict whose difference lies inside :data:`SEED_NOISE` × the seed std."""
 
 
 # ---------------------------------------------------------------------------------------------- data classes
@@ -156,10 +168,13 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("ma-hetero-best", "manifold assignment", "Stiefel attention + DGram MLP (HETERO) is the best assignment",
           "mean final val loss of HETERO against the other constrained strategies (ALL-STIEFEL, ALL-DGRAM, "
           f"HETERO-INV): reproduced when HETERO is lowest by more than {SEED_NOISE:g}× the largest seed std, reversed "
-          "when another strategy is lower by more than that, else not reproduced", "manifolds"),
+          "when another strategy is lower by more than that, else inconclusive (within noise); inconclusive (1 seed) "
+          f"when HETERO or the best other has fewer than {MIN_SEEDS} finished seeds", "manifolds"),
     Claim("ma-auto", "manifold assignment", "automatic assignment (the paper's future work)",
           f"gain when AUTO's mean final val loss is below every fixed constrained strategy's by more than "
-          f"{SEED_NOISE:g}× the largest seed std, else no gain", "manifolds"),
+          f"{SEED_NOISE:g}× the largest seed std, no gain when above it by more than that, else inconclusive "
+          f"(within noise); inconclusive (1 seed) when AUTO or the best fixed strategy has fewer than {MIN_SEEDS} "
+          "finished seeds", "manifolds"),
     Claim("c-nores", "continuity", "without residual connections gradient continuity collapses (≈ 0.05, the random "
           "level)", f"NoRes gradient C_v against Res+ReLU's: the direction holds when lower by more than "
           f"{CV_MARGIN:g}; reproduced when also within {CV_TOLERANCE:g} of the paper's 0.05, partly reproduced when "
@@ -243,6 +258,36 @@ def _steps(runs: Sequence[RunData]) -> int:
 def _device(runs: Sequence[RunData], meta: Callable[[RunData], dict]) -> str:
     kinds = sorted({str(k) for r in runs if isinstance(k := meta(r).get("device_kind"), str) and k})
     return ", ".join(kinds) if kinds else "not recorded"
+
+
+def inconclusive(verdict: str, evidence: str, reason: str) -> tuple[str, str]:
+    """``("inconclusive", evidence)`` for a comparison the runs cannot carry: the evidence starts with ``reason``
+    (:data:`ONE_SEED` or :data:`WITHIN_NOISE`) and ends with what the claim's rule alone would read."""
+    return "inconclusive", f"{reason} — {evidence}; by its rule alone: {verdict}"
+
+
+def inconclusive_reason(finding: Finding) -> str:
+    """The reason an ``inconclusive`` finding names (its evidence up to the first " — "); ``""`` for any other."""
+    return finding.evidence.split(" — ")[0] if finding.verdict == "inconclusive" else ""
+
+
+def seeds_of(runs: Sequence[RunData]) -> int:
+    """How many distinct seeds ``runs`` were trained with (a run without a recorded seed counts as seed 0)."""
+    return len({r.seed if r.seed is not None else 0 for r in runs})
+
+
+def replicates(runs: Sequence[RunData]) -> int:
+    """How many distinct (seed, Muon learning rate) settings ``runs`` were trained at (the chain claims' replicates,
+    :data:`MIN_SEEDS`)."""
+    def lr(r: RunData) -> Any:
+        return ((r.config.get("optim") or {}).get("muon") or {}).get("lr")
+    return len({(r.seed if r.seed is not None else 0, lr(r)) for r in runs})
+
+
+def seed_gate(out: list[tuple[str, str, str, list[RunData]]]) -> list[tuple[str, str, str, list[RunData]]]:
+    """Each finding decided from fewer than :data:`MIN_SEEDS` seeds made ``inconclusive`` (:data:`ONE_SEED`)."""
+    return [(k, *inconclusive(v, e, ONE_SEED), used) if v != "inconclusive" and seeds_of(used) < MIN_SEEDS
+            else (k, v, e, used) for k, v, e, used in out]
 
 
 def _meta(run: RunData) -> dict:
@@ -329,6 +374,7 @@ def manifolds_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, lis
             continue
         used = [r for r, _ in dg + st]
         dgc, stc = [c for _, c in dg], [c for _, c in st]
+        chain_from = len(out)
         fd, nd = _fraction(dgc, lambda c: c["diverged"])
         fs, ns = _fraction(stc, lambda c: c["diverged"])
         out.append(("ma-dgram-unstable", _count_verdict(fd - fs),
@@ -351,6 +397,8 @@ def manifolds_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, lis
                         f"saturated fraction above {SATURATION_SEEN:g} in {nd} of {len(dgc)} DGram-attention runs "
                         f"(peak {_f(peak_d)}) vs {ns} of {len(stc)} Stiefel (peak {_f(peak_s)}) "
                         f"({STUDY_NAMES.get(name, name)})", used))
+        if min(replicates([r for r, _ in dg]), replicates([r for r, _ in st])) < MIN_SEEDS:
+            out[chain_from:] = [(k, *inconclusive(v, e, ONE_SEED), u) for k, v, e, u in out[chain_from:]]
         if name == "main":
             out += _strategy_findings(rs)
     return out
@@ -378,17 +426,29 @@ def _strategy_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, lis
     verdict = "reproduced" if gap < -margin else ("reversed" if gap > margin else "not reproduced")
     rank = sorted((means[n], n) for n in fixed).index((means["hetero"], "hetero")) + 1
     used = [r for n in finals for r in groups[n]]
-    out.append(("ma-hetero-best", verdict,
-                f"HETERO {means['hetero']:.3f} ranks {rank} of {len(fixed)} constrained strategies; best "
-                f"{best_other.upper()} {others[best_other]:.3f} (margin {margin:.3f} = {SEED_NOISE:g}× seed std "
-                f"{noise:.3f})", used))
+    ev = (f"HETERO {means['hetero']:.3f} ranks {rank} of {len(fixed)} constrained strategies; best "
+          f"{best_other.upper()} {others[best_other]:.3f} (margin {margin:.3f} = {SEED_NOISE:g}× seed std {noise:.3f})")
+    out.append(("ma-hetero-best", *_evidence_gate(verdict, ev, gap, margin,
+                                                  [finals["hetero"], finals[best_other]]), used))
     if "auto" in means:
         best_fixed = min((n for n in fixed), key=means.get)
         d = means["auto"] - means[best_fixed]
-        out.append(("ma-auto", "gain" if d < -margin else "no gain",
-                    f"AUTO {means['auto']:.3f} vs the best fixed strategy {best_fixed.upper()} {means[best_fixed]:.3f} "
-                    f"(margin {margin:.3f})", used))
+        ev = (f"AUTO {means['auto']:.3f} vs the best fixed strategy {best_fixed.upper()} {means[best_fixed]:.3f} "
+              f"(margin {margin:.3f})")
+        out.append(("ma-auto", *_evidence_gate("gain" if d < -margin else "no gain", ev, d, margin,
+                                               [finals["auto"], finals[best_fixed]]), used))
     return out
+
+
+def _evidence_gate(verdict: str, evidence: str, gap: float, margin: float,
+                   compared: Sequence[Sequence[float]]) -> tuple[str, str]:
+    """A seed-noise comparison's verdict, ``inconclusive`` when a compared strategy has fewer than
+    :data:`MIN_SEEDS` finished seeds (its noise is unmeasured) or the gap lies inside the margin."""
+    if min(len(v) for v in compared) < MIN_SEEDS:
+        return inconclusive(verdict, evidence, ONE_SEED)
+    if abs(gap) <= margin:
+        return inconclusive(verdict, evidence, WITHIN_NOISE)
+    return verdict, evidence
 
 
 # ------------------------------------------------------------------------------------------------ continuity
@@ -454,7 +514,7 @@ def continuity_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, li
     out += _spread_findings(g)
     if llama:
         out += _llama_findings(llama)
-    return out
+    return seed_gate(out)
 
 
 def _dominance(g: dict[str, list[RunData]]) -> list[tuple[str, float, float]]:
@@ -500,7 +560,8 @@ def spread_findings(groups: dict[str, list[RunData]]) -> list[tuple[str, str, st
         out.append(("c-both", "reproduced" if closer else ("reversed" if beyond else "not reproduced"),
                     f"Res+ReLU+LN v1 share {both:.2f} (C_v(v1) {get('res-relu-ln', 'cv_dir1'):.2f}) vs Res+ReLU "
                     f"{share:.2f} and Res+LN {ln_share:.2f}"))
-    return out
+    runs = [r for rs in groups.values() for r in rs]
+    return [(k, v, e) for k, v, e, _ in seed_gate([(k, v, e, runs) for k, v, e in out])]
 
 
 def _spread_findings(g: dict[str, list[RunData]]) -> list[tuple[str, str, str, list[RunData]]]:
@@ -609,7 +670,7 @@ def md_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, list[RunDa
         ev = "; ".join(f"{o}: {pref} {_gap_text(vals, pref)} — {verdicts[o]}" for o, vals in per_opt.items()
                        if o in verdicts)
         out.append((keys[axis], verdict, ev, [r for r in abl if _tag(r, "axis") == axis]))
-    return out
+    return seed_gate(out)
 
 
 def _gap_text(vals: dict[str, float], pref: str) -> str:

@@ -272,11 +272,22 @@ def _colors(n: int) -> list:
 
 
 LINESTYLES = ("-", "--", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "*", "h")
+"""Per-arm markers beside :data:`LINESTYLES` and colour, so arms whose curves overlap stay distinguishable (also in
+grey print): arm k gets ``LINESTYLES[k % 3]`` and ``MARKERS[k % 8]``."""
+STEP_LABEL = "training step (optimizer updates)"
+LOSS_UNIT = "nats, mean cross-entropy"
+
+
+def arm_style(k: int) -> dict[str, str]:
+    """Line style and marker of the k-th arm of a plot (matplotlib keyword arguments)."""
+    return {"ls": LINESTYLES[k % len(LINESTYLES)], "marker": MARKERS[k % len(MARKERS)]}
 
 
 def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[tuple[int, float]] = (),
-         ls: str = "-") -> None:
-    """Plot the mean over seeds with a min–max band; mark divergences with ✕."""
+         ls: str = "-", marker: str | None = None) -> None:
+    """Plot the mean over seeds with a min–max band; mark divergences with ✕. ``marker`` is drawn at about ten
+    points along the curve (``ls`` and ``marker`` tell overlapping arms apart)."""
     curves = [c for c in curves if len(c)]
     if curves:
         df = pd.concat(curves, axis=1).sort_index()
@@ -284,7 +295,8 @@ def band(ax, curves: list[pd.Series], color, label: str, marker_steps: Sequence[
         if len(curves) > 1:
             df = df.interpolate(limit_area="inside")
         mean = df.mean(axis=1)
-        ax.plot(mean.index, mean.values, color=color, label=plot_text(label), lw=1.8, ls=ls)
+        ax.plot(mean.index, mean.values, color=color, label=plot_text(label), lw=1.8, ls=ls, marker=marker,
+                ms=5, markevery=max(1, len(mean) // 10), fillstyle="none")
         if len(curves) > 1:
             ax.fill_between(df.index, df.min(axis=1).values, df.max(axis=1).values, color=color, alpha=0.2, lw=0)
     for step, y in marker_steps:
@@ -369,14 +381,13 @@ def plot_loss_curves(groups: dict[str, list[RunData]], path: Path, title: str) -
             curves = [loss_series(r, split) for r in runs]
             if any(len(c) for c in curves):
                 any_data = True
-            band(ax, curves, color, f"{name} (n={len(runs)})", _divergence_marks(runs, split),
-                 ls=LINESTYLES[k % len(LINESTYLES)])
+            band(ax, curves, color, f"{name} (n={len(runs)})", _divergence_marks(runs, split), **arm_style(k))
     if not any_data:
         plt.close(fig)
         return None
     for ax, split in zip(axes, ("train", "val")):
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{split} loss")
+        ax.set_xlabel(STEP_LABEL)
+        ax.set_ylabel(f"{split} loss ({LOSS_UNIT})")
         ax.set_title(f"{split} loss (band: min–max over seeds, ✕: diverged)")
         _clip_ylim(ax)
     axes[1].legend(loc="upper right")

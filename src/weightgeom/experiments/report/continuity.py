@@ -131,7 +131,7 @@ def continuity_verdict(groups: dict[str, list[RunData]]) -> str:
     (:func:`weightgeom.experiments.report.claims.continuity_findings`)."""
 
     runs = [r for rs in groups.values() for r in rs]
-    checks = [f"{CLAIM_BY_KEY[key].text}: {evidence} — **{verdict}**"
+    checks = [f"{CLAIM_BY_KEY[key].text}: {evidence} — " + (verdict if verdict == "inconclusive" else f"**{verdict}**")
               for key, verdict, evidence, _ in continuity_findings(runs)
               if key in ("c-nores", "c-symmetry", "c-dominance", "c-optimizer")]
     rs_b2 = groups.get("adam-b2-0") or []
@@ -148,7 +148,8 @@ def spread_verdicts(groups: dict[str, list[RunData]]) -> list[str]:
     (reproduced / not reproduced / reversed), from the same findings as the claims table
     (:func:`weightgeom.experiments.report.claims.spread_findings`)."""
 
-    return [f"{CLAIM_BY_KEY[key].text}: {evidence} — " + (verdict if verdict == "reproduced" else f"**{verdict}**")
+    return [f"{CLAIM_BY_KEY[key].text}: {evidence} — "
+            + (verdict if verdict in ("reproduced", "inconclusive") else f"**{verdict}**")
             for key, verdict, evidence in spread_findings(groups)]
 
 

@@ -13,12 +13,15 @@ import pandas as pd
 
 from weightgeom.experiments.manifolds import DEFAULT_AUTO_THRESHOLD, DEFAULT_SIGMA_CAP
 from weightgeom.experiments.report.common import (
-    LINESTYLES,
+    LOSS_UNIT,
+    MARKERS,
+    STEP_LABEL,
     RunData,
     _colors,
     _legend_below,
     _plt,
     _savefig,
+    arm_style,
     band,
     best_value,
     diag_aggregate,
@@ -46,6 +49,10 @@ SEED_MANIFOLDS = {
     "hetero": "3.3544",
     "hetero-inv": "unstable",
 }
+
+SIGMA_UNIT = "σ_max(W_Q)·σ_max(W_K) (dimensionless)"
+LOGIT_UNIT = "pre-softmax logit (dimensionless)"
+SATURATION_UNIT = "fraction of softmax rows with max prob > 0.99"
 
 
 # --------------------------------------------------------------------------------------------------- manifolds
@@ -246,6 +253,7 @@ def plot_mechanism(groups: dict[str, list[RunData]], path: Path) -> Path | None:
              ("logit_max", "max", "attention-logit max |Z|  (max over layers)", True),
              ("saturation", "max", "softmax saturation  (max over layers)", False),
              ("entropy", "mean", "softmax entropy  (mean over layers)", False)]
+    units = (SIGMA_UNIT, LOGIT_UNIT, SATURATION_UNIT, "entropy (nats)")
     plt = _plt()
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     any_data = False
@@ -258,13 +266,14 @@ def plot_mechanism(groups: dict[str, list[RunData]], path: Path) -> Path | None:
                 for r, c in zip(runs, curves):
                     if r.diverged and len(c):
                         marks.append((int(c.index[-1]), float(c.iloc[-1])))
-                band(ax, curves, color, name, marks, ls=LINESTYLES[k % len(LINESTYLES)])
+                band(ax, curves, color, name, marks, **arm_style(k))
     if not any_data:
         plt.close(fig)
         return None
-    for ax, (_, _, label, logy) in zip(axes.flat, specs):
+    for ax, (_, _, label, logy), unit in zip(axes.flat, specs, units):
         ax.set_title(label)
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_LABEL)
+        ax.set_ylabel(unit)
         if logy and ax.get_lines():
             ax.set_yscale("log")
     fig.suptitle("Mechanism curves (diag metrics; band: min–max over seeds; ✕: diverged)")
@@ -517,7 +526,7 @@ def plot_boundary(records: Sequence[dict], path: Path) -> Path | None:
             for lr in lrs:
                 v = [r["val_loss"] for r in recs if float(r["lr"]) == lr and math.isfinite(r["val_loss"])]
                 ys.append(float(np.mean(v)) if v else float("nan"))
-            ax.plot(lrs, ys, marker="o", color=color, label=plot_text(s), ls=LINESTYLES[k % len(LINESTYLES)])
+            ax.plot(lrs, ys, color=color, label=plot_text(s), fillstyle="none", **arm_style(k))
             fd = first_divergence(recs)
             if fd is not None:
                 ok = [y for y in ys if math.isfinite(y)]
@@ -526,8 +535,8 @@ def plot_boundary(records: Sequence[dict], path: Path) -> Path | None:
         ticks = sorted({float(r["lr"]) for r in records})
         ax.set_xticks(ticks)
         ax.set_xticklabels([f"{t:g}" for t in ticks], rotation=45)
-        ax.set_xlabel("Muon lr")
-        ax.set_ylabel("final val loss (mean over seeds that finished)")
+        ax.set_xlabel("Muon learning rate (peak, per step; log scale)")
+        ax.set_ylabel(f"final val loss ({LOSS_UNIT}; mean over seeds that finished)")
         ax.set_title(f"{plot_text(alg)} algorithm (✕: lowest diverged lr)")
     axes[0][0].legend(loc="upper left")
     fig.suptitle("Stability boundary: final val loss against learning rate")
@@ -693,19 +702,21 @@ def plot_heads(runs: Sequence[RunData], path: Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    for (r, df), color in zip(frames, _colors(len(frames))):
+    for j, ((r, df), color) in enumerate(zip(frames, _colors(len(frames)))):
         for ax, kind in zip(axes, ("entropy", "saturation")):
             sub = df[df["metric"].str.contains(rf"\.{kind}_h\d+$")]
             for k, (_, g) in enumerate(sub.groupby("metric")):
                 g = g.sort_values("step")
-                ax.plot(g["step"], g["value"], color=color, lw=1.0, alpha=0.7, marker="o", ms=2.5,
-                        label=plot_text(r.variant) if k == 0 else None)
+                ax.plot(g["step"], g["value"], color=color, lw=1.0, alpha=0.7, ms=3, fillstyle="none",
+                        label=plot_text(r.variant) if k == 0 else None, **arm_style(j))
             if r.diverged:
                 ax.axvline(int(r.status.get("step", 0)), color=color, ls=":", lw=1.2)
     axes[0].set_title("softmax entropy per head (nats)")
     axes[1].set_title("saturated fraction of softmax rows per head")
+    axes[0].set_ylabel("entropy (nats)")
+    axes[1].set_ylabel(SATURATION_UNIT)
     for ax in axes:
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_LABEL)
     fig.suptitle("Per-head attention statistics (one line per head; dotted: divergence)")
     return _savefig(fig, path, rect=_legend_below(fig, axes[0]))
 
@@ -856,6 +867,7 @@ def plot_long(records: Sequence[dict], path: Path) -> Path | None:
     colors = dict(zip(strategies, _colors(len(strategies))))
     mults = sorted({float(r["mult"]) for r in records if r["mult"] is not None})
     styles = {m: ("-", "--", "-.", ":")[k % 4] for k, m in enumerate(mults)}
+    markers = {s: MARKERS[k % len(MARKERS)] for k, s in enumerate(strategies)}
     any_data = False
     for r in records:
         label = plot_text(f"{r['strategy']} {_times(r['mult'])}")
@@ -864,6 +876,7 @@ def plot_long(records: Sequence[dict], path: Path) -> Path | None:
                 continue
             any_data = True
             ax.plot(c.index, c.values, color=colors[r["strategy"]], ls=styles.get(float(r["mult"] or 0), "-"),
+                    marker=markers[r["strategy"]], markevery=max(1, len(c) // 10), ms=4, fillstyle="none",
                     lw=1.2, label=label if ax is axes[0, 0] else None)
             if r["diverged"] is not None:
                 ax.plot([c.index[-1]], [c.values[-1]], marker="x", color=colors[r["strategy"]], ms=9, mew=2)
@@ -873,16 +886,19 @@ def plot_long(records: Sequence[dict], path: Path) -> Path | None:
     titles = (f"σ_max(W_Q)·σ_max(W_K), max over layers (threshold {SIGMA_PRODUCT_CROSSED:g})",
               f"attention-logit max (threshold {LOGIT_CROSSED:g})",
               f"largest saturated fraction of any head (threshold {SATURATION_SEEN:g})", "train loss")
-    for ax, title, thr in zip(axes.flat, titles, (SIGMA_PRODUCT_CROSSED, LOGIT_CROSSED, SATURATION_SEEN, None)):
+    units = (SIGMA_UNIT, LOGIT_UNIT, SATURATION_UNIT, f"train loss ({LOSS_UNIT})")
+    for ax, title, thr, unit in zip(axes.flat, titles, (SIGMA_PRODUCT_CROSSED, LOGIT_CROSSED, SATURATION_SEEN, None),
+                                    units):
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_LABEL)
+        ax.set_ylabel(unit)
         if thr is not None:
             ax.axhline(thr, color="grey", lw=0.8, ls=":")
     for ax in axes[0]:
         if ax.get_lines():
             ax.set_yscale("log")
-    fig.suptitle("The published algorithm over a long run (colour: strategy; line style: Muon lr multiplier; ✕: "
-                 "diverged)")
+    fig.suptitle("The published algorithm over a long run (colour and marker: strategy; line style: Muon lr "
+                 "multiplier; ✕: diverged)")
     return _savefig(fig, path, rect=_legend_below(fig, axes[0, 0]))
 
 
