@@ -126,3 +126,55 @@ def test_lightning_trains_checkpoints_and_resumes_with_manifold_muon(tmp_path):
     assert resumed.global_step == 4
     opt = resumed.optimizers[0]
     assert isinstance(opt, Muon) and all(len(s) for s in opt.state.values())
+
+
+class _Seen(transformers.TrainerCallback):
+    """Stands for a report_to reporter: records every log it is shown."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def test_hf_trainer_logs_every_param_group_lr(tmp_path):
+    from weightgeom.train.hf_callbacks import log_group_lrs
+
+    tr, opt = _trainer(tmp_path / "lr", 2)
+    seen = _Seen()
+    tr.callback_handler.callbacks.insert(0, seen)  # where Trainer puts the report_to reporters: before user callbacks
+    log_group_lrs(tr)
+    tr.train()
+    names = ["lr/adamw", "lr/adamw-2", "lr/muon-stiefel", "lr/muon-dgram"]  # param_groups(model, "hetero")
+    steps = [h for h in tr.state.log_history if "loss" in h and "learning_rate" in h]
+    assert len(steps) == 2 and len(seen.logs) >= 2
+    for logged in (steps, [s for s in seen.logs if "learning_rate" in s]):
+        for h in logged:
+            assert [k for k in h if k.startswith("lr/")] == names, h
+            assert h["lr/adamw"] == h["learning_rate"]  # Trainer's one rate is the first group's
+            # the linear schedule scales every group alike: the Muon groups keep their 0.02 : 1e-3 ratio
+            assert h["lr/muon-stiefel"] == pytest.approx(20 * h["learning_rate"]), h
+    # the rates each step used (linear decay over 2 steps), not the scheduler's next ones
+    assert [h["lr/muon-dgram"] for h in steps] == pytest.approx([0.02, 0.01]) and opt.param_groups[3]["lr"] == 0.0
+    assert not any(k.startswith("lr/") for k in tr.state.log_history[-1])  # the end-of-training summary
+
+
+def test_lightning_logs_every_param_group_lr(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from weightgeom.train.lightning_callbacks import GroupLRMonitor
+
+    logger = CSVLogger(str(tmp_path), name="lr", version=0)
+    trainer = lightning.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=logger, log_every_n_steps=1,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                                default_root_dir=str(tmp_path), callbacks=[GroupLRMonitor()])
+    trainer.fit(_LitGPT(), torch.utils.data.DataLoader(_Tokens(), batch_size=4))
+    lines = (tmp_path / "lr" / "version_0" / "metrics.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    assert {"lr/adamw", "lr/adamw-2", "lr/muon-stiefel", "lr/muon-dgram"} <= set(head), head
+    rows = [dict(zip(head, line.split(","))) for line in lines[1:]]
+    logged = [r for r in rows if r.get("lr/muon-stiefel")]
+    assert len(logged) == 2, rows  # one row per step (log_every_n_steps=1); Lightning logs float32 values
+    assert all(float(r["lr/muon-stiefel"]) == pytest.approx(0.02) and float(r["lr/adamw"]) == pytest.approx(1e-3)
+               for r in logged), rows
