@@ -10,9 +10,13 @@ before the model is built.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pickle
+import resource
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -305,6 +309,27 @@ def _broken_gzip_input(tmp: Path) -> None:
     assert not (tmp / "out").exists()
 
 
+ADDRESS_SPACE_CAP = 3 << 30
+"""``ulimit -v`` of :func:`_bounded_reads_under_ulimit`'s process (bytes): what Python and numpy need, far less than
+the 8 GiB bound a text file is read under."""
+
+
+def _bounded_reads_under_ulimit(tmp: Path) -> None:
+    # clusters and containers set ulimit -v: a bounded read must reserve what the file holds, not its 8 GiB bound
+    text = "To be, or not to be, that is the question.\n" * 2000
+    (tmp / "a.txt").write_text(text)
+    (tmp / "b.txt.gz").write_bytes(gzip.compress(text.encode()))
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_CAP, ADDRESS_SPACE_CAP))
+
+    res = subprocess.run([sys.executable, "-m", "weightgeom", "data", "prepare", "a.txt", "b.txt.gz", "--out", "d",
+                          "--tokenizer", "char", "--quiet"], cwd=tmp, preexec_fn=cap, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert json.loads((tmp / "d" / "meta.json").read_text())["vocab_size"] > 0
+
+
 CASES: list[Hostile] = [
     Hostile("evil-meta-pkl", "data",
             "a dataset folder whose nanoGPT meta.pkl would run code is refused by `weightgeom data info` and by "
@@ -362,4 +387,8 @@ CASES: list[Hostile] = [
     Hostile("broken-gzip-input", "data",
             "a .gz input that is not gzip is one line naming it, exit 2, no output folder left behind",
             _broken_gzip_input),
+    Hostile("bounded-reads-under-ulimit", "data",
+            "under an address-space limit (`ulimit -v`, 3 GiB) `data prepare` of a small .txt and .txt.gz succeeds: "
+            "a bounded read reserves what the file holds (+1 byte), never its 8 GiB bound (that was a MemoryError "
+            "traceback in `train` and `eval`)", _bounded_reads_under_ulimit),
 ]

