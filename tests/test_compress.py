@@ -232,7 +232,8 @@ def test_eval_our_model_before_and_after_full_rank_compression(tmp_path, capsys)
     assert main(["eval", str(out), "--text", str(text), "--tokens", "40", "--context", "16", "--compare",
                  "--quiet"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 and "perplexity" in lines[0] and lines[2].startswith("compressed / uncompressed")
+    assert len(lines) == 4 and "perplexity" in lines[0] and lines[2].startswith("compressed / uncompressed")
+    assert "the uncompressed model itself is no better than guessing uniformly" in lines[3]  # an untrained model
 
 
 def test_eval_hf_directory(hf_llama):

@@ -13,6 +13,12 @@ of one shape (m×n, PyTorch's (out, in) layout). Per group:
 * ``share="auto"``: each role in the space whose top singular vectors are more continuous across adjacent layers
   (C_v or C_u over its random level, :func:`choose_spaces`).
 
+With calibration (``calibration``: a text; or precomputed ``grams``) every mode is fitted to the layers' outputs
+instead of their weights: per-layer whitened SVD (SVD-LLM), shared bases with least-squares coefficients refitted
+with each layer's input Gram (:mod:`weightgeom.analysis.compress_fit`, Grams from
+:mod:`weightgeom.analysis.calibration`), stored in the same format (bases + coefficients); ``share="auto"`` then picks
+per role the lowest calibration loss among input, output and per layer (:mod:`weightgeom.analysis.compress_choice`).
+
 ``basis="random"`` replaces the shared basis by a random orthonormal one (QR of a seeded Gaussian matrix), with the
 same least-squares coefficients: the baseline that tells how much of a shared basis' worth is the data's.
 
@@ -50,6 +56,7 @@ import torch
 
 from weightgeom._files import is_regular, read_json, write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_computable
+from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS, fit_group
 from weightgeom.analysis.loaders import Loaded, check_source, load, materialize
 from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
@@ -82,6 +89,11 @@ class CompressConfig:
         roles: roles to compress (None: every recognised role except V).
         basis: ``svd`` (top-r singular vectors of the group) or ``random`` (seeded random orthonormal basis).
         seed: seed of the random bases.
+        calibration: None (weight-only fits: the bases minimise the weight error) or the calibration text (a file
+            path, or ``shakespeare`` for the bundled text without its held-out tail): every mode then minimises the
+            layer-output error on it (:mod:`weightgeom.analysis.compress_fit`), and ``auto`` picks per role the
+            space with the lowest calibration loss (input, output or per layer).
+        calibration_tokens: calibration budget in tokens.
     """
 
     share: str = "auto"
@@ -91,6 +103,8 @@ class CompressConfig:
     roles: tuple[str, ...] | None = None
     basis: str = "svd"
     seed: int = 0
+    calibration: str | None = None
+    calibration_tokens: int = CALIBRATION_TOKENS
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) for an impossible setting."""
@@ -114,6 +128,8 @@ class CompressConfig:
                 raise ValueError("roles: name at least one role")
         if self.basis == "random" and self.share == "none":
             raise ValueError("basis 'random' needs a shared space (share input, output or auto), not 'none'")
+        if type(self.calibration_tokens) is not int or self.calibration_tokens < 2:
+            raise ValueError(f"calibration_tokens must be an integer >= 2, got {self.calibration_tokens!r}")
 
 
 # --------------------------------------------------------------------------------------------------- pure counting
@@ -234,6 +250,8 @@ class GroupResult:
         basis_t: the shared basis (d×r), or per layer for ``none`` (dict layer → n×r).
         coefs: layer → coefficients.
         params_dense, params: parameter counts before / after; ``energy_lost``: Σ‖W − Ŵ‖_F² / Σ‖W‖_F².
+        calib_loss: with calibration Grams, the relative layer-output error Σ_l tr(D_l G_l D_lᵀ) / ``calib_energy``
+            (D_l = W_l − Ŵ_l); ``calib_energy`` = Σ_l tr(W_l G_l W_lᵀ). None without calibration.
     """
 
     role: str
@@ -249,6 +267,8 @@ class GroupResult:
     params_dense: int
     params: int
     energy_lost: float
+    calib_loss: float | None = None
+    calib_energy: float = 0.0
 
     def dense(self, layer: int) -> torch.Tensor:
         """Ŵ of ``layer`` (m×n float32)."""
@@ -329,7 +349,7 @@ def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Map
 def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] | str | None = None,
                    spaces: Mapping[str, str] | None = None, progress: bool = False,
                    by_role: dict[str, list[RoleWeight]] | None = None, allow_growth: bool = False,
-                   skip: Collection[str] = ()) -> Iterator[GroupResult]:
+                   skip: Collection[str] = (), grams=None) -> Iterator[GroupResult]:
     """Compress group by group (a generator: each :class:`GroupResult` is yielded, then dropped by the caller).
 
     Args:
@@ -343,6 +363,9 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         allow_growth: accept a rank that saves no parameters (see :func:`_plan`).
         skip: roles planned but neither read nor yielded (already written by an interrupted :func:`compress`); their
             random bases are drawn and dropped, so the other roles get those of an uninterrupted run.
+        grams: calibration Grams (:class:`weightgeom.analysis.calibration.Grams`): every group is fitted to minimise
+            its layers' output error on them (:func:`weightgeom.analysis.compress_fit.fit_group`; a random basis
+            keeps its least-squares refitted coefficients); None: weight-only fits.
 
     Raises:
         ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have or that
@@ -376,7 +399,13 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
                 raise ValueError(f"{rw.name} (role {role} layer {rw.layer}) holds NaN or Inf: cannot compress it")
             Ws.append(W)
         m, n = Ws[0].shape
-        if space == "none":
+        fit = None
+        if grams is not None:
+            rb = random_basis(int(n if space == "input" else m), r, gen) if cfg.basis == "random" else None
+            fit = fit_group(space, Ws, [grams.get(role, rw.layer) for rw in g], r, basis=rb)
+            coefs = {rw.layer: c for rw, c in zip(g, fit.coefs)}
+            basis_t = {rw.layer: b for rw, b in zip(g, fit.basis)} if space == "none" else fit.basis
+        elif space == "none":
             pairs = [_per_layer_svd(W, r) for W in Ws]
             coefs = {rw.layer: c for rw, (c, _) in zip(g, pairs)}
             basis_t: torch.Tensor | dict = {rw.layer: b for rw, (_, b) in zip(g, pairs)}
@@ -389,6 +418,8 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         tot = sum(float((W.double() ** 2).sum()) for W in Ws)
         lost = sum(float(((W - res.dense(rw.layer)).double() ** 2).sum()) for rw, W in zip(g, Ws))
         res.energy_lost = lost / tot if tot > 0 else 0.0
+        if fit is not None:
+            res.calib_loss, res.calib_energy = fit.loss, float(sum(fit.energies))
         del Ws
         done += sum(rw.weight.numel() for rw in g)
         if progress:
@@ -453,15 +484,27 @@ def savings_table(groups: Sequence[dict]) -> pd.DataFrame:
                                                                                                  for g in gs})),
                      "rank": ranks[0] if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}",
                      "params_dense": dense, "params": after, "saved": dense - after,
-                     "saved_frac": (dense - after) / dense if dense else 0.0, "energy_lost": e_tot})
+                     "saved_frac": (dense - after) / dense if dense else 0.0, "energy_lost": e_tot,
+                     **_calib_cols(gs)})
     if rows:
         dense, after = sum(r["params_dense"] for r in rows), sum(r["params"] for r in rows)
         rows.append({"role": "total", "layers": sum(r["layers"] for r in rows),
                      "groups": sum(r["groups"] for r in rows), "shape": "", "space": "", "basis": "", "rank": "",
                      "params_dense": dense, "params": after,
                      "saved": dense - after, "saved_frac": (dense - after) / dense if dense else 0.0,
-                     "energy_lost": sum(r["energy_lost"] * r["params_dense"] for r in rows) / dense if dense else 0.0})
+                     "energy_lost": sum(r["energy_lost"] * r["params_dense"] for r in rows) / dense if dense else 0.0,
+                     **_calib_cols(groups)})
     return pd.DataFrame(rows)
+
+
+def _calib_cols(groups: Sequence[dict]) -> dict:
+    """``{"calib_loss": Σ loss·energy / Σ energy}`` over groups fitted with calibration ({} when none was)."""
+    gs = [g for g in groups if isinstance(g.get("calib_loss"), (int, float))]
+    if not gs:
+        return {}
+    en = sum(float(g.get("calib_energy") or 0.0) for g in gs)
+    err = sum(float(g["calib_loss"]) * float(g.get("calib_energy") or 0.0) for g in gs)
+    return {"calib_loss": err / en if en > 0 else 0.0}
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -613,7 +656,7 @@ def _group_file(role: str, j: int) -> str:
 def compress(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
              role_map: Mapping[str, str] | str | None = None, progress: bool = False,
              on_role_done: Callable[[CompressResult], None] | None = None, allow_growth: bool = False,
-             **kwargs) -> CompressResult:
+             grams=None, **kwargs) -> CompressResult:
     """Compress ``source``'s roles with shared (or per-layer) low-rank bases; write them to ``out``.
 
     Args:
@@ -626,6 +669,8 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
         progress: one stderr line per group.
         on_role_done: called after each finished role with the result so far (a snapshot).
         allow_growth: accept a rank that saves no parameters (a full-rank round trip); refused by default.
+        grams: precomputed calibration Grams (:class:`weightgeom.analysis.calibration.Grams`); default: collected
+            from ``source`` (a path) when ``cfg.calibration`` is set.
 
     Returns:
         :class:`CompressResult`.
@@ -643,11 +688,30 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     old = check_out(out_p, source, cfg, role_map) if out_p is not None else None
     src = _as_loaded(source)
     by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
+    if cfg.share != "auto":
+        _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth)  # a bad rank: refused before calibrating
+    if grams is None and cfg.calibration is not None:
+        from weightgeom.analysis.calibration import source_grams
+
+        runnable = source if isinstance(source, (str, Path)) else src.meta.get("path") if isinstance(
+            source, Loaded) else source
+        grams = source_grams(runnable, list(by_role), text=cfg.calibration, role_map=role_map,
+                             tokens=cfg.calibration_tokens, progress=progress)
     old_spaces = old.get("spaces") if old is not None else None
     if cfg.share == "auto" and isinstance(old_spaces, dict) and all(
-            isinstance(old_spaces.get(r), dict) and old_spaces[r].get("space") in ("input", "output")
+            isinstance(old_spaces.get(r), dict) and old_spaces[r].get("space") in SPACES
             for r in by_role):
         spaces_info = {r: old_spaces[r] for r in by_role}  # resuming: the spaces the finished roles were cut in
+    elif cfg.share == "auto" and grams is not None:
+        from weightgeom.analysis.compress_choice import choose_by_loss
+
+        if progress:
+            print("continuity analysis (its ratios are reported beside auto's choice) ...", file=sys.stderr, flush=True)
+        ratios = choose_spaces(src, role_map, list(by_role))
+        if progress:
+            print("measuring each role's calibration loss in the input, output and per-layer spaces ...",
+                  file=sys.stderr, flush=True)
+        spaces_info = choose_by_loss(by_role, cfg, grams, ratios, progress)
     elif cfg.share == "auto":
         spaces_info = choose_spaces(src, role_map, list(by_role))
     else:
@@ -658,6 +722,8 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     index = {"format": "weightgeom-compressed", "version": FORMAT_VERSION, "complete": False,
              "source": {**_source_info(source), "format": src.format}, "role_map": _jsonable(role_map),
              "config": asdict(cfg), "spaces": spaces_info, "groups": list(old["groups"]) if old is not None else []}
+    if grams is not None:
+        index["calibration"] = {"text": grams.text, "tokens": grams.tokens}
     counters: dict[str, int] = {}
 
     def flush() -> None:
@@ -677,7 +743,7 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
         flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
         current = None
         for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
-                                allow_growth=allow_growth, skip=finished):
+                                allow_growth=allow_growth, skip=finished, grams=grams):
             if current is not None and g.role != current:
                 role_done()
             current = g.role
@@ -685,6 +751,8 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
             entry = {"role": g.role, "group": j, "space": g.space, "basis": g.basis, "layers": g.layers,
                      "tensors": g.names, "notes": g.notes, "shape": list(g.shape), "rank": g.rank,
                      "params_dense": g.params_dense, "params": g.params, "energy_lost": g.energy_lost}
+            if g.calib_loss is not None:
+                entry.update(calib_loss=g.calib_loss, calib_energy=g.calib_energy)
             if out_p is not None:
                 tensors = {f"coef.{lay}": c.contiguous() for lay, c in g.coefs.items()}
                 if isinstance(g.basis_t, dict):

@@ -31,6 +31,17 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _above_one(text: str) -> float:
+    """argparse type: a number greater than 1 (``--max-ratio``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 1:
+        raise argparse.ArgumentTypeError(f"expected a ratio greater than 1, got {text!r}")
+    return v
+
+
 def _fail(cmd: str, msg: str) -> int:
     print(f"weightgeom {cmd}: {msg}".replace("\n", " "), file=sys.stderr)
     return 2
@@ -165,8 +176,16 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                                                 "interrupted compress of the same model and settings is finished")
     p.add_argument("--share", choices=("input", "output", "auto", "none"), default="auto",
                    help="space of each group's shared basis: input (right basis V, W ≈ C Vᵀ), output (left basis U, "
-                        "W ≈ U C), auto (each role's more continuous space, from the continuity analysis), none "
-                        "(per-layer truncated SVD, no sharing). Default: %(default)s")
+                        "W ≈ U C), auto (per role, whichever of input, output and per-layer has the lowest "
+                        "calibration loss; with --calibration none: the more continuous space), none (per-layer "
+                        "truncated SVD, no sharing). Default: %(default)s")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="UTF-8 text the fits are calibrated on: every mode minimises the error of the layers' outputs "
+                        "on it (SVD-LLM whitening; shared bases with least-squares coefficients). Default: the bundled "
+                        "Shakespeare without the held-out tail eval uses (for a model that cannot be run: weight-only, "
+                        "with a note); 'none': weight-only fits")
+    p.add_argument("--calibration-tokens", type=positive_int, default=None,
+                   help="calibration budget in tokens (default 4096)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--rank", type=positive_int, help="basis rank r per group")
     size.add_argument("--savings", type=_fraction,
@@ -216,9 +235,16 @@ def run_compress(args: argparse.Namespace) -> int:
 
     try:
         role_map = _role_map_arg(args.role_map)
+        from weightgeom.analysis.calibration import DEFAULT_CALIBRATION, calibration_text
+        from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS
+
+        calib = None if args.calibration == "none" else (args.calibration or DEFAULT_CALIBRATION)
+        if calib is not None and calib != DEFAULT_CALIBRATION:
+            calibration_text(calib)  # a missing or empty --calibration file: one line before anything is read
         cfg = CompressConfig(share=args.share, rank=args.rank, savings=args.savings,
                              layers_per_group=args.layers_per_group,
-                             roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed)
+                             roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed,
+                             calibration=calib, calibration_tokens=args.calibration_tokens or CALIBRATION_TOKENS)
         cfg.check()
         old = check_out(out, path, cfg, role_map)  # before anything is read or written
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # before OSError, which these two are
@@ -231,7 +257,17 @@ def run_compress(args: argparse.Namespace) -> int:
         print(f"resuming the interrupted compress in {out} (finished roles: {', '.join(done) or 'none'}); opening "
               f"{path} ..." if old is not None else f"opening {path} ...", file=sys.stderr)
     try:
-        res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
+        try:
+            res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
+        except ValueError as e:
+            if args.calibration is not None or not str(e).startswith("calibration needs a model"):
+                raise
+            from dataclasses import replace
+
+            print(f"weightgeom compress: note: {path} cannot be run for calibration ({_first_line(e)}); fitting "
+                  "weight-only", file=sys.stderr)
+            cfg = replace(cfg, calibration=None)
+            res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
     except KeyboardInterrupt:
         return _interrupted(out)
     except FileExistsError as e:
@@ -249,8 +285,16 @@ def run_compress(args: argparse.Namespace) -> int:
     t = res.table.copy()
     t["saved_frac"] = t["saved_frac"].map(lambda x: f"{x:.1%}")
     t["energy_lost"] = t["energy_lost"].map(lambda x: f"{x:.4f}")
+    if "calib_loss" in t.columns:
+        t["calib_loss"] = t["calib_loss"].map(lambda x: f"{x:.4f}")
     print(t.to_string(index=False))
-    if args.share == "auto":
+    if args.share == "auto" and cfg.calibration is not None:
+        from weightgeom.analysis.compress_choice import format_choice_table
+
+        print("auto: per role the space with the lowest calibration loss (relative layer-output error on "
+              f"{res.index.get('calibration', {}).get('tokens', '?')} calibration tokens), continuity ratios beside:")
+        print(format_choice_table(res.spaces))
+    elif args.share == "auto":
         print("auto spaces (C_v / C_u over their random levels): " + ", ".join(
             f"{r} {v['space']} ({v.get('input', float('nan')):.1f}× / {v.get('output', float('nan')):.1f}×)"
             for r, v in res.spaces.items()))
@@ -280,7 +324,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default=None,
                    help="for a compress output: the uncompressed model (default: the path its index records)")
     p.add_argument("--compare", action="store_true",
-                   help="for a compress output: also evaluate the uncompressed base and print both")
+                   help="for a compress output: also evaluate the uncompressed base, print both and say whether the "
+                        "compressed model is broken (NLL above ln(vocabulary size), uniform guessing, or perplexity "
+                        "more than --max-ratio times the base's)")
+    p.add_argument("--max-ratio", type=_above_one, default=None, metavar="R",
+                   help="with --compare: call the compressed model broken above R times the base's perplexity")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -300,6 +348,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if not path.exists():
         return _fail("eval", f"{path}: no such file or directory")
     compressed = path.is_dir() and (path / "compressed.json").is_file()
+    if args.max_ratio is not None and not args.compare:
+        return _fail("eval", "--max-ratio is for --compare (it judges the compressed model against its base)")
     for flag, given in (("--compare", args.compare), ("--base", args.base is not None)):
         if given and not compressed:
             return _fail("eval", f"{flag} is for a weightgeom compress output directory; {path} is not one (no "
@@ -323,7 +373,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     tokens = args.tokens or DEFAULT_TOKENS
     try:
-        results = []  # the model's, then (--compare) its base's
+        results, vocabs = [], []  # the model's, then (--compare) its base's
         models = [(path, args.base)] + ([(None, None)] if args.compare else [])
         for model, base in models:
             model = model or Path(compressed_source(path, args.base))  # --compare: the uncompressed base
@@ -334,6 +384,7 @@ def run_eval(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"loaded {lm.name} ({lm.kind}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             results.append(perplexity(lm, text, tokens=tokens, context=args.context, progress=not args.quiet))
+            vocabs.append(_vocab_size(lm))
             del lm
     except (ValueError, FileNotFoundError) as e:
         return _fail("eval", _first_line(e))
@@ -345,7 +396,40 @@ def run_eval(args: argparse.Namespace) -> int:
               f"{short}, {_plural(r.windows, 'window')} of ≤ {r.context}, {r.seconds:.1f} s")
     if len(results) == 2:
         print(f"compressed / uncompressed perplexity: {results[0].ppl / results[1].ppl:.3f}×")
+        print(_verdict(results[0], results[1], vocabs[0], args.max_ratio))
     return 0
+
+
+def _vocab_size(lm) -> int | None:
+    """The size of a causal LM's output vocabulary (its output embedding's rows), or None when it has none."""
+    get = getattr(lm.model, "get_output_embeddings", None)
+    emb = get() if callable(get) else None
+    w = getattr(emb, "weight", None)
+    if w is None:
+        w = getattr(getattr(lm.model, "lm_head", None), "weight", None)
+    return int(w.shape[0]) if w is not None else None
+
+
+def _verdict(comp, base, vocab: int | None, max_ratio: float | None) -> str:
+    """One plain line: whether the compressed model is broken (its NLL above ln(vocab), what guessing uniformly over
+    the vocabulary scores, or its perplexity above ``max_ratio`` × the base's) or usable."""
+    import math
+
+    ratio = comp.ppl / base.ppl
+    if vocab and base.nll >= math.log(vocab):
+        return (f"the uncompressed model itself is no better than guessing uniformly (NLL {base.nll:.3f} ≥ ln({vocab}) "
+                f"= {math.log(vocab):.3f}): the comparison says nothing about the compression")
+    if vocab and comp.nll > math.log(vocab):
+        return (f"the compressed model is BROKEN: its NLL {comp.nll:.3f} nats/token is above ln({vocab}) = "
+                f"{math.log(vocab):.3f}, worse than guessing uniformly over the vocabulary — compress less (lower "
+                "--savings) or use --share auto with calibration")
+    if max_ratio is not None and ratio > max_ratio:
+        return (f"the compressed model is BROKEN by your --max-ratio {max_ratio:g}: its perplexity is {ratio:.2f}× "
+                "the uncompressed model's")
+    limit = f"within --max-ratio {max_ratio:g}" if max_ratio is not None else (
+        f"better than uniform guessing (NLL {comp.nll:.3f} < ln({vocab}) = {math.log(vocab):.3f})" if vocab else
+        "no vocabulary size to compare with")
+    return f"the compressed model is usable: perplexity {ratio:.2f}× the uncompressed model's, {limit}"
 
 
 # the top-level dispatcher's interface for ``weightgeom compress`` (``weightgeom eval``: weightgeom.analysis.eval_cli)

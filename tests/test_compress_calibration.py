@@ -1,0 +1,209 @@
+"""Activation-aware compression: the whitened fits are the optima of the layer-output error (checked against float64
+references on tiny random layers), the calibration pass collects the right Grams, ``auto`` picks the lowest loss,
+and what compress writes with calibration loads through the existing reader."""
+
+import math
+
+import pytest
+import torch
+
+from weightgeom.analysis.compress_fit import (
+    fit_group,
+    fit_per_layer,
+    fit_shared_input,
+    fit_shared_output,
+    output_error,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _correlated(T: int, n: int, seed: int) -> torch.Tensor:
+    """T×n float64 activations with strongly correlated, unequally scaled features (a non-diagonal Gram)."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(n, n, generator=g, dtype=torch.float64) * torch.logspace(0, -2, n, dtype=torch.float64)
+    return torch.randn(T, n, generator=g, dtype=torch.float64) @ A + 0.3
+
+
+def _layer(m: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _data_error(W, What, X) -> float:
+    """Mean squared output error computed on the activations themselves: (1/T)‖X (W − Ŵ)ᵀ‖_F²."""
+    return float(((X @ (W.double() - What.double()).mT) ** 2).sum()) / X.shape[0]
+
+
+def _sqrtm(G):
+    vals, vecs = torch.linalg.eigh(G)
+    return (vecs * vals.clamp_min(0).sqrt()) @ vecs.mT, (vecs * vals.clamp_min(1e-300).rsqrt()) @ vecs.mT
+
+
+# (m, n, r, T, seed): tall, wide and square layers; T > n so the Gram is invertible
+SHAPES = [(6, 8, 2, 200, 0), (9, 5, 3, 100, 1), (7, 7, 1, 60, 2)]
+
+
+@pytest.mark.parametrize("m,n,r,T,seed", SHAPES)
+def test_whitened_per_layer_is_the_output_error_optimum(m, n, r, T, seed):
+    W, X = _layer(m, n, seed), _correlated(T, n, seed + 10)
+    G = X.mT @ X / T
+    fit = fit_per_layer(W, G, r)
+    What = fit.coefs[0].double() @ fit.basis[0].double().mT
+    assert torch.linalg.matrix_rank(What).item() <= r
+    err = _data_error(W, What, X)
+    assert fit.errors[0] == pytest.approx(err, rel=1e-4)  # the Gram form equals the error on the data
+    # the float64 reference: Eckart–Young on W G^½ (a different square root than the Cholesky factor)
+    R, Rinv = _sqrtm(G)
+    U, s, Vh = torch.linalg.svd(W @ R)
+    opt = float((s[r:] ** 2).sum())
+    assert err == pytest.approx(opt, rel=1e-4)
+    ref = (U[:, :r] * s[:r]) @ Vh[:r] @ Rinv
+    assert _data_error(W, ref, X) == pytest.approx(opt, rel=1e-4)
+    # plain (weight-only) truncated SVD at the same rank is worse on the outputs
+    U0, s0, Vh0 = torch.linalg.svd(W)
+    plain = (U0[:, :r] * s0[:r]) @ Vh0[:r]
+    assert _data_error(W, plain, X) > err * (1 + 1e-3)
+    # and no random rank-r perturbation of the fit does better
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(5):
+        C = fit.coefs[0].double() + 1e-2 * torch.randn(m, r, generator=g, dtype=torch.float64)
+        B = fit.basis[0].double() + 1e-2 * torch.randn(n, r, generator=g, dtype=torch.float64)
+        assert _data_error(W, C @ B.mT, X) >= err * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("m,n,r,T,seed", SHAPES)
+def test_shared_fits_coefficients_are_least_squares_optimal(m, n, r, T, seed):
+    k = 3
+    Ws = [_layer(m, n, seed + 100 + i) for i in range(k)]
+    Xs = [_correlated(T, n, seed + 200 + i) for i in range(k)]
+    Gs = [X.mT @ X / T for X in Xs]
+    # input space: C_l minimises (1/T)‖X_l W_lᵀ − X_l B C_lᵀ‖² for the shared B (lstsq on the data)
+    fin = fit_shared_input(Ws, Gs, r)
+    B = fin.basis.double()
+    for W, X, C, e in zip(Ws, Xs, fin.coefs, fin.errors):
+        ref = torch.linalg.lstsq(X @ B, X @ W.mT).solution.mT
+        torch.testing.assert_close(C.double(), ref, rtol=1e-4, atol=1e-4)
+        assert e == pytest.approx(_data_error(W, C.double() @ B.mT, X), rel=1e-4)
+    # output space: C_l = Uᵀ W_l is the lstsq solution of X_l W_lᵀ U ≈ X_l C_lᵀ, and U the exact joint optimum
+    fout = fit_shared_output(Ws, Gs, r)
+    U = fout.basis.double()
+    torch.testing.assert_close(U.mT @ U, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-5)
+    for W, X, C in zip(Ws, Xs, fout.coefs):
+        ref = torch.linalg.lstsq(X, X @ W.mT @ U).solution.mT
+        torch.testing.assert_close(C.double(), ref, rtol=1e-4, atol=1e-4)
+    M = sum(W @ G @ W.mT for W, G in zip(Ws, Gs))
+    opt = float(torch.linalg.eigvalsh(M)[:-r].sum()) if r < m else 0.0
+    assert sum(fout.errors) == pytest.approx(opt, rel=1e-4, abs=1e-9)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(5):  # any other orthonormal basis loses more
+        Q = torch.linalg.qr(U + 0.05 * torch.randn(m, r, generator=g, dtype=torch.float64)).Q
+        assert sum(output_error(W, Q @ Q.mT @ W, G) for W, G in zip(Ws, Gs)) >= opt * (1 - 1e-9)
+    # per layer (space none) through the dispatcher: each layer's error is its own optimum, below the shared ones
+    fnone = fit_group("none", Ws, Gs, r)
+    assert [len(fnone.basis), len(fnone.coefs)] == [k, k]
+    assert sum(fnone.errors) <= min(sum(fin.errors), sum(fout.errors)) * (1 + 1e-9)
+
+
+def test_input_shared_basis_is_the_optimum_when_layers_share_inputs():
+    """With one Gram for the whole group, the whitened stacked SVD is the exact joint optimum."""
+    m, n, r, k = 5, 8, 3, 3
+    Ws = [_layer(m, n, 300 + i) for i in range(k)]
+    X = _correlated(120, n, 7)
+    G = X.mT @ X / 120
+    fit = fit_shared_input(Ws, [G] * k, r)
+    R, _ = _sqrtm(G)
+    s = torch.linalg.svdvals(torch.cat([W @ R for W in Ws], 0))
+    assert sum(fit.errors) == pytest.approx(float((s[r:] ** 2).sum()), rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------- on a tiny model
+@pytest.fixture(scope="module")
+def tiny_lm():
+    import transformers
+
+    from weightgeom.analysis.perplexity import CausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return CausalLM(model, lambda s: [ord(c) % 40 for c in s], "tiny", "hf", 64)
+
+
+def test_collect_grams_matches_the_inputs_and_shares_q_k_v(tiny_lm):
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+
+    text = calibration_text()
+    grams = collect_grams(tiny_lm, text, ("Q", "K", "V", "O", "Down"), tokens=50, context=32)
+    assert grams.tokens == 50
+    ids = torch.tensor([ord(c) % 40 for c in text[:50]])
+    seen = []
+    h = tiny_lm.model.model.layers[2].mlp.down_proj.register_forward_hook(lambda mod, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        tiny_lm.model(ids[None, :32])
+        tiny_lm.model(ids[None, 32:50])
+    h.remove()
+    X = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).double()
+    torch.testing.assert_close(grams.get("Down", 2), X.mT @ X / 50, rtol=1e-6, atol=1e-9)
+    assert grams.get("Q", 1) is grams.get("K", 1) is grams.get("V", 1)  # one Gram for one input
+    assert grams.get("O", 1) is not grams.get("Q", 1)
+    with pytest.raises(KeyError, match="role Gate layer 0"):
+        grams.get("Gate", 0)
+
+
+def test_calibration_text_is_disjoint_from_the_heldout_text():
+    from weightgeom.analysis.calibration import calibration_text
+    from weightgeom.analysis.perplexity import heldout_text
+    from weightgeom.data.corpora import shakespeare_text
+
+    cal, held, full = calibration_text(), heldout_text(), shakespeare_text()
+    assert full == cal + held
+
+
+def test_calibrated_compress_writes_what_the_reader_applies_and_auto_picks_the_lowest_loss(tiny_lm, tmp_path):
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+    from weightgeom.analysis.compress import CompressConfig, apply_compressed, compress
+    from weightgeom.analysis.compress_choice import format_choice_table
+
+    grams = collect_grams(tiny_lm, calibration_text(), tokens=64, context=32)
+    sd = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
+    cfg = CompressConfig(share="auto", savings=0.3, layers_per_group=2, calibration="shakespeare")
+    res = compress(sd, tmp_path / "c", cfg, grams=grams)
+    for role, v in res.spaces.items():
+        finite = {s: x for s, x in v["loss"].items() if not math.isnan(x)}
+        assert v["space"] == min(finite, key=finite.get), role
+    assert res.index["calibration"]["tokens"] == 64
+    assert "calib_loss" in res.table.columns
+    assert "loss per-layer" in format_choice_table(res.spaces)
+    # the written groups reproduce the losses: apply them and measure each layer's output error with its Gram
+    target = {k: v.clone() for k, v in sd.items()}
+    assert apply_compressed(target, tmp_path / "c") == sum(len(g["layers"]) for g in res.index["groups"])
+    from weightgeom.analysis.compress_fit import output_energy
+    from weightgeom.analysis.roles import assign_roles
+
+    before, after = assign_roles(sd), assign_roles(target)
+    for g in res.index["groups"]:
+        err = sum(output_error(before[g["role"]][i].weight, after[g["role"]][i].weight, grams.get(g["role"], i))
+                  for i in g["layers"])
+        en = sum(output_energy(before[g["role"]][i].weight, grams.get(g["role"], i)) for i in g["layers"])
+        assert err / en == pytest.approx(g["calib_loss"], rel=1e-3, abs=1e-6)
+
+
+def test_calibrated_fit_beats_the_weight_only_fit_on_the_calibration_loss(tiny_lm):
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+    from weightgeom.analysis.compress import CompressConfig, compress_roles
+    from weightgeom.analysis.compress_fit import output_energy
+    from weightgeom.analysis.roles import assign_roles
+
+    grams = collect_grams(tiny_lm, calibration_text(), ("Down",), tokens=64, context=32)
+    by_role = {"Down": assign_roles(tiny_lm.model.state_dict())["Down"]}
+    for share in ("input", "output", "none"):
+        cfg = CompressConfig(share=share, rank=3, layers_per_group=2, roles=("Down",))
+        cal = list(compress_roles(None, cfg, by_role=by_role, grams=grams))
+        plain = list(compress_roles(None, cfg, by_role=by_role))
+        for a, b in zip(cal, plain):
+            e_plain = sum(output_error(rw.weight, b.dense(rw.layer), grams.get("Down", rw.layer))
+                          for rw in by_role["Down"] if rw.layer in b.coefs)
+            en = sum(output_energy(rw.weight, grams.get("Down", rw.layer)) for rw in by_role["Down"]
+                     if rw.layer in b.coefs)
+            assert a.calib_loss < e_plain / en, share
