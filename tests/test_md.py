@@ -274,15 +274,16 @@ def test_checkpoint_round_trip_continues_identically(model_first):
 def test_state_dict_contents_and_mismatch():
     model, md, _ = _make()
     sd = md.state_dict()
-    assert set(sd) == {"base", "md"}
+    assert set(sd) == {"state", "param_groups", "md"}  # torch's layout, MD's part beside it
+    assert sd["param_groups"] == md.base_optimizer.state_dict()["param_groups"]
     entry = sd["md"]["state"][0]
     assert {"direction", "radius", "gain_row", "gain_col"} <= set(entry)
     assert sd["md"]["options"]["gains"] == "row+col"
     other = MagnitudeDirection(torch.optim.AdamW(_mlp(torch.float32).parameters()), gains="row")
     with pytest.raises(ValueError, match="gains"):
         other.load_state_dict(sd)
-    with pytest.raises(ValueError, match="expected"):
-        md.load_state_dict(sd["base"])
+    with pytest.raises(ValueError, match="expected a MagnitudeDirection.state_dict"):
+        md.load_state_dict({k: sd[k] for k in ("state", "param_groups")})
 
 
 # ---------------------------------------------------------------------------------------------- every option trains
@@ -595,14 +596,21 @@ def test_load_state_dict_refuses_what_cannot_give_a_finite_w():
     good = copy.deepcopy(md.state_dict())
     other_model, other = _md32(False, seed=4)
     _steps(other_model, other, 1)
-    for key, value, msg in [("gain_col", float("nan"), "gain_col holds NaN/Inf"),
-                            ("gain_row", float("-inf"), "gain_row holds NaN/Inf"),
-                            ("direction", float("inf"), "direction holds NaN/Inf"),
-                            ("radius", 0.0, "radius must be > 0")]:
+    nonfinite = "holds 1 NaN/Inf value\\(s\\) of \\d+;.*"
+    for path, value, msg in [(("gain_col",), float("nan"), f"state 'gain_col' {nonfinite}"),
+                             (("gain_row",), float("-inf"), f"state 'gain_row' {nonfinite}"),
+                             (("direction",), float("inf"), f"state 'direction' {nonfinite}"),
+                             (("gain_row_adam", "exp_avg"), float("nan"), f"state 'gain_row_adam/exp_avg' {nonfinite}"),
+                             (("gain_col_adam", "exp_avg_sq"), float("inf"),
+                              f"state 'gain_col_adam/exp_avg_sq' {nonfinite}"),
+                             (("radius",), 0.0, "radius must be > 0; ")]:
         bad = copy.deepcopy(good)
-        bad["md"]["state"][1][key].view(-1)[0] = value
+        entry = bad["md"]["state"][1]
+        for k in path[:-1]:
+            entry = entry[k]
+        entry[path[-1]].view(-1)[0] = value
         before = snapshot(other, other_model)
-        with pytest.raises(ValueError, match=rf"checkpoint entry '2\.weight': {msg}; nothing was loaded"):
+        with pytest.raises(ValueError, match=rf"checkpoint entry '2\.weight'.? {msg}nothing was loaded"):
             other.load_state_dict(bad)
         assert_unchanged(before, snapshot(other, other_model))
 

@@ -769,7 +769,7 @@ def _md_load_bad_over(base: str) -> None:
     _train(md, model, 2)
     good = copy.deepcopy(md.state_dict())
     other = _muon_for(model) if base == "adamw" else torch.optim.AdamW(model.parameters())
-    _refused_load(md, model, other.state_dict(), "expected {'base': ..., 'md': ...}",
+    _refused_load(md, model, other.state_dict(), "expected a MagnitudeDirection.state_dict()",
                   "Muon state dict" if base == "adamw" else "torch.optim.AdamW state dict")
     moment = "exp_avg" if base == "adamw" else "momentum_buffer"
     edits = [
@@ -777,8 +777,8 @@ def _md_load_bad_over(base: str) -> None:
         (("md", "state", 1, "gain_col_adam", "exp_avg"), torch.zeros(3), ("'1.weight'", "'exp_avg'")),
         (("md", "state", 1, "radius"), torch.ones(16, 1), ("'radius'",)),
         (("md", "state", 0, "extra"), torch.ones(1), ("'extra'",)),
-        (("base", "state", 0, moment), torch.zeros(2, 2), ("base", "(2, 2)")),
-        (("base",), other.state_dict(), ("base",)),
+        (("state", 0, moment), torch.zeros(2, 2), ("base", "(2, 2)")),
+        (("param_groups",), other.state_dict()["param_groups"], ("base",)),
     ]
     for path, value, must in edits:
         sd = copy.deepcopy(good)
@@ -788,6 +788,37 @@ def _md_load_bad_over(base: str) -> None:
         where[path[-1]] = value
         _refused_load(md, model, sd, *must)
     _round_trip_bitwise(md, model, lambda m: _md_over(m, base), base)
+
+
+def _md_load_nonfinite_state(tmp_path: Path) -> None:
+    """An MD state dict of the right shapes with one NaN/Inf in a gain θ, a gain's Adam moment or step, a direction,
+    or the base's moments (over AdamW and over Muon) is refused when loaded, naming the matrix and the tensor; nothing
+    changed; a fresh optimizer refuses it too; the clean state dict still resumes bitwise."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for base in ("adamw", "muon"):
+        model = _mlp()
+        md = _md_over(model, base)
+        _train(md, model, 2)
+        good = copy.deepcopy(md.state_dict())
+        edits = [(("md", "state", 0, "gain_row"), "'0.weight'", "'gain_row'"),
+                 (("md", "state", 1, "gain_col_adam", "exp_avg"), "'1.weight'", "'gain_col_adam/exp_avg'"),
+                 (("md", "state", 0, "gain_row_adam", "exp_avg_sq"), "'0.weight'", "'gain_row_adam/exp_avg_sq'"),
+                 (("md", "state", 1, "gain_row_adam", "step"), "'1.weight'", "'gain_row_adam/step'"),
+                 (("md", "state", 1, "direction"), "'1.weight'", "'direction'"),
+                 (("state", 0, "exp_avg" if base == "adamw" else "momentum_buffer"), "base", "NaN/Inf")]
+        for path, *must in edits:
+            for bad in (NAN, INF):
+                sd = copy.deepcopy(good)
+                where = sd
+                for k in path[:-1]:
+                    where = where[k]
+                where[path[-1]].view(-1)[0] = bad
+                _refused_load(md, model, sd, *must, "NaN/Inf", "nothing was loaded")
+                with _refused(*must):
+                    _md_over(copy.deepcopy(model), base).load_state_dict(sd)
+        _round_trip_bitwise(md, model, lambda m, base=base: _md_over(m, base), base)
 
 
 def _md_load_bad(tmp_path: Path) -> None:
@@ -1174,6 +1205,12 @@ CASES: list[Hostile] = [
             "keys or base part do not fit is refused with one line naming it; nothing changed, and a round trip "
             "into a fresh optimizer of the same config resumes bitwise",
             _md_load_bad),
+    Hostile("md-load-nonfinite-state", "optim",
+            "A MagnitudeDirection state dict of the right shapes (over AdamW or Muon) with a NaN or Inf in a gain, a "
+            "gain's Adam moment or step, a direction or the base's moments is refused by `load_state_dict` (hence by "
+            "every resume path) with one line naming the matrix and the tensor; nothing changed (before: a NaN column-"
+            "gain moment loaded, and that column of the matrix was NaN after the next step)",
+            _md_load_nonfinite_state),
     Hostile("md-base-would-refuse", "optim",
             "MagnitudeDirection over AdamW or Muon with a sparse gradient on a parameter it does not decouple (an "
             "`nn.Embedding(sparse=True)`), or over Muon with NaN weights in a manifold matrix it does not decouple, "

@@ -189,7 +189,7 @@ def describe_state_dict(sd: Any) -> str:
     ``"a torch.optim.AdamW state dict"``, ..."""
     if not isinstance(sd, Mapping):
         return f"a {type(sd).__name__}, not a state dict"
-    if "base" in sd and "md" in sd:
+    if "md" in sd and ("base" in sd or "state" in sd):  # MD's layout, or its older nested one
         return "a MagnitudeDirection state dict"
     groups = sd.get("param_groups")
     if "state" not in sd or not isinstance(groups, (list, tuple)):

@@ -29,24 +29,20 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from weightgeom import kernels, manifolds
-from weightgeom.optim import md_fused, md_host_free
+from weightgeom.optim import md_fused, md_host_free, md_state, md_torch
 from weightgeom.optim.checks import (
     PARAM_SHAPED_STATE,
     check_fits_param,
     check_group_kinds,
     check_new_group,
-    check_param_state,
-    check_torch_state,
-    describe_state_dict,
     dtype_supported,
-    is_bookkeeping_key,
     is_torch_optimizer,
     torch_state_shapes,
     unsupported_dtype,
@@ -74,7 +70,7 @@ from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the pub
     split_gradient_log,
 )
 from weightgeom.optim.muon import ON_NONFINITE, Muon
-from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
+from weightgeom.optim.sharded import holds_dtensors, step_on_owners
 
 __all__ = [
     "MagnitudeDirection",
@@ -149,33 +145,6 @@ def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
     return bool(((composed - W).abs() <= tol * W.abs()).all())
 
 
-def _number(v: Any) -> bool:
-    """A real Python number (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# The gains group's hyperparameters and what each must be (as the constructor checks them).
-_GAIN_GROUP_VALUES: dict[str, Callable[[Any], bool]] = {
-    "lr": lambda v: _number(v) and v >= 0 and math.isfinite(v),
-    "eps": lambda v: _number(v) and v > 0,
-    "weight_decay": lambda v: _number(v) and v == 0,
-    "betas": lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
-}
-
-
-def _invalid_gain_key(group: Mapping[str, Any]) -> str | None:
-    """The first hyperparameter of a gains group (``_GAIN_GROUP_VALUES``) whose value the constructor would refuse."""
-    return next((key for key, ok in _GAIN_GROUP_VALUES.items() if key in group and not ok(group[key])), None)
-
-
-def _restored(key: str, value: Any, theta: torch.Tensor) -> torch.Tensor:
-    """A saved gain-Adam entry as this optimizer keeps it: ``step`` a float32 CPU scalar tensor (a number in older
-    checkpoints), the moments θ's dtype and device."""
-    if key == "step":
-        return torch.as_tensor(value, dtype=torch.float32).detach().clone().to("cpu")
-    return value.detach().to(device=theta.device, dtype=theta.dtype).clone()
-
-
 # torch optimizers whose step takes sparse gradients; any other base (Adam, AdamW, Muon, ...) would refuse one inside
 # its step, after MD had stepped the decoupled matrices, so MD refuses it before anything changes.
 _SPARSE_BASES = (torch.optim.SGD, torch.optim.SparseAdam, torch.optim.Adagrad)
@@ -228,7 +197,9 @@ class MagnitudeDirection(Optimizer):
     ``betas``, ``eps``, ``weight_decay`` = 0, ``md_role`` = ``"gains"``, ``names``): LR schedulers built on the wrapper
     schedule both. ``state`` holds the MD state (per matrix: ``direction``, ``radius``, ``gain_row``, ``gain_col``; per
     gain tensor: its Adam moments); the base optimizer's own state stays in ``base_optimizer.state``. ``state_dict``
-    nests both (``{"base": ..., "md": ...}``).
+    has torch's layout: the base's ``state`` and ``param_groups``, MD's part beside them under ``"md"``
+    (``md_state``). Step hooks, state-dict hooks and ``maximize`` behave as for torch's optimizers, and parameters on
+    the meta device get their MD state at the first step (``md_torch``).
 
     Weight decay: decoupled (and unit-row) params never get weight decay — the sphere already fixes their norm. Base
     groups with ``weight_decay`` ≠ 0 are edited at construction: if every param of the group is MD-handled its
@@ -350,7 +321,7 @@ class MagnitudeDirection(Optimizer):
         self._name = names
         decoupled, unit_rows = self._select(names, params, exclude, embeddings, model)
         for p in decoupled:
-            self._validate_matrix(p, names[p])
+            md_torch.validate_matrix(p, names[p], sphere)
         for p in unit_rows:
             if p.ndim != 2:
                 raise ValueError(f"MagnitudeDirection: embedding {names[p]!r} has shape {tuple(p.shape)}; "
@@ -372,23 +343,15 @@ class MagnitudeDirection(Optimizer):
         self._stepped: set[torch.Tensor] = set()
         self._fresh: set[int] = set()  # ids of the θ given a gradient by this step (a stale θ.grad is not stepped)
         group = self._gain_groups[0]
-        for p in decoupled:
+        for p in decoupled:  # meta-device parameters: meta state, made from their values at the first step
             st = self.state[p]
-            gdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            D = p.detach().clone()
-            st["direction"] = D
-            radius = sphere_norm(D, sphere).to(gdtype)
-            st["radius"] = radius.full_tensor() if is_dtensor(radius) else radius  # DTensor p: whole
-            m, n = p.shape
-            shapes = {"row+col": ((m,), (n,)), "row": ((m,), None), "col": (None, (n,)), "scalar": ((1,), None),
-                      "none": (None, None)}[gains]
-            for key, shape in zip(("gain_row", "gain_col"), shapes):
-                if shape is not None:
-                    theta = gain_init(shape, parameterization, dtype=gdtype, device=p.device)
-                    st[key] = theta
-                    group["params"].append(theta)
+            st.update(md_torch.init_state(self, p))
+            for key in ("gain_row", "gain_col"):
+                if key in st:
+                    group["params"].append(st[key])
                     group["names"].append(f"{names[p]}.{key}")
             self._versions[p] = p._version
+        self._deferred = any(md_torch.on_meta(p) for p in decoupled)
         for p in decoupled:
             self._scale_for(p, self._group_of(p))  # validates manifold/sphere compatibility up front
         first = next((q for g in base_optimizer.param_groups for q in g["params"]), None)
@@ -531,6 +494,8 @@ class MagnitudeDirection(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._deferred:  # built over meta-device parameters: their MD state from their values now
+            md_torch.materialize(self)
         try:
             if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
                 handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
@@ -647,7 +612,7 @@ class MagnitudeDirection(Optimizer):
             ValueError: one line naming the group and key; nothing was changed.
         """
         gains = self._gain_groups[0]
-        bad = _invalid_gain_key(gains)
+        bad = md_state.invalid_gain_key(gains)
         if bad is not None:
             raise ValueError(f"MagnitudeDirection: the gains group has {bad}={gains[bad]!r}, which the constructor "
                              "refuses (gain_lr ≥ 0, gain_betas in [0, 1), gain_eps > 0, weight_decay 0); step refused, "
@@ -751,6 +716,7 @@ class MagnitudeDirection(Optimizer):
             item[7] = ckernel
             self._path[p] = f"{'eager-C' if ckernel else 'eager'} ({why})"
             gr, gc = gains[id(p)]
+            up = md_torch.ascends(group)  # a maximize group: the gains ascend with its direction
             if gr is None and gc is None:
                 Gd = G  # W = Ŵ: the base sees the model's gradient itself
             else:
@@ -764,14 +730,14 @@ class MagnitudeDirection(Optimizer):
                                                 gr is not None, gc is not None)
                     if s_r is not None and gr.numel() == 1:  # one scalar row gain: the sum over every entry
                         s_r = s_r.sum().reshape(1)
-                    self._pend_gain_grads(pending, st, s_r, s_c, gain_chain_log)
+                    self._pend_gain_grads(pending, st, s_r, s_c, gain_chain_log, up)
                     Gd = buf
                 elif self.parameterization != "direct":  # W's storage is scratch until it is recomposed
                     g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
-                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain_log)
+                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain_log, up)
                 else:
                     g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
-                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain)
+                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain, up)
             target = D
             if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
                 target = D / s.to(D.dtype)
@@ -797,11 +763,14 @@ class MagnitudeDirection(Optimizer):
 
     @staticmethod
     def _pend_gain_grads(pending: list[tuple], st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None,
-                         chain) -> None:
+                         chain, ascend: bool) -> None:
+        """Queue the gains' gradients (θ.grad is set from them after the loop); ``ascend`` (a maximize group):
+        negated, so that the gains' Adam ascends (the chain rule is linear in them)."""
         for key, g in (("gain_row", g_row), ("gain_col", g_col)):
             if g is not None:
                 theta = st[key]
-                pending.append((theta, g.reshape(theta.shape).to(theta.dtype), chain))
+                g = g.reshape(theta.shape).to(theta.dtype)
+                pending.append((theta, g.neg() if ascend else g, chain))
 
     def _base_step(self, work: list[list]) -> None:
         """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step); matrices already
@@ -811,7 +780,7 @@ class MagnitudeDirection(Optimizer):
                 if fused is None:
                     p.data = target
                 p.grad = Gd
-            self.base_optimizer.step()
+            md_torch.step_base(self.base_optimizer)  # the global step hooks fire around MD's step only
         finally:
             for item in work:
                 p, W, G = item[0], item[1], item[2]
@@ -867,170 +836,61 @@ class MagnitudeDirection(Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"base": base_optimizer.state_dict(), "md": {...}}``; MD part: options, names, per-matrix direction,
-        radius, raw gains θ and their Adam state, and the gains group's hyperparameters (incl. scheduler keys).
+        """torch's layout: the base optimizer's ``state`` and ``param_groups`` at the top, MD's own part beside them
+        under ``"md"`` — options, names, per decoupled matrix its direction, radius, raw gains θ and their Adam state,
+        and the gains group's hyperparameters (incl. scheduler keys); ``md_state`` has the layout. The hooks
+        registered with ``register_state_dict_pre_hook``/``post_hook`` run as torch runs them (a post-hook may return
+        a replacement).
 
         Tensors are references (like torch's state_dict): serialise or clone before stepping on.
         """
-        md_state = {}
-        for i, p in enumerate(self._decoupled):
-            st = self.state[p]
-            entry = {"direction": st["direction"], "radius": st["radius"]}
-            for key in ("gain_row", "gain_col"):
-                if key in st:
-                    entry[key] = st[key]
-                    if self.state.get(st[key]):
-                        entry[key + "_adam"] = dict(self.state[st[key]])
-            md_state[i] = entry
-        gain_group = {k: v for k, v in self._gain_groups[0].items() if k != "params"}
-        return {
-            "base": self.base_optimizer.state_dict(),
-            "md": {
-                "options": {"gains": self.gains, "parameterization": self.parameterization, "sphere": self.sphere,
-                            "embeddings": self.embeddings, "embedding_radius": self.embedding_radius},
-                "names": self.decoupled_names,
-                "unit_rows": self.unit_row_names,
-                "state": md_state,
-                "gain_group": gain_group,
-            },
-        }
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+        sd = md_state.state_dict(self)
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Validate a ``state_dict()`` for this optimizer without loading anything (``load_state_dict`` runs it first).
 
-        Checked: the ``{"base", "md"}`` layout (another optimizer's state dict is named as such); the options that
-        decide what the MD state means (gains, parameterization, sphere, embeddings); one entry per decoupled matrix
-        holding exactly the tensors this optimizer keeps for it, each of the same shape (the gains' Adam state too),
-        and able to give a finite W (``_check_saved_entry``); the gains group's keys and values; and the base
-        optimizer's part, by the base (``Muon.check_state_dict``) or, for a torch optimizer, by
-        ``checks.check_torch_state``.
+        Checked (``md_state.check``): the layout — torch's with MD's ``"md"`` part, or the older nested ``{"base",
+        "md"}`` (another optimizer's state dict, or the base's own, is named as such); the options that decide what
+        the MD state means (gains, parameterization, sphere, embeddings); one entry per decoupled matrix holding
+        exactly the tensors this optimizer keeps for it, each of the same shape (the gains' Adam state too), every
+        one finite (direction, radius, θ, the gains' moments: ``state_checks.check_state_finite``), radius > 0; the
+        gains group's keys and values; and the base optimizer's part, by the base (``Muon.check_state_dict``) or,
+        for a torch optimizer, by ``checks.check_torch_state``.
 
         Raises:
             ValueError: one line naming what does not fit; nothing is loaded.
         """
-        where = "MagnitudeDirection.load_state_dict"
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"base", "md"}:
-            raise ValueError(f"{where}: expected {{'base': ..., 'md': ...}} (a MagnitudeDirection.state_dict()), got "
-                             f"{describe_state_dict(state_dict)}; nothing was loaded")
-        md = state_dict["md"]
-        parts = {"options": Mapping, "names": (list, tuple), "state": Mapping, "gain_group": Mapping}
-        for key, kind in parts.items():
-            if not isinstance(md, Mapping) or not isinstance(md.get(key), kind):
-                raise ValueError(f"{where}: the 'md' part lacks a valid {key!r} (not a MagnitudeDirection.state_dict()"
-                                 "); nothing was loaded")
-        for key in ("gains", "parameterization", "sphere", "embeddings"):
-            saved = md["options"].get(key)
-            if saved != getattr(self, key):
-                raise ValueError(f"{where}: checkpoint has {key}={saved!r}, this optimizer has {getattr(self, key)!r}; "
-                                 f"build it with {key}={saved!r} to resume this checkpoint; nothing was loaded")
-        if len(md["state"]) != len(self._decoupled) or len(md["names"]) != len(md["state"]):
-            raise ValueError(f"{where}: checkpoint decouples {len(md['state'])} matrices ({list(md['names'][:3])}...), "
-                             f"this optimizer {len(self._decoupled)}; nothing was loaded")
-        for i, p in enumerate(self._decoupled):
-            if not isinstance(md["state"].get(i), Mapping):
-                raise ValueError(f"{where}: checkpoint has no entry {i} for {self._name[p]!r}; nothing was loaded")
-            self._check_saved_shapes(p, str(md["names"][i]), md["state"][i])
-            self._check_saved_entry(str(md["names"][i]), md["state"][i])
-        self._check_saved_gain_group(md["gain_group"])
-        base = self.base_optimizer
-        try:
-            if hasattr(base, "check_state_dict"):
-                base.check_state_dict(state_dict["base"])
-            else:
-                check_torch_state(type(base).__name__, base, state_dict["base"])
-        except ValueError as e:
-            raise ValueError(f"{where}: the base optimizer's part does not fit: {e}") from None
+        md_state.check(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a ``state_dict()`` — all of it, after ``check_state_dict`` accepted all of it, or nothing. The
-        model's weights are not written; at the next step each W is checked against γ_r Ŵ γ_c (exact equality, as
-        after loading the same checkpoint into the model) and, if it differs, the direction is re-derived from W so
-        that the model's weights win.
+        """Restore a ``state_dict()`` (either layout) — all of it, after ``check_state_dict`` accepted all of it, or
+        nothing. Hooks registered with ``register_load_state_dict_pre_hook`` (which may return a replacement) run
+        before the checks, ``..._post_hook`` after the load, as torch runs them. The model's weights are not written;
+        at the next step each W is checked against γ_r Ŵ γ_c (exact equality, as after loading the same checkpoint
+        into the model) and, if it differs, the direction is re-derived from W so that the model's weights win.
 
         Raises:
             ValueError: not an MD state dict, different options, different decoupled matrices (count or shape),
-                state of another shape or kind than this optimizer keeps, an entry that cannot give a finite W
-                (non-finite direction or gains θ, radius not finite and > 0), or a base part that does not fit the
-                base optimizer, naming it; nothing is loaded then.
+                state of another shape or kind than this optimizer keeps, a NaN/Inf state tensor (naming the matrix
+                and the tensor), a radius not > 0, or a base part that does not fit the base optimizer, naming it;
+                nothing is loaded then.
         """
-        self.check_state_dict(state_dict)
-        md = state_dict["md"]
-        self.base_optimizer.load_state_dict(state_dict["base"])
-        for i, p in enumerate(self._decoupled):
-            saved = md["state"][i]
-            st = self.state[p]
-            st["direction"].copy_(saved["direction"])
-            st["radius"].copy_(saved["radius"])
-            for key in ("gain_row", "gain_col"):
-                if key in st:
-                    theta = st[key]
-                    theta.copy_(saved[key])
-                    adam = saved.get(key + "_adam")
-                    self.state.pop(theta, None)
-                    if adam:
-                        self.state[theta] = {k: _restored(k, v, theta) for k, v in adam.items()}
-            self._versions[p] = None  # check W against the restored state at the next step
-        group = self._gain_groups[0]
-        for k, v in md["gain_group"].items():
-            if k != "names":
-                group[k] = v
-
-    def _check_saved_shapes(self, p: torch.Tensor, name: str, saved: Mapping[str, Any]) -> None:
-        """Refuse a checkpoint entry unless it holds exactly the tensors this optimizer keeps for ``p`` (direction,
-        radius, the gains it has, optionally their Adam state), each floating and of the same shape."""
-        where = f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}"
-        st = self.state[p]
-        ours = {k: st[k] for k in ("direction", "radius", "gain_row", "gain_col") if k in st}
-        allowed = set(ours) | {f"{k}_adam" for k in ("gain_row", "gain_col") if k in st}
-        extra = sorted(map(str, set(saved) - allowed))
-        missing = sorted(set(ours) - set(saved))
-        if extra or missing:
-            what = f"has {extra[0]!r}, which" if extra else f"lacks {missing[0]!r}, which"
-            raise ValueError(f"{where}: {what} this optimizer (gains={self.gains!r}) "
-                             f"{'does not keep' if extra else 'keeps'}; nothing was loaded")
-        v = saved["direction"]
-        if not (torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)):
-            shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
-            raise ValueError(f"MagnitudeDirection.load_state_dict: {self._name[p]!r} has shape {tuple(p.shape)}, "
-                             f"checkpoint entry {name!r} has {shape}; nothing was loaded")
-        check_param_state("MagnitudeDirection", f"checkpoint entry {name!r}", saved,
-                          {k: tuple(t.shape) for k, t in ours.items()}, strict=False)
-        for key in ("gain_row", "gain_col"):
-            adam = saved.get(f"{key}_adam")
-            if adam is None or key not in ours:
-                continue
-            if not isinstance(adam, Mapping):
-                raise ValueError(f"{where}: {key}_adam must be a dict, got {type(adam).__name__}; nothing was loaded")
-            shape = tuple(ours[key].shape)
-            check_param_state("MagnitudeDirection", f"checkpoint entry {name!r} {key}_adam", adam,
-                              {"step": None, "exp_avg": shape, "exp_avg_sq": shape})
-
-    def _check_saved_gain_group(self, saved: Mapping[str, Any]) -> None:
-        """Refuse a saved gains group with keys this optimizer's lacks or values its constructor would refuse."""
-        where = "MagnitudeDirection.load_state_dict: the gains group"
-        ours = self._gain_groups[0]
-        unknown = sorted(str(k) for k in set(saved) - set(ours) if not is_bookkeeping_key(k))
-        if unknown:
-            raise ValueError(f"{where} has unknown key(s) {unknown}; nothing was loaded")
-        if saved.get("md_role", "gains") != "gains":
-            raise ValueError(f"{where} has md_role={saved['md_role']!r}, expected 'gains'; nothing was loaded")
-        bad = _invalid_gain_key(saved)
-        if bad is not None:
-            raise ValueError(f"{where}: {bad}={saved[bad]!r} is invalid; nothing was loaded")
-
-    @staticmethod
-    def _check_saved_entry(name: str, saved: dict[str, Any]) -> None:
-        """Refuse a checkpoint entry from which W = γ_r Ŵ γ_c would not be finite (gains are clamped to
-        [GAIN_MIN, GAIN_MAX], so finite θ always give finite γ)."""
-        tensors = {"direction": saved["direction"], "radius": saved["radius"],
-                   **{k: saved[k] for k in ("gain_row", "gain_col") if k in saved}}
-        for key, t in tensors.items():
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}: {key} holds "
-                                 "NaN/Inf; nothing was loaded")
-        if not bool((saved["radius"] > _ZERO_NORM).all()):
-            raise ValueError(f"MagnitudeDirection.load_state_dict: checkpoint entry {name!r}: radius must be > 0; "
-                             "nothing was loaded")
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # as torch: hooks may edit it
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        base_sd, own = md_state.check(self, state_dict)
+        md_state.load(self, base_sd, own)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _param_names(self, model: torch.nn.Module | None) -> dict[torch.Tensor, str]:
@@ -1097,18 +957,6 @@ class MagnitudeDirection(Optimizer):
         if embeddings == "unit_rows":
             unit_rows = [q for q in base_params if is_embedding(q) and id(q) not in chosen_ids]
         return chosen, unit_rows
-
-    def _validate_matrix(self, p: torch.Tensor, name: str) -> None:
-        if p.ndim != 2:
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} has shape {tuple(p.shape)}; only 2-D matrices "
-                             "can be decoupled (drop it from params=, or let the default rule pick 2-D params)")
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} has NaN/Inf entries")
-        norms = sphere_norm(p.detach(), self.sphere)
-        if bool((norms <= _ZERO_NORM).any()):
-            what = {"frobenius": "zero norm", "row": "a zero row", "col": "a zero column"}[self.sphere]
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} has {what}; its direction is undefined "
-                             f"(initialise it non-zero, or exclude it from decoupling)")
 
     def _override_weight_decay(self, handled: set, names) -> list[str]:
         changed: list[str] = []

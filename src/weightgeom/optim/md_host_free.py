@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightgeom.optim import md_fused
+from weightgeom.optim import md_fused, md_torch
 from weightgeom.optim.functional import NonFiniteGradientError, all_finite, first_nonfinite
 from weightgeom.optim.md_functional import (
     _ZERO_NORM,
@@ -325,7 +325,8 @@ def step(md: MagnitudeDirection) -> None:
             s_ = b.s_r if k == "gain_row" else b.s_c
             theta = b.TH[k]
             chain = gain_chain if md.parameterization == "direct" else gain_chain_log
-            b.gains_grad[k] = chain(theta, s_.reshape(theta.shape).to(theta.dtype), md.parameterization)
+            g = chain(theta, s_.reshape(theta.shape).to(theta.dtype), md.parameterization)
+            b.gains_grad[k] = g.neg() if md_torch.ascends(b.group) else g  # maximize: the gains ascend too
         target, Gd = b.D, b.Gd
         if b.scale is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
             sv = (b.R.reshape(-1, 1, 1) / b.scale)
@@ -393,7 +394,7 @@ def _base_step(md: MagnitudeDirection, work: list, ok: torch.Tensor | None) -> N
         for p, g in zip(b.ps, Gd.unbind(0)):
             p.grad = g
     try:
-        md.base_optimizer.step()
+        md_torch.step_base(md.base_optimizer)  # the global step hooks fire around MD's step only
     finally:
         for b, _ in work:
             for p, g in zip(b.ps, b.grads):
