@@ -390,6 +390,27 @@ class _Trainer:
         else:
             self.amp = contextlib.nullcontext
 
+    @contextlib.contextmanager
+    def _quiet_compile(self):
+        """While a compiled optimizer step (``train.compile_optimizer``) traces — its first
+        :data:`~weightgeom.optim.compiled.WARM_CALLS` calls — dynamo's warnings about the graph breaks the step makes
+        by design are not printed: the ``on_nonfinite="raise"`` check is a host read, and torch's optimizers wrap
+        ``step`` in a profiler hook; on the CPU that was 29 lines of ``W…`` noise per run. Errors still print; the
+        compile's cost is logged (split ``compile``)."""
+        self._traced_calls = getattr(self, "_traced_calls", 0) + 1
+        if not isinstance(self.step_fn, compiled_optim.CompiledStep) or self._traced_calls > compiled_optim.WARM_CALLS:
+            yield
+            return
+        import logging
+
+        log = logging.getLogger("torch._dynamo")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
+
     def _resume_meta(self) -> dict[str, Any]:
         """A resumed run's ``meta.json`` (``{}`` for a fresh start or where there is none); its recorded msign and
         constraint-products choice is this process's for the rest of the session (:func:`resume_choice`).
@@ -707,7 +728,8 @@ class _Trainer:
             if self.callbacks:  # this step's loss, batch and (clipped) gradients, before the update
                 self.ctx.loss, self.ctx.batch, self.ctx.grads_available = loss_val, (x, y), True
                 self._cb("on_before_step")
-            self.step_fn()
+            with self._quiet_compile():
+                self.step_fn()
             self.step = s_next
             if not self._compile_logged and getattr(self.step_fn, "compile_seconds", None) is not None:
                 self._compile_logged = True  # the compiled optimizer step's one-off cost, once per run
