@@ -388,7 +388,7 @@ CASES: list[Hostile] = [
             "a .gz input that is not gzip is one line naming it, exit 2, no output folder left behind",
             _broken_gzip_input),
     Hostile("bounded-reads-under-ulimit", "data",
-            "under an address-space limit (`ulimit -v`, 3 GiB) `data prepare` of a small .txt and .txt.gz succeeds: "
-            "a bounded read reserves what the file holds (+1 byte), never its 8 GiB bound (that was a MemoryError "
-            "traceback in `train` and `eval`)", _bounded_reads_under_ulimit),
+            "`weightgeom data prepare` of a small .txt and .txt.gz under an address-space limit (`ulimit -v`, 3 GiB) "
+            "exits 0: a bounded read reserves what the file holds (+1 byte), never its 8 GiB bound (that was a "
+            "MemoryError traceback in `train` and `eval`)", _bounded_reads_under_ulimit),
 ]

@@ -732,9 +732,9 @@ CASES: list[Hostile] = [
     _row("compress-groups-swapped", "two same-shape group files of a compress output swapped (Q ↔ K) are refused by "
          "`eval` with one line naming the file, the role it records and the one the index gives it",
          _compress_groups_swapped),
-    _row("compress-index-doctored", "a compress output whose `compressed.json` says `\"complete\": \"no\"` (not a "
-         "boolean), lists one group twice, or whose group file is a link leading outside the output is refused by "
-         "`eval` with one line naming the index or the file", _compress_index_doctored),
+    _row("compress-index-doctored", "a compress output whose `compressed.json` marks `complete` with the string "
+         "`\"no\"` (not a boolean) or lists one group twice, or whose group file is a link leading outside the "
+         "output, is refused by `eval` with one line naming the index or the file", _compress_index_doctored),
     _row("compress-one-writer", "`weightgeom compress` into an `--out` that another live compress is writing is "
          "refused with one line naming the directory and the owner's pid, before anything is read or written",
          _compress_one_writer),
