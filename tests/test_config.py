@@ -30,7 +30,7 @@ from weightgeom.train.schedule import apply_lr, lr_factor
 
 # Muon keywords that are not MuonConfig fields, and why: per-group keys param_groups sets (algorithm, manifold,
 # layout, split), and the AdamW-path settings Muon carries for its AdamW groups (from AdamWConfig).
-_MUON_NOT_IN_CONFIG = {"params", "algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_lr"}
+_MUON_NOT_IN_CONFIG = {"params", "algorithm", "manifold", "layout", "split", "betas", "adamw_eps", "adamw_lr"}
 
 
 def _defaults(fn, skip=()) -> dict:
@@ -55,7 +55,7 @@ def test_md_and_adamw_configs_share_the_classes_defaults():
         assert (list(got) if isinstance(got, (list, tuple)) else got) == (list(v) if isinstance(v, tuple) else v), k
     a = AdamWConfig()
     m = _defaults(Muon.__init__)
-    assert tuple(a.betas) == tuple(m["betas"]) and a.eps == m["eps"]
+    assert tuple(a.betas) == tuple(m["betas"]) and a.eps == m["adamw_eps"]
 
 
 def test_defaults_are_one_set_for_python_and_files():

@@ -92,7 +92,7 @@ def test_matches_torch_muon_bf16():
 def test_adamw_group_matches_torch_adamw():
     W0 = torch.randn(10, 7)
     p, q = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(W0.clone())
-    ours = Muon([p], algorithm="adamw", lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ours = Muon([p], algorithm="adamw", lr=1e-2, betas=(0.9, 0.99), adamw_eps=1e-8, weight_decay=0.1)
     ref = torch.optim.AdamW([q], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     for _ in range(5):
         g = torch.randn(10, 7)

@@ -208,9 +208,10 @@ def test_adamw_keywords_and_adamw_hparams_are_one_rule():
     assert strip(kw) == strip(hp) == strip(pre)
     by_name = _assignment(kw)
     wte, c_fc = by_name["transformer.wte.weight"], by_name["transformer.h.0.mlp.c_fc.weight"]
-    assert (wte["lr"], wte["weight_decay"], wte["betas"], wte["eps"]) == (1e-3, 0.2, (0.8, 0.99), 1e-6)
+    # Muon's AdamW groups read their ε as adamw_eps ('eps' is torch.optim.Muon's Newton–Schulz ε)
+    assert (wte["lr"], wte["weight_decay"], wte["betas"], wte["adamw_eps"]) == (1e-3, 0.2, (0.8, 0.99), 1e-6)
     assert (c_fc["lr"], c_fc["weight_decay"]) == (0.01, 0.05)
-    assert "betas" not in c_fc and "eps" not in c_fc
+    assert "betas" not in c_fc and "eps" not in c_fc and "adamw_eps" not in c_fc
     with pytest.raises(ValueError, match=r"AdamW 'lr' is given twice.*'adamw_lr'.*adamw_hparams\['lr'\]"):
         param_groups(model, "hetero", verbose=False, adamw_lr=1e-3, adamw_hparams={"lr": 2e-3})
     with pytest.raises(ValueError, match="AdamW 'betas' is given twice"):
@@ -244,7 +245,7 @@ def test_every_muon_keyword_is_accepted_including_init():
     sig = set(inspect.signature(Muon.__init__).parameters) - {"self", "params"}
     keys = set(muon_group_keys())
     assert "init" in keys and "dual_steps" in keys
-    assert keys == sig - {"algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_lr"}
+    assert keys == sig - {"algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_eps", "adamw_lr"}
     groups = param_groups(MODELS["ours-gpt"](), "hetero", verbose=False, init="keep")
     assert all(g.get("init") == "keep" for g in groups if g["algorithm"] == "muon")
     assert all("init" not in g for g in groups if g["algorithm"] == "adamw")

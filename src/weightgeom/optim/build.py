@@ -188,7 +188,7 @@ def from_config(model: nn.Module, cfg: OptimConfig, verbose: bool = False) -> to
             for g in groups:
                 if g.get("algorithm") == "muon" and g.get("manifold") is not None:
                     g.setdefault("weight_decay", 0.0)
-        base = Muon(groups, **cfg.muon.kwargs(), betas=tuple(a.betas), eps=a.eps, adamw_lr=a.lr)
+        base = Muon(groups, **cfg.muon.kwargs(), betas=tuple(a.betas), adamw_eps=a.eps, adamw_lr=a.lr)
     if not cfg.name.endswith("-md"):
         return base
     return MagnitudeDirection(base, model=model, **cfg.md.kwargs())

@@ -200,6 +200,8 @@ def describe_state_dict(sd: Any) -> str:
             keys |= {str(k) for k in g}
     if "algorithm" in keys:
         return "a Muon state dict"
+    if "ns_coefficients" in keys:
+        return "a torch.optim.Muon state dict"
     if {"amsgrad", "betas"} <= keys:
         decoupled = any(isinstance(g, Mapping) and g.get("decoupled_weight_decay") for g in groups)
         return f"a torch.optim.{'AdamW' if decoupled else 'Adam'} state dict"

@@ -75,7 +75,14 @@ class MuonConfig(Section):
     nesterov: bool = setting(True, "Nesterov look-ahead U = (1−β)G + βM (ema) / G + βM (sum)")
     weight_decay: float = setting(0.0, "decoupled decay W ← W(1 − lr·wd) on Muon matrices (per step, unitless)",
                                   ge=0)
-    ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default)", gt=0)
+    ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default; 5 with "
+                                         "ns_coefficients)", gt=0)
+    ns_coefficients: tuple[float, float, float] | None = setting(
+        None, "torch.optim.Muon's (a, b, c): plain Muon orthogonalises by ns_steps steps of this one quintic in "
+              "torch's bf16 arithmetic instead of msign_method (unset: msign_method; torch's default "
+              "[3.4445, -4.775, 2.0315])")
+    eps: float = setting(1e-7, "torch.optim.Muon's ε: lower bound of the norm the ns_coefficients iteration divides "
+                               "by (the AdamW ε is optim.adamw.eps)", gt=0)
     msign_method: str = setting("polar_express", "msign polynomial: polar_express | muon | svd")
     msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: chosen per device by a cached "
                                                    "micro-benchmark, bf16 only where faster; manifold groups too "
@@ -126,6 +133,8 @@ class MuonConfig(Section):
         import torch
 
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if kw["ns_coefficients"] is not None:
+            kw["ns_coefficients"] = tuple(kw["ns_coefficients"])
         if kw["msign_dtype"] is not None:
             kw["msign_dtype"] = getattr(torch, kw["msign_dtype"])
         return kw

@@ -21,6 +21,7 @@ __all__ = [
     "all_finite",
     "momentum_direction",
     "shape_scale",
+    "newton_schulz",
     "decoupled_step",
     "apply_update",
     "adamw_update",
@@ -201,6 +202,43 @@ def shape_scale(shape: tuple[int, ...] | torch.Size, adjust_lr_fn: str | None = 
     if adjust_lr_fn == "none":
         return 1.0
     raise ValueError(f"adjust_lr_fn: unknown value {adjust_lr_fn!r}; choose one of {ADJUST_LR_FNS}")
+
+
+def newton_schulz(G: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation: ``steps`` quintic steps X ← aX + (bS + cS²)X, S = XXᵀ, with one fixed
+    (a, b, c), in torch's arithmetic and evaluation order — cast to ``dtype`` first (bf16 in torch), turned wide,
+    divided by max(‖X‖_F, eps) computed in ``dtype``, each step two fused matrix multiply-adds, turned back. Batched
+    over leading dims (one bmm per product; a 2-D input takes torch's own ``mm`` path, so it equals torch's
+    ``_zeropower_via_newtonschulz`` bit for bit).
+
+    Args:
+        G: (..., m, n) input, m, n ≥ 1.
+        coefficients: (a, b, c) (torch's default: Keller Jordan's (3.4445, -4.775, 2.0315); singular values end in
+            roughly [0.7, 1.2], not at 1).
+        steps: number of steps (≥ 1).
+        eps: lower bound of the Frobenius norm divided by (a zero matrix stays zero).
+        dtype: compute dtype.
+
+    Returns:
+        The result in G's dtype (the values of a ``dtype`` tensor).
+    """
+    a, b, c = (float(x) for x in coefficients)
+    X = G.to(dtype)
+    flat = X.reshape(-1, *X.shape[-2:]) if X.ndim > 3 else X
+    tall = G.shape[-2] > G.shape[-1]
+    if tall:
+        flat = flat.mT
+    norm = flat.norm(dim=(-2, -1), keepdim=True) if flat.ndim == 3 else flat.norm()
+    flat = flat / norm.clamp(min=eps)
+    addmm = torch.addmm if flat.ndim == 2 else torch.baddbmm
+    for _ in range(int(steps)):
+        gram = flat @ flat.mT
+        update = addmm(gram, gram, gram, beta=b, alpha=c)
+        flat = addmm(flat, update, flat, beta=a)
+    if tall:
+        flat = flat.mT
+    return flat.reshape(G.shape).to(G.dtype)
 
 
 def _times(x: torch.Tensor, c: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
 from weightgeom.manifolds.base import tall
-from weightgeom.optim import manifold_host_free
+from weightgeom.optim import manifold_host_free, state_compat
 from weightgeom.optim.checks import (
     check_fits_param,
     check_new_group,
@@ -46,6 +46,7 @@ from weightgeom.optim.functional import (
     decoupled_step,
     first_nonfinite,
     momentum_direction,
+    newton_schulz,
     shape_scale,
 )
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, manifold_direction, spectral_norm_estimate
@@ -92,7 +93,8 @@ def uses_msign_choice(group: dict[str, Any]) -> bool:
     ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold group without the projection that leaves
     ``ns_steps`` unset (steps only: a dual ascent that must itself reach ``dual_tol`` computes in float32/float64);
     the trainer records the choice in the run's meta."""
-    if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express":
+    if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express" or group.get(
+            "ns_coefficients") is not None:
         return False
     if group.get("manifold") is not None and not group.get("dual_project", True):
         return group.get("ns_steps") is None
@@ -136,7 +138,17 @@ class Muon(torch.optim.Optimizer):
         nesterov: use the Nesterov look-ahead U = (1−β)G + βM (EMA) / G + βM (sum).
         weight_decay: decoupled decay coefficient; W ← W(1 − lr·wd) before the step.
         ns_steps: msign polynomial steps (None: the preset's default, except with Polar Express below float64: the
-            per-device choice's step count, see msign_dtype — for plain Muon and manifold groups alike).
+            per-device choice's step count, see msign_dtype — for plain Muon and manifold groups alike; 5, torch's,
+            with ``ns_coefficients``).
+        ns_coefficients: None (the ``msign_method`` preset) or (a, b, c), as torch.optim.Muon takes it: plain-Muon
+            groups then orthogonalise by ``ns_steps`` steps of that one quintic in torch's arithmetic
+            (``functional.newton_schulz``: bf16 unless ``msign_dtype`` says otherwise, normalised by
+            max(‖U‖_F, eps)), and ``msign_method`` is not used. Refused for manifold groups (a fixed quintic does not
+            converge to singular values of 1). torch.optim.Muon's default: (3.4445, -4.775, 2.0315).
+        eps: torch.optim.Muon's ε: the Frobenius norm ``ns_coefficients``' iteration divides by is at least eps.
+            The preset msigns need none (their power-of-two prescale keeps a zero matrix at zero). The AdamW groups'
+            ε is ``adamw_eps``; an AdamW group's ``eps`` key and an older checkpoint's ``eps`` (the AdamW ε there)
+            load as ``adamw_eps`` with a DeprecationWarning (``optim.state_compat`` says how they are told apart).
         msign_method: ``"polar_express"`` (default, accurate), ``"muon"`` (Keller Jordan's quintic, what
             torch.optim.Muon uses; refused for manifold groups, whose step must stay in the unit spectral ball),
             ``"polar_express_paper"`` (Polar Express in the published bf16 arithmetic and evaluation order, as the
@@ -184,7 +196,7 @@ class Muon(torch.optim.Optimizer):
             and selects the manifold-assignment paper's published retraction (Stiefel: msign(W) with this group's
             msign settings; DGram: (U Vᵀ)·diag(σ sorted); Oblique: columns / max(‖w_j‖, 1e-8)).
         betas: AdamW (β1, β2).
-        eps: AdamW denominator epsilon.
+        adamw_eps: AdamW denominator epsilon (``algorithm="adamw"`` groups).
         adamw_lr: lr given to ``algorithm="adamw"`` groups that set no ``"lr"`` themselves (None: ``lr``).
         layout: how 2-D weights are stored: ``"out_in"`` (nn.Linear) or ``"in_out"`` (HF GPT-2 ``Conv1D``); the
             shape scale and ``split`` use the (out, in) view.
@@ -243,6 +255,8 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         ns_steps: int | None = None,
+        ns_coefficients: tuple[float, float, float] | None = None,
+        eps: float = state_compat.TORCH_MUON["eps"],
         msign_method: str = "polar_express",
         msign_dtype: torch.dtype | None = None,
         adjust_lr_fn: str | None = None,
@@ -260,21 +274,26 @@ class Muon(torch.optim.Optimizer):
         dual_keep: str = "best",
         retraction: str | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
+        adamw_eps: float = state_compat.ADAMW_EPS,
         adamw_lr: float | None = None,
         layout: str = "out_in",
         split: int | None = None,
         init: str = "auto",
         on_nonfinite: str = "raise",
     ) -> None:
+        if algorithm == "adamw" and eps != state_compat.TORCH_MUON["eps"] and adamw_eps == state_compat.ADAMW_EPS:
+            warnings.warn(f"Muon(algorithm='adamw', eps={eps!r}): 'eps' is the old spelling of the AdamW ε; taken as "
+                          "adamw_eps (write adamw_eps=)", DeprecationWarning, stacklevel=2)
+            adamw_eps, eps = eps, state_compat.TORCH_MUON["eps"]
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
+            ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients), eps=eps,
             msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
             momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
             dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, dual_ns_steps=dual_ns_steps,
             dual_project=dual_project, dual_normalize=dual_normalize, dual_warm_start=dual_warm_start,
             dual_keep=dual_keep, retraction=retraction,
-            betas=tuple(betas), eps=eps, adamw_lr=adamw_lr, layout=layout, split=split, init=init,
+            betas=tuple(betas), adamw_eps=adamw_eps, adamw_lr=adamw_lr, layout=layout, split=split, init=init,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
         self.last_stats: dict[str, dict[str, float]] = {}
@@ -296,6 +315,15 @@ class Muon(torch.optim.Optimizer):
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self._skipped = torch.zeros((), dtype=torch.int64, device=first.device if first is not None else "cpu")
 
+    @classmethod
+    def torch_defaults(cls, params: Iterable[Any], **overrides: Any) -> Muon:
+        """A Muon with torch.optim.Muon's defaults and arithmetic (``state_compat.TORCH_MUON``): lr 1e-3, weight
+        decay 0.1, momentum 0.95 (EMA, Nesterov), Keller Jordan's quintic (3.4445, -4.775, 2.0315) for 5 steps in
+        bf16 with ε 1e-7, the "original" shape scale. Its steps equal torch.optim.Muon's to rounding (bitwise in the
+        tests); its state dicts load into torch.optim.Muon and back. ``overrides``: any other Muon keyword (e.g.
+        ``lr``)."""
+        return cls(params, **{**state_compat.TORCH_MUON, **overrides})
+
     @property
     def skipped_steps(self) -> torch.Tensor:
         """Steps skipped for a NaN/Inf gradient (``on_nonfinite="skip"``): a 0-dim int64 tensor on the device (read
@@ -316,6 +344,10 @@ class Muon(torch.optim.Optimizer):
         torch.optim.Optimizer.add_param_group); a refused group is not added."""
         if not isinstance(param_group, dict):
             raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
+        state_compat.rename_old_adamw_eps(param_group, param_group.get("algorithm", self.defaults["algorithm"]),
+                                          self.defaults)
+        if param_group.get("ns_coefficients") is not None and isinstance(param_group["ns_coefficients"], list):
+            param_group["ns_coefficients"] = tuple(param_group["ns_coefficients"])
         unknown = sorted(k for k in set(param_group) - set(self.defaults) if not is_bookkeeping_key(k))
         if unknown:
             raise ValueError(
@@ -444,8 +476,9 @@ class Muon(torch.optim.Optimizer):
             ValueError: one line naming the group, key or parameter that does not fit, and what to do.
         """
         what = describe_state_dict(state_dict)
-        if what != "a Muon state dict":
-            raise ValueError(f"Muon.load_state_dict: expected a Muon state dict, got {what}; nothing was loaded")
+        if what not in ("a Muon state dict", "a torch.optim.Muon state dict"):
+            raise ValueError(f"Muon.load_state_dict: expected a Muon (or torch.optim.Muon) state dict, got {what}; "
+                             "nothing was loaded")
         ids = check_torch_layout("Muon", self.param_groups, state_dict, what)
         groups = [self._loaded_group(gi, saved, group)
                   for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups))]
@@ -462,6 +495,7 @@ class Muon(torch.optim.Optimizer):
     def _loaded_group(self, gi: int, saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
         """The group ``load_state_dict`` would install for ``saved`` over this optimizer's ``group``, validated."""
         where = "Muon.load_state_dict"
+        saved = state_compat.loadable_group(saved, group, gi)  # torch.optim.Muon's group, an older Muon's
         unknown = sorted(str(k) for k in set(saved) - set(self.defaults) if not is_bookkeeping_key(k))
         if unknown:
             raise ValueError(f"{where}: group {gi} has unknown key(s) {unknown[:6]} (valid keys: the keyword "
@@ -818,6 +852,15 @@ class Muon(torch.optim.Optimizer):
             steps = choice_steps if steps is None else steps
         return steps, dtype
 
+    def _orthogonalise(self, group: dict[str, Any], U: torch.Tensor) -> torch.Tensor:
+        """A plain-Muon group's direction of U (..., m, n): torch.optim.Muon's Newton–Schulz where the group sets
+        ``ns_coefficients``, else msign with the group's (or the per-device) settings."""
+        if group["ns_coefficients"] is not None:
+            return newton_schulz(U, group["ns_coefficients"], group["ns_steps"] or state_compat.TORCH_MUON["ns_steps"],
+                                 group["eps"], group["msign_dtype"] or torch.bfloat16)
+        steps, dtype = self._msign_settings(group, U)
+        return msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
+
     def summary(self) -> str:
         """One line per parameter group (algorithm, size, manifold, msign settings) plus the per-device msign choice
         (``msign_auto``, made when the groups were added)."""
@@ -830,6 +873,10 @@ class Muon(torch.optim.Optimizer):
             dt = group["msign_dtype"]
             ms = (f"msign {group['msign_method']}, steps {group['ns_steps'] or 'auto'}, dtype "
                   f"{str(dt).replace('torch.', '') if dt is not None else 'auto'}")
+            if group["ns_coefficients"] is not None:
+                ms = (f"Newton–Schulz {tuple(group['ns_coefficients'])}, steps "
+                      f"{group['ns_steps'] or state_compat.TORCH_MUON['ns_steps']}, dtype "
+                      f"{str(dt or torch.bfloat16).replace('torch.', '')}, eps {group['eps']:g}")
             where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
@@ -853,7 +900,7 @@ class Muon(torch.optim.Optimizer):
         step.add_(1 if ok is None else ok)
         adamw_update(
             p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, float(group["lr"]),
-            group["betas"], group["eps"], group["weight_decay"], ok=ok,
+            group["betas"], group["adamw_eps"], group["weight_decay"], ok=ok,
         )
 
     def _muon_group_batched(self, group: dict[str, Any], params: list[torch.Tensor],
@@ -880,8 +927,7 @@ class Muon(torch.optim.Optimizer):
                 if U is None:
                     U = torch.empty((len(ps), *shape), dtype=u.dtype, device=u.device)
                 U[j].copy_(u)
-            steps, dtype = self._msign_settings(group, U)
-            D = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
+            D = self._orthogonalise(group, U)
             del U
             for p, d in zip(ps, D.unbind(0)):
                 W = _matrices(p, group["layout"], group["split"])
@@ -911,8 +957,7 @@ class Muon(torch.optim.Optimizer):
         layout, split = group["layout"], group["split"]
         X = U if layout == "out_in" else U.mT
         X = X if not split else X.unflatten(1, (int(split), -1))
-        steps, dtype = self._msign_settings(group, X)
-        D = msign(X, method=group["msign_method"], steps=steps, dtype=dtype)
+        D = self._orthogonalise(group, X)
         P = torch.stack([p.detach() for p in ps])
         W = P if layout == "out_in" else P.mT
         W = W if not split else W.unflatten(1, (int(split), -1))
@@ -943,8 +988,7 @@ class Muon(torch.optim.Optimizer):
         U = self._momentum(group, p, ok)
         W = _matrices(p, group["layout"], group["split"])  # (out, in) view, or (k, out/k, in) blocks
         U = _matrices(U, group["layout"], group["split"])
-        steps, dtype = self._msign_settings(group, U)
-        direction = msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
+        direction = self._orthogonalise(group, U)
         apply_update(W, direction, lr, shape_scale(W.shape, group["adjust_lr_fn"] or "original"),
                      group["weight_decay"], ok=ok)
         _step_counter(state, p).add_(1 if ok is None else ok)
@@ -1312,8 +1356,19 @@ def _validate_values(group: dict[str, Any], where: str) -> None:
         b = group["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_in_unit(x) for x in b)):
             raise bad("betas", "must be two numbers in [0, 1)")
-    if "eps" in group and not num("eps") > 0.0:
-        raise bad("eps", "must be > 0")
+    for key in ("eps", "adamw_eps"):
+        if key in group and not (num(key) > 0.0 and math.isfinite(num(key))):
+            raise bad(key, "must be a finite number > 0")
+    if group.get("ns_coefficients") is not None:
+        c = group["ns_coefficients"]
+        if not (isinstance(c, (tuple, list)) and len(c) == 3 and all(
+                not isinstance(x, (bool, str, bytes)) and isinstance(x, (int, float)) and math.isfinite(x)
+                for x in c)):
+            raise bad("ns_coefficients", "must be None or three finite numbers (a, b, c)")
+        if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon":
+            raise bad("ns_coefficients", f"a manifold group (manifold={group['manifold']!r}) needs an msign whose "
+                                         "singular values converge to 1, which a fixed quintic does not give; leave "
+                                         "it None (msign_method='polar_express')")
     for key in ("ns_steps", "dual_ns_steps"):
         if key in group and group[key] is not None and num(key, int) < 1:
             raise bad(key, "must be ≥ 1 or None")

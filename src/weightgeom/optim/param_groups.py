@@ -98,7 +98,7 @@ _OWN_KEYWORDS = ("strategy", "rules", "split_qkv", "verbose", "adamw_hparams")
 def muon_group_keys() -> tuple[str, ...]:
     """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (its defaults) except
     ``params``, the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``)."""
-    skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr"}
+    skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr", "adamw_eps"}
     return tuple(k for k in inspect.signature(Muon.__init__).parameters if k not in skip)
 
 
@@ -264,6 +264,8 @@ def param_groups(
             raise ValueError(f"param_groups: rule {pat!r} is not a valid regex: {e}") from e
         compiled.append((pat, rx, _spec_from_rule(value, repr(pat))))
     hparams, adamw_hp = _route(hparams, adamw_hparams)
+    if "eps" in adamw_hp:  # Muon's AdamW groups read their ε as adamw_eps ("eps" is torch.optim.Muon's NS ε)
+        adamw_hp["adamw_eps"] = adamw_hp.pop("eps")
     hits = {pat: 0 for pat, _, _ in compiled}
 
     rows: list[dict[str, Any]] = []
@@ -291,6 +293,8 @@ def param_groups(
             spec = {**hparams, **spec}
         else:
             spec = {**adamw_hp, **spec}
+            if "eps" in spec:  # a rule's AdamW ε: Muon's AdamW groups read it as adamw_eps
+                spec["adamw_eps"] = spec.pop("eps")
             if p.ndim < 2:
                 spec["weight_decay"] = 0.0
         rows.append({"name": name, "param": p, "role": role, "source": source, "spec": spec})

@@ -1,0 +1,137 @@
+"""State-dict compatibility of ``Muon``: torch.optim.Muon's defaults and state dicts, and older Muon checkpoints.
+
+- ``TORCH_MUON``: torch.optim.Muon's defaults as Muon keywords (``Muon.torch_defaults`` builds a Muon with them,
+  which steps as torch.optim.Muon does, to rounding: ``functional.newton_schulz`` is torch's arithmetic).
+- Loading (``Muon.load_state_dict`` calls ``loadable_group`` per saved group): a torch.optim.Muon state dict loads into
+  plain or manifold Muon groups with the EMA momentum form — its momentum buffers carried over, its hyperparameters
+  (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) taken as torch takes a loaded
+  group's. A Muon checkpoint from before ``adamw_eps`` (its groups carry ``eps`` as the AdamW ε and no
+  ``adamw_eps``) loads with its ``eps`` as ``adamw_eps`` and one ``DeprecationWarning``.
+- Saving for torch (``to_torch_muon``): a Muon state dict of plain EMA groups in the form torch.optim.Muon loads.
+  A Muon group that sets ``ns_coefficients`` saves in that form already (``state_dict()`` loads into torch as it is).
+
+How ``eps`` is told apart (the key means torch's Newton–Schulz ε; the AdamW ε is ``adamw_eps``): a saved group that
+has ``algorithm`` (a Muon checkpoint) but no ``adamw_eps`` is from before the split, so its ``eps`` is the AdamW ε; a
+saved group without ``algorithm`` is torch's, whose ``eps`` is the Newton–Schulz ε; a param group given to ``Muon`` with
+``algorithm="adamw"`` and ``eps`` but no ``adamw_eps`` is the old spelling (an AdamW group has no Newton–Schulz).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
+           "loadable_group", "to_torch_muon"]
+
+TORCH_MUON: dict[str, Any] = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "momentum": 0.95,
+    "nesterov": True,
+    "ns_coefficients": (3.4445, -4.775, 2.0315),
+    "eps": 1e-7,
+    "ns_steps": 5,
+    "adjust_lr_fn": "original",
+}
+"""torch.optim.Muon's defaults (torch 2.9+; ``adjust_lr_fn=None`` there means ``"original"``) as Muon keywords."""
+TORCH_GROUP_KEYS = tuple(TORCH_MUON)
+"""The hyperparameter keys of a torch.optim.Muon param group."""
+ADAMW_EPS = 1e-8
+"""Muon's default AdamW-group ε (``adamw_eps``; torch.optim.AdamW's)."""
+_OLD_EPS = ("Muon: the param group key 'eps' of an algorithm='adamw' group is the old spelling of 'adamw_eps' (the "
+            "AdamW ε; 'eps' now means torch.optim.Muon's Newton–Schulz ε): taken as adamw_eps={value!r}; write "
+            "'adamw_eps'")
+_OLD_CHECKPOINT = ("Muon.load_state_dict: a checkpoint from before 'adamw_eps': its groups' 'eps' (the AdamW ε then) "
+                   "is loaded as 'adamw_eps' and the Newton–Schulz 'eps' kept from this optimizer; save it again to "
+                   "update it")
+_AMBIGUOUS_KEYWORD = ("Muon(eps={eps!r}) is torch.optim.Muon's Newton–Schulz ε; this AdamW group takes its ε from "
+                      "adamw_eps ({adamw_eps!r}): pass adamw_eps= for it")
+
+
+def is_torch_muon_group(saved: Mapping[str, Any]) -> bool:
+    """Whether a saved param group is torch.optim.Muon's (its keys, no ``algorithm``)."""
+    return "algorithm" not in saved and "ns_coefficients" in saved
+
+
+def rename_old_adamw_eps(group: dict[str, Any], algorithm: str, defaults: Mapping[str, Any]) -> None:
+    """A param group given to Muon in the old spelling — ``algorithm="adamw"`` with ``eps`` and no ``adamw_eps`` —
+    gets its ``eps`` as ``adamw_eps``, with one DeprecationWarning. An AdamW group that sets neither, in a Muon built
+    with a non-default ``eps`` keyword but the default ``adamw_eps`` (old code that meant the AdamW ε), warns that
+    ``eps`` is the Newton–Schulz ε now. In place."""
+    if algorithm != "adamw":
+        return
+    if "eps" in group and "adamw_eps" not in group:
+        group["adamw_eps"] = group.pop("eps")
+        warnings.warn(_OLD_EPS.format(value=group["adamw_eps"]), DeprecationWarning, stacklevel=4)
+    elif "adamw_eps" not in group and defaults.get("eps", TORCH_MUON["eps"]) != TORCH_MUON["eps"] and defaults.get(
+            "adamw_eps", ADAMW_EPS) == ADAMW_EPS:
+        warnings.warn(_AMBIGUOUS_KEYWORD.format(eps=defaults["eps"], adamw_eps=ADAMW_EPS), DeprecationWarning,
+                      stacklevel=4)
+
+
+def loadable_group(saved: Mapping[str, Any], ours: Mapping[str, Any], gi: int) -> dict[str, Any]:
+    """A saved param group as Muon loads it over its own group ``ours``: torch.optim.Muon's group (checked to fit: a
+    Muon group with EMA momentum) or an old Muon group (``eps`` → ``adamw_eps``, warned) converted; any other
+    returned as it is. Keys the saved group lacks are not filled here (``Muon._loaded_group`` takes them from
+    ``ours``).
+
+    Raises:
+        ValueError: a torch.optim.Muon group loaded into an AdamW group or one with the sum momentum form, naming
+            the group; nothing loaded.
+    """
+    out = dict(saved)
+    if is_torch_muon_group(saved):
+        if ours.get("algorithm") != "muon" or ours.get("momentum_form") != "ema":
+            raise ValueError(f"Muon.load_state_dict: group {gi} of the state dict is torch.optim.Muon's, whose "
+                             f"momentum buffer is an EMA of gradients, but this optimizer's group {gi} has "
+                             f"algorithm={ours.get('algorithm')!r}, momentum_form={ours.get('momentum_form')!r}; build "
+                             "it with algorithm='muon', momentum_form='ema'; nothing was loaded")
+        if ours.get("manifold") is not None:  # a manifold group keeps its own (converging) msign
+            out.pop("ns_coefficients", None)
+            out.pop("ns_steps", None)
+        if out.get("adjust_lr_fn") is None:
+            out["adjust_lr_fn"] = "original"  # torch's None
+        if out.get("ns_coefficients") is not None:
+            out["ns_coefficients"] = tuple(out["ns_coefficients"])
+        return out
+    if "algorithm" in saved and "adamw_eps" not in saved and "eps" in saved:
+        out["adamw_eps"] = out.pop("eps")
+        warnings.warn(_OLD_CHECKPOINT, DeprecationWarning, stacklevel=4)
+    return out
+
+
+def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A Muon ``state_dict()`` in the form torch.optim.Muon loads: per group torch's keys only, per parameter its
+    momentum buffer. torch.optim.Muon runs only a fixed (a, b, c) quintic, so a group that runs a preset msign (Polar
+    Express) continues under torch's default ``ns_coefficients`` and ``ns_steps``; its lr, weight decay, momentum
+    and Nesterov setting carry over.
+
+    Raises:
+        ValueError: a group torch.optim.Muon cannot hold (an AdamW or manifold group, the sum momentum form), naming
+            it.
+    """
+    groups = []
+    for gi, g in enumerate(state_dict["param_groups"]):
+        if g.get("algorithm", "muon") != "muon" or g.get("manifold") is not None or g.get("momentum_form",
+                                                                                           "ema") != "ema":
+            raise ValueError(f"to_torch_muon: group {gi} has algorithm={g.get('algorithm')!r}, manifold="
+                             f"{g.get('manifold')!r}, momentum_form={g.get('momentum_form')!r}; torch.optim.Muon "
+                             "holds only plain Muon groups with EMA momentum (save those in an optimizer of their "
+                             "own)")
+        out = {k: g.get(k, TORCH_MUON[k]) for k in TORCH_GROUP_KEYS}
+        if out["ns_coefficients"] is None:
+            out["ns_coefficients"], out["ns_steps"] = TORCH_MUON["ns_coefficients"], TORCH_MUON["ns_steps"]
+        out["ns_steps"] = out["ns_steps"] or TORCH_MUON["ns_steps"]
+        if out["adjust_lr_fn"] == "none":
+            raise ValueError(f"to_torch_muon: group {gi} has adjust_lr_fn='none', which torch.optim.Muon does not "
+                             "offer (it has 'original' and 'match_rms_adamw')")
+        out["params"] = list(g["params"])
+        for key in ("param_names",):
+            if key in g:
+                out[key] = g[key]
+        groups.append(out)
+    state = {k: {"momentum_buffer": st["momentum_buffer"]} for k, st in state_dict["state"].items()
+             if "momentum_buffer" in st}
+    return {"state": state, "param_groups": groups}
