@@ -52,6 +52,7 @@ __all__ = [
     "attention_modules",
     "HFAttention",
     "collect",
+    "head_logit_maxima",
     "SATURATION_THRESHOLD",
     "MAX_SEQS",
 ]
@@ -654,3 +655,25 @@ def _forward_stats(model, attn, args: tuple, kwargs: dict, need_grad: bool, thre
             m.last_logits = None
         model.train(was_training)
     return out
+
+
+def head_logit_maxima(model: nn.Module, batch, *, max_seqs: int = MAX_SEQS, **forward_kwargs) -> list[list[float]]:
+    """Per attention layer (the order of :func:`attention_modules`), the max |logit| of each query head: the
+    ``attn.<i>.logit_max_h<j>`` of :func:`collect` with ``per_head=True``, from one no-grad forward of at most
+    ``max_seqs`` sequences of ``batch`` under the model's mask, without the weight statistics or gradient norms.
+
+    Args:
+        model: the model (this package's GPT/Llama, Hugging Face GPT-2, Llama or BERT).
+        batch: input ids, ``(x, y)`` or a dict of keyword inputs, as for :func:`collect`.
+        max_seqs: cap on the sequences of the forward.
+        **forward_kwargs: extra keyword arguments for the model's forward (e.g. ``attention_mask``).
+
+    Returns:
+        ``[[max |Z| of head 0, head 1, …] for each attention layer]`` (scaled pre-softmax logits, dimensionless;
+        NaN for a head with no visible entry or a layer the forward did not reach).
+    """
+    attn = attention_modules(model)
+    args, kwargs, _ = _forward_inputs(model, batch, forward_kwargs, max_seqs, False)
+    stats = _forward_stats(model, attn, args, kwargs, False, SATURATION_THRESHOLD, per_head=True)
+    return [[stats.get(f"attn.{i}.logit_max_h{j}", math.nan) for j in range(int(m.n_head))]
+            for i, (_, m) in enumerate(attn)]

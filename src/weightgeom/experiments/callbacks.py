@@ -15,6 +15,8 @@ callbacks of the layers below it — the trainer's (:mod:`weightgeom.train.callb
   ``{threshold, action, every}``): strategy ``auto``, an attention layer moves to Stiefel when its logit bound grows.
 * ``head_stats_every`` → :class:`weightgeom.train.head_stats.HeadStats` (``value`` = the interval in steps): softmax
   entropy, saturation and logit max per attention head, into ``heads.jsonl``.
+* ``qk_clip`` → :class:`weightgeom.train.qk_clip.QKClip` (``value`` = τ, or a table ``{tau, alpha, constrained}``):
+  per-head attention-logit bound after each step (the same as the config key ``qk_clip.enabled``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CALLBACKS: dict[str, Callable[..., Any] | str] = {
     "continuity_every": "weightgeom.analysis.recorder:ContinuityRecorder",
     "auto_assign": "weightgeom.train.auto_assign:AutoAssign",
     "head_stats_every": "weightgeom.train.head_stats:HeadStats",
+    "qk_clip": "weightgeom.train.qk_clip:QKClip",
 }
 """Name → callback factory (a callable, or ``"module:attribute"`` imported when first built)."""
 

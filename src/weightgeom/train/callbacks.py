@@ -147,6 +147,11 @@ class Callback:
         """A flat JSON-able account of what the callback did (the experiment runner writes it to ``controls.json``)."""
         return {}
 
+    def metrics(self) -> dict[str, float]:
+        """Numbers the trainer adds to each train line of ``metrics.jsonl`` (e.g. QK-clip's rescale count); keep
+        them cheap (no host sync beyond what the callback already did)."""
+        return {}
+
 
 class CallbackError(RuntimeError):
     """A callback's hook raised; the message names the callback, the hook and the step (the original is the cause)."""
@@ -199,6 +204,15 @@ class CallbackList:
             except Exception as e:
                 raise CallbackError(f"callback {key}.{hook} failed at step {ctx.step}: {type(e).__name__}: "
                                     f"{e}".splitlines()[0]) from e
+
+    def metrics(self) -> dict[str, float]:
+        """The callbacks' :meth:`Callback.metrics`, merged in order (for the trainer's train lines)."""
+        out: dict[str, float] = {}
+        for cb in self.callbacks:
+            fn = getattr(cb, "metrics", None)
+            if callable(fn):
+                out.update(fn())
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """``{key: state}`` of the callbacks with a non-empty state (what a checkpoint stores)."""

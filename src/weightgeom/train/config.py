@@ -2,7 +2,8 @@
 
 A run's configuration is a :class:`Config`: one dataclass per section (:class:`RunConfig`, ``model``,
 :class:`DataConfig`, :class:`~weightgeom.optim.config.OptimConfig` with its ``muon`` / ``adamw`` / ``md`` tables,
-:class:`ScheduleConfig`, :class:`TrainConfig`, :class:`DiagnosticsConfig`), every field documented with its units.
+:class:`ScheduleConfig`, :class:`TrainConfig`, :class:`DiagnosticsConfig`,
+:class:`~weightgeom.train.qk_clip.QKClipConfig`), every field documented with its units.
 Files, overrides and Python dicts all become a :class:`Config` through :func:`load_config`: keys are checked (unknown
 ones get a "did you mean"), values coerced to the field's type, bounds and choices checked, each error one line
 naming the key. Override values are TOML literals (:func:`weightgeom.schema.parse_value`) for ``train``, ``sweep`` and
@@ -51,6 +52,7 @@ from weightgeom.schema import (
     suggest,
     to_dict,
 )
+from weightgeom.train.qk_clip import QKClipConfig
 from weightgeom.train.rundir import check_relative_name
 from weightgeom.train.tracking import LoggingConfig
 
@@ -66,6 +68,7 @@ __all__ = [
     "ScheduleConfig",
     "TrainConfig",
     "DiagnosticsConfig",
+    "QKClipConfig",
     "LoggingConfig",
     "MODEL_CONFIGS",
     "load_config",
@@ -216,6 +219,7 @@ class Config(Section):
     schedule: ScheduleConfig = setting(ScheduleConfig(), "learning-rate schedule")
     train: TrainConfig = setting(TrainConfig(), "training loop")
     diagnostics: DiagnosticsConfig = setting(DiagnosticsConfig(), "diagnostics")
+    qk_clip: QKClipConfig = setting(QKClipConfig(), "QK-clip: per-head attention-logit bound after each step")
     logging: LoggingConfig = setting(LoggingConfig(), "experiment tracking (Weights & Biases, MLflow)")
 
     def check(self) -> None:

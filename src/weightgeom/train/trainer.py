@@ -75,6 +75,7 @@ from weightgeom.train.distributed import (
 )
 from weightgeom.train.logging import MetricsLogger, Progress, read_metrics, write_json_atomic
 from weightgeom.train.machine_choice import choice_record, resume_choice
+from weightgeom.train.qk_clip import QKClip
 from weightgeom.train.restore import check_config_hash, load_model_state, load_optimizer_state
 from weightgeom.train.rundir import (
     DirLock,
@@ -266,6 +267,8 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
     callbacks = [*CallbackList(callbacks), *trackers_from_config(cfg.logging)]  # [logging] wandb / mlflow
     if cfg.optim.strategy == "auto" and not any(isinstance(c, AutoAssign) for c in callbacks):
         callbacks.append(AutoAssign())  # strategy "auto" means the rule runs (default settings unless one is given)
+    if cfg.qk_clip.enabled and not any(isinstance(c, QKClip) for c in callbacks):
+        callbacks.append(cfg.qk_clip.build())  # [qk_clip] enabled: the clip runs (a QKClip given here takes its place)
     preexisting = dist.is_available() and dist.is_initialized()
     info = init_distributed(cfg.run.device)
     try:
@@ -759,7 +762,7 @@ class _Trainer:
                 self.logger.log(self.step, "train", {"loss": loss_val, "loss_smooth": self._smooth(),
                                                      "grad_norm": gnorm, "lr_factor": factor, **lrs,
                                                      "tokens": self.tokens, "tokens_per_s": n_tok / dt,
-                                                     "ms_per_step": dt * 1e3})
+                                                     "ms_per_step": dt * 1e3, **self.callbacks.metrics()})
             ev = tr.eval_every
             if (ev and self.step % ev == 0) or self.step == tr.max_steps:
                 self.last_val = self.evaluate()
