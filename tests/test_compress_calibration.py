@@ -207,3 +207,85 @@ def test_calibrated_fit_beats_the_weight_only_fit_on_the_calibration_loss(tiny_l
             en = sum(output_energy(rw.weight, grams.get("Down", rw.layer)) for rw in by_role["Down"]
                      if rw.layer in b.coefs)
             assert a.calib_loss < e_plain / en, share
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    d = tmp_path_factory.mktemp("tiny_llama_cal") / "hf"
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(d, safe_serialization=True)
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,!?'")}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=" ").save_pretrained(d)
+    return d
+
+
+def test_cli_compress_calibrated_auto_prints_the_per_role_table_and_eval_reads_it(hf_dir, tmp_path, capsys):
+    from weightgeom.cli import main
+
+    out = tmp_path / "c"
+    assert main(["compress", str(hf_dir), "--out", str(out), "--savings", "0.3", "--calibration-tokens", "64",
+                 "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "lowest calibration loss" in text and "loss per-layer" in text and "calib_loss" in text
+    for role in ("Q", "K", "O", "Gate", "Up", "Down"):
+        assert any(line.startswith(role + " ") for line in text.splitlines()), role
+    assert main(["eval", str(out), "--tokens", "30", "--context", "16", "--compare", "--max-ratio", "50",
+                 "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "the uncompressed model itself is no better than guessing uniformly" in last  # a random-init model
+    # a missing calibration file: one line, exit 2, nothing written
+    assert main(["compress", str(hf_dir), "--out", str(tmp_path / "d"), "--savings", "0.3", "--calibration",
+                 str(tmp_path / "nope.txt"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--calibration" in err[0] and "no such file" in err[0]
+    assert not (tmp_path / "d").exists()
+    assert main(["eval", str(out), "--max-ratio", "2", "--quiet"]) == 2  # --max-ratio without --compare
+    assert "--max-ratio is for --compare" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nll,base_nll,vocab,max_ratio,says", [
+    (7.0, 4.0, 100, None, "BROKEN: its NLL 7.000 nats/token is above ln(100)"),
+    (4.5, 4.0, 100, 1.5, "BROKEN by your --max-ratio 1.5"),
+    (4.2, 4.0, 100, None, "usable: perplexity 1.22×"),
+    (5.0, 4.8, 100, None, "the uncompressed model itself is no better than guessing uniformly"),
+])
+def test_eval_compare_verdict_in_plain_words(nll, base_nll, vocab, max_ratio, says):
+    from weightgeom.analysis.compress_cli import _verdict
+    from weightgeom.analysis.perplexity import PerplexityResult
+
+    comp = PerplexityResult(math.exp(nll), nll, 10, 1, 10, 0.0)
+    base = PerplexityResult(math.exp(base_nll), base_nll, 10, 1, 10, 0.0)
+    assert says in _verdict(comp, base, vocab, max_ratio)
+
+
+def test_model_scope_sweep_compresses_every_role_per_method_and_restores_the_weights(tiny_lm, tmp_path):
+    from weightgeom.analysis.perplexity import perplexity_of_ids
+    from weightgeom.experiments.compression import CompressSweep, _write
+    from weightgeom.experiments.compression_model import METHODS, run_model_sweep
+
+    sw = CompressSweep(model="tiny", roles=("Q", "K", "V", "O", "Gate", "Up", "Down"), savings=(0.3,), scope="model",
+                       tokens=30, context=16, calibration_tokens=48, layers_per_group=2)
+    sw.check()
+    before = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
+    ids = tiny_lm.encode("the quick brown fox jumps over the lazy dog; " * 2)
+    base = perplexity_of_ids(tiny_lm, ids, tokens=30, context=16)
+    rows: list[dict] = []
+    rec = {"settings": {}, "model": "tiny", "device_kind": "cpu", "baseline": base.as_dict(), "rows": rows,
+           "scope": "model"}
+    run_model_sweep(sw, tiny_lm, ids, base, rec, rows, lambda: None, progress=False)
+    assert [r["method"] for r in rows] == list(METHODS)
+    assert all(r["saved_frac"] >= 0.3 and r["ppl"] > 1 and r["peak_rss_mb"] > 0 for r in rows)
+    assert all(r["ppl"] != pytest.approx(base.ppl, rel=1e-9) for r in rows)  # each point did change the model
+    for k, v in tiny_lm.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    _write(tmp_path, rec, sw, "t", plot=True)
+    assert {"compress.csv", "compress.md", "compress.png"} <= {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="unknown method 'svd-x'"):
+        CompressSweep(model="tiny", scope="model", methods=("svd-x",)).check()

@@ -21,9 +21,14 @@ from weightgeom.analysis.roles import RoleWeight
 __all__ = ["role_losses", "choose_by_loss", "format_choice_table"]
 
 
-def role_losses(items: list[RoleWeight], role: str, cfg: CompressConfig, grams, space: str) -> float:
+def role_losses(items: list[RoleWeight], role: str, cfg: CompressConfig, grams, space: str,
+                keep: list | None = None) -> float:
     """The role's relative calibration loss when fitted in ``space`` at ``cfg``'s savings or rank (NaN when no rank
-    reaches it there)."""
+    reaches it there).
+
+    Args:
+        keep: a list the fitted :class:`~weightgeom.analysis.compress.GroupResult` s are appended to (None: dropped).
+    """
     ccfg = replace(cfg, share=space, basis="svd", roles=(role,))
     try:
         _plan({role: items}, ccfg, {role: space})
@@ -33,11 +38,14 @@ def role_losses(items: list[RoleWeight], role: str, cfg: CompressConfig, grams, 
     for g in compress_roles(None, ccfg, by_role={role: items}, spaces={role: space}, grams=grams):
         err += (g.calib_loss or 0.0) * g.calib_energy
         en += g.calib_energy
+        if keep is not None:
+            keep.append(g)
     return err / en if en > 0 else 0.0
 
 
 def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig, grams,
-                   ratios: Mapping[str, dict] | None = None, progress: bool = False) -> dict[str, dict]:
+                   ratios: Mapping[str, dict] | None = None, progress: bool = False,
+                   keep: dict | None = None) -> dict[str, dict]:
     """Per role, the space with the lowest calibration loss.
 
     Args:
@@ -45,6 +53,7 @@ def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig,
         cfg: the settings (its savings or rank is used for every space).
         grams: :class:`~weightgeom.analysis.calibration.Grams`.
         ratios: role → continuity ratios ``{"input": C_v/random, "output": C_u/random}`` to report beside it.
+        keep: a dict that gets role → the chosen space's fitted groups (so they need not be fitted again).
 
     Returns:
         role → ``{"space": ..., "loss": {space: relative loss}, "input": ratio, "output": ratio, "by": "loss"}``.
@@ -52,9 +61,14 @@ def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig,
     out: dict[str, dict] = {}
     t0 = time.perf_counter()
     for j, (role, items) in enumerate(by_role.items()):
-        losses = {s: role_losses(items, role, cfg, grams, s) for s in SPACES}
+        fitted: dict[str, list] = {s: [] for s in SPACES}
+        losses = {s: role_losses(items, role, cfg, grams, s, fitted[s] if keep is not None else None)
+                  for s in SPACES}
         ok = {s: v for s, v in losses.items() if not math.isnan(v)}
         best = min(ok, key=lambda s: ok[s]) if ok else "none"
+        if keep is not None:
+            keep[role] = fitted[best]
+        del fitted
         r = dict((ratios or {}).get(role) or {})
         out[role] = {"space": best, "loss": losses, "input": r.get("input", math.nan),
                      "output": r.get("output", math.nan), "by": "loss"}

@@ -42,8 +42,10 @@ from typing import Any
 from weightgeom._files import read_json, read_toml, write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
+from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS
 from weightgeom.analysis.perplexity import heldout_text, load_causal_lm, perplexity_of_ids
 from weightgeom.analysis.roles import assign_roles
+from weightgeom.experiments.compression_model import METHODS, model_table_md, plot_model, run_model_sweep
 from weightgeom.experiments.report.claims import Finding, compress_findings
 from weightgeom.experiments.report.claims_page import CLAIMS_FILE, write_claims
 from weightgeom.experiments.runner import resolve_preset
@@ -73,6 +75,12 @@ class CompressSweep:
         context: window length in tokens.
         seed: seed of the random bases.
         text: evaluation text file (default: the held-out tail of the bundled Shakespeare corpus).
+        scope: ``role`` (one role compressed at a time, the arms above) or ``model`` (all ``roles`` at once, one
+            point per method of ``methods`` and savings level: :mod:`weightgeom.experiments.compression_model`).
+        methods: for ``scope = "model"``, a subset of :data:`~weightgeom.experiments.compression_model.METHODS`.
+        calibration: calibration text file of the activation-aware methods (default: the bundled Shakespeare
+            without its held-out tail, disjoint from the evaluation text).
+        calibration_tokens: calibration budget in tokens.
     """
 
     model: str
@@ -84,10 +92,22 @@ class CompressSweep:
     context: int = 512
     seed: int = 0
     text: str | None = None
+    scope: str = "role"
+    methods: tuple[str, ...] = METHODS
+    calibration: str | None = None
+    calibration_tokens: int = CALIBRATION_TOKENS
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) for a bad setting."""
 
+        if self.scope not in ("role", "model"):
+            raise ValueError(f"[compress] scope: {self.scope!r} is not role or model")
+        badm = [m for m in self.methods if m not in METHODS]
+        if badm or not self.methods:
+            raise ValueError(f"[compress] methods: unknown method {badm[0] if badm else '(none)'!r}; choose from "
+                             f"{', '.join(METHODS)}")
+        if self.calibration_tokens < 2:
+            raise ValueError("[compress] calibration_tokens must be >= 2")
         bad = [a for a in self.arms if a not in ARMS]
         if bad or not self.arms:
             raise ValueError(f"[compress] arms: unknown arm {bad[0] if bad else '(none)'!r}; choose from "
@@ -131,7 +151,7 @@ def load_sweep(config: str, recipe: str = "continuity") -> tuple[str, CompressSw
         raise ValueError(f"{path}: unknown key [compress] {unknown[0]}; known: {', '.join(sorted(known))}")
     if "model" not in table:
         raise ValueError(f"{path}: [compress] needs model = \"<path or pkg:package/file>\"")
-    for k in ("roles", "savings", "arms"):
+    for k in ("roles", "savings", "arms", "methods"):
         if k in table:
             table[k] = tuple(table[k])
     try:
@@ -323,6 +343,19 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     text = heldout_text() if cfg.text is None else Path(cfg.text).read_text(encoding="utf-8", errors="replace")
     need = 8 * (cfg.tokens + 1)
     ids = lm.encode(text[:need])
+    if cfg.scope == "model":
+        base = perplexity_of_ids(lm, ids, tokens=cfg.tokens, context=cfg.context)
+        if progress:
+            print(f"uncompressed: perplexity {base.ppl:.3f} over {base.tokens} tokens ({base.seconds:.1f} s)",
+                  flush=True)
+        record = {"settings": settings, "model_path": str(model_path), "model": lm.name,
+                  "device_kind": device_kind(torch.device("cpu")), "torch_threads": torch.get_num_threads(),
+                  "baseline": base.as_dict(), "spaces": {}, "rows": rows, "label": label, "scope": "model"}
+        run_model_sweep(cfg, lm, ids, base, record, rows, lambda: _write(out, record, cfg, title, plot=False),
+                        progress=progress)
+        record["wall_s"] = time.perf_counter() - t_start
+        _write(out, record, cfg, title, plot=True)
+        return record
     by_role = assign_roles(lm.model.state_dict())
     missing = [r for r in cfg.roles if r not in by_role]
     if missing:
@@ -365,6 +398,16 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
 
     rows = record["rows"]
     write_atomic(out / "compress.json", json.dumps(record, indent=1, default=str))
+    if record.get("scope") == "model":
+        if rows:
+            write_atomic(out / "compress.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
+        if plot and rows:
+            title = title or f"{record['model']}: perplexity vs parameters saved ({cfg.tokens} tokens)"
+            write_atomic(out / "compress.md", model_table_md(rows, record["baseline"]["ppl"], cfg.methods, title,
+                                                             record))
+            plot_model(rows, record["baseline"]["ppl"], out / "compress.png",
+                       f"{title}\n{record.get('device_kind')}")
+        return
     write_claims_of(out, record)
     if rows:
         write_atomic(out / "compress.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
@@ -414,7 +457,8 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
 
     label, cfg, path = load_sweep(config)
     out = Path(out or Path("runs") / "sweeps" / f"continuity-{label}")
-    grid = [f"{role}-{arm}-{s:g}" for role in cfg.roles for s in cfg.savings for arm in cfg.arms]
+    grid = ([f"{m}-{s:g}" for s in cfg.savings for m in cfg.methods] if cfg.scope == "model" else
+            [f"{role}-{arm}-{s:g}" for role in cfg.roles for s in cfg.savings for arm in cfg.arms])
     if list_only:
         for name in grid:
             print(f"{out}  {name}")
@@ -429,8 +473,10 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
 
         torch.set_num_threads(threads)
     if progress:
-        print(f"sweep continuity {label}: {len(grid)} points ({len(cfg.roles)} roles × {len(cfg.savings)} savings × "
-              f"{len(cfg.arms)} arms) from {path} → {out}", flush=True)
+        what = (f"{len(cfg.savings)} savings × {len(cfg.methods)} methods, all of {', '.join(cfg.roles)} at once"
+                if cfg.scope == "model" else
+                f"{len(cfg.roles)} roles × {len(cfg.savings)} savings × {len(cfg.arms)} arms")
+        print(f"sweep continuity {label}: {len(grid)} points ({what}) from {path} → {out}", flush=True)
 
     with DirLock(out, what="sweep directory"):  # one writer: a second sweep into ``out`` is refused in one line
         rec = run_compress_sweep(cfg, out, progress=progress, resume=resume, label=label,
@@ -438,7 +484,8 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
     if progress:
         print(format_verdicts(rec))
         print(f"wall time {rec['wall_s']:.0f} s on {rec['device_kind']}", file=sys.stdout)
-    return {"runs": [{"name": f"{r['role']}-{r['arm']}-{r['savings_target']:g}", "status": "done"}
+    return {"runs": [{"name": (f"{r['method']}-{r['savings_target']:g}" if cfg.scope == "model" else
+                               f"{r['role']}-{r['arm']}-{r['savings_target']:g}"), "status": "done"}
                      for r in rec["rows"]]}, out / "compress.md"
 
 

@@ -1,0 +1,188 @@
+"""Whole-model compression methods compared at matched savings (``scope = "model"`` presets of
+``weightgeom sweep continuity``): does a compression method keep the model usable?
+
+Every point compresses all the preset's roles at once (each role at the same fraction of its parameters, so the
+attention + MLP parameters are cut by at least that fraction) with one method, writes the dense reconstructions into
+the loaded model, measures the perplexity on the held-out text (the same token ids for every point) and restores the
+weights:
+
+===========  ==================================================================================================
+method       what
+===========  ==================================================================================================
+svd          per-layer truncated SVD of the weights (weight-only)
+svd-w        per-layer whitened SVD (SVD-LLM: minimises the layer-output error on the calibration text)
+shared       weight-only shared bases, each role in its more continuous space (``share="auto"`` without
+             calibration)
+input-a      activation-aware shared right bases (Basis-Sharing-style, least-squares coefficient refit)
+output-a     activation-aware shared left bases (the exact minimiser of the groups' output error)
+auto-a       per role, whichever of input-a, output-a and svd-w has the lowest calibration loss
+===========  ==================================================================================================
+
+The calibration Grams (:func:`~weightgeom.analysis.calibration.collect_grams`) come from the calibration text (the
+bundled Shakespeare without its held-out tail), disjoint from the evaluation text (its held-out tail). Each row
+records the compression time and the process' peak resident memory after the point (``ru_maxrss``, a running
+maximum). Outputs in OUT: ``compress.csv``, ``compress.json``, ``compress.md`` and ``compress.png`` (perplexity against
+the fraction of the compressed parameters saved, one line per method).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from weightgeom._files import write_atomic
+from weightgeom.analysis.calibration import calibration_text, collect_grams
+from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
+from weightgeom.analysis.compress_choice import choose_by_loss
+
+__all__ = ["METHODS", "MODEL_ROLES", "method_config", "model_point", "run_model_sweep", "model_table_md",
+           "plot_model"]
+
+METHODS = ("svd", "svd-w", "shared", "input-a", "output-a", "auto-a")
+MODEL_ROLES = ("Q", "K", "V", "O", "Gate", "Up", "Down")
+"""Every attention and MLP projection of a Llama block."""
+LABELS = {"svd": "per-layer SVD", "svd-w": "per-layer whitened SVD (SVD-LLM)", "shared": "weight-only shared (auto)",
+          "input-a": "activation-aware shared, input", "output-a": "activation-aware shared, output",
+          "auto-a": "auto (lowest calibration loss)"}
+
+
+def method_config(method: str, savings: float, layers_per_group: int, roles: tuple[str, ...]) -> tuple[
+        CompressConfig, bool]:
+    """(:class:`CompressConfig`, whether the method uses the calibration Grams) of a method at ``savings``."""
+    share, calibrated = {"svd": ("none", False), "svd-w": ("none", True), "shared": ("auto", False),
+                         "input-a": ("input", True), "output-a": ("output", True), "auto-a": ("auto", True)}[method]
+    return CompressConfig(share=share, savings=savings, layers_per_group=layers_per_group, roles=roles,
+                          calibration="shakespeare" if calibrated else None), calibrated
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity: dict, ids) -> dict:
+    """Compress every role of ``cfg.roles`` with ``method`` at ``savings``, evaluate, restore: one row."""
+    import torch
+
+    from weightgeom.analysis.perplexity import perplexity_of_ids
+
+    roles = tuple(cfg.roles)
+    ccfg, calibrated = method_config(method, savings, cfg.layers_per_group, roles)
+    sel = {r: by_role[r] for r in roles}
+    t0 = time.perf_counter()
+    fitted: dict[str, list] = {}
+    if ccfg.share == "auto" and calibrated:
+        info = choose_by_loss(sel, ccfg, grams, continuity, keep=fitted)
+    elif ccfg.share == "auto":
+        info = {r: continuity[r] for r in roles}
+    else:
+        info = {r: {"space": ccfg.share} for r in roles}
+    spaces = {r: v["space"] for r, v in info.items()}
+    saved = {(r, rw.layer): rw.weight.clone() for r in roles for rw in sel[r]}
+    dense = params = 0
+    err = en = 0.0
+    try:
+        with torch.no_grad():
+            # the spaces are fixed above: ``auto`` reads them from ``spaces``
+            groups = ([g for r in roles for g in fitted[r]] if fitted else
+                      compress_roles(None, ccfg, spaces=spaces, by_role=sel, grams=grams if calibrated else None))
+            for g in groups:  # auto-a: the groups its choice already fitted
+                for rw in (x for x in sel[g.role] if x.layer in g.coefs):
+                    rw.weight.copy_(g.dense(rw.layer))
+                dense, params = dense + g.params_dense, params + g.params
+                if g.calib_loss is not None:
+                    err, en = err + g.calib_loss * g.calib_energy, en + g.calib_energy
+        t_c = time.perf_counter() - t0
+        res = perplexity_of_ids(lm, ids, tokens=cfg.tokens, context=cfg.context)
+    finally:
+        with torch.no_grad():
+            for r in roles:
+                for rw in sel[r]:
+                    rw.weight.copy_(saved[(r, rw.layer)])
+    return {"method": method, "savings_target": savings, "params_dense": dense, "params": params,
+            "saved_frac": (dense - params) / dense, "spaces": " ".join(f"{r}:{s}" for r, s in spaces.items()),
+            "calib_loss": err / en if en > 0 else math.nan, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
+            "compress_s": t_c, "eval_s": res.seconds, "peak_rss_mb": _peak_rss_mb()}
+
+
+def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, progress: bool = True) -> None:
+    """Fill ``rows`` with the (method × savings) grid of a ``scope = "model"`` preset (``write()`` after each)."""
+    from weightgeom.analysis.roles import assign_roles
+
+    by_role = assign_roles(lm.model.state_dict())
+    missing = [r for r in cfg.roles if r not in by_role]
+    if missing:
+        raise ValueError(f"model {cfg.model}: no role {missing[0]} (it has {', '.join(by_role)})")
+    t_start = time.perf_counter()
+    continuity: dict[str, dict] = dict(record.get("spaces") or {})
+    grams = None
+    if any(method_config(m, 0.5, 1, ("Q",))[1] for m in cfg.methods):
+        grams = collect_grams(lm, calibration_text(cfg.calibration), list(cfg.roles), tokens=cfg.calibration_tokens,
+                              context=cfg.context, progress=progress)
+        record["calibration"] = {"text": cfg.calibration or "shakespeare", "tokens": grams.tokens,
+                                 "seconds": grams.seconds}
+        if progress:
+            print(f"calibration: {grams.tokens} tokens in {grams.seconds:.1f} s", flush=True)
+    done = {(r["method"], r["savings_target"]) for r in rows}
+    grid = [(s, m) for s in cfg.savings for m in cfg.methods]
+    for i, (s, m) in enumerate(grid):
+        if (m, s) in done:
+            continue
+        if m == "shared" and not continuity:  # the continuity analysis only for the method that follows it
+            if progress:
+                print("continuity analysis (the spaces of the weight-only shared method) ...", flush=True)
+            continuity.update(choose_spaces(lm.model, only=list(cfg.roles)))
+            record["spaces"] = continuity
+        row = model_point(lm, by_role, m, s, cfg, grams, continuity, ids)
+        rows.append(row)
+        record["wall_s"] = time.perf_counter() - t_start
+        write()
+        if progress:
+            print(f"  [{i + 1}/{len(grid)}] saved {row['saved_frac']:.0%} {m:8s}: ppl {row['ppl']:.3f} "
+                  f"(×{row['ppl'] / base.ppl:.2f})  compress {row['compress_s']:.1f} s, eval {row['eval_s']:.1f} s, "
+                  f"peak RSS {row['peak_rss_mb']:.0f} MiB", flush=True)
+
+
+def model_table_md(rows: list[dict], baseline: float, methods, title: str, record: dict[str, Any]) -> str:
+    """The Markdown page: perplexity (× the uncompressed) per savings level and method."""
+    ms = [m for m in METHODS if m in methods]
+    cal = record.get("calibration") or {}
+    lines = [f"# {title}", "", f"Baseline (uncompressed) perplexity: **{baseline:.2f}**; calibration: "
+             f"{cal.get('tokens', '—')} tokens of {cal.get('text', '—')}; device: {record.get('device_kind')}", "",
+             "| saved | " + " | ".join(ms) + " |", "|" + "---|" * (len(ms) + 1)]
+    for s in sorted({r["savings_target"] for r in rows}):
+        pts = {r["method"]: r for r in rows if r["savings_target"] == s}
+        frac = min(p["saved_frac"] for p in pts.values())
+        cells = [f"{pts[m]['ppl']:.2f} (×{pts[m]['ppl'] / baseline:.2f})" if m in pts else "—" for m in ms]
+        lines.append(f"| {frac:.0%} | " + " | ".join(cells) + " |")
+    lines += ["", "Methods: " + "; ".join(f"{m} = {LABELS[m]}" for m in ms) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_model(rows: list[dict], baseline: float, path: Path, title: str) -> Path | None:
+    """Perplexity against the fraction of the compressed parameters saved, one line per method (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in METHODS:
+        pts = sorted((r["saved_frac"], r["ppl"]) for r in rows if r["method"] == m)
+        if pts:
+            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=LABELS[m])
+    ax.axhline(baseline, color="k", ls="--", lw=1, label="uncompressed")
+    ax.set_yscale("log")
+    ax.set_xlabel("% of the attention + MLP parameters saved")
+    ax.set_ylabel("perplexity (held-out text)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+    return path
