@@ -206,8 +206,10 @@ class Muon(torch.optim.Optimizer):
             ``"auto"`` (default): a matrix that looks like a fresh random initialisation (``looks_fresh``: stable
             rank near an i.i.d. matrix's) is retracted as with ``"retract"``, silently; one that does not (pretrained
             weights) and that the first retraction would move by more than ``FAR_RETRACTION`` (0.1) of its norm
-            (‖R(W) − W‖_F/‖W‖_F) is refused at the first step, before anything changed, with one line naming the
-            matrix and the two choices: ``"retract"`` or ``"keep"``. ``"retract"``: retracted onto the manifold at its
+            (‖R(W) − W‖_F/‖W‖_F) is refused when the optimizer is built (``add_param_group``), with one line naming
+            the matrix and the two choices: ``"retract"`` or ``"keep"`` (a meta-device parameter — deferred
+            initialisation — and one whose values changed since are checked at their first step instead, before
+            anything changed). ``"retract"``: retracted onto the manifold at its
             first step and after every step, whatever it holds; a pretrained-looking matrix moved that far gets one
             warning per optimizer (``FarRetractionWarning``). ``"keep"`` (fine-tuning pretrained weights): the
             matrix is never retracted.
@@ -299,6 +301,9 @@ class Muon(torch.optim.Optimizer):
         self.last_stats: dict[str, dict[str, float]] = {}
         self.msign_auto: dict[str, dict[str, Any]] = {}
         self._far_retractions: dict[str, tuple[float, str]] = {}  # name -> (distance, manifold) since last warning
+        # init="auto" matrices checked when their group was added: id -> (data_ptr, version) then; the first step checks
+        # only those that were not (meta-device parameters, deferred) or that changed since
+        self._init_checked: dict[int, tuple[int, int]] = {}
         self._warned_far_retraction = False
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"Muon(): on_nonfinite={on_nonfinite!r} is invalid: choose one of {list(ON_NONFINITE)}")
@@ -377,6 +382,11 @@ class Muon(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             self._check_matrix(group, gi, i, p)
         self._resolve_choices(group)
+        if group["algorithm"] == "muon" and group["manifold"] is not None and group["init"] == "auto":
+            for i, p in enumerate(group["params"]):  # pretrained weights refused now, not after a forward/backward
+                if p.device.type != "meta" and not is_dtensor(p) and "momentum_buffer" not in self.state.get(p, {}):
+                    self._refuse_pretrained(gi, group, i, p, "the optimizer was not built")
+                    self._init_checked[id(p)] = (p.data_ptr(), p._version)
 
     def _check_matrix(self, group: dict[str, Any], gi: int, i: int, p: torch.Tensor) -> None:
         """Refuse a parameter of an ``algorithm="muon"`` group that is not a non-empty 2-D matrix whose output dim
@@ -705,16 +715,24 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon" and group["manifold"] is not None and group["init"] == "auto":
                 for i, p in items:
                     if "momentum_buffer" not in self.state.get(p, {}) and not is_dtensor(p) \
-                            and not torch.compiler.is_compiling():  # a trace cannot read W: ``compile_step`` steps
-                        self._refuse_pretrained(gi, group, i, p)  # a first step eagerly, so this check runs
+                            and not torch.compiler.is_compiling() and not self._checked_at_build(p):
+                        # a trace cannot read W: ``compile_step`` steps a first step eagerly, so this check runs
+                        self._refuse_pretrained(gi, group, i, p, "step refused")
         return work
 
+    def _checked_at_build(self, p: torch.Tensor) -> bool:
+        """Whether ``_check_group`` checked p for ``init="auto"`` and p holds the same tensor, unmodified, since."""
+        seen = self.__dict__.get("_init_checked", {}).get(id(p))
+        return seen is not None and seen == (p.data_ptr(), p._version)
+
     @torch.compiler.disable
-    def _refuse_pretrained(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor) -> None:
-        """``init="auto"``, at a matrix's first step: refuse, before anything changes, a matrix that does not look like
-        a fresh initialisation (``fresh_ratio`` < ``FRESH_STABLE_RANK``) and that the first retraction would move by
-        more than ``FAR_RETRACTION`` of its norm. Reads the matrix on the host (DTensor shards are not checked: a rank
-        holds only part of the matrix)."""
+    def _refuse_pretrained(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor, refused: str) -> None:
+        """``init="auto"``: refuse, before anything changes, a matrix that does not look like a fresh initialisation
+        (``fresh_ratio`` < ``FRESH_STABLE_RANK``) and that the first retraction would move by more than
+        ``FAR_RETRACTION`` of its norm — when its group is added (``refused``: "the optimizer was not built"), and at
+        its first step for a matrix not checked then (a meta-device parameter, deferred) or changed since ("step
+        refused"). Reads the matrix on the host (DTensor shards are not checked: a rank holds only part of the
+        matrix)."""
         W = _matrices(p.detach(), group["layout"], group["split"])
         ratio = fresh_ratio(W)
         if ratio >= FRESH_STABLE_RANK:
@@ -727,7 +745,7 @@ class Muon(torch.optim.Optimizer):
                 f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} does not look like a fresh "
                 f"initialisation (stable rank {ratio:.2f} of a random matrix's) and its first step would move it "
                 f"onto the {manifold.name} manifold by {dist:.2f} of its norm, discarding its values: pass "
-                "init='keep' to fine-tune it as it is, or init='retract' to project it; step refused, nothing was "
+                f"init='keep' to fine-tune it as it is, or init='retract' to project it; {refused}, nothing was "
                 "changed")
 
     def check_groups(self) -> None:
