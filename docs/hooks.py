@@ -7,10 +7,13 @@
   served from the site itself: :func:`on_files` adds ``assets/mathjax/tex-svg-full.js`` from the installed
   ``django-static-mathjax`` package (the ``docs`` extra; MathJax 3, Apache-2.0, no Django needed), so a page
   fetches nothing from elsewhere when it is viewed.
+* The results page (``docs/results.md``, which ``weightgeom claims`` writes whole) gets the recorded sweeps' figures
+  appended by :func:`on_page_markdown`, rendered from ``docs/results/figures.json`` as in ``docs/experiments.md``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # docs/gen_docs.py: a checkout's tool, not in the package
-from gen_docs import MATHJAX_SITE_PATH, api_problems, mathjax_script  # noqa: E402
+from gen_docs import FIGURES_RECORD, MATHJAX_SITE_PATH, api_problems, mathjax_script, render_figures  # noqa: E402
 
 
 def on_pre_build(config: Any) -> None:
@@ -41,3 +44,12 @@ def on_files(files: Files, config: Any) -> Files:
         raise PluginError(str(e)) from None
     files.append(File.generated(config, MATHJAX_SITE_PATH, abs_src_path=str(script)))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """Append the recorded sweeps' figures (``gen_docs.render_figures`` of ``docs/results/figures.json``) to the
+    results page; other pages pass through unchanged."""
+    if page.file.src_uri != "results.md" or not FIGURES_RECORD.is_file():
+        return markdown
+    entries = json.loads(FIGURES_RECORD.read_text(encoding="utf-8"))["figures"]
+    return markdown.rstrip("\n") + "\n\n" + render_figures(entries) if entries else markdown

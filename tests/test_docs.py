@@ -1,6 +1,7 @@
 """The documentation site: docs/guarantees.md is current, every public symbol is documented, the mkdocs config holds.
 
-``mkdocs build --strict`` itself runs in .ci/run (about 20 s); these tests check what it relies on, quickly.
+``mkdocs build --strict`` itself runs in tests/test_docs_site.py (about 20 s), which loads the site in a browser;
+these tests check what it relies on, quickly.
 """
 
 from __future__ import annotations
@@ -109,3 +110,49 @@ def test_mkdocs_config_offline_strict_and_complete():
     assert not set(guides) - set(listed), f"docs pages missing from nav in mkdocs.yml: {set(guides) - set(listed)}"
     for package in _docs.API_PACKAGES:
         assert f"api/{package}.md" in listed, package
+
+
+def test_recorded_figures_are_current_and_from_recorded_sweeps():
+    """The figures on the results and experiments pages are the recorded PNGs (SHA-256 in docs/results/figures.json),
+    the experiments page's section is rendered from that record, and every figure comes from a sweep the claims
+    record (docs/results/claims.json) holds findings of."""
+    import json
+
+    problems = _docs.figure_problems()
+    assert not problems, "\n".join(problems)
+    entries = json.loads(_docs.FIGURES_RECORD.read_text(encoding="utf-8"))["figures"]
+    claims = json.loads((DOCS / "results" / "claims.json").read_text(encoding="utf-8"))["findings"]
+    sources = {f["source"] for f in claims}
+    assert entries and all(e["source"] in sources for e in entries), [e["source"] for e in entries]
+    assert all(e["device"] != "not recorded" for e in entries)
+
+
+def test_figure_check_catches_a_changed_missing_or_unlisted_figure(tmp_path):
+    import json
+    import shutil
+
+    figures, record, page = tmp_path / "figures", tmp_path / "figures.json", tmp_path / "page.md"
+    shutil.copytree(_docs.FIGURES_DIR, figures)
+    shutil.copyfile(_docs.FIGURES_RECORD, record)
+    entries = json.loads(record.read_text(encoding="utf-8"))["figures"]
+    page.write_text("# x\n\n" + _docs.render_figures(entries), encoding="utf-8")
+    assert _docs.figure_problems(figures, record, [page]) == []
+    first = figures / entries[0]["file"]
+    first.write_bytes(first.read_bytes() + b"\0")  # a figure redrawn without recording it
+    (figures / "stray.png").write_bytes(b"\x89PNG")
+    page.write_text("# x\n", encoding="utf-8")
+    problems = _docs.figure_problems(figures, record, [page])
+    assert any("changed since it was recorded" in p for p in problems), problems
+    assert any("stray.png: not in figures.json" in p for p in problems), problems
+    assert any("figures section is missing" in p for p in problems), problems
+    first.unlink()
+    assert any("but missing" in p for p in _docs.figure_problems(figures, record, [page]))
+
+
+def test_mkdocs_serves_its_own_mathjax():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8").replace("!!python", "#"))
+    extensions = [e if isinstance(e, str) else next(iter(e)) for e in config["markdown_extensions"]]
+    assert "pymdownx.arithmatex" in extensions
+    assert _docs.MATHJAX_SITE_PATH in config["extra_javascript"]
+    assert not [s for s in config["extra_javascript"] if "://" in s]  # nothing from elsewhere
+    assert _docs.mathjax_script().is_file()
