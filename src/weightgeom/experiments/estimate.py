@@ -6,8 +6,9 @@ tokens = ``train.max_steps`` × ``data.batch_size`` × ``data.block_size`` × ``
 training throughput recorded on a named device (:data:`GPU_TRAIN_FLOPS`, :data:`CPU_TRAIN_FLOPS_PER_CORE`). The
 optimizer's own work (manifold Muon's dual step, MD's gains) is not in ``6 · N · tokens``: it adds per step what
 docs/benchmarks.md records (manifold Muon ≈ 5× a Muon step on an H200, MD ≈ 11× an AdamW step), so manifold arms take
-longer than the estimate says, and models far below GPT-2's size run below the recorded rate (launch- or
-overhead-bound): read the figure as a lower bound, for choosing ``--time-limit``.
+longer than the estimate says. The rate depends on the model's size too: on a GPU, models far below GPT-2's run
+below the recorded rate (launch-bound); on a CPU, matrices wider than the demo's 64 run above it (the continuity
+sweep's estimate is ≈ 2× what it took). Read the figure as the order of magnitude, for choosing ``--time-limit``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.experiments.runner import RunSpec
 
-__all__ = ["GPU_TRAIN_FLOPS", "CPU_TRAIN_FLOPS_PER_CORE", "arm_settings", "shared_settings", "run_tokens",
+__all__ = ["GPU_TRAIN_FLOPS", "CPU_TRAIN_FLOPS_PER_CORE", "NON_SEQUENCE_DATA", "arm_settings", "shared_settings",
+           "run_tokens",
            "nonembedding_params", "expected_seconds", "format_duration"]
 
 GPU_TRAIN_FLOPS = 6 * 85.0e6 * 331.7e3
@@ -36,17 +38,22 @@ AMX: 16 runs of a 3-layer GPT of width 64 (147,456 non-embedding parameters), ea
 _SKIP = ("run.seed", "run.name")  # named by the run itself
 
 
+NON_SEQUENCE_DATA = ("mnist",)
+"""Data kinds whose examples are single vectors, not token sequences: ``data.block_size`` does not apply."""
+
+
 def run_tokens(settings: dict[str, Any]) -> int:
-    """Tokens a run trains on: ``train.max_steps`` × ``data.batch_size`` × ``data.block_size`` ×
-    ``train.grad_accum`` (from :func:`weightgeom.experiments.runner.resolved_settings`)."""
-    return int(settings.get("train.max_steps", 0)) * int(settings.get("data.batch_size", 0)) \
-        * int(settings.get("data.block_size", 0)) * int(settings.get("train.grad_accum", 1) or 1)
+    """Tokens (examples, for :data:`NON_SEQUENCE_DATA`) a run trains on: ``train.max_steps`` × ``data.batch_size``
+    × ``data.block_size`` × ``train.grad_accum`` (from :func:`weightgeom.experiments.runner.resolved_settings`)."""
+    per_example = 1 if settings.get("data.kind") in NON_SEQUENCE_DATA else int(settings.get("data.block_size", 0))
+    return int(settings.get("train.max_steps", 0)) * int(settings.get("data.batch_size", 0)) * per_example \
+        * int(settings.get("train.grad_accum", 1) or 1)
 
 
 def nonembedding_params(model_config: dict[str, Any]) -> int:
-    """Parameters of the model a run builds, without its embeddings and output head (``nn.Embedding`` weights and
-    any matrix tied to one), counted on the meta device (no memory, no data); 0 where the model cannot be built that
-    way (a model that needs its data)."""
+    """Parameters of the model a run builds, without its embeddings and output head (``nn.Embedding`` weights, any
+    matrix tied to one, and a (vocabulary, width) head), counted on the meta device (no memory, no data); 0 where the
+    model cannot be built that way (a model that needs its data)."""
     import torch
 
     model_from_config = importlib.import_module("weightgeom.train.trainer").model_from_config
@@ -55,8 +62,12 @@ def nonembedding_params(model_config: dict[str, Any]) -> int:
             model = model_from_config(dict(model_config))
     except Exception:  # noqa: BLE001 - an estimate: a model that needs its data to be built counts as unknown
         return 0
-    embedding = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in embedding)
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    embedding = {id(m.weight) for m in embeddings}
+    vocab = {m.num_embeddings for m in embeddings if m.num_embeddings > m.embedding_dim}  # token tables, not positions
+    # the output head: an untied (vocab, d) matrix; its size depends on a vocabulary only the data fixes
+    return sum(p.numel() for p in model.parameters()
+               if id(p) not in embedding and not (p.dim() == 2 and p.shape[0] in vocab))
 
 
 def expected_seconds(settings: dict[str, Any], params: int, gpus: int, cpus: int) -> float | None:

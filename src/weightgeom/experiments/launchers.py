@@ -893,7 +893,7 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         if secs is not None:
             seconds.append(secs)
         print(f"  arm {spec.variant}: {estimate.arm_settings(spec, shared)}; expected "
-              f"{'≥ ' + estimate.format_duration(secs) if secs is not None else 'unknown (no parameter count)'}",
+              f"{'≈ ' + estimate.format_duration(secs) if secs is not None else 'unknown (no parameter count)'}",
               file=file)
     how = {"slurm": " as one SLURM job array", "ray": " as Ray tasks"}.get(launcher, "")
     print(f"{n} of {len(runs)} runs would be submitted{how}", file=file)
@@ -904,8 +904,9 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         lo, hi = estimate.format_duration(min(seconds)), estimate.format_duration(max(seconds))
         print(f"expected run time: {lo if lo == hi else f'{lo}–{hi}'} "
               f"per run, {estimate.format_duration(sum(seconds))} for all {len(seconds)} one after another — a FLOP "
-              f"estimate (6 · non-embedding parameters · tokens on {device}; weightgeom.experiments.estimate), a "
-              f"lower bound: small models and manifold/MD arms run slower{limit}", file=file)
+              f"estimate (6 · non-embedding parameters · tokens on {device}; weightgeom.experiments.estimate): the "
+              f"order of magnitude — manifold and MD arms take longer, and the rate varies with model size{limit}",
+              file=file)
     paths = required_paths(runs)
     if launcher != "local":
         paths = {sys.executable: [spec.name for spec in runs], **paths}  # the interpreter each command names
