@@ -136,6 +136,43 @@ def test_chain_claims_need_two_replicates_per_side(tmp_path, seeds, lrs, verdict
     assert found["ma-sigma-growth"].evidence.startswith("1 seed — ") == (verdict == "inconclusive")
 
 
+def _long_run(root: Path, strategy: str, mult: float, control: str | None, sat: float, val: float) -> None:
+    name = f"long-{strategy}-x{mult:g}" + (f"-{control}" if control else "")
+    d = root / f"{name}-s0"
+    d.mkdir(parents=True)
+    rows = [{"step": s, "split": "diag", "attn.0.saturation": sat * s / 100, "attn.0.qk_sigma_prod": 1.0,
+             "attn.0.logit_max": 2.0} for s in (0, 50, 100)] + [{"step": 100, "split": "val", "loss": val}]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (d / "config.resolved.toml").write_text(f'[optim]\nstrategy = "{strategy}"\n[optim.muon]\nlr = {0.02 * mult}\n')
+    tags = {"study": "long", "strategy": strategy, "lr_multiplier": mult, **({"control": control} if control else {})}
+    controls = {"head_stats_every": 50, **({"qk_clip": {"tau": 10.0}} if control == "qk-clip" else {}),
+                **({"sigma_cap": 2.0} if control == "sigma-cap" else {})}
+    (d / "experiment.json").write_text(json.dumps({"recipe": "manifolds", "variant": name, "seed": 0, "tags": tags,
+                                                   "controls": controls}))
+    (d / "status.json").write_text(json.dumps({"state": "done", "step": 100}))
+
+
+def test_scale_control_claims_from_the_constant_lr_long_runs(tmp_path):
+    """Plain DGram attention saturates at both learning rates; QK-clip removes it, the σ cap does not; the best
+    controlled arm is within the match margin of HETERO at ×8 but not at ×16 → gain, no gain, no gain. The controlled
+    arms stay out of the DGram-vs-Stiefel chain claims."""
+    for m, het in ((8, 1.50), (16, 1.60)):
+        _long_run(tmp_path, "all-dgram", m, None, 0.4, 1.7)
+        _long_run(tmp_path, "hetero-inv", m, None, 0.3, 1.7)
+        _long_run(tmp_path, "all-dgram", m, "qk-clip", 0.01, het + (0.03 if m == 8 else 0.2))
+        _long_run(tmp_path, "all-dgram", m, "sigma-cap", 0.2, 1.9)
+        _long_run(tmp_path, "hetero", m, None, 0.0, het)
+        _long_run(tmp_path, "all-stiefel", m, None, 0.0, het + 0.1)
+    found = {f.key: f for f in cl.findings([rep.load_run(d) for d in sorted(tmp_path.iterdir())])}
+    assert found["ma-qk-clip"].verdict == "gain" and "ALL-DGRAM ×8: peak saturation 0.40 → with qk-clip peak " \
+        "saturation 0.01" in found["ma-qk-clip"].evidence
+    assert found["ma-sigma-cap"].verdict == "no gain"
+    assert found["ma-controlled-match"].verdict == "no gain" and "×8: best controlled all-dgram+qk-clip 1.530 vs " \
+        "HETERO 1.500 (+0.030)" in found["ma-controlled-match"].evidence
+    assert "4 of 4 DGram-attention" in found["ma-saturation"].evidence  # the plain arms only
+    assert all(cl.CLAIM_BY_KEY[k].untested for k in ("ma-qk-clip", "ma-sigma-cap", "ma-controlled-match"))
+
+
 def test_quick_demo_reads_one_seed_as_inconclusive_and_says_it_is_a_smoke_test(tmp_path, monkeypatch, capsys):
     """The quick demo's own report path (demo → report → claims.json → console) on a one-seed continuity sweep: no
     bold verdict, each reads "inconclusive (1 seed)", and the report and console say the verdicts are a smoke test

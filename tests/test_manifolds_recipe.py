@@ -479,3 +479,30 @@ def test_boundary_preset_end_to_end_tiny(tmp_path):
                              only=["attr-all-dgram-sum-momentum"], threads=1)
     assert manifest["runs"][0]["status"] in ("done", "diverged")
     assert "### Attribution" in path.read_text() and "| `all-dgram` | sum-momentum |" in path.read_text()
+
+
+def test_long_const_preset_holds_the_peak_lr_for_10k_steps_with_scale_control_arms():
+    """`long-const`: constant lr after warm-up, ≥ 10,000 steps, the four strategies at ×8 and ×16, QK-clip and σ-cap
+    arms beside each DGram-attention arm only, diagnostics and per-head statistics as in `long`, checkpoints so it
+    resumes."""
+    from weightgeom.train.callbacks import SigmaCap
+    from weightgeom.train.qk_clip import QKClip
+
+    parts, sweep = load_parts("long-const", "manifolds")[1:]
+    variants = get_recipe("manifolds").variants(parts, sweep, None)
+    cfg = parts["long"]
+    assert cfg["schedule"]["kind"] == "constant" and cfg["schedule"]["warmup"] > 0
+    assert cfg["train"]["max_steps"] >= 10_000 and 0 < cfg["train"]["ckpt_every"] <= 1000
+    assert cfg["diagnostics"]["every"] == sweep["head_stats_every"] == 50
+    assert sorted({v.tags["lr_multiplier"] for v in variants}) == [8, 16]
+    plain = [v for v in variants if "control" not in v.tags]
+    assert {v.tags["strategy"] for v in plain} == {"all-dgram", "hetero-inv", "hetero", "all-stiefel"}
+    controlled = [v for v in variants if "control" in v.tags]
+    assert {(v.tags["strategy"], v.tags["control"]) for v in controlled} == {
+        (s, c) for s in ("all-dgram", "hetero-inv") for c in ("qk-clip", "sigma-cap")}
+    assert len(variants) == 16 and all(v.controls["head_stats_every"] == 50 for v in variants)
+    kinds = {v.tags["control"]: type(build_callbacks({k: x for k, x in v.controls.items()
+                                                      if k != "head_stats_every"})[0]) for v in controlled}
+    assert kinds == {"qk-clip": QKClip, "sigma-cap": SigmaCap}
+    with pytest.raises(ValueError, match="long_scale_controls"):
+        get_recipe("manifolds").variants(parts, {**sweep, "long_scale_controls": ["qk-norm"]}, None)

@@ -29,6 +29,10 @@ part ``main``):
   and ALL-STIEFEL) × the part's Muon lr times each of ``long_lr_multipliers`` (default 1, 2, 4, 8), per-head
   statistics every ``head_stats_every`` steps. The report gives, per run, the step at which σ_max(W_Q)·σ_max(W_K),
   the logit max and the head saturation first cross their thresholds and whether divergence followed saturation.
+  With ``long_scale_controls`` (any of :data:`SCALE_CONTROLS`), each DGram-attention arm (ALL-DGRAM, HETERO-INV) also
+  runs once per control — ``qk-clip`` (QK-clip at τ = ``qk_clip_tau``) and ``sigma-cap`` (σ cap ``sigma_cap``) —
+  tagged ``control``, so one sweep answers whether scale control removes the saturation or divergence and whether
+  DGram attention then matches HETERO (preset ``long-const``: the learning rate held at its peak after warm-up).
 * ``mechanism`` — long runs of ``mechanism_algorithms`` (default ``paper``; ``paper_msign_dtype`` as for the
   boundary) on ``mechanism_strategies`` with the
   softmax entropy and saturation of every attention head recorded every ``head_stats_every`` steps (the control
@@ -49,6 +53,7 @@ from weightgeom.experiments.runner import Recipe, Variant
 from weightgeom.optim.config import PAPER_MUON
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.train.config import load_config, with_overrides
+from weightgeom.train.qk_clip import DEFAULT_TAU
 
 PAPER_STRATEGIES = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv")
 """The paper's five arms; their manifolds per role are :data:`weightgeom.optim.param_groups.STRATEGIES`."""
@@ -75,6 +80,7 @@ STRATEGY_DESCRIPTIONS = {s: describe_strategy(s) for s in PAPER_STRATEGIES}
 """Strategy → description of the paper's five arms."""
 
 DEFAULT_SIGMA_CAP = 2.0
+DEFAULT_QK_CLIP_TAU = DEFAULT_TAU
 DEFAULT_AUTO_THRESHOLD = 10.0
 """Logit-bound threshold of the ``auto`` arm (logit units; :class:`weightgeom.train.auto_assign.AutoAssignConfig`)."""
 DEFAULT_LADDER = tuple(0.005 * 2 ** k for k in range(8))
@@ -86,6 +92,9 @@ DEFAULT_MECHANISM_STRATEGIES = ("all-dgram", "hetero-inv", "hetero", "all-stiefe
 DEFAULT_HEAD_STATS_EVERY = 50
 DEFAULT_LONG_STRATEGIES = ("all-dgram", "hetero-inv", "hetero", "all-stiefel")
 DEFAULT_LONG_LR_MULTIPLIERS = (1, 2, 4, 8)
+SCALE_CONTROLS = ("qk-clip", "sigma-cap")
+"""Scale controls ``long_scale_controls`` may add beside each DGram-attention arm of ``long``: QK-clip
+(:mod:`weightgeom.train.qk_clip`, τ = ``qk_clip_tau``) and the σ cap (``sigma_cap``)."""
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "ours": {"optim.preset": "ours"},
@@ -289,6 +298,12 @@ def long_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "long
     if not mults or any(not x > 0 for x in mults):
         raise ValueError(f"long_lr_multipliers must be a list of numbers > 0, got {sweep.get('long_lr_multipliers')!r}")
     every = int(sweep.get("head_stats_every", DEFAULT_HEAD_STATS_EVERY))
+    scale = list(sweep.get("long_scale_controls", []))
+    bad = [c for c in scale if c not in SCALE_CONTROLS]
+    if bad:
+        raise ValueError(f"long_scale_controls: unknown {bad[0]!r}; choose from {', '.join(SCALE_CONTROLS)}")
+    control_of = {"qk-clip": {"qk_clip": {"tau": float(sweep.get("qk_clip_tau", DEFAULT_QK_CLIP_TAU))}},
+                  "sigma-cap": {"sigma_cap": float(sweep.get("sigma_cap", DEFAULT_SIGMA_CAP))}}
     base_lr = float(base.get("optim", {}).get("muon", {}).get("lr", 0.02))
     name = _muon_name(base)
     ov = _algorithm(base, "paper", sweep)
@@ -300,10 +315,18 @@ def long_variants(base: dict[str, Any], sweep: dict[str, Any], part: str = "long
             lr = base_lr * m
             tags = {"study": "long", "strategy": s, "algorithm": "paper", "lr": lr, "lr_multiplier": m,
                     "msign_dtype": str(ov["optim.muon.msign_dtype"])}
-            out.append(Variant(f"long-{s}-x{m:g}", {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **ov},
-                               f"{describe_strategy(s)}, published algorithm, Muon lr {lr:g} (×{m:g}), per-head "
-                               f"statistics every {every} steps", part=part, controls={"head_stats_every": every},
-                               group=f"long-{s}", tags=tags))
+            overrides = {"optim.name": name, "optim.strategy": s, "optim.muon.lr": lr, **ov}
+            what = f"{describe_strategy(s)}, published algorithm, Muon lr {lr:g} (×{m:g})"
+            out.append(Variant(f"long-{s}-x{m:g}", overrides, f"{what}, per-head statistics every {every} steps",
+                               part=part, controls={"head_stats_every": every}, group=f"long-{s}", tags=tags))
+            if STRATEGIES[s]["attn"] != "dgram":
+                continue
+            for c in scale:
+                (key, value), = control_of[c].items()
+                out.append(Variant(f"long-{s}-x{m:g}-{c}", overrides, f"{what} with {key} = {value}, per-head "
+                                   f"statistics every {every} steps", part=part,
+                                   controls={"head_stats_every": every, key: value}, group=f"long-{s}-{c}",
+                                   tags={**tags, "control": c}))
     return out
 
 
@@ -341,5 +364,6 @@ RECIPE = Recipe(
     variants=variants,
     doc="manifold-assignment paper: UNCONSTRAINED/ALL-STIEFEL/ALL-DGRAM/HETERO/HETERO-INV, σ-capped DGram, HETERO+MD, "
         "AUTO; presets boundary (stability boundary + attribution), mechanism (long runs, per-head statistics) and "
-        "long (the published algorithm, 3000 steps, lr ×1–×8: where the instability lives)",
+        "long (the published algorithm, 3000 steps, lr ×1–×8: where the instability lives), long-const (10,000 "
+        "steps at a constant lr ×8 and ×16, with QK-clip and σ-cap arms)",
 )

@@ -89,6 +89,10 @@ PPL_MARGIN = 0.05
 1024 tokens, over which the perplexity of the same model moves by less than this between text windows."""
 LOSS_MARGIN = 0.005
 """Val-loss difference (nats) below which an MD comparison counts as no difference (the MD recipe runs one seed)."""
+MATCH_MARGIN = 0.05
+"""Val-loss difference (nats) within which a scale-controlled DGram-attention arm "matches" HETERO. The constant-lr
+long runs use one seed per learning rate, so this fixed margin stands in for the seed noise (the demo's 250-step
+strategy comparison measured a seed std of 0.04 nats)."""
 MIN_SEEDS = 2
 """Fewest seeds a comparison needs for a verdict. Below it the verdict reads ``inconclusive`` with the reason
 :data:`ONE_SEED`. The DGram-against-Stiefel chain claims pool runs over a learning-rate ladder, so there each side
@@ -154,6 +158,13 @@ R_DIVERGE = (f"fraction of runs diverged under DGram attention minus under Stief
 R_GROWTH = ("largest growth (last / first diagnostics step, largest layer) over the DGram-attention runs against the "
             f"Stiefel-attention runs: reproduced when it is more than {GROWTH_FACTOR:g}× larger, reversed when "
             f"{GROWTH_FACTOR:g}× smaller, else not reproduced")
+UNTESTED_LONG_CONST = ("needs the sweep weightgeom sweep manifolds long-const (10,000 steps at a constant learning "
+                       "rate, with QK-clip and σ-cap arms; ~12 CPU-hours); no recorded run yet")
+R_CONTROL = ("over the (strategy, learning rate) settings of the constant-lr long runs where the plain DGram-attention "
+             f"arm (ALL-DGRAM, HETERO-INV) saturates (a head's peak saturated fraction above {SATURATION_SEEN:g}) or "
+             "diverges, the same arm with {control}: gain when it does neither at every such setting, no gain when it "
+             f"still does at any; inconclusive (1 seed) from fewer than {MIN_SEEDS} such settings; no finding while no "
+             "plain arm saturates or diverges")
 CLAIMS: tuple[Claim, ...] = (
     Claim("ma-dgram-unstable", "manifold assignment", "DGram attention is unstable (ALL-DGRAM, HETERO-INV diverge; "
           "Stiefel attention does not)", R_DIVERGE, "manifolds"),
@@ -175,6 +186,18 @@ CLAIMS: tuple[Claim, ...] = (
           f"{SEED_NOISE:g}× the largest seed std, no gain when above it by more than that, else inconclusive "
           f"(within noise); inconclusive (1 seed) when AUTO or the best fixed strategy has fewer than {MIN_SEEDS} "
           "finished seeds", "manifolds"),
+    Claim("ma-qk-clip", "manifold assignment", "QK-clip removes DGram attention's saturation or divergence (future "
+          "work: the paper leaves open whether explicit scale control stabilises DGram attention)",
+          R_CONTROL.format(control="QK-clip"), "manifolds", untested=UNTESTED_LONG_CONST),
+    Claim("ma-sigma-cap", "manifold assignment", "the σ cap removes DGram attention's saturation or divergence (future "
+          "work, as for QK-clip)", R_CONTROL.format(control="the σ cap"), "manifolds", untested=UNTESTED_LONG_CONST),
+    Claim("ma-controlled-match", "manifold assignment", "with scale control, ALL-DGRAM / HETERO-INV match or beat "
+          "HETERO (future work)",
+          f"at each learning rate of the constant-lr long runs, the lowest final val loss of a scale-controlled "
+          f"DGram-attention arm (ALL-DGRAM or HETERO-INV with QK-clip or the σ cap; a diverged arm counts as worse) "
+          f"minus HETERO's: gain when at most {MATCH_MARGIN:g} nats at every learning rate, no gain when above at any; "
+          f"inconclusive (1 seed) from fewer than {MIN_SEEDS} learning rates", "manifolds",
+          untested=UNTESTED_LONG_CONST),
     Claim("c-nores", "continuity", "without residual connections gradient continuity collapses (≈ 0.05, the random "
           "level)", f"NoRes gradient C_v against Res+ReLU's: the direction holds when lower by more than "
           f"{CV_MARGIN:g}; reproduced when also within {CV_TOLERANCE:g} of the paper's 0.05, partly reproduced when "
@@ -401,10 +424,69 @@ def manifolds_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, lis
             out[chain_from:] = [(k, *inconclusive(v, e, ONE_SEED), u) for k, v, e, u in out[chain_from:]]
         if name == "main":
             out += _strategy_findings(rs)
+    if "long" in by_study:
+        out += scale_control_findings(by_study["long"])
     return out
 
 
 CONSTRAINED = ("all-stiefel", "all-dgram", "hetero", "hetero-inv")
+CONTROL_CLAIMS = {"qk-clip": "ma-qk-clip", "sigma-cap": "ma-sigma-cap"}
+"""A long run's ``control`` tag -> the claim on whether that scale control stabilises DGram attention."""
+
+
+def scale_control_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, list[RunData]]]:
+    """(key, verdict, evidence, runs used) of the scale-control claims (``ma-qk-clip``, ``ma-sigma-cap``,
+    ``ma-controlled-match``) from long runs tagged ``strategy``, ``lr_multiplier`` and, for a scale-controlled arm,
+    ``control`` (preset ``long-const``); nothing without a controlled arm."""
+    def key(r: RunData) -> tuple[str, Any]:
+        return str(r.tags.get("strategy")), r.tags.get("lr_multiplier")
+
+    plain = {key(r): r for r in runs if not r.tags.get("control")}
+    ctrl = {(str(r.tags["control"]), *key(r)): r for r in runs if r.tags.get("control")}
+    if not ctrl:
+        return []
+
+    def bad(r: RunData) -> bool:
+        return r.diverged or chain_record(r)["sat"] > SATURATION_SEEN
+
+    def what(r: RunData) -> str:
+        return "diverges" if r.diverged else f"peak saturation {_f(chain_record(r)['sat'])}"
+
+    out: list[tuple[str, str, str, list[RunData]]] = []
+    hit = {k: r for k, r in plain.items() if k[0] in ("all-dgram", "hetero-inv") and bad(r)}
+    for c, claim in CONTROL_CLAIMS.items():
+        pairs = [(k, r, ctrl.get((c, *k))) for k, r in hit.items()]
+        pairs = [x for x in pairs if x[2] is not None]
+        if not pairs:
+            continue
+        kept = [(k, r, rc) for k, r, rc in pairs if bad(rc)]
+        ev = "; ".join(f"{k[0].upper()} ×{k[1]:g}: {what(r)} → with {c} {what(rc)}" for k, r, rc in pairs)
+        used = [r for _, r, rc in pairs for r in (r, rc)]
+        verdict = "no gain" if kept else "gain"
+        if replicates([r for _, r, _ in pairs]) < MIN_SEEDS:
+            verdict, ev = inconclusive(verdict, ev, ONE_SEED)
+        out.append((claim, verdict, ev, used))
+    diffs, used = [], []
+    for m in sorted({k[1] for k in plain if k[0] == "hetero"}, key=float):
+        het = plain[("hetero", m)]
+        arms = [r for (c, s, mm), r in ctrl.items() if mm == m and s in ("all-dgram", "hetero-inv")]
+        if het.diverged or not arms:
+            continue
+        vals = [(math.inf if r.diverged else final_value(loss_series(r, "val")), r) for r in arms]
+        best, rb = min(vals, key=lambda x: x[0])
+        h = final_value(loss_series(het, "val"))
+        if math.isfinite(h) and not math.isnan(best):
+            diffs.append((m, best - h, rb, h))
+            used += [het, *arms]
+    if diffs:
+        worse = [x for x in diffs if not x[1] <= MATCH_MARGIN]
+        ev = "; ".join(f"×{m:g}: best controlled {r.tags.get('strategy', '?')}+{r.tags.get('control')} "
+                       f"{_f(h + d, 3)} vs HETERO {h:.3f} ({d:+.3f})" for m, d, r, h in diffs)
+        verdict = "no gain" if worse else "gain"
+        if len(diffs) < MIN_SEEDS:
+            verdict, ev = inconclusive(verdict, ev, ONE_SEED)
+        out.append(("ma-controlled-match", verdict, ev + f" (match margin {MATCH_MARGIN:g} nats)", used))
+    return out
 
 
 def _strategy_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str, list[RunData]]]:

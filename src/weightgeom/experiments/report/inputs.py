@@ -273,7 +273,7 @@ STATUS = {"state": one_of("running", "done", "diverged", "failed", "interrupted"
 
 TAGS = {"study": Str, "strategy": Str, "algorithm": Str, "arm": Str, "kind": Str, "optimizer": Str, "axis": Str,
         "value": Scalar, "lr": PositiveNumber, "gain_lr": PositiveNumber, "rung": NonNegInt, "width": PositiveInt,
-        "warmup": NonNegInt, "lr_multiplier": PositiveNumber, "msign_dtype": Str}
+        "warmup": NonNegInt, "lr_multiplier": PositiveNumber, "msign_dtype": Str, "control": Str}
 """The tags the recipes give their runs (``experiment.json``'s ``tags``) and their types."""
 
 EXPERIMENT = {"name": Str, "recipe": Str, "variant": Str, "seed": Int, "part": Str, "group": Str,
@@ -286,7 +286,10 @@ CONTROLS = {"sigma_cap": Number, "steps": NonNegInt, "rescales": NonNegInt, "max
             "layers": NonNegInt, "auto_threshold": Number, "auto_layers": NonNegInt,
             "auto_max_bound": Map(Number),
             "auto_moves": ListOf({"layer": Str, "action": Str, "step": NonNegInt, "bound": Number,
-                                   "qk_sigma_prod": Number, "qk_sigma_prod_after": Number})}
+                                   "qk_sigma_prod": Number, "qk_sigma_prod_after": Number}),
+            "qk_clip_tau": Number, "alpha": Number, "constrained": Str, "clips": NonNegInt, "skipped": NonNegInt,
+            "max_logit_seen": Number, "layers_heads": NonNegInt, "layers_whole": NonNegInt,
+            "layers_skipped": NonNegInt}
 """``controls.json`` (the experiment callbacks')."""
 
 META = {"num_params": Number, "n_params": Number, "params": Number, "device_kind": Str}

@@ -63,7 +63,8 @@ def _attn_manifold(run: RunData) -> str:
     if strat == "auto":
         return "auto"
     geo = str(STRATEGIES[strat]["attn"] or "none") if strat in STRATEGIES else "?"
-    if "sigma_cap" in ctrl or run.config.get("model", {}).get("qk_norm"):
+    if ("sigma_cap" in ctrl or "qk_clip" in ctrl or (run.config.get("qk_clip") or {}).get("enabled")
+            or run.config.get("model", {}).get("qk_norm")):
         return geo + "+scale-control"
     return geo
 
@@ -803,7 +804,9 @@ def long_record(run: RunData) -> dict:
     else:
         follows = f"no: diverged at {div} without saturation"
     finite = [float(x) for x in (sp.max() if len(sp) else math.nan, lg.max() if len(lg) else math.nan)]
-    return {"run": run, "strategy": str(run.tags.get("strategy", "?")), "lr": run.tags.get("lr"),
+    control = run.tags.get("control")
+    return {"run": run, "strategy": str(run.tags.get("strategy", "?")) + (f"+{control}" if control else ""),
+            "lr": run.tags.get("lr"),
             "mult": run.tags.get("lr_multiplier"), "msign": str(run.tags.get("msign_dtype", "?")),
             "attn": _attn_manifold(run), "steps": run.status.get("step"), "diverged": div,
             "val": final_value(loss_series(run, "val")) if div is None else None,
@@ -817,8 +820,8 @@ def long_record(run: RunData) -> dict:
 
 def long_verdict(records: Sequence[dict]) -> list[str]:
     """In words: which runs diverged, whether divergence followed saturation, how far the others got."""
-    dg = [r for r in records if r["attn"].startswith("dgram")]
-    st = [r for r in records if r["attn"].startswith("stiefel")]
+    dg = [r for r in records if r["attn"].startswith("dgram") and "scale-control" not in r["attn"]]
+    st = [r for r in records if r["attn"].startswith("stiefel") and "scale-control" not in r["attn"]]
 
     def count(rs: Sequence[dict]) -> str:
         d = [r for r in rs if r["diverged"] is not None]
