@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from all_pairs import params as all_pairs
 from weightgeom import manifolds
 from weightgeom.manifolds import DGram, Euclidean, Manifold, Oblique, Stiefel
 from weightgeom.manifolds import dgram as dgram_mod
@@ -37,11 +38,6 @@ DTYPES = [torch.float64, torch.float32]
 # Tolerances on dimensionless quantities (entrywise |‖w‖−1|, |cos|, relative differences). Measured on these shapes:
 # float64 results agree to ~1e-15 and float32 ones to ~5e-7; the constants leave ~100× (float64: 1e5×) headroom.
 TOL = {torch.float64: 1e-10, torch.float32: 3e-5}
-
-
-def _id(request) -> str:
-    """The MANIFOLDS table id of the running test (its parameter id comes last in the node id)."""
-    return max((p.id for p in MANIFOLDS if request.node.callspec.id.endswith(p.id)), key=len)
 
 
 def rand(*shape, dtype=torch.float64, seed=0):
@@ -72,6 +68,16 @@ def sym_pair(n, batch=(), seed=0):
 params_m = pytest.mark.parametrize("make", MANIFOLDS)
 params_shape = pytest.mark.parametrize("shape", SHAPES, ids=str)
 params_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+MAKE = {p.id: p.values[0] for p in MANIFOLDS}
+# manifold × shape × dtype as an all-pairs table (tests/all_pairs.py): every manifold meets every shape and both
+# dtypes, every shape both dtypes — 49 rows instead of the product's 98.
+pairs_m_shape_dtype = all_pairs({"manifold": list(MAKE), "shape": SHAPES, "dtype": DTYPES})
+# The split-bf16 products run only on float32 matrices whose every dimension is ≥ SPLIT_MIN_DIM (256): the big shapes
+# cross it, (7, 4) does not. Each manifold takes them on a big float32 matrix, one matrix or a batch (a named row per
+# manifold) beyond the all-pairs rows, where any one of the three factors alone would leave the IEEE path running.
+BIG = [(300, 260), (2, 300, 260), (7, 4)]
+SPLIT_ROWS = [{"manifold": name, "dtype": torch.float32, "split": True, "shape": BIG[i % 2]}
+              for i, name in enumerate(MAKE)]
 
 
 # ---- P: a self-adjoint projector ----------------------------------------------------------------------------------
@@ -87,11 +93,9 @@ def test_P_is_selfadjoint_projector(make):
 
 
 # ---- retraction ---------------------------------------------------------------------------------------------------
-@params_m
-@params_shape
-@params_dtype
-def test_retraction_lands_on_manifold(make, shape, dtype):
-    m = make()
+@pairs_m_shape_dtype
+def test_retraction_lands_on_manifold(manifold, shape, dtype):
+    m = MAKE[manifold]()
     W0 = point(m, shape, dtype)
     for W in (W0 + 0.1 * rand(*shape, dtype=dtype, seed=1), rand(*shape, dtype=dtype, seed=2)):
         R = m.retract(W)
@@ -101,14 +105,12 @@ def test_retraction_lands_on_manifold(make, shape, dtype):
         assert float(m.constraint_violation(R).max()) < TOL[dtype]
 
 
-@params_m
-@params_shape
-@params_dtype
-def test_retraction_idempotent_on_manifold(make, shape, dtype, request):
-    m = make()
+@pairs_m_shape_dtype
+def test_retraction_idempotent_on_manifold(manifold, shape, dtype):
+    m = MAKE[manifold]()
     W = point(m, shape, dtype)
     R = m.retract(W)
-    if _id(request) in NOT_IDEMPOTENT:
+    if manifold in NOT_IDEMPOTENT:
         # Paper DGram: column j receives the j-th largest norm. Moves the point unless norms are already sorted
         # (a single column, or the one-matrix-of-one-column shapes, are trivially sorted).
         X, _ = manifolds.tall(W)
@@ -164,11 +166,9 @@ def test_zero_column_policies():
 
 
 # ---- tangent projection -------------------------------------------------------------------------------------------
-@params_m
-@params_shape
-@params_dtype
-def test_proj_tangent(make, shape, dtype):
-    m = make()
+@pairs_m_shape_dtype
+def test_proj_tangent(manifold, shape, dtype):
+    m = MAKE[manifold]()
     W = point(m, shape, dtype)
     A, B = rand(*shape, dtype=dtype, seed=3), rand(*shape, dtype=dtype, seed=4)
     T = m.proj_tangent(W, A)
@@ -255,17 +255,15 @@ def test_batched_equals_looped(make, dtype):
             assert abs(float(cv[i, j] - m.constraint_violation(W[i, j]))) < TOL[dtype] * (1 + float(cv[i, j]))
 
 
-@params_m
-@params_dtype
-@pytest.mark.parametrize("split", [False, True], ids=["ieee", "split"])
-@pytest.mark.parametrize("shape", [(300, 260), (2, 300, 260), (7, 4)], ids=str)
-def test_proj_tangent_tall_overwrite_a_gives_the_same_values(make, dtype, split, shape):
+@all_pairs({"manifold": list(MAKE), "dtype": DTYPES, "split": [False, True], "shape": BIG}, SPLIT_ROWS,
+           ids={"split": ["ieee", "split"]})
+def test_proj_tangent_tall_overwrite_a_gives_the_same_values(manifold, dtype, split, shape):
     """``overwrite_a=True`` (the dual ascent's projection of its own A) gives the bits of the non-overwriting call,
     writes nothing but A, and whatever it returns — A's memory or a new tensor — holds the projection. S given or
     not; split-bf16 products (inside ``split_products``, the CPU's default) or IEEE ones."""
     from weightgeom.linalg.split import split_products
 
-    m = make()
+    m = MAKE[manifold]()
     X = tall(point(m, shape, dtype))[0]
     A = rand(*X.shape, dtype=dtype, seed=3)
     with split_products(split):
@@ -284,19 +282,18 @@ def test_proj_tangent_tall_overwrite_a_gives_the_same_values(make, dtype, split,
         assert torch.equal(Y, Y0) and torch.equal(got, m.proj_tangent_tall(X, Y0))
 
 
-@params_m
-@params_dtype
-@pytest.mark.parametrize("split", [False, True], ids=["ieee", "split"])
-@pytest.mark.parametrize("shape", [(300, 260), (2, 300, 260), (7, 4)], ids=str)
-@pytest.mark.parametrize("dist", [1e-3, 3.0], ids=["near", "far"])
-@pytest.mark.parametrize("layout", ["row_major", "col_major"])  # col_major: a wide matrix's tall view
-def test_retract_in_place_gives_retracts_bits(make, dtype, split, shape, dist, layout):
+@all_pairs({"manifold": list(MAKE), "dtype": DTYPES, "split": [False, True], "shape": BIG, "dist": [1e-3, 3.0],
+            "layout": ["row_major", "col_major"]},  # col_major: a wide matrix's tall view
+           [{**row, "shape": shape, "dist": dist, "layout": layout} for row in SPLIT_ROWS
+            for shape, dist, layout in [(BIG[0], 1e-3, "row_major"), (BIG[1], 3.0, "col_major")]],
+           ids={"split": ["ieee", "split"], "dist": ["near", "far"]})
+def test_retract_in_place_gives_retracts_bits(manifold, dtype, split, shape, dist, layout):
     """``retract_`` (the optimizer's in-place retraction; Stiefel and DGram write their last near-manifold update
     into a row-major W directly) returns W holding ``retract``'s bits, near the manifold or far from it, tall or wide,
     row- or column-major, batched, with split-bf16 or IEEE products."""
     from weightgeom.linalg.split import split_products
 
-    m = make()
+    m = MAKE[manifold]()
     W = (point(m, shape, dtype) + dist * rand(*shape, dtype=dtype, seed=5) / max(shape[-2:]) ** 0.5).contiguous()
     if layout == "col_major":
         W = W.mT.contiguous().mT
@@ -334,11 +331,9 @@ def test_wide_is_transposed_tall(make, dtype):
     assert m.check(W.mT).ok == m.check(W).ok
 
 
-@params_m
-@params_shape
-@params_dtype
-def test_random_point_on_manifold(make, shape, dtype):
-    m = make()
+@pairs_m_shape_dtype
+def test_random_point_on_manifold(manifold, shape, dtype):
+    m = MAKE[manifold]()
     W = point(m, shape, dtype)
     assert W.shape == shape and W.dtype == dtype
     res = m.check(W, tol=TOL[dtype])
@@ -467,9 +462,8 @@ def test_every_registered_manifold_is_in_the_table():
 
 
 # ---- Stiefel shortcut for points near the manifold ----------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (3, 40, 16)])
-@pytest.mark.parametrize("dist", [1e-6, 1e-3, 0.015, 0.05, 0.2, 0.45])
+@all_pairs({"dist": [1e-6, 1e-3, 0.015, 0.05, 0.2, 0.45], "shape": [(96, 32), (32, 96), (3, 40, 16)],
+            "dtype": [torch.float32, torch.float64]})
 def test_stiefel_near_retraction_matches_svd_polar(shape, dtype, dist, monkeypatch):
     m = Stiefel()
     W0 = m.random_point(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -525,9 +519,8 @@ def test_stiefel_far_point_uses_polar_express():
     assert rel(R, Stiefel(method="svd").retract(W)) < TOL[torch.float64]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (2, 64, 16)])
-@pytest.mark.parametrize("dist", [1e-5, 1e-3, 2e-2])
+@all_pairs({"dist": [1e-5, 1e-3, 2e-2], "shape": [(96, 32), (32, 96), (2, 64, 16)],
+            "dtype": [torch.float32, torch.float64]})
 def test_dgram_near_retraction_matches_svd(shape, dtype, dist, monkeypatch):
     """m ≥ 2n near the manifold: msign(W) = U₁·msign(U₁ᵀW) with an n×n Polar Express; same result as the SVD."""
     m = DGram(retraction="polar")
