@@ -151,7 +151,12 @@ def test_recorder_weight_rows_carry_the_spread_columns(tmp_path):
 
 
 def _spread_dir(root: Path, variant: str, cvs: list[float], diverged: bool = False) -> None:
-    d = root / f"{variant}-s0"
+    for seed in (0, 1):  # two seeds: a verdict from one reads "inconclusive (1 seed)"
+        _spread_seed(root, variant, cvs, diverged, seed)
+
+
+def _spread_seed(root: Path, variant: str, cvs: list[float], diverged: bool, seed: int) -> None:
+    d = root / f"{variant}-s{seed}"
     d.mkdir(parents=True)
     k = len(cvs)
     tot = sum(c * c for c in cvs)
@@ -165,7 +170,7 @@ def _spread_dir(root: Path, variant: str, cvs: list[float], diverged: bool = Fal
         rows.append({"step": 20, "kind": "grad", "role": "mlp", "layer": layer, "cv": 0.9, "cu": 0.9,
                      "align_in": 0.9, "align_out": 0.9})
     (d / "continuity.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (d / "experiment.json").write_text(json.dumps({"recipe": "continuity", "variant": variant, "seed": 0,
+    (d / "experiment.json").write_text(json.dumps({"recipe": "continuity", "variant": variant, "seed": seed,
                                                    "part": "resmlp"}))
     (d / "status.json").write_text(json.dumps({"state": "diverged" if diverged else "done", "step": 20}))
     (d / "metrics.jsonl").write_text(json.dumps({"step": 20, "split": "val", "loss": 0.3, "acc": 0.9}) + "\n")
@@ -180,7 +185,7 @@ def test_continuity_report_spread_table_and_verdicts(tmp_path):
     _spread_dir(root, "adam-b2-0", [0.8, 0.1, 0.1, 0.1])
     text = rep.make_report([root]).read_text()
     assert "### Where continuity lives: the top 4 singular directions" in text
-    assert "| `res-ln` | 0.70 | 0.60 | 0.53 |" in text
+    assert "| `res-ln` | 0.70 ± 0.00 (n=2) | 0.60 ± 0.00 (n=2) | 0.53 ± 0.00 (n=2) |" in text
     assert "concentrates continuity in v1: Res+ReLU C_v(v1) 0.90 vs mean C_v(v2..vk) 0.10" in text
     assert "LayerNorm spreads continuity over several singular directions: Res+LN mean C_v(v2..vk) 0.53" in text
     assert "Res+ReLU+LN v1 share" in text and "**not reproduced**" not in text.split("activation / LayerNorm")[1]
