@@ -793,9 +793,9 @@ def test_exclude_pattern_matching_nothing_is_refused():
                                          ("row", "softplus")])
 def test_batched_gain_maps_equal_one_call_per_gain(monkeypatch, gains, param):
     """Off the CPU the gains' φ and chain rule run over all gains of a device and dtype at once (one concatenated
-    vector, ``_elementwise_many``); run that path on the CPU: 4 eager steps (torch passes and C passes around
+    vector, ``md_eager.elementwise_many``); run that path on the CPU: 4 eager steps (torch passes and C passes around
     AdamW) match the one-call-per-gain path to float64 rounding — each θ gets its own gradient and value back."""
-    import weightgeom.optim.magnitude_direction as mdmod
+    import weightgeom.optim.md_eager as mdmod
 
     x, y = _batch()
     out = {}

@@ -27,27 +27,17 @@ overhead).
 
 from __future__ import annotations
 
-import fnmatch
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from weightgeom import kernels, manifolds
-from weightgeom.optim import md_fused, md_host_free, md_state, md_torch
+from weightgeom.optim import md_checks, md_eager, md_fused, md_host_free, md_setup, md_state, md_torch
 from weightgeom.optim.checks import (
-    PARAM_SHAPED_STATE,
-    check_fits_param,
-    check_group_kinds,
     check_new_group,
-    dtype_supported,
-    is_torch_optimizer,
-    torch_state_shapes,
-    unsupported_dtype,
 )
-from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
+from weightgeom.optim.functional import NonFiniteGradientError
 from weightgeom.optim.md_functional import (  # noqa: F401 (re-exported: the public names of this module)
     _ZERO_NORM,
     EMBEDDINGS,
@@ -94,98 +84,9 @@ __all__ = [
 ]
 
 
-# How a base group's manifold interacts with the sphere: "free" (no manifold, or a constraint invariant under
-# scaling, e.g. DGram: off-diagonal Gram = 0) → project Ŵ on the sphere directly; "fixed" (Stiefel, Oblique: the
-# manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)). Decided from the
-# manifold's target Gram P(I) (_manifold_kind_uncached), so a registered manifold needs no entry here.
-
-
-def _manifold_kind(manifold: Any, k: int) -> str:
-    if not (manifold is None or isinstance(manifold, str)):
-        return _manifold_kind_uncached(manifold, k)
-    key = (manifold, k)
-    kind = _KIND_CACHE.get(key)
-    if kind is None:
-        kind = _KIND_CACHE[key] = _manifold_kind_uncached(manifold, k)
-    return kind
-
-
-_KIND_CACHE: dict[tuple[Any, int], str] = {}
-
-
-def _manifold_kind_uncached(manifold: Any, k: int) -> str:
-    if manifold is None:
-        return "free"
-    try:
-        obj = manifolds.get(manifold)
-    except ValueError as e:
-        raise ValueError(f"MagnitudeDirection: unknown manifold {manifold!r} in a base param group ({e})") from None
-    target = obj.P(torch.eye(k, dtype=torch.float64))
-    if bool(torch.all(target == 0)):
-        return "free"
-    if bool(torch.all(target.diagonal() == 1)):
-        return "fixed"
-    raise ValueError(f"MagnitudeDirection: manifold {obj.name!r} neither fixes ‖W‖_F nor is scale-invariant; "
-                     "MD cannot combine its sphere with it")
-
-
-# W counts as still γ_r Ŵ γ_c (no re-derivation of Ŵ) when every entry agrees to this many units in the last place:
-# the fused kernel computes γ = softplus(θ) with the C library's log1p/exp, torch with its own; they differ by ≤ 1 ulp,
-# so γ_r Ŵ γ_c recomputed in torch differs from the kernel's W by a few ulp (measured ≤ 3.3·eps·|W| over 30 fused
-# steps of 10 matrices, softplus and exp). Any real change to W (a different checkpoint, an edit) is far larger.
-_RESYNC_ULPS = 16
-
-
-def _same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
-    if torch.equal(composed, W):
-        return True
-    if not W.is_floating_point():
-        return False
-    tol = _RESYNC_ULPS * torch.finfo(W.dtype).eps
-    return bool(((composed - W).abs() <= tol * W.abs()).all())
-
-
-# torch optimizers whose step takes sparse gradients; any other base (Adam, AdamW, Muon, ...) would refuse one inside
-# its step, after MD had stepped the decoupled matrices, so MD refuses it before anything changes.
-_SPARSE_BASES = (torch.optim.SGD, torch.optim.SparseAdam, torch.optim.Adagrad)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The wrapper.
 # ---------------------------------------------------------------------------------------------------------------------
-def _vector(gain: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """A gain of ``gain_values`` as a contiguous vector of k entries in ``dtype`` (a scalar gain repeated)."""
-    if gain is None:
-        return None
-    g = gain.to(dtype).reshape(-1)
-    return (g.expand(k) if g.numel() == 1 else g).contiguous()
-
-
-_BATCH_ON_CPU = False  # tests set it to run the batched (GPU) path of _elementwise_many on the CPU
-
-
-def _elementwise_many(fn: Callable[..., torch.Tensor], firsts: list[torch.Tensor],
-                      seconds: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """``[fn(a) for a in firsts]`` (or ``fn(a, b)`` pairwise) for an elementwise ``fn``; off the CPU, tensors of one
-    device and dtype go through ``fn`` as one concatenated vector (a few kernels instead of a few per tensor: the
-    gains' maps are launch-bound on a GPU, two small vectors per matrix). The CPU keeps one call per tensor (its
-    vectorised kernels may round a vector's tail differently from its body, and launches cost little there)."""
-    out: list[torch.Tensor | None] = [None] * len(firsts)
-    groups: dict[tuple, list[int]] = {}
-    for i, a in enumerate(firsts):
-        groups.setdefault((a.device, a.dtype), []).append(i)
-    for (dev, _dtype), idx in groups.items():
-        if (dev.type == "cpu" and not _BATCH_ON_CPU) or len(idx) == 1:
-            for i in idx:
-                out[i] = fn(firsts[i]) if seconds is None else fn(firsts[i], seconds[i])
-            continue
-        flat_a = torch.cat([firsts[i].reshape(-1) for i in idx])
-        res = fn(flat_a) if seconds is None else fn(flat_a, torch.cat([seconds[i].reshape(-1) for i in idx]))
-        for i, piece in zip(idx, res.split([firsts[i].numel() for i in idx])):
-            out[i] = piece.view(firsts[i].shape)
-    return out  # type: ignore[return-value]
-
-
 class MagnitudeDirection(Optimizer):
     """Magnitude–direction decoupling around any base optimizer (the MD paper; docs/md.md).
 
@@ -317,9 +218,9 @@ class MagnitudeDirection(Optimizer):
         self.embedding_radius = float(embedding_radius)
         self._gain_groups: list[dict[str, Any]] = []
 
-        names = self._param_names(model)
+        names = md_setup.param_names(self, model)
         self._name = names
-        decoupled, unit_rows = self._select(names, params, exclude, embeddings, model)
+        decoupled, unit_rows = md_setup.select(self, names, params, exclude, embeddings, model)
         for p in decoupled:
             md_torch.validate_matrix(p, names[p], sphere)
         for p in unit_rows:
@@ -328,7 +229,8 @@ class MagnitudeDirection(Optimizer):
                                  "unit-row embeddings must be 2-D (rows = tokens)")
         self._decoupled: list[torch.Tensor] = decoupled
         self._unit_rows: list[torch.Tensor] = unit_rows
-        self.weight_decay_overridden: list[str] = self._override_weight_decay(set(decoupled) | set(unit_rows), names)
+        self.weight_decay_overridden: list[str] = md_setup.override_weight_decay(
+            self, set(decoupled) | set(unit_rows), names)
 
         gain_group = {"params": [], "names": [], "lr": float(gain_lr), "betas": tuple(gain_betas),
                       "eps": float(gain_eps), "weight_decay": 0.0, "md_role": "gains"}
@@ -440,9 +342,10 @@ class MagnitudeDirection(Optimizer):
 
     def _gain_values_many(self, ps: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """``gain_values(p)`` for each p (keyed by ``id(p)``), the gains' φ evaluated together
-        (``_elementwise_many``)."""
+        (``md_eager.elementwise_many``)."""
         thetas = [self.state[p][k] for p in ps for k in ("gain_row", "gain_col") if k in self.state[p]]
-        vals = dict(zip(map(id, thetas), _elementwise_many(lambda t: gain_value(t, self.parameterization), thetas)))
+        values = md_eager.elementwise_many(lambda t: gain_value(t, self.parameterization), thetas)
+        vals = dict(zip(map(id, thetas), values))
         out = {}
         for p in ps:
             r, c = self.state[p].get("gain_row"), self.state[p].get("gain_col")
@@ -522,10 +425,10 @@ class MagnitudeDirection(Optimizer):
         plan = self._plan()  # every refusal happens here, before anything changes
         work: list[list] = []
         try:
-            self._prepare(plan, work)
-            self._base_step(work)
-            self._update_gains()
-            self._finish(work)
+            md_eager.prepare(self, plan, work)
+            md_eager.base_step(self, work)
+            md_eager.update_gains(self)
+            md_eager.finish(self, work)
         except BaseException:
             # the model's W served as scratch: whatever failed, leave the model at γ_r Ŵ γ_c
             for item in work:
@@ -569,15 +472,16 @@ class MagnitudeDirection(Optimizer):
         return undo
 
     def _plan(self) -> list[tuple]:
-        """Everything that can refuse the step, with nothing changed yet: the gradients (``_check_gradients``), each
-        decoupled matrix's group and path, and the re-derivation of Ŵ where W changed outside the optimizer.
+        """Everything that can refuse the step, with nothing changed yet: the gradients
+        (``md_checks.check_gradients``), each decoupled matrix's group and path, and the re-derivation of Ŵ where W
+        changed outside the optimizer.
 
         Returns:
             Per decoupled matrix with a gradient: (p, G, its base group, why it is not fused (None: fused),
             the re-derived (Ŵ, radius) or None when W still equals γ_r Ŵ γ_c or never changed).
         """
         self.check_groups()
-        self._check_gradients()
+        md_checks.check_gradients(self)
         group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
         plan = []
         for p in self._decoupled:
@@ -602,237 +506,21 @@ class MagnitudeDirection(Optimizer):
 
     def check_groups(self) -> None:
         """Refuse the step for a value set in a group since it was added on which a later part of the step would
-        raise: the gains group's (``_invalid_gain_key``, stepped after the base) and, for one of torch's optimizers,
-        a base group's numeric hyperparameter of another kind than its default (``checks.check_group_kinds``; MD's
-        passes run before the base step). A Muon base checks its own groups (``Muon.check_step``). Every eager step
-        runs it first; ``compile_step`` runs it before each compiled step, whose trace sees a scheduled lr as a
-        symbol it cannot test.
+        raise (``md_checks.check_groups``). Every eager step runs it first; ``compile_step`` runs it before each
+        compiled step, whose trace sees a scheduled lr as a symbol it cannot test.
 
         Raises:
             ValueError: one line naming the group and key; nothing was changed.
         """
-        gains = self._gain_groups[0]
-        bad = md_state.invalid_gain_key(gains)
-        if bad is not None:
-            raise ValueError(f"MagnitudeDirection: the gains group has {bad}={gains[bad]!r}, which the constructor "
-                             "refuses (gain_lr ≥ 0, gain_betas in [0, 1), gain_eps > 0, weight_decay 0); step refused, "
-                             "nothing was changed")
-        base = self.base_optimizer
-        if is_torch_optimizer(base):
-            for gi, group in enumerate(base.param_groups):
-                check_group_kinds("MagnitudeDirection", base, gi, group, "it was set since the group was added; step "
-                                  "refused, nothing was changed")
-
-    def _check_gradients(self) -> None:
-        """Refuse the step, naming the parameter, if a base param's dtype is unsupported, its gradient, direction or
-        base state no longer fits it (``_check_fits``), a decoupled matrix has a sparse gradient (or any param does,
-        where the base cannot step one: ``_SPARSE_BASES``) or any gradient of the base optimizer's params holds
-        NaN/Inf (one read of every gradient: the C scan, else one fused torch norm and one host sync,
-        ``first_nonfinite``)."""
-        params = [q for g in self.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
-        self._check_metadata(params)
-        bad = first_nonfinite([q.grad for q in params], cpu_scan=self._cpu_scan())
-        if bad is not None:
-            q = params[bad]
-            raise NonFiniteGradientError.refused("MagnitudeDirection", self._param_label(q), tuple(q.shape))
+        md_checks.check_groups(self)
 
     def _check_metadata(self, params: list[torch.Tensor]) -> None:
-        """``_check_gradients`` without the finiteness scan (no tensor is read): dtypes, fits, sparse gradients."""
-        decoupled = {id(p) for p in self._decoupled}
-        sparse_ok = isinstance(self.base_optimizer, _SPARSE_BASES)
-        for q in params:
-            if not dtype_supported(q):  # its dtype was changed after construction (``q.data = ...``)
-                raise ValueError(f"{unsupported_dtype('MagnitudeDirection', f'parameter {self._param_label(q)!r}', q)}"
-                                 "; step refused, nothing was changed")
-            self._check_fits(q, id(q) in decoupled)
-            if q.grad.is_sparse and id(q) in decoupled:
-                raise ValueError(f"MagnitudeDirection: parameter {self._name[q]!r} has a sparse gradient; "
-                                 "decoupled matrices need dense gradients; step refused, nothing was changed")
-            if q.grad.is_sparse and not sparse_ok:  # the base would raise in its step, after MD's passes ran
-                raise ValueError(f"MagnitudeDirection: parameter {self._param_label(q)!r} has a sparse gradient, "
-                                 f"which the base optimizer ({type(self.base_optimizer).__name__}) cannot step; step "
-                                 "refused, nothing was changed")
-
-    def _check_fits(self, q: torch.Tensor, decoupled: bool) -> None:
-        """Refuse the step if q's gradient, its direction Ŵ (a decoupled matrix) or, for one of torch's optimizers,
-        the base's state no longer fits q — q was changed after they were made (``q.data = ...``, ``model.half()``),
-        and the base would raise on it after MD's passes ran (``checks.check_fits_param``). A Muon base checks its
-        own state (``Muon.check_step``)."""
-        who, label = "MagnitudeDirection", f"parameter {self._param_label(q)!r}"
-        if decoupled:
-            check_fits_param(who, label, q, self.state[q], {"direction": tuple(q.shape)}, ("direction",),
-                             remedy="build MagnitudeDirection again (it keeps W's direction in W's shape, dtype and "
-                                    "device)")
-        base = self.base_optimizer
-        torch_base = is_torch_optimizer(base)
-        check_fits_param(who, label, q, base.state.get(q, {}) if torch_base else {},
-                         torch_state_shapes(q) if torch_base else {}, PARAM_SHAPED_STATE)
-
-    def _cpu_scan(self):
-        """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
-        step or the C passes around any other base) and they load; None otherwise (a torch norm is used)."""
-        if self.fused is False or md_fused.kernel_missing():
-            return None
-        return kernels.any_nonfinite
+        """``md_checks.check_metadata``: dtypes, fits, sparse gradients (no tensor is read)."""
+        md_checks.check_metadata(self, params)
 
     def _param_label(self, q: torch.Tensor) -> str:
         """q's name; for a param added to the base after construction, its position in the base's groups."""
-        if q in self._name:
-            return self._name[q]
-        for gi, group in enumerate(self.base_optimizer.param_groups):
-            for pi, r in enumerate(group["params"]):
-                if r is q:
-                    return f"param_groups[{gi}].params[{pi}]"
-        return f"a parameter of shape {tuple(q.shape)}"
-
-    def _prepare(self, plan: list[tuple], work: list[list]) -> None:
-        """Steps 1–2: adopt re-derived directions, split G into gain gradients (on θ.grad) and Ĝ; fill ``work``.
-
-        Matrices on the fused path (``md_fused``) also take their base Adam step here, in the same pass.
-        """
-        self._stepped = set()  # gains already stepped on the fused path
-        for p, _G, _group, _why, resync in plan:
-            self._adopt(p, resync)
-        gains = self._gain_values_many([p for p, _G, _group, why, _r in plan if why is not None])
-        pending: list[tuple] = []  # (θ, ∂L/∂γ or the log-gain sum, chain): θ.grad set together after the loop
-        for p, G, group, why, _resync in plan:
-            st = self.state[p]
-            D = st["direction"]
-            s = self._scale_for(p, group)
-            # p, W, G, Ŵ, what the base steps, its gradient, True once stepped on the fused path (else None),
-            # whether the eager passes run in C (``_kernel_passes``)
-            item = [p, p.data, G, D, None, None, None, False]
-            work.append(item)
-            if why is None:
-                md_fused.step(self.base_optimizer, group, p, G, st, self.state, self._gain_groups[0],
-                              self.parameterization, self.sphere)
-                item[6] = True
-                self._path[p] = "fused"
-                for key in ("gain_row", "gain_col"):
-                    if key in st:
-                        self._stepped.add(st[key])
-                continue
-            ckernel = self.fused is None and s is None and self._kernel_passes(p, G, D, st)
-            item[7] = ckernel
-            self._path[p] = f"{'eager-C' if ckernel else 'eager'} ({why})"
-            gr, gc = gains[id(p)]
-            up = md_torch.ascends(group)  # a maximize group: the gains ascend with its direction
-            if gr is None and gc is None:
-                Gd = G  # W = Ŵ: the base sees the model's gradient itself
-            else:
-                buf = self._buffers.get(p)
-                if buf is None:
-                    # row-major whatever G's layout: a later step's G may differ, and the C pass needs a plain buffer
-                    buf = self._buffers[p] = torch.empty_like(G, memory_format=torch.contiguous_format)
-                if ckernel:  # Ĝ and the log-gain sums in one C pass
-                    m, n = D.shape
-                    s_r, s_c = kernels.md_split(G, D, _vector(gr, m, D.dtype), _vector(gc, n, D.dtype), buf,
-                                                gr is not None, gc is not None)
-                    if s_r is not None and gr.numel() == 1:  # one scalar row gain: the sum over every entry
-                        s_r = s_r.sum().reshape(1)
-                    self._pend_gain_grads(pending, st, s_r, s_c, gain_chain_log, up)
-                    Gd = buf
-                elif self.parameterization != "direct":  # W's storage is scratch until it is recomposed
-                    g_row, g_col, Gd = split_gradient_log(G, D, gr, gc, out=buf, scratch=item[1])
-                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain_log, up)
-                else:
-                    g_row, g_col, Gd = split_gradient(G, D, gr, gc, out=buf)
-                    self._pend_gain_grads(pending, st, g_row, g_col, gain_chain, up)
-            target = D
-            if s is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
-                target = D / s.to(D.dtype)
-                Gd = Gd * s.to(Gd.dtype)
-            item[4], item[5] = target, Gd
-        for chain in dict.fromkeys(c for _t, _g, c in pending):  # one chain per parameterization, in order
-            part = [(t, g) for t, g, c in pending if c is chain]
-            grads = _elementwise_many(lambda th, g, chain=chain: chain(th, g, self.parameterization),
-                                      [t for t, _ in part], [g for _, g in part])
-            for (theta, _), grad in zip(part, grads):
-                theta.grad = grad
-        self._fresh = {id(theta) for theta, _g, _c in pending}
-
-    def _kernel_passes(self, p: torch.Tensor, G: torch.Tensor, D: torch.Tensor, st: dict) -> bool:
-        """Whether this eager matrix's MD passes can run in C (``kernels.md_split``/``md_finish``): plain contiguous
-        CPU float32/float64 tensors of one dtype (W, G, Ŵ, the radius, the Ĝ buffer), not empty, softplus/exp gains,
-        and the kernel loads — checked before anything changes, so the kernels cannot refuse after the base step."""
-        if self.parameterization not in ("softplus", "exp") or md_fused.kernel_missing() is not None:
-            return False
-        ts = (p.data, G, D, st["radius"], self._buffers.get(p, D))
-        return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == D.dtype and t.is_contiguous()
-                   for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2 and D.numel() > 0
-
-    @staticmethod
-    def _pend_gain_grads(pending: list[tuple], st: dict, g_row: torch.Tensor | None, g_col: torch.Tensor | None,
-                         chain, ascend: bool) -> None:
-        """Queue the gains' gradients (θ.grad is set from them after the loop); ``ascend`` (a maximize group):
-        negated, so that the gains' Adam ascends (the chain rule is linear in them)."""
-        for key, g in (("gain_row", g_row), ("gain_col", g_col)):
-            if g is not None:
-                theta = st[key]
-                g = g.reshape(theta.shape).to(theta.dtype)
-                pending.append((theta, g.neg() if ascend else g, chain))
-
-    def _base_step(self, work: list[list]) -> None:
-        """Step 3: the base optimizer steps Ŵ with Ĝ (``.data``/``.grad`` swapped around its step); matrices already
-        stepped on the fused path have their ``.grad`` hidden from it."""
-        try:
-            for p, _W, _G, _D, target, Gd, fused, _c in work:
-                if fused is None:
-                    p.data = target
-                p.grad = Gd
-            md_torch.step_base(self.base_optimizer)  # the global step hooks fire around MD's step only
-        finally:
-            for item in work:
-                p, W, G = item[0], item[1], item[2]
-                if item[6] is None:
-                    item[4] = p.data  # what the base left (it may have rebound .data instead of writing in place)
-                p.data = W
-                p.grad = G
-
-    def _update_gains(self) -> None:
-        """Step 5: Adam on every θ whose matrix gave it a gradient in this step, batched per (device, dtype, step
-        count). A θ.grad left from an earlier step (its matrix has no gradient now, e.g. after ``model.zero_grad()``
-        instead of this optimizer's) is not stepped: the gains would move while W is not recomposed."""
-        group = self._gain_groups[0]
-        batches: dict[tuple, list[torch.Tensor]] = {}
-        for theta in group["params"]:
-            if theta.grad is None or theta in self._stepped or id(theta) not in self._fresh:
-                continue
-            gst = md_fused.gain_adam_state(self.state, theta)
-            gst["step"] += 1
-            batches.setdefault((theta.device, theta.dtype, int(gst["step"])), []).append(theta)
-        for (_dev, _dtype, step), thetas in batches.items():
-            # the gradient the gains step with, as the C kernel writes it back (θ.grad too): clamped, and a NaN —
-            # only products of both signs past the dtype's range make one (|Ŵ| > 1 times a saturated Ĝ; NaN
-            # gradients were refused) — counts as 0, so that gain does not move
-            states = [self.state[t] for t in thetas]
-            adam_update_many_(thetas, [t.grad for t in thetas], [st["exp_avg"] for st in states],
-                              [st["exp_avg_sq"] for st in states], step, group["lr"], group["betas"], group["eps"])
-
-    def _finish(self, work: list[list]) -> None:
-        """Steps 4 and 6: Ŵ back on its sphere; W = γ_r Ŵ γ_c written into the model's tensor."""
-        group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
-        gains = self._gain_values_many([item[0] for item in work if item[6] is None])
-        for p, _W, _G, D, new, _Gd, fused, ckernel in work:
-            st = self.state[p]
-            if fused is not None:  # already recomposed by the fused step
-                self._versions[p] = p._version
-                continue
-            s = self._scale_for(p, group_of[id(p)])
-            if s is not None:
-                torch.mul(new, s.to(new.dtype), out=D)
-            elif new.data_ptr() != D.data_ptr():
-                D.copy_(new)
-            if ckernel:  # sphere and recomposition in two C passes
-                m, n = D.shape
-                gr, gc = gains[id(p)]
-                kernels.md_finish(D, p.detach(), self.sphere, st["radius"], _vector(gr, m, D.dtype),
-                                  _vector(gc, n, D.dtype))
-                torch.autograd.graph.increment_version(p)  # written through a pointer: as an in-place op would
-            else:
-                project_to_sphere_(D, st["radius"], self.sphere)
-                compose(D, *gains[id(p)], out=p)
-            self._versions[p] = p._version
+        return md_checks.param_label(self, q)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -893,96 +581,6 @@ class MagnitudeDirection(Optimizer):
             hook(self)
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _param_names(self, model: torch.nn.Module | None) -> dict[torch.Tensor, str]:
-        model_names = {}
-        if model is not None:
-            for n, q in model.named_parameters():
-                model_names.setdefault(q, n)
-        names: dict[torch.Tensor, str] = {}
-        for gi, group in enumerate(self.base_optimizer.param_groups):
-            given = group.get("names", group.get("param_names"))
-            for pi, q in enumerate(group["params"]):
-                if given is not None and pi < len(given):
-                    names[q] = str(given[pi])
-                elif q in model_names:
-                    names[q] = model_names[q]
-                else:
-                    names[q] = f"param_groups[{gi}].params[{pi}]"
-        return names
-
-    def _select(self, names, params, exclude, embeddings, model):
-        base_params = list(names)
-        embed_ids = set()
-        if model is not None:
-            for mod in model.modules():
-                if isinstance(mod, torch.nn.Embedding):
-                    embed_ids.add(id(mod.weight))
-
-        def is_embedding(q):
-            return id(q) in embed_ids or is_embedding_name(names[q])
-
-        def matches(name, patterns):
-            return any(name == pat or fnmatch.fnmatchcase(name, pat) for pat in patterns)
-
-        exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-        unused = [pat for pat in exclude if not any(matches(names[q], [pat]) for q in base_params)]
-        if unused:  # a pattern that excludes nothing is a typo (or a regex where a glob is meant), never silent
-            raise ValueError(f"MagnitudeDirection: exclude pattern {unused[0]!r} matches no parameter name (names or "
-                             "fnmatch globs over the whole name, e.g. 'transformer.h.*.attn.*')")
-        if params is None:
-            chosen = [q for q in base_params if q.ndim == 2 and not matches(names[q], exclude)
-                      and (embeddings == "decouple" or not is_embedding(q))]
-        else:
-            if isinstance(params, (str, torch.Tensor)):
-                params = [params]
-            chosen_set: dict[int, torch.Tensor] = {}
-            for item in params:
-                if isinstance(item, torch.Tensor):
-                    if item not in names:
-                        raise ValueError(f"MagnitudeDirection: a tensor of shape {tuple(item.shape)} marked for "
-                                         "decoupling is not a parameter of the base optimizer")
-                    chosen_set[id(item)] = item
-                elif isinstance(item, str):
-                    hits = [q for q in base_params if matches(names[q], [item])]
-                    if not hits:
-                        raise ValueError(f"MagnitudeDirection: no base-optimizer parameter is named {item!r} "
-                                         f"(known: {sorted(names.values())[:8]}...)")
-                    for q in hits:
-                        chosen_set[id(q)] = q
-                else:
-                    raise TypeError(f"MagnitudeDirection: params entries must be tensors or names, got {type(item)}")
-            chosen = [q for q in base_params if id(q) in chosen_set]  # base order
-        chosen_ids = {id(q) for q in chosen}
-        unit_rows = []
-        if embeddings == "unit_rows":
-            unit_rows = [q for q in base_params if is_embedding(q) and id(q) not in chosen_ids]
-        return chosen, unit_rows
-
-    def _override_weight_decay(self, handled: set, names) -> list[str]:
-        changed: list[str] = []
-        base = self.base_optimizer
-        for group in list(base.param_groups):
-            if not group.get("weight_decay", 0):
-                continue
-            mine = [q for q in group["params"] if q in handled]
-            if not mine:
-                continue
-            changed += [names[q] for q in mine]
-            if len(mine) == len(group["params"]):
-                group["weight_decay"] = 0.0
-                continue
-            name_key = "names" if "names" in group else ("param_names" if "param_names" in group else None)
-            keep_idx = [i for i, q in enumerate(group["params"]) if q not in handled]
-            move_idx = [i for i, q in enumerate(group["params"]) if q in handled]
-            new = {k: v for k, v in group.items() if k not in ("params", "names", "param_names")}
-            new["params"] = [group["params"][i] for i in move_idx]
-            if name_key is not None:
-                new[name_key] = [group[name_key][i] for i in move_idx]
-                group[name_key] = [group[name_key][i] for i in keep_idx]
-            group["params"] = [group["params"][i] for i in keep_idx]
-            new["weight_decay"] = 0.0
-            base.add_param_group(new)
-        return changed
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         for group in self.base_optimizer.param_groups:
@@ -997,21 +595,8 @@ class MagnitudeDirection(Optimizer):
         return None if kappa is None else self.state[p]["radius"].reshape(()) / kappa
 
     def _scale_divisor(self, p: torch.Tensor, group: dict[str, Any]) -> float | None:
-        """κ = the fixed ‖Q‖_F of p's group's norm-fixing manifold (``_scale_for``), or None for a free group."""
-        manifold = group.get("manifold")
-        if manifold is None:
-            return None
-        # Muon's group keys: layout "in_out" stores (in, out); split=k stacks k blocks along the output dim, each
-        # its own manifold point, so κ² = Σ_blocks min(block rows, cols) = k·min(out/k, in).
-        out_dim, in_dim = (p.shape[1], p.shape[0]) if group.get("layout") == "in_out" else tuple(p.shape)
-        k = int(group.get("split") or 1)
-        block = min(out_dim // k, in_dim)
-        if _manifold_kind(manifold, block) == "free":
-            return None
-        if self.sphere != "frobenius":
-            raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is in a {manifold!r} manifold group, "
-                             f"which fixes ‖W‖_F; only sphere='frobenius' is supported there (got {self.sphere!r})")
-        return math.sqrt(k * block)
+        """κ = the fixed ‖Q‖_F of p's group's norm-fixing manifold, or None for a free group (``md_setup``)."""
+        return md_setup.scale_divisor(self, p, group)
 
     def _resync(self, p: torch.Tensor) -> None:
         """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius
@@ -1019,36 +604,9 @@ class MagnitudeDirection(Optimizer):
         self._adopt(p, self._rederive(p))
 
     def _rederive(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The direction and radius W implies with the current gains, or None if W still equals γ_r Ŵ γ_c (e.g. the
-        same checkpoint loaded into the model: the stored Ŵ is then kept bit for bit). Changes nothing.
-
-        Gains are at least ``GAIN_MIN`` in magnitude, so the division is always defined; the result is refused
-        (ValueError naming p) when W holds NaN/Inf, W/γ overflows the dtype, or the norm is zero.
-        """
-        st = self.state[p]
-        gr, gc = self.gain_values(p)
-        W = p.detach()
-        if _same_weight(compose(st["direction"], gr, gc), W):
-            return None
-        name = self._name[p]
-        if not bool(torch.isfinite(W).all()):
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now holds "
-                             "NaN/Inf entries; it has no direction; step refused, nothing was changed")
-        D = W.clone()
-        for g in (gr, gc):
-            if g is not None:
-                D.div_(g.to(D.dtype))
-        radius = sphere_norm(D, self.sphere).to(st["radius"].dtype)
-        if not (bool(torch.isfinite(D).all()) and bool(torch.isfinite(radius).all())):
-            gains = [float(g.abs().min()) for g in (gr, gc) if g is not None]
-            smallest = f" (smallest gain {min(gains):.3g})" if gains else ""
-            raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {name!r} from its changed "
-                             f"weight: W / gains overflows {D.dtype}{smallest}; step refused, nothing was changed")
-        if bool((radius <= _ZERO_NORM).any()):
-            what = {"frobenius": "zero norm", "row": "a zero row", "col": "a zero column"}[self.sphere]
-            raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now has "
-                             f"{what}; its direction is undefined; step refused, nothing was changed")
-        return D, radius
+        """The direction and radius W implies with the current gains, or None if W still equals γ_r Ŵ γ_c
+        (``md_checks.rederive``; raises naming p where W has no direction). Changes nothing."""
+        return md_checks.rederive(self, p)
 
     def _adopt(self, p: torch.Tensor, rederived: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Commit a ``_rederive`` result (None: keep Ŵ) and record W's version as in sync."""

@@ -13,7 +13,7 @@ passes of ``kernels/``. Here:
 * every host-side decision is a device tensor: the non-finite check (``on_nonfinite="skip"``: one 0-dim flag ``ok``
   masks every write through ``torch.where``, so a skipped step leaves every tensor bitwise unchanged), the
   re-derivation of Ŵ from a W changed outside the optimizer (a per-matrix mask: W ≠ γ_r Ŵ γ_c within
-  ``_RESYNC_ULPS``, instead of ``p._version``; a W that has no direction makes the whole step skip, or raise with
+  ``RESYNC_ULPS``, instead of ``p._version``; a W that has no direction makes the whole step skip, or raise with
   ``on_nonfinite="raise"``), and the bias corrections (from the step counters as tensors, in float64);
 * over ``torch.optim.Adam``/``AdamW`` (no amsgrad, maximize, differentiable) the base step is computed
   here — torch's single-tensor arithmetic on the stacked directions with the base's own ``exp_avg``/``exp_avg_sq``/
@@ -36,6 +36,7 @@ import torch
 
 from weightgeom.optim import md_fused, md_torch
 from weightgeom.optim.functional import NonFiniteGradientError, all_finite, first_nonfinite
+from weightgeom.optim.md_checks import RESYNC_ULPS
 from weightgeom.optim.md_functional import (
     _ZERO_NORM,
     compose,
@@ -54,8 +55,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["step", "one_graph", "own_adam", "split", "adam_base", "adam_gains", "resync", "project"]
 
 GAIN_KEYS = ("gain_row", "gain_col")
-# W counts as still γ_r Ŵ γ_c within this many units in the last place (``magnitude_direction._RESYNC_ULPS``).
-_RESYNC_ULPS = 16
 # group flags whose arithmetic ``adam_base`` lacks ("capturable" only moves the step counter to the device, as the
 # host-free step does anyway; dynamo's view of a torch optimizer's groups shows it True inside a trace)
 _ADAM_FLAGS = ("amsgrad", "maximize", "differentiable")
@@ -176,10 +175,10 @@ def adam_gains(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torc
 def resync(D: torch.Tensor, W: torch.Tensor, R: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None,
            sphere: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``MagnitudeDirection._rederive`` on a batch, as masks: where W is no longer γ_r Ŵ γ_c (within
-    ``_RESYNC_ULPS``), Ŵ = W/γ_r/γ_c and its radius. Returns (Ŵ, radius, bad (B,): W changed and has no direction —
+    ``RESYNC_ULPS``), Ŵ = W/γ_r/γ_c and its radius. Returns (Ŵ, radius, bad (B,): W changed and has no direction —
     NaN/Inf, W/γ overflowing, or a zero norm)."""
     C = compose(D, gr, gc)
-    tol = _RESYNC_ULPS * torch.finfo(W.dtype).eps
+    tol = RESYNC_ULPS * torch.finfo(W.dtype).eps
     same = ((C == W) | ((C - W).abs() <= tol * W.abs())).flatten(1).all(dim=1)
     Dr = W
     for g in (gr, gc):

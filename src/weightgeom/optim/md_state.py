@@ -1,5 +1,5 @@
 """``MagnitudeDirection``'s checkpoints: the state dict's layout, the older layout it still loads, and every check a
-state dict passes before anything is loaded (docs/md.md, "Checkpoints").
+state dict passes before anything is loaded (docs/md.md, "torch.optim citizenship").
 
 Layout (torch's, so that whatever reads ``sd["state"]`` / ``sd["param_groups"]`` works on it)::
 

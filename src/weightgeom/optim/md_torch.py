@@ -1,6 +1,6 @@
 """``MagnitudeDirection`` as torch users expect an optimizer to behave: its per-matrix state created (and created late,
 for parameters built on the meta device), its base optimizer stepped once per MD step without the global step hooks
-firing a second time, and a base group's ``maximize`` reaching the gains (docs/md.md, "Drop-in behaviour").
+firing a second time, and a base group's ``maximize`` reaching the gains (docs/md.md, "torch.optim citizenship").
 
 - ``init_state``: the MD state of one decoupled matrix — direction Ŵ = W, its radius, gains θ with φ(θ) = 1. Over a
   meta-device parameter (deferred initialisation: ``torch.device("meta")``, FSDP2 before ``to_empty``) the state is
