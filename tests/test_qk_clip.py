@@ -172,3 +172,24 @@ def test_bad_settings_are_refused_in_one_line(kw, match):
     with pytest.raises(ValueError, match=match):
         QKClip(**kw)
     assert QKClipConfig().build() is None and isinstance(QKClipConfig(enabled=True).build(), QKClip)
+
+
+
+def test_ddp_ranks_rescale_alike_from_the_maxima_over_every_rank(monkeypatch):
+    """Each rank measures its own micro-batch; the maxima are all-reduced (max) so every replica clips alike (the
+    other rank's maxima stand in through a patched all_reduce; NaN: a head with no visible entry)."""
+    import torch.distributed as dist
+
+    from weightgeom.train.qk_clip import _across_ranks
+
+    other = torch.tensor([[20.0, 5.0], [2.0, -1.0]], dtype=torch.float64)
+
+    def all_reduce(t, op=None):
+        assert op == dist.ReduceOp.MAX
+        t.copy_(torch.maximum(t, other))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert _across_ranks([[1.0, 50.0], [float("nan"), 3.0]]) == [[20.0, 50.0], [2.0, 3.0]]

@@ -14,7 +14,8 @@ exactly and the logit bound holds also with biases.
 The logit maxima are the ones the diagnostics measure (:func:`weightgeom.diagnostics.monitors.head_logit_maxima`,
 the ``attn.<i>.logit_max_h<j>`` of ``collect``): one no-grad forward of the step's last micro-batch (at most
 ``max_seqs`` sequences) with the weights just updated, so after a clip the largest logit on that batch is ≤ τ (the
-published recipes reuse the maxima of the training forward, i.e. of the weights before the update).
+published recipes reuse the maxima of the training forward, i.e. of the weights before the update). Under DDP each
+rank measures its own micro-batch and the maxima are all-reduced (max), so every replica rescales alike.
 
 **Constrained matrices.** A rescale moves a constrained matrix off its manifold unless the manifold allows it:
 
@@ -133,6 +134,22 @@ def _biases(site: Any, n_q: int) -> tuple[torch.Tensor | None, torch.Tensor | No
     return (b[:n_q], b[n_q:2 * n_q]) if b is not None else (None, None)
 
 
+def _across_ranks(maxima: list[list[float]]) -> list[list[float]]:
+    """The per-head maxima over every rank's batch under torch.distributed (each rank measures its own micro-batch;
+    the rescale must be the same on every replica); unchanged in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not maxima:
+        return maxima
+    width = max(len(row) for row in maxima)
+    t = torch.tensor([[x if math.isfinite(x) else -1.0 for x in row] + [-1.0] * (width - len(row)) for row in maxima],
+                     dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [[float(x) if x >= 0 else math.nan for x in row[:len(orig)]] for row, orig in zip(t.cpu().tolist(), maxima)]
+
+
 class QKClip(Callback):
     """QK-clip (Megatron-LM ``qk_clip``, Kimi K2 MuonClip) after every optimizer step; see the module docstring.
 
@@ -231,7 +248,7 @@ class QKClip(Callback):
         """Measure the per-head logit maxima on ``batch`` and rescale; returns the rescales made."""
         if self._layers is None:
             self._layers = self.find(model)
-        maxima = head_logit_maxima(model, batch, max_seqs=self.max_seqs)
+        maxima = _across_ranks(head_logit_maxima(model, batch, max_seqs=self.max_seqs))
         done = 0
         finite = [x for row in maxima for x in row if math.isfinite(x)]
         self.last_max = max(finite, default=math.nan)
