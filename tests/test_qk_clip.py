@@ -193,3 +193,24 @@ def test_ddp_ranks_rescale_alike_from_the_maxima_over_every_rank(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert _across_ranks([[1.0, 50.0], [float("nan"), 3.0]]) == [[20.0, 50.0], [2.0, 3.0]]
+
+
+def test_dgram_with_split_qkv_clips_q_and_k_blocks_each_as_a_whole():
+    """With split_qkv (group key split=3) Q, K and V are separate DGram matrices: Q and K are each scaled as a whole
+    (η^α, η^(1−α)), V is untouched, and each block stays on DGram."""
+    model = _gpt()
+    man = manifolds.get("dgram")
+    C = 32
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("c_attn.weight"):
+                for b in range(3):
+                    p[b * C:(b + 1) * C] = man.retract(p[b * C:(b + 1) * C] * 20)
+    tau = _max(model)[0] / 4
+    clip = QKClip(tau=tau)
+    clip._layers = clip.find(model, _Groups(model, "dgram", split=3))
+    w = next(p for n, p in model.named_parameters() if n.endswith("h.0.attn.c_attn.weight"))
+    v0 = w[2 * C:].clone()
+    clip.clip(model, _batch())
+    assert _max(model)[0] <= tau * (1 + 1e-4) and torch.equal(w[2 * C:], v0)
+    assert all(float(man.constraint_violation(w[b * C:(b + 1) * C].detach())) < 1e-4 for b in range(2))
