@@ -280,25 +280,6 @@ def train(config: str | os.PathLike | dict[str, Any], run_dir: str | os.PathLike
             cleanup(info)
 
 
-def _stop_compile_workers() -> None:
-    """Kill inductor's compile-worker processes (best effort). At exit inductor waits for them to finish the kernels
-    they are compiling (``SubprocPool.shutdown``), which kept a run stopped by SIGTERM during its optimizer-step
-    compile alive ~5 s after its status said failed; nothing they compile is needed once the run stops."""
-    try:
-        from torch._inductor import async_compile
-
-        pools = list(getattr(async_compile, "_pool_set", ()))
-    except Exception:  # another torch: nothing known to stop
-        return
-    for pool in pools:
-        proc = getattr(pool, "process", None)
-        try:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        except Exception:
-            pass
-
-
 class _Trainer:
     def __init__(self, cfg: Config, info: DistInfo, run_dir, progress: bool, resume,
                  callbacks: CallbackList | None = None):
