@@ -214,3 +214,14 @@ def test_dgram_with_split_qkv_clips_q_and_k_blocks_each_as_a_whole():
     clip.clip(model, _batch())
     assert _max(model)[0] <= tau * (1 + 1e-4) and torch.equal(w[2 * C:], v0)
     assert all(float(man.constraint_violation(w[b * C:(b + 1) * C].detach())) < 1e-4 for b in range(2))
+
+
+def test_a_run_checkpointed_before_the_qk_clip_section_still_resumes():
+    """The [qk_clip] section at its defaults hashes like a config without it (checkpoints made before it existed keep
+    their hash); turning it on changes the hash."""
+    from weightgeom.train.config import config_hash, config_to_dict, load_config
+
+    cfg = config_to_dict(load_config(None))
+    old = {k: v for k, v in cfg.items() if k != "qk_clip"}
+    assert config_hash(cfg) == config_hash(old)
+    assert config_hash({**cfg, "qk_clip": {**cfg["qk_clip"], "enabled": True}}) != config_hash(old)

@@ -525,8 +525,20 @@ def config_hash(cfg: Config | Mapping[str, Any], ignore: Iterable[str] = RESUMAB
             c[s] = {kk: vv for kk, vv in c[s].items() if kk != k}
             if not c[s]:  # a section of resumable keys only (logging): hashes like a config without it
                 del c[s]
+    for s in UNHASHED_AT_DEFAULTS:
+        if s in c and c[s] == _defaults(s):
+            del c[s]
     blob = json.dumps(c, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+UNHASHED_AT_DEFAULTS = ("qk_clip",)
+"""Sections added after runs were checkpointed: at their defaults they hash like a config without them, so a run
+checkpointed before the section existed still resumes (:func:`config_hash`)."""
+
+
+def _defaults(section: str) -> Any:
+    return config_to_dict(Config()).get(section)
 
 
 # ---------------------------------------------------------------------------------------------------- dumping
