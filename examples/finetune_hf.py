@@ -9,11 +9,15 @@ What it shows:
    matrices *as they are*; the default (``init="auto"``) refuses the first step of a matrix that does not look like a
    fresh random initialisation, because projecting it onto its manifold would throw the pretrained model away.
 3. The same optimizer in a plain PyTorch loop and under ``transformers.Trainer`` (``optimizers=(opt, None)``).
-4. That the pretrained model survives: after the steps every sentence embedding still has cosine ≈ 1 to the one the
-   untouched model gives.
+4. That the pretrained model survives: after the steps every sentence embedding stays close to the one the untouched
+   model gives (cosine 0.9999 with ``--tiny``), where ``init="retract"`` would have replaced it.
+5. The recipe's rates ``LR`` and ``ADAMW_LR`` (README, docs/training.md "Fine-tuning a pretrained model": how to pick
+   them, and the lr sweep ``examples/finetune_lr_sweep.py`` behind them), and every group's lr in the HF Trainer's
+   logs (``log_group_lrs``).
 
 The task is a toy sentence-similarity regression (cosine of two sentence embeddings against a 0/1 label), enough to
-produce real gradients; swap in your own data and loss.
+produce real gradients; swap in your own data and loss (``examples/finetune_lr_sweep.py`` trains the same model and
+loss on a real held-out task).
 
 Run:
     python examples/finetune_hf.py            # all six layers, 8 steps in each loop
@@ -41,6 +45,13 @@ import torch  # noqa: E402  (after the offline switches)
 import transformers  # noqa: E402
 
 from weightgeom.optim import Muon, describe, param_groups  # noqa: E402
+from weightgeom.train.hf_callbacks import log_group_lrs  # noqa: E402
+
+# The fine-tuning recipe (README "Fine-tuning a pretrained model", docs/training.md): each constrained matrix moves by
+# exactly LR in spectral norm per step; the AdamW groups (embeddings, norms, biases) keep the AdamW rate you already
+# use. Chosen from the lr sweep of examples/finetune_lr_sweep.py (table in docs/training.md).
+LR = 1e-2
+ADAMW_LR = 2e-5
 
 # A few labelled sentence pairs: 1 = paraphrases, 0 = unrelated.
 PAIRS = [
@@ -145,13 +156,13 @@ def kept(before: torch.Tensor, after: torch.Tensor) -> float:
     return float((before * after).sum(-1).min())
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, adamw_lr: float, init: str = "keep") -> Muon:
+def make_optimizer(model: torch.nn.Module, lr: float = LR, adamw_lr: float = ADAMW_LR, init: str = "keep") -> Muon:
     """Manifold Muon for a pretrained model: attention Stiefel, MLP DGram ("hetero"), the rest AdamW.
 
-    ``lr`` is the spectral norm of each constrained matrix's step (a fine-tuning-sized 1e-4 here); ``adamw_lr`` is
-    the usual AdamW learning rate of the embeddings, norms and biases. ``init="keep"`` trains each pretrained matrix
-    from where it is, on the level set of its own Gram constraint through the pretrained point
-    (docs/manifolds.md, "Fine-tuning a pretrained model").
+    ``lr`` is the spectral norm of each constrained matrix's step (``LR``: the recipe's fine-tuning rate);
+    ``adamw_lr`` is the usual AdamW learning rate of the embeddings, norms and biases (``ADAMW_LR``).
+    ``init="keep"`` trains each pretrained matrix from where it is, on the level set of its own Gram constraint
+    through the pretrained point (docs/manifolds.md, "Fine-tuning a pretrained model").
     """
     return Muon(param_groups(model, strategy="hetero", lr=lr, adamw_lr=adamw_lr, init=init))
 
@@ -159,9 +170,9 @@ def make_optimizer(model: torch.nn.Module, lr: float, adamw_lr: float, init: str
 def show_default_refuses(model: SentenceEncoder, batch: dict[str, torch.Tensor]) -> None:
     """What the default ``init="auto"`` does with pretrained weights: the first step is refused, nothing changes."""
     trial = copy.deepcopy(model)
-    opt = make_optimizer(trial, lr=1e-4, adamw_lr=2e-5, init="auto")
-    trial(**batch)["loss"].backward()
-    try:
+    try:  # refused when the optimizer is built, or (older weightgeom) at its first step
+        opt = make_optimizer(trial, init="auto")
+        trial(**batch)["loss"].backward()
         opt.step()
     except ValueError as e:
         print(f"init='auto' (the default) refused the first step, as it should:\n  {e}\n")
@@ -171,7 +182,7 @@ def show_default_refuses(model: SentenceEncoder, batch: dict[str, torch.Tensor])
 
 def plain_loop(model: SentenceEncoder, data: PairDataset, steps: int) -> list[float]:
     """Fine-tune in an ordinary PyTorch loop; returns the batch losses."""
-    opt = make_optimizer(model, lr=1e-4, adamw_lr=2e-5)
+    opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / max(1, steps))  # any torch scheduler works
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
@@ -197,14 +208,17 @@ def plain_loop(model: SentenceEncoder, data: PairDataset, steps: int) -> list[fl
 
 def trainer_loop(model: SentenceEncoder, data: PairDataset, steps: int, out: Path) -> float:
     """Fine-tune under ``transformers.Trainer`` with the same optimizer; returns the mean training loss."""
-    opt = make_optimizer(model, lr=1e-4, adamw_lr=2e-5)
+    opt = make_optimizer(model)
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=2e-5,
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=ADAMW_LR,
         report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, disable_tqdm=True,
         remove_unused_columns=False, label_names=["labels"])
     # optimizers=(opt, None): Trainer uses our optimizer and builds its own (linear) schedule on top of it
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+    log_group_lrs(trainer)  # Trainer logs one learning_rate (the first group's); this adds lr/<group> for every group
     result = trainer.train()
+    first = next(h for h in trainer.state.log_history if "learning_rate" in h)
+    print("  logged at step 1: " + ", ".join(f"{k} {v:g}" for k, v in first.items() if k.startswith("lr")))
     return float(result.training_loss)
 
 
@@ -226,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded all-MiniLM-L6-v2 from {minilm_dir()} ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M "
           f"parameters, {base.bert.config.num_hidden_layers} encoder layer(s))")
     # describe(): one line per parameter with its algorithm and manifold; show the header and a few constrained ones
-    table = describe(make_optimizer(base, 1e-4, 2e-5), model=base).splitlines()
+    table = describe(make_optimizer(base), model=base).splitlines()
     stiefel = [line for line in table if line.split()[4:5] == ["stiefel"]]  # columns: name shape role algo manifold
     dgram = [line for line in table if line.split()[4:5] == ["dgram"]]
     print(f"{len(stiefel)} attention matrices on Stiefel, {len(dgram)} MLP matrices on DGram, "

@@ -38,6 +38,15 @@ def _finetune_hf(out: str) -> None:
     assert "Hugging Face Trainer" in out
 
 
+def _finetune_lr_sweep(out: str) -> None:
+    assert "task: does line B follow line A (Shakespeare, bundled, 36 plays)" in out
+    num = r"\s+([0-9.]+)"
+    rows = re.findall(r"^(pretrained|manifold Muon \(adamw_lr 2e-05\)|AdamW)\s+(\S+)" + 5 * num, out, re.M)
+    assert [(r[0].split()[0], r[1]) for r in rows] == [("pretrained", "—"), ("manifold", "0.001"), ("AdamW", "2e-05")]
+    assert rows[0][5:] == ("1.000", "0.0000")  # the pretrained row: nothing moved
+    assert all(0 < float(r[6]) <= 2 * 0.001 / 2.2 for r in rows[1:2])  # 2 Muon steps of ‖ΔW‖₂ = lr, ‖W‖₂ ≥ 2.2
+
+
 def _md_around_adamw(out: str) -> None:
     assert "decoupled matrices: inp.weight, blocks.0.weight" in out
     assert "γ_r mean" in out and "fused" in out  # summary(): the gains and the CPU path that ran them
@@ -79,6 +88,7 @@ def _custom_manifold(out: str) -> None:
 
 EXAMPLES: dict[str, tuple[list[str], Check]] = {
     "finetune_hf.py": (["--tiny"], _finetune_hf),
+    "finetune_lr_sweep.py": (["--tiny"], _finetune_lr_sweep),
     "md_around_adamw.py": (["--tiny"], _md_around_adamw),
     "analyze_checkpoint.py": (["--tiny"], _analyze_checkpoint),
     "sweep_on_cluster.py": (["--tiny"], _sweep_on_cluster),
