@@ -509,6 +509,11 @@ def _claims_outputs_alias(tmp: Path) -> None:
     assert_one_line_error(res, "--page p.md", "--record p.md", "name one file")
     assert not (tmp / "p.md").exists()
     assert cli("claims", claims, "--readme", "same.md", "--page", "page.md").rc == 0  # distinct files: both written
+    # the same mechanism (_files.distinct_outputs) in every command with several output files
+    for bench, a, b in (("optimizer_step", "--json", "--markdown"), ("md_overhead", "--json", "--markdown")):
+        res = cli("bench", bench, a, "out.txt", b, "./out.txt")
+        assert_one_line_error(res, f"{a} out.txt", f"{b} ./out.txt", "name one file")
+        assert not (tmp / "out.txt").exists()
     assert "keep this" in (tmp / "same.md").read_text() and (tmp / "page.md").read_text().startswith("# Results")
 
 
@@ -580,8 +585,9 @@ CASES: list[Hostile] = [
             _huge_files),
     Hostile("claims-outputs-alias", "report",
             "`weightgeom claims --readme same.md --page same.md` (or the page named through a link, `..`, an "
-            "absolute path or a hard link; or `--page` and `--record` alike) is refused with one line naming both "
-            "flags before anything is written; the README keeps everything outside its claims table",
+            "absolute path or a hard link; or `--page` and `--record` alike; or a benchmark's `--json` and "
+            "`--markdown`) is refused with one line naming both flags before anything is written; the README keeps "
+            "everything outside its claims table",
             _claims_outputs_alias),
     Hostile("claims-fifo-readme", "report",
             "a FIFO given as `claims --readme` is refused at once with one line naming it; nothing blocks",

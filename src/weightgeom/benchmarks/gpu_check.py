@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from weightgeom._cli_args import OneLineParser
-from weightgeom._files import open_append, write_atomic
+from weightgeom._files import distinct_outputs, open_append, write_atomic
 
 _MACHINE = r"""
 import platform, torch
@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the one-layer optimizer step, MD overhead and throughput sections put their tables into "
                          "FILE (each replacing its own block for this device kind, e.g. docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    try:  # two output flags naming one file: one would be written over the other
+        distinct_outputs([("--log", args.log), ("--markdown", args.markdown)])
+    except ValueError as e:
+        ap.error(str(e))
     tests = Path(args.tests) if args.tests else None
     if tests is not None and not (tests / "conftest.py").is_file():
         print(f"gpu_check: --tests {args.tests}: not a weightgeom tests folder (no conftest.py)", file=sys.stderr)

@@ -39,7 +39,7 @@ import time
 import torch
 
 from weightgeom._cli_args import OneLineParser
-from weightgeom._files import write_atomic
+from weightgeom._files import distinct_outputs, write_atomic
 from weightgeom.benchmarks._common import bench_command, hardware_tag, steady_allocator, write_markdown
 from weightgeom.optim.compiled import WARM_CALLS, compile_step
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="put the results table into FILE as markdown (replacing this benchmark's block for this "
                          "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    try:  # two output flags naming one file: one would be written over the other
+        distinct_outputs([("--json", args.json), ("--markdown", args.markdown)])
+    except ValueError as e:
+        ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from weightgeom._cli_args import OneLineParser, nonneg_int, positive_int
-from weightgeom._files import write_atomic
+from weightgeom._files import distinct_outputs, write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.benchmarks._common import (
     GPT2_SMALL_SHAPES,
@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="put the step-time tables into FILE as markdown (replacing this benchmark's block for this "
                          "device kind, e.g. in docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    try:  # two output flags naming one file: one would be written over the other
+        distinct_outputs([("--json", args.json), ("--markdown", args.markdown)])
+    except ValueError as e:
+        ap.error(str(e))
     rows_all = {**CONFIGS, **(COMPILED_ROWS if args.compiled else {})}
     selected = {k: v for k, v in rows_all.items() if not args.only or any(s in k for s in args.only.split(","))}
     if not selected:
