@@ -62,8 +62,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity: dict, ids) -> dict:
-    """Compress every role of ``cfg.roles`` with ``method`` at ``savings``, evaluate, restore: one row."""
+def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity: dict, ids,
+                progress: bool = False) -> dict:
+    """Compress every role of ``cfg.roles`` with ``method`` at ``savings``, evaluate, restore: one row (``progress``:
+    auto's per-role loss lines on stderr)."""
     import torch
 
     from weightgeom.analysis.perplexity import perplexity_of_ids
@@ -74,7 +76,7 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
     t0 = time.perf_counter()
     fitted: dict[str, list] = {}
     if ccfg.share == "auto" and calibrated:
-        info = choose_by_loss(sel, ccfg, grams, continuity, keep=fitted)
+        info = choose_by_loss(sel, ccfg, grams, continuity, progress=progress, keep=fitted)
     elif ccfg.share == "auto":
         info = {r: continuity[r] for r in roles}
     else:
@@ -135,7 +137,7 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
                 print("continuity analysis (the spaces of the weight-only shared method) ...", flush=True)
             continuity.update(choose_spaces(lm.model, only=list(cfg.roles)))
             record["spaces"] = continuity
-        row = model_point(lm, by_role, m, s, cfg, grams, continuity, ids)
+        row = model_point(lm, by_role, m, s, cfg, grams, continuity, ids, progress=progress)
         rows.append(row)
         record["wall_s"] = time.perf_counter() - t_start
         write()
