@@ -55,7 +55,7 @@ SPARSE_BASES = (torch.optim.SGD, torch.optim.SparseAdam, torch.optim.Adagrad)
 
 def check_groups(md: MagnitudeDirection) -> None:
     """Refuse the step for a value set in a group since it was added on which a later part of the step would
-    raise: the gains group's (``_invalid_gain_key``, stepped after the base) and, for one of torch's optimizers,
+    raise: the gains group's (``md_state.invalid_gain_key``, stepped after the base) and, for one of torch's optimizers,
     a base group's numeric hyperparameter of another kind than its default (``checks.check_group_kinds``; MD's
     passes run before the base step). A Muon base checks its own groups (``Muon.check_step``). Every eager step
     runs it first; ``compile_step`` runs it before each compiled step, whose trace sees a scheduled lr as a
