@@ -666,6 +666,26 @@ def _muon_load_nonfinite_state(tmp_path: Path) -> None:
         _round_trip_bitwise(opt, model, build, kind)
 
 
+def _resume_nonfinite_state(tmp_path: Path) -> None:
+    """`weightgeom train --resume` of a run whose newest checkpoint (hash intact) holds a NaN momentum buffer stops
+    with one line naming the checkpoint, the parameter and the tensor, exit 2; the run's checkpoints are kept."""
+    from weightgeom.train.checkpoint import load_checkpoint, save_checkpoint
+
+    run = tmp_path / "r"
+    tiny = ["--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=1"]
+    res = cli("train", "tiny-shakespeare", "--out", run, "--set", "train.max_steps=2", *tiny, "--no-progress")
+    assert res.rc == 0, res.err[-2000:]
+    (ckpt,) = sorted((run / "checkpoints").glob("ckpt_*.pt"))
+    payload = load_checkpoint(ckpt)
+    k = next(k for k, st in payload["optimizer"]["state"].items() if "momentum_buffer" in st)
+    payload["optimizer"]["state"][k]["momentum_buffer"].view(-1)[0] = NAN
+    save_checkpoint(ckpt, payload)  # a well-formed checkpoint (its hash matches) whose state is poisoned
+    before = ckpt.read_bytes()
+    res = cli("train", "--resume", run, "--set", "train.max_steps=4", "--no-progress")
+    assert_one_line_error(res, str(ckpt.name), "'momentum_buffer'", "NaN/Inf", "nothing was loaded")
+    assert ckpt.read_bytes() == before and sorted((run / "checkpoints").glob("ckpt_*.pt")) == [ckpt]
+
+
 # What a step refuses before it changes anything, as data: (id, the parameter it hits, how it is made, what the one
 # line names). ``_refusals_eager_and_compiled`` runs every row through the eager step and ``compile_step`` (on_nonfinite
 # "skip" and "raise"): the same line, nothing changed.
@@ -1191,6 +1211,11 @@ CASES: list[Hostile] = [
             "train --resume`, HF Trainer and Lightning resumes) with one line naming the parameter and the tensor; "
             "nothing changed (before: it loaded, and those matrices never moved again, silently)",
             _muon_load_nonfinite_state),
+    Hostile("train-resume-nonfinite-optimizer-state", "optim",
+            "`weightgeom train --resume` of a run whose newest checkpoint is well formed (hash intact) but holds a NaN "
+            "momentum buffer stops with one line naming the checkpoint, the parameter and `momentum_buffer`, exit 2; "
+            "the checkpoint is kept (before: the run resumed and that matrix never moved again)",
+            _resume_nonfinite_state),
     Hostile("muon-compiled-refuses-as-eager", "optim",
             "Whatever Muon's eager step refuses before changing anything — a parameter turned float64 under its "
             "float32 gradient (`p.data = p.data.double()`), given another shape, turned complex, or a sparse "
