@@ -323,3 +323,20 @@ def test_built_over_meta_parameters(kind):
     _train(opt, model, 3)
     _train(ref_opt, ref, 3)
     _params_equal(model, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_distributed_checkpoint_reads_the_state_dict(kind):
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` reads the optimizer's ``state`` and
+    ``param_groups`` by parameter name (MD: the base's — the direction's moments; MD's own part is not carried there,
+    docs/md.md "Known limits")."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = _primed(kind, {"lr": 0.01}, steps=2)
+    sd = get_optimizer_state_dict(model, opt)
+    names = [n for n, _ in model.named_parameters()]
+    assert set(sd) == {"state", "param_groups"} and sorted(sd["state"]) == sorted(names)
+    assert sorted(n for g in sd["param_groups"] for n in g["params"]) == sorted(names)  # MD may split a group
+    base = opt if kind == "adamw" else opt.base_optimizer
+    for n, p in model.named_parameters():
+        assert torch.equal(sd["state"][n]["exp_avg"], base.state[p]["exp_avg"]), n
