@@ -168,14 +168,14 @@ def make_optimizer(model: torch.nn.Module, lr: float = LR, adamw_lr: float = ADA
 
 
 def show_default_refuses(model: SentenceEncoder, batch: dict[str, torch.Tensor]) -> None:
-    """What the default ``init="auto"`` does with pretrained weights: the first step is refused, nothing changes."""
+    """What the default ``init="auto"`` does with pretrained weights: refused when the optimizer is built."""
     trial = copy.deepcopy(model)
-    try:  # refused when the optimizer is built, or (older weightgeom) at its first step
+    try:  # refused at construction; the forward, backward and step would only run if it were not
         opt = make_optimizer(trial, init="auto")
         trial(**batch)["loss"].backward()
         opt.step()
     except ValueError as e:
-        print(f"init='auto' (the default) refused the first step, as it should:\n  {e}\n")
+        print(f"init='auto' (the default) refused the pretrained weights, as it should:\n  {e}\n")
     else:  # not expected: a pretrained matrix would have been projected
         print("init='auto' took the step (unexpected for pretrained weights)\n")
 

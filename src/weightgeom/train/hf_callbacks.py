@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import transformers
 
-from weightgeom.train.lr_logging import group_lrs
+from weightgeom.train.lr_logging import group_lrs, group_names
 
 __all__ = ["GroupLRCallback", "log_group_lrs"]
 
@@ -42,14 +42,17 @@ class GroupLRCallback(transformers.TrainerCallback):
 
     def __init__(self, prefix: str = "lr/") -> None:
         self.prefix = prefix
-        self._rates: dict[str, float] = {}
+        self._rates: dict[str, float | torch.Tensor] = {}
 
     def on_optimizer_step(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                           control: transformers.TrainerControl, optimizer: torch.optim.Optimizer | None = None,
                           **kwargs: Any) -> None:
-        """Read the rates the step just used (Trainer steps its scheduler after this hook)."""
-        if optimizer is not None and (args.logging_strategy != "no"):
-            self._rates = group_lrs(optimizer, self.prefix)
+        """Keep the rates the step just used (Trainer steps its scheduler after this hook); read on the host at log
+        time only (a tensor lr is copied on its device here, not read)."""
+        if optimizer is not None:
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            self._rates = {self.prefix + name: lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+                           for name, lr in zip(group_names(optimizer), lrs)}
 
     def on_log(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                control: transformers.TrainerControl, logs: dict[str, Any] | None = None,
@@ -57,7 +60,7 @@ class GroupLRCallback(transformers.TrainerCallback):
         """Add the group rates to ``logs`` (in place) and to the copy Trainer already put in ``state.log_history``."""
         if logs is None or optimizer is None or "learning_rate" not in logs:
             return
-        rates = self._rates or group_lrs(optimizer, self.prefix)
+        rates = {k: float(v) for k, v in self._rates.items()} or group_lrs(optimizer, self.prefix)
         logs.update(rates)
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "learning_rate" in last:
