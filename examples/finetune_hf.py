@@ -10,7 +10,8 @@ What it shows:
    fresh random initialisation, because projecting it onto its manifold would throw the pretrained model away.
 3. The same optimizer in a plain PyTorch loop and under ``transformers.Trainer`` (``optimizers=(opt, None)``).
 4. That the pretrained model survives: after the steps every sentence embedding stays close to the one the untouched
-   model gives (cosine 0.9999 with ``--tiny``), where ``init="retract"`` would have replaced it.
+   model gives (min cosine 0.9999 with ``--tiny``; at full size 0.93 in the plain loop and 0.95 under Trainer while
+   the toy loss fell from 0.066 to 0.009 and 0.012), where ``init="retract"`` would have replaced it (cosine 0.1).
 5. The recipe's rates ``LR`` and ``ADAMW_LR`` (README, docs/training.md "Fine-tuning a pretrained model": how to pick
    them, and the lr sweep ``examples/finetune_lr_sweep.py`` behind them), and every group's lr in the HF Trainer's
    logs (``log_group_lrs``).
