@@ -25,8 +25,9 @@ Run:
     python examples/finetune_lr_sweep.py --markdown    # the same, as the markdown table of docs/training.md
     python examples/finetune_lr_sweep.py --tiny        # one encoder layer, 2 steps, 2 arms (what the tests run)
 
-Time: the full sweep takes about 15 minutes on one thread of a 2-core CPU (one manifold-Muon step on the 36 MiniLM
-matrices is about 2 s there, an AdamW step 0.15 s; the forward and backward of 32 sentences 0.8 s). Threads:
+Time: the full sweep is about 10 CPU-minutes on one thread of a 2-core AMD EPYC (one manifold-Muon step on the 36
+MiniLM matrices about 1.8 s there, an AdamW step 0.15 s, the forward and backward of 32 sentences 0.8 s); the
+recorded table took 33 minutes of wall time with the machine shared at load ≈ 14. Threads:
 ``--threads`` (default 1, so the sweep shares a machine politely). Writes no file.
 """
 
