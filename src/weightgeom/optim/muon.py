@@ -21,16 +21,11 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
 from weightgeom.linalg.autotune import constraint_products, products_for
-from weightgeom.manifolds.base import tall
 from weightgeom.optim import manifold_host_free, state_compat
 from weightgeom.optim.checks import (
-    check_fits_param,
     check_new_group,
     describe_state_dict,
-    dtype_supported,
     is_bookkeeping_key,
-    param_label,
-    unsupported_dtype,
 )
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
@@ -38,7 +33,6 @@ from weightgeom.optim.functional import (
     all_finite,
     apply_update,
     decoupled_step,
-    first_nonfinite,
     momentum_direction,
     newton_schulz,
     shape_scale,
@@ -50,6 +44,7 @@ from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
     FRESH_STABLE_RANK,
     INIT_MODES,
     FarRetractionWarning,
+    StepChecks,
     fresh_ratio,
     looks_fresh,
 )
@@ -57,14 +52,12 @@ from weightgeom.optim.muon_checks import validate_values as _validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURAL_KEYS, param_name  # noqa: F401  (re-exported)
 from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
 from weightgeom.optim.muon_layout import dual_shape as _dual_shape
-from weightgeom.optim.muon_layout import foreign_key as _foreign_key
 from weightgeom.optim.muon_layout import from_tall as _from_tall
 from weightgeom.optim.muon_layout import matrices as _matrices
 from weightgeom.optim.muon_layout import out_in as _out_in
 from weightgeom.optim.muon_layout import retract as _retract
 from weightgeom.optim.muon_layout import retraction_distance as _retraction_distance
 from weightgeom.optim.muon_layout import row_major as _row_major
-from weightgeom.optim.muon_layout import state_shapes as _state_shapes
 from weightgeom.optim.muon_layout import step_counter as _step_counter
 from weightgeom.optim.muon_layout import structural as _structural
 from weightgeom.optim.muon_layout import tall_batch as _tall_batch
@@ -96,7 +89,7 @@ def uses_msign_choice(group: dict[str, Any]) -> bool:
     return group.get("ns_steps") is None or group.get("msign_dtype") is None
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(StepChecks, torch.optim.Optimizer):
     """Muon / manifold Muon / AdamW in one optimizer; every keyword but ``on_nonfinite`` is also a per-group key.
 
     Args:
@@ -623,142 +616,6 @@ class Muon(torch.optim.Optimizer):
                         # a trace cannot read W: ``compile_step`` steps a first step eagerly, so this check runs
                         self._refuse_pretrained(gi, group, i, p, "step refused")
         return work
-
-    def _checked_at_build(self, p: torch.Tensor) -> bool:
-        """Whether ``_check_group`` checked p for ``init="auto"`` and p holds the same tensor, unmodified, since."""
-        seen = self.__dict__.get("_init_checked", {}).get(id(p))
-        return seen is not None and seen == (p.data_ptr(), p._version)
-
-    @torch.compiler.disable
-    def _refuse_pretrained(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor, refused: str) -> None:
-        """``init="auto"``: refuse, before anything changes, a matrix that does not look like a fresh initialisation
-        (``fresh_ratio`` < ``FRESH_STABLE_RANK``) and that the first retraction would move by more than
-        ``FAR_RETRACTION`` of its norm — when its group is added (``refused``: "the optimizer was not built"), and at
-        its first step for a matrix not checked then (a meta-device parameter, deferred) or changed since ("step
-        refused"). Reads the matrix on the host (DTensor shards are not checked: a rank holds only part of the
-        matrix)."""
-        W = _matrices(p.detach(), group["layout"], group["split"])
-        ratio = fresh_ratio(W)
-        if ratio >= FRESH_STABLE_RANK:
-            return
-        manifold = self._manifold(group)
-        V = tall(W)[0]
-        dist = _retraction_distance(V, _retract(manifold, V))
-        if dist > FAR_RETRACTION:
-            raise ValueError(
-                f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} does not look like a fresh "
-                f"initialisation (stable rank {ratio:.2f} of a random matrix's) and its first step would move it "
-                f"onto the {manifold.name} manifold by {dist:.2f} of its norm, discarding its values: pass "
-                f"init='keep' to fine-tune it as it is, or init='retract' to project it; {refused}, nothing was "
-                "changed")
-
-    def check_groups(self) -> None:
-        """Refuse, naming it, what every eager step refuses before it changes anything, short of a NaN/Inf (that is
-        ``on_nonfinite``'s): a hyperparameter value set in a group since it was added that the constructor refuses (a
-        scheduler's NaN lr, an ``eps`` of 0), and per parameter with a gradient an unsupported dtype, a sparse
-        gradient, or a gradient or state that no longer fits it (``_check_step_group``: ``p.data = p.data.double()``,
-        another shape). Metadata only: no host synchronisation. ``compile_step`` calls it on the host before each
-        compiled step, whose trace cannot check values it sees as symbols and fails on what it cannot trace (a sparse
-        gradient, a changed shape), so that the compiled step refuses with the eager step's line.
-
-        Raises:
-            ValueError: one line naming the group, key or parameter; nothing was changed.
-        """
-        for gi, group in enumerate(self.param_groups):
-            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            if items:
-                self._check_step_group(gi, group, items)
-                continue
-            try:
-                _validate_values(group, where=f"Muon group {gi}")
-            except ValueError as e:
-                raise ValueError(f"{e}; step refused, nothing was changed") from None
-
-    def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
-        """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
-        the group since it was added that the constructor refuses (``_validate_values``, the manifold, the matrices'
-        shapes), and per parameter with a gradient an unsupported dtype, a sparse gradient, a gradient or state that
-        no longer fits it (``checks.check_fits_param``: ``p.data = ...`` or ``model.half()`` after a step) or state
-        its group does not keep (its ``algorithm`` or ``manifold`` changed after a step). Metadata only: no host
-        synchronisation.
-
-        Raises:
-            ValueError: one line naming the group or parameter; nothing was changed.
-        """
-        try:
-            if not torch.compiler.is_compiling():  # a trace sees the values as symbols: ``check_groups`` runs before
-                _validate_values(group, where=f"Muon group {gi}")  # each compiled step instead (compile_step)
-            if group["manifold"] is not None:
-                self._manifold(group)
-            for i, p in items:
-                self._check_matrix(group, gi, i, p)
-        except ValueError as e:
-            raise ValueError(f"{e}; step refused, nothing was changed") from None
-        for i, p in items:
-            label = param_label(self._name(group, i, gi), gi, i, p)
-            if not dtype_supported(p):  # its dtype was changed after it was added (``p.data = ...``)
-                raise ValueError(f"{unsupported_dtype('Muon', label, p)}; step refused, nothing was changed")
-            if p.grad.is_sparse:
-                raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
-                                 "(unsupported); step refused, nothing was changed")
-            state, shapes = self.state.get(p, {}), _state_shapes(group, p)
-            check_fits_param("Muon", label, p, state, shapes, PARAM_LIKE_STATE)
-            extra = _foreign_key(state, shapes)
-            if extra is not None:
-                raise ValueError(f"Muon: {label} holds optimizer state {extra!r}, which a group of "
-                                 f"algorithm={group['algorithm']!r}, manifold={_structural(group['manifold'])!r} does "
-                                 f"not keep: group {gi}'s algorithm or manifold was changed after a step; set it back, "
-                                 "or build the optimizer again; step refused, nothing was changed")
-
-    @staticmethod
-    def _manifold_items(work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]
-                        ) -> list[tuple[int, dict[str, Any], int, torch.Tensor]]:
-        return [(gi, group, i, p) for gi, group, items in work if group["algorithm"] == "muon"
-                and group["manifold"] is not None for i, p in items]
-
-    def _refuse_nonfinite_weights(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor) -> None:
-        raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} holds NaN/Inf weights; its "
-                         f"manifold ({group['manifold']}) cannot be kept: step refused, nothing was changed")
-
-    def _check_manifold_weights(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
-        """Refuse the step, naming the parameter, when a manifold-constrained matrix itself holds NaN/Inf: its
-        retraction cannot run on it. Raised before anything changed, whatever ``on_nonfinite`` says (that is for
-        gradients). ``"raise"`` checks these weights in the gradients' one reduction (``_check_finite``), ``"skip"``
-        reads them with the gradients' flag (one sync) and calls this to name the matrix."""
-        where = self._manifold_items(work)
-        bad = first_nonfinite([p.detach() for *_, p in where])
-        if bad is not None:
-            self._refuse_nonfinite_weights(*where[bad])
-
-    def _check_finite(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
-        """Raise NonFiniteGradientError naming the first parameter whose gradient holds NaN/Inf, over all groups at
-        once, and ValueError for a manifold-constrained matrix holding NaN/Inf weights (one fused reduction over the
-        gradients and those weights, one host sync when all are finite: ``first_nonfinite``)."""
-        where = [(gi, group, i, p) for gi, group, items in work for i, p in items]
-        weights = self._manifold_items(work)
-        bad = first_nonfinite([p.grad for *_, p in where] + [p.detach() for *_, p in weights])
-        if bad is not None and bad >= len(where):
-            self._refuse_nonfinite_weights(*weights[bad - len(where)])
-        if bad is not None:
-            gi, group, i, p = where[bad]
-            raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
-
-    def _warn_far_retraction(self) -> None:
-        """One warning per optimizer when an explicit ``init="retract"`` first step moved a pretrained-looking matrix
-        by > FAR_RETRACTION."""
-        if not self._far_retractions:  # nothing recorded: no attribute is rebound (torch.compile traces this path)
-            return
-        far = dict(self._far_retractions)
-        self._far_retractions.clear()
-        if self._warned_far_retraction:
-            return
-        self._warned_far_retraction = True
-        name, (dist, manifold) = max(far.items(), key=lambda kv: kv[1][0])
-        warnings.warn(
-            f"Muon: init='retract' moved {len(far)} matrix(es) that do not look like a fresh initialisation onto "
-            f"their manifold by more than {FAR_RETRACTION:g} of their norm at the first step (largest: {name!r}, "
-            f"relative Frobenius distance {dist:.3g}, {manifold}); that discards pretrained weights: pass "
-            f"init='keep' to fine-tune them", FarRetractionWarning, stacklevel=2)
 
     def _msign_settings(self, group: dict[str, Any], U: torch.Tensor) -> tuple[int | None, torch.dtype | None]:
         """(steps, dtype) of a plain-Muon msign: the group's ``ns_steps``/``msign_dtype`` where set; where unset (and

@@ -4,22 +4,36 @@
   ``add_param_group``, before each step and for each group a state dict would install).
 - ``fresh_ratio`` / ``looks_fresh``: ``init="auto"``'s test that refuses pretrained weights a manifold's first
   retraction would move far (``FRESH_STABLE_RANK``, ``FAR_RETRACTION``).
+- ``StepChecks``: ``Muon``'s checks before a step changes anything (a base class of it): values set in a group since it
+  was added, parameters changed under their state, NaN/Inf gradients and manifold weights, pretrained weights at
+  ``init="auto"``; ``check_groups`` is what ``compile_step`` runs on the host before each compiled step.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Any
 
 import torch
 
 from weightgeom.linalg import MSIGN_PRESETS
-from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
+from weightgeom.manifolds.base import tall
+from weightgeom.optim.checks import check_fits_param, dtype_supported, param_label, unsupported_dtype
+from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS, NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, spectral_norm_estimate
+from weightgeom.optim.muon_layout import PARAM_LIKE_STATE
+from weightgeom.optim.muon_layout import foreign_key as _foreign_key
+from weightgeom.optim.muon_layout import matrices as _matrices
+from weightgeom.optim.muon_layout import retract as _retract
+from weightgeom.optim.muon_layout import retraction_distance as _retraction_distance
+from weightgeom.optim.muon_layout import state_shapes as _state_shapes
+from weightgeom.optim.muon_layout import structural as _structural
 
 __all__ = ["ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES", "FAR_RETRACTION",
-           "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit", "validate_values"]
+           "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit", "validate_values",
+           "StepChecks"]
 
 ALGORITHMS = ("muon", "adamw")
 # msign presets whose singular values do not converge to 1 (Keller Jordan's quintic: ≈ [0.7, 1.2]); refused for manifold
@@ -156,3 +170,145 @@ def validate_values(group: dict[str, Any], where: str) -> None:
         raise bad("msign_method", f"a manifold group (manifold={group['manifold']!r}) needs a direction inside the "
                                   "unit spectral ball, but the Muon quintic leaves singular values up to ≈1.13 "
                                   "(a step ≈13% above lr); use 'polar_express' (or 'svd')")
+
+
+class StepChecks:
+    """``Muon``'s refusals before a step changes anything (a base class of ``Muon``; its methods use Muon's
+    ``param_groups``, ``state``, ``_name``, ``_manifold`` and ``_check_matrix``). Each raises one ValueError line
+    naming the group or parameter; nothing was changed."""
+
+    def _checked_at_build(self, p: torch.Tensor) -> bool:
+        """Whether ``_check_group`` checked p for ``init="auto"`` and p holds the same tensor, unmodified, since."""
+        seen = self.__dict__.get("_init_checked", {}).get(id(p))
+        return seen is not None and seen == (p.data_ptr(), p._version)
+
+    @torch.compiler.disable
+    def _refuse_pretrained(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor, refused: str) -> None:
+        """``init="auto"``: refuse, before anything changes, a matrix that does not look like a fresh initialisation
+        (``fresh_ratio`` < ``FRESH_STABLE_RANK``) and that the first retraction would move by more than
+        ``FAR_RETRACTION`` of its norm — when its group is added (``refused``: "the optimizer was not built"), and at
+        its first step for a matrix not checked then (a meta-device parameter, deferred) or changed since ("step
+        refused"). Reads the matrix on the host (DTensor shards are not checked: a rank holds only part of the
+        matrix)."""
+        W = _matrices(p.detach(), group["layout"], group["split"])
+        ratio = fresh_ratio(W)
+        if ratio >= FRESH_STABLE_RANK:
+            return
+        manifold = self._manifold(group)
+        V = tall(W)[0]
+        dist = _retraction_distance(V, _retract(manifold, V))
+        if dist > FAR_RETRACTION:
+            raise ValueError(
+                f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} does not look like a fresh "
+                f"initialisation (stable rank {ratio:.2f} of a random matrix's) and its first step would move it "
+                f"onto the {manifold.name} manifold by {dist:.2f} of its norm, discarding its values: pass "
+                f"init='keep' to fine-tune it as it is, or init='retract' to project it; {refused}, nothing was "
+                "changed")
+
+    def check_groups(self) -> None:
+        """Refuse, naming it, what every eager step refuses before it changes anything, short of a NaN/Inf (that is
+        ``on_nonfinite``'s): a hyperparameter value set in a group since it was added that the constructor refuses (a
+        scheduler's NaN lr, an ``eps`` of 0), and per parameter with a gradient an unsupported dtype, a sparse
+        gradient, or a gradient or state that no longer fits it (``_check_step_group``: ``p.data = p.data.double()``,
+        another shape). Metadata only: no host synchronisation. ``compile_step`` calls it on the host before each
+        compiled step, whose trace cannot check values it sees as symbols and fails on what it cannot trace (a sparse
+        gradient, a changed shape), so that the compiled step refuses with the eager step's line.
+
+        Raises:
+            ValueError: one line naming the group, key or parameter; nothing was changed.
+        """
+        for gi, group in enumerate(self.param_groups):
+            items = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            if items:
+                self._check_step_group(gi, group, items)
+                continue
+            try:
+                validate_values(group, where=f"Muon group {gi}")
+            except ValueError as e:
+                raise ValueError(f"{e}; step refused, nothing was changed") from None
+
+    def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
+        """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
+        the group since it was added that the constructor refuses (``_validate_values``, the manifold, the matrices'
+        shapes), and per parameter with a gradient an unsupported dtype, a sparse gradient, a gradient or state that
+        no longer fits it (``checks.check_fits_param``: ``p.data = ...`` or ``model.half()`` after a step) or state
+        its group does not keep (its ``algorithm`` or ``manifold`` changed after a step). Metadata only: no host
+        synchronisation.
+
+        Raises:
+            ValueError: one line naming the group or parameter; nothing was changed.
+        """
+        try:
+            if not torch.compiler.is_compiling():  # a trace sees the values as symbols: ``check_groups`` runs before
+                validate_values(group, where=f"Muon group {gi}")  # each compiled step instead (compile_step)
+            if group["manifold"] is not None:
+                self._manifold(group)
+            for i, p in items:
+                self._check_matrix(group, gi, i, p)
+        except ValueError as e:
+            raise ValueError(f"{e}; step refused, nothing was changed") from None
+        for i, p in items:
+            label = param_label(self._name(group, i, gi), gi, i, p)
+            if not dtype_supported(p):  # its dtype was changed after it was added (``p.data = ...``)
+                raise ValueError(f"{unsupported_dtype('Muon', label, p)}; step refused, nothing was changed")
+            if p.grad.is_sparse:
+                raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
+                                 "(unsupported); step refused, nothing was changed")
+            state, shapes = self.state.get(p, {}), _state_shapes(group, p)
+            check_fits_param("Muon", label, p, state, shapes, PARAM_LIKE_STATE)
+            extra = _foreign_key(state, shapes)
+            if extra is not None:
+                raise ValueError(f"Muon: {label} holds optimizer state {extra!r}, which a group of "
+                                 f"algorithm={group['algorithm']!r}, manifold={_structural(group['manifold'])!r} does "
+                                 f"not keep: group {gi}'s algorithm or manifold was changed after a step; set it back, "
+                                 "or build the optimizer again; step refused, nothing was changed")
+
+    @staticmethod
+    def _manifold_items(work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]
+                        ) -> list[tuple[int, dict[str, Any], int, torch.Tensor]]:
+        return [(gi, group, i, p) for gi, group, items in work if group["algorithm"] == "muon"
+                and group["manifold"] is not None for i, p in items]
+
+    def _refuse_nonfinite_weights(self, gi: int, group: dict[str, Any], i: int, p: torch.Tensor) -> None:
+        raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} holds NaN/Inf weights; its "
+                         f"manifold ({group['manifold']}) cannot be kept: step refused, nothing was changed")
+
+    def _check_manifold_weights(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
+        """Refuse the step, naming the parameter, when a manifold-constrained matrix itself holds NaN/Inf: its
+        retraction cannot run on it. Raised before anything changed, whatever ``on_nonfinite`` says (that is for
+        gradients). ``"raise"`` checks these weights in the gradients' one reduction (``_check_finite``), ``"skip"``
+        reads them with the gradients' flag (one sync) and calls this to name the matrix."""
+        where = self._manifold_items(work)
+        bad = first_nonfinite([p.detach() for *_, p in where])
+        if bad is not None:
+            self._refuse_nonfinite_weights(*where[bad])
+
+    def _check_finite(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]) -> None:
+        """Raise NonFiniteGradientError naming the first parameter whose gradient holds NaN/Inf, over all groups at
+        once, and ValueError for a manifold-constrained matrix holding NaN/Inf weights (one fused reduction over the
+        gradients and those weights, one host sync when all are finite: ``first_nonfinite``)."""
+        where = [(gi, group, i, p) for gi, group, items in work for i, p in items]
+        weights = self._manifold_items(work)
+        bad = first_nonfinite([p.grad for *_, p in where] + [p.detach() for *_, p in weights])
+        if bad is not None and bad >= len(where):
+            self._refuse_nonfinite_weights(*weights[bad - len(where)])
+        if bad is not None:
+            gi, group, i, p = where[bad]
+            raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
+
+    def _warn_far_retraction(self) -> None:
+        """One warning per optimizer when an explicit ``init="retract"`` first step moved a pretrained-looking matrix
+        by > FAR_RETRACTION."""
+        if not self._far_retractions:  # nothing recorded: no attribute is rebound (torch.compile traces this path)
+            return
+        far = dict(self._far_retractions)
+        self._far_retractions.clear()
+        if self._warned_far_retraction:
+            return
+        self._warned_far_retraction = True
+        name, (dist, manifold) = max(far.items(), key=lambda kv: kv[1][0])
+        warnings.warn(
+            f"Muon: init='retract' moved {len(far)} matrix(es) that do not look like a fresh initialisation onto "
+            f"their manifold by more than {FAR_RETRACTION:g} of their norm at the first step (largest: {name!r}, "
+            f"relative Frobenius distance {dist:.3g}, {manifold}); that discards pretrained weights: pass "
+            f"init='keep' to fine-tune them", FarRetractionWarning, stacklevel=2)
