@@ -109,7 +109,8 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
     Returns:
         One dict per figure: ``path`` (the PNG), ``alt``, ``section`` (the report heading above it), ``source``
         (``weightgeom sweep RECIPE LABEL``, with ``(in weightgeom demo)`` for a demo's sweep, as the claims record
-        names it), ``device`` (the runs' device kind), ``runs`` and ``steps`` (the longest run's).
+        names it), ``device`` (the runs' device kind), ``runs`` and ``steps`` (``"250"``, or ``"300–500"`` where runs
+        differ).
 
     Raises:
         FileNotFoundError: no ``report.md`` or ``sweep.json`` in ``sweep_dir``.
@@ -124,7 +125,8 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
     if re.search(r"\bdemo\b", str(sweep.get("command", ""))):
         source += " (in weightgeom demo)"
     runs = sweep.get("runs") or []
-    steps = max((int(r.get("step") or 0) for r in runs if isinstance(r, dict)), default=0) or None  # longest run
+    counts = sorted({int(r.get("step") or 0) for r in runs if isinstance(r, dict)} - {0})
+    steps = None if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     device = _first_meta(sweep_dir).get("device_kind", "not recorded")
     out, section = [], ""
     for line in report.read_text(encoding="utf-8").splitlines():
