@@ -104,7 +104,7 @@ def _os_failure(e: OSError, path: Path, out: Path) -> str:
     """One line for an ``OSError`` during a compress: a file under ``--out`` that could not be written (a full disk,
     a read-only filesystem) is named with what to do, never the source model; otherwise the file that could not be
     read."""
-    from weightgeom.cli import os_error_line
+    from weightgeom._cli_args import os_error_line
 
     reason = os_error_line(OSError(e.errno, e.strerror) if e.errno is not None else e)
     if e.filename is None:

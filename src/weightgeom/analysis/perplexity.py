@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from weightgeom._files import read_json
 from weightgeom.analysis.compress import INDEX_FILE, apply_compressed, compressed_source
 from weightgeom.analysis.loaders import _strip, open_lazy
 from weightgeom.data.corpora import shakespeare_text
@@ -199,8 +200,6 @@ def _refuse_not_causal(path: Path) -> None:
     Raises:
         ValueError: one line naming the path, the architecture and what to do.
     """
-    from weightgeom._files import read_json
-
     cfg = read_json(path / "config.json", what="model config")
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}/config.json: not a JSON object; eval needs a Hugging Face causal LM's config")

@@ -18,6 +18,7 @@ import pandas as pd
 
 from weightgeom._files import write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, AnalysisResult
+from weightgeom.analysis.continuity import random_level_cos
 
 __all__ = ["summary_table", "format_summary", "format_reading", "CONTINUOUS_RATIO", "WEAK_RATIO", "ALPHA_RANGES",
            "write_report", "plot_continuity", "plot_heatmaps", "shared_basis_runs",
@@ -159,8 +160,6 @@ def format_legend(result: AnalysisResult, suggest: bool = False) -> str:
     Returns:
         The lines, joined with newlines (no trailing newline).
     """
-    from weightgeom.analysis.continuity import random_level_cos
-
     layers = result.layers
     dims: list[int] = []
     if not layers.empty and {"in_dim", "out_dim"} <= set(layers.columns):
