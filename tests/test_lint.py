@@ -1,5 +1,6 @@
 """The code base stays ``ruff`` clean (configuration in pyproject.toml)."""
 
+import functools
 import re
 import shutil
 import subprocess
@@ -79,6 +80,7 @@ _TOP = frozenset({"benchmarks", "benchmarks_cli", "cli", "__main__"})
 _STRING_MODULE = re.compile(r"^(weightgeom(?:\.[A-Za-z_]\w*)+)(?::[A-Za-z_]\w*)?$")
 
 
+@functools.lru_cache(maxsize=1)
 def _modules() -> dict[str, Path]:
     """Dotted name → file of every Python module of the package."""
     out = {}
@@ -102,7 +104,8 @@ def _owner(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _edges() -> list[tuple[str, str, int, str, tuple[str, ...]]]:
+@functools.lru_cache(maxsize=1)
+def _edges() -> tuple[tuple[str, str, int, str, tuple[str, ...]], ...]:
     """(importer, imported module, line, how, names) for every dependency of one package module on another: ``import``
     statements anywhere (inside functions too, not under ``if TYPE_CHECKING``: how = "import"), and string constants
     naming a module (``"weightgeom.x.y"`` or ``"weightgeom.x.y:attr"``, imported by name at run time: how = "string").
@@ -144,7 +147,7 @@ def _edges() -> list[tuple[str, str, int, str, tuple[str, ...]]]:
                 visit(child)
 
         visit(ast.parse(path.read_text(), str(path)))
-    return out
+    return tuple(out)
 
 
 def _where(importer: str, line: int) -> str:
