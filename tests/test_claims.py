@@ -308,6 +308,12 @@ def test_pretrained_sharing_rule():
     assert verdict(rows("Q", 20, 10), rows("O", 20, 10, "output")) == "reversed"
     assert verdict(rows("Q", 10, 20), rows("Up", 20, 10)) == "partly reproduced"
     assert verdict(rows("Q", 10, 10.3), rows("K", 10.2, 10)) == "not reproduced"  # within PPL_MARGIN
+    # a perplexity is quoted with its text and token budget (the record's baseline and settings)
+    record = {"rows": rows("Q", 10, 20), "baseline": {"ppl": 68.68, "tokens": 1024}, "settings": {"text": None}}
+    assert cl.compress_findings(record)[0][2].endswith(
+        "(perplexity 68.7 uncompressed, over 1024 tokens of the held-out Shakespeare text)")
+    record["settings"]["text"] = "/data/wiki.txt"
+    assert "over 1024 tokens of wiki.txt)" in cl.compress_findings(record)[0][2]
 
 
 def _finding(**kw) -> dict:

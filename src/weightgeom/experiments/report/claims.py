@@ -769,6 +769,17 @@ PAPER_SPACE = {"Q": "input", "K": "input", "Gate": "input", "Up": "input", "O": 
 """The continuity paper's continuous space per projection role."""
 
 
+def _ppl_budget(record: dict[str, Any]) -> str:
+    """``", over 1024 tokens of the held-out Shakespeare text"``: the text and token budget of a compression record's
+    perplexities ("" when the record does not say), so that a perplexity is never quoted without them."""
+    tokens = (record.get("baseline") or {}).get("tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool):
+        return ""
+    text = (record.get("settings") or {}).get("text")
+    where = f"of {Path(str(text)).name}" if text else "of the held-out Shakespeare text"
+    return f", over {tokens} tokens {where}"
+
+
 def compress_findings(record: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(key, verdict, evidence) of the pretrained-sharing claim from a compression sweep's record
     (``compress.json``: rows of role, arm, savings target and perplexity; the spaces' continuity over random)."""
@@ -801,7 +812,7 @@ def compress_findings(record: dict[str, Any]) -> list[tuple[str, str, str]]:
           f"{'/'.join(f'{lv:.0%}' for lv in levels)} of a role's parameters the paper's space wins for "
           f"{', '.join(groups['for']) or 'no role'}, the other space for {', '.join(groups['against']) or 'no role'}"
           + (f", mixed for {', '.join(groups['mixed'])}" if groups["mixed"] else "")
-          + f" (perplexity {record.get('baseline', {}).get('ppl', math.nan):.1f} uncompressed)")
+          + f" (perplexity {record.get('baseline', {}).get('ppl', math.nan):.1f} uncompressed{_ppl_budget(record)})")
     return [("c-pretrained", verdict, ev)]
 
 
