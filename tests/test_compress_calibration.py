@@ -163,12 +163,14 @@ def test_calibration_text_is_disjoint_from_the_heldout_text():
 def test_calibrated_compress_writes_what_the_reader_applies_and_auto_picks_the_lowest_loss(tiny_lm, tmp_path):
     from weightgeom.analysis.calibration import calibration_text, collect_grams
     from weightgeom.analysis.compress import CompressConfig, apply_compressed, compress
-    from weightgeom.analysis.compress_choice import format_choice_table
+    from weightgeom.analysis.compress_choice import compress_calibrated, format_choice_table
 
     grams = collect_grams(tiny_lm, calibration_text(), tokens=64, context=32)
     sd = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
     cfg = CompressConfig(share="auto", savings=0.3, layers_per_group=2, calibration="shakespeare")
-    res = compress(sd, tmp_path / "c", cfg, grams=grams)
+    with pytest.raises(ValueError, match="compress_calibrated"):
+        compress(sd, tmp_path / "c", cfg, grams=grams)  # auto's choice by loss is the calibrated entry's
+    res = compress_calibrated(sd, tmp_path / "c", cfg, grams=grams)
     for role, v in res.spaces.items():
         finite = {s: x for s, x in v["loss"].items() if not math.isnan(x)}
         assert v["space"] == min(finite, key=finite.get), role

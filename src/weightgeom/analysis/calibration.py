@@ -2,9 +2,10 @@
 the mean input Gram G = (1/T) Σ_t x_t x_tᵀ (float64, n×n) of the matrix's input.
 
 Forward hooks on the modules that hold the role matrices (found by the same role assignment as the analysis) add
-xᵀx of each window's inputs (a float32 product per window) to a float64 accumulator and drop the activations: the memory is the Grams (Σ n² per
-matrix input; matrices fed the same tensor — Q, K, V; Gate, Up — share one Gram) plus one window's forward pass. The
-output-space fit needs the output covariance W G Wᵀ, computed from W and G (:mod:`weightgeom.analysis.compress_fit`).
+xᵀx of each window's inputs (a float32 product per window) to a float64 accumulator and drop the activations: the
+memory is the Grams (Σ n² per matrix input; matrices fed the same tensor — Q, K, V; Gate, Up — share one Gram) plus
+one window's forward pass. The output-space fit needs the output covariance W G Wᵀ, computed from W and G
+(:mod:`weightgeom.analysis.compress_fit`).
 
 The default calibration text is the bundled Shakespeare corpus without its held-out tail (:func:`calibration_text`),
 disjoint from the text ``weightgeom eval`` evaluates on by default

@@ -656,7 +656,7 @@ def _group_file(role: str, j: int) -> str:
 def compress(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
              role_map: Mapping[str, str] | str | None = None, progress: bool = False,
              on_role_done: Callable[[CompressResult], None] | None = None, allow_growth: bool = False,
-             grams=None, **kwargs) -> CompressResult:
+             grams=None, spaces_info: Mapping[str, dict] | None = None, **kwargs) -> CompressResult:
     """Compress ``source``'s roles with shared (or per-layer) low-rank bases; write them to ``out``.
 
     Args:
@@ -669,8 +669,11 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
         progress: one stderr line per group.
         on_role_done: called after each finished role with the result so far (a snapshot).
         allow_growth: accept a rank that saves no parameters (a full-rank round trip); refused by default.
-        grams: precomputed calibration Grams (:class:`weightgeom.analysis.calibration.Grams`); default: collected
-            from ``source`` (a path) when ``cfg.calibration`` is set.
+        grams: calibration Grams (:class:`weightgeom.analysis.calibration.Grams`), required when
+            ``cfg.calibration`` is set (:func:`weightgeom.analysis.compress_choice.compress_calibrated` collects
+            them and picks ``auto``'s spaces).
+        spaces_info: for ``share="auto"``, role → ``{"space": ...}`` chosen by the caller (an interrupted compress
+            being finished keeps the spaces its index records).
 
     Returns:
         :class:`CompressResult`.
@@ -691,27 +694,21 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     if cfg.share != "auto":
         _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth)  # a bad rank: refused before calibrating
     if grams is None and cfg.calibration is not None:
-        from weightgeom.analysis.calibration import source_grams
-
-        runnable = source if isinstance(source, (str, Path)) else src.meta.get("path") if isinstance(
-            source, Loaded) else source
-        grams = source_grams(runnable, list(by_role), text=cfg.calibration, role_map=role_map,
-                             tokens=cfg.calibration_tokens, progress=progress)
+        raise ValueError("calibration: pass the Grams (grams=...) or call "
+                         "weightgeom.analysis.compress_choice.compress_calibrated, which collects them")
     old_spaces = old.get("spaces") if old is not None else None
     if cfg.share == "auto" and isinstance(old_spaces, dict) and all(
             isinstance(old_spaces.get(r), dict) and old_spaces[r].get("space") in SPACES
             for r in by_role):
         spaces_info = {r: old_spaces[r] for r in by_role}  # resuming: the spaces the finished roles were cut in
+    elif cfg.share == "auto" and spaces_info is not None:
+        missing = [r for r in by_role if r not in spaces_info]
+        if missing:
+            raise ValueError(f"spaces_info: no space for role {missing[0]}")
+        spaces_info = {r: spaces_info[r] for r in by_role}
     elif cfg.share == "auto" and grams is not None:
-        from weightgeom.analysis.compress_choice import choose_by_loss
-
-        if progress:
-            print("continuity analysis (its ratios are reported beside auto's choice) ...", file=sys.stderr, flush=True)
-        ratios = choose_spaces(src, role_map, list(by_role))
-        if progress:
-            print("measuring each role's calibration loss in the input, output and per-layer spaces ...",
-                  file=sys.stderr, flush=True)
-        spaces_info = choose_by_loss(by_role, cfg, grams, ratios, progress)
+        raise ValueError("share auto with calibration: call weightgeom.analysis.compress_choice.compress_calibrated "
+                         "(it picks each role's space by calibration loss) or pass spaces_info")
     elif cfg.share == "auto":
         spaces_info = choose_spaces(src, role_map, list(by_role))
     else:

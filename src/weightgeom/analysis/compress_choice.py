@@ -14,11 +14,25 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 
-from weightgeom.analysis.compress import SPACES, CompressConfig, _plan, compress_roles
-from weightgeom.analysis.roles import RoleWeight
+from weightgeom.analysis.api import _as_loaded
+from weightgeom.analysis.calibration import source_grams
+from weightgeom.analysis.compress import (
+    SPACES,
+    CompressConfig,
+    CompressResult,
+    _plan,
+    _select,
+    check_out,
+    choose_spaces,
+    compress,
+    compress_roles,
+)
+from weightgeom.analysis.loaders import Loaded
+from weightgeom.analysis.roles import RoleWeight, assign_roles
 
-__all__ = ["role_losses", "choose_by_loss", "format_choice_table"]
+__all__ = ["role_losses", "choose_by_loss", "format_choice_table", "compress_calibrated"]
 
 
 def role_losses(items: list[RoleWeight], role: str, cfg: CompressConfig, grams, space: str,
@@ -96,3 +110,42 @@ def format_choice_table(spaces: Mapping[str, dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)
+
+
+def compress_calibrated(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
+                        role_map: Mapping[str, str] | str | None = None, progress: bool = False,
+                        allow_growth: bool = False, grams=None, **kwargs) -> CompressResult:
+    """:func:`~weightgeom.analysis.compress.compress` with activation-aware fits: collects the calibration Grams of
+    ``source`` (:func:`~weightgeom.analysis.calibration.source_grams` on ``cfg.calibration``, unless ``grams`` is
+    given), picks ``auto``'s spaces by calibration loss (:func:`choose_by_loss`, continuity ratios beside), then
+    compresses.
+
+    Raises:
+        ValueError: as :func:`~weightgeom.analysis.compress.compress`, and a source that cannot be run for
+            calibration (one line saying to use weight-only fits).
+    """
+    cfg = cfg or CompressConfig(**kwargs)
+    if cfg.calibration is None and grams is None:
+        cfg = replace(cfg, calibration="shakespeare")
+    cfg.check()
+    if out is not None:
+        check_out(out, source, cfg, role_map)  # refused before the calibration pass
+    src = _as_loaded(source)
+    by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
+    if cfg.share != "auto":
+        _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth)
+    if grams is None:
+        runnable = source.meta.get("path") if isinstance(source, Loaded) else source
+        grams = source_grams(runnable, list(by_role), text=cfg.calibration, role_map=role_map,
+                             tokens=cfg.calibration_tokens, progress=progress)
+    spaces_info = None
+    if cfg.share == "auto":
+        if progress:
+            print("continuity analysis (its ratios are reported beside auto's choice) ...", file=sys.stderr, flush=True)
+        ratios = choose_spaces(src, role_map, list(by_role))
+        if progress:
+            print("measuring each role's calibration loss in the input, output and per-layer spaces ...",
+                  file=sys.stderr, flush=True)
+        spaces_info = choose_by_loss(by_role, cfg, grams, ratios, progress)
+    return compress(source, out, cfg, role_map=role_map, progress=progress, allow_growth=allow_growth, grams=grams,
+                    spaces_info=spaces_info)

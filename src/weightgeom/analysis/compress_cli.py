@@ -232,6 +232,7 @@ def run_compress(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from weightgeom.analysis.compress import CompressConfig, _plural, check_out, compress
+    from weightgeom.analysis.compress_choice import compress_calibrated
 
     try:
         role_map = _role_map_arg(args.role_map)
@@ -246,7 +247,19 @@ def run_compress(args: argparse.Namespace) -> int:
                              roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed,
                              calibration=calib, calibration_tokens=args.calibration_tokens or CALIBRATION_TOKENS)
         cfg.check()
-        old = check_out(out, path, cfg, role_map)  # before anything is read or written
+        try:
+            old = check_out(out, path, cfg, role_map)  # before anything is read or written
+        except ValueError as first:
+            if args.calibration is not None or cfg.calibration is None:
+                raise
+            from dataclasses import replace
+
+            # finishing an interrupted compress that fell back to weight-only fits (a model that cannot be run)
+            try:
+                old = check_out(out, path, replace(cfg, calibration=None), role_map)
+            except ValueError:
+                raise first from None
+            cfg = replace(cfg, calibration=None)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # before OSError, which these two are
         return _fail("compress", _first_line(e))
     except OSError as e:
@@ -258,14 +271,17 @@ def run_compress(args: argparse.Namespace) -> int:
               f"{path} ..." if old is not None else f"opening {path} ...", file=sys.stderr)
     try:
         try:
-            res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
+            run = compress_calibrated if cfg.calibration is not None else compress
+            res = run(path, out, cfg, role_map=role_map, progress=not args.quiet)
         except ValueError as e:
             if args.calibration is not None or not str(e).startswith("calibration needs a model"):
                 raise
             from dataclasses import replace
 
-            print(f"weightgeom compress: note: {path} cannot be run for calibration ({_first_line(e)}); fitting "
-                  "weight-only", file=sys.stderr)
+            if not args.quiet:
+                print(f"weightgeom compress: note: {path} is not a model that can be run for calibration (eval reads "
+                      "HF directories, .gguf files and weightgeom checkpoints); fitting weight-only",
+                      file=sys.stderr)
             cfg = replace(cfg, calibration=None)
             res = compress(path, out, cfg, role_map=role_map, progress=not args.quiet)
     except KeyboardInterrupt:

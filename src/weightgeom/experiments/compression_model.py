@@ -37,6 +37,8 @@ from weightgeom._files import write_atomic
 from weightgeom.analysis.calibration import calibration_text, collect_grams
 from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
 from weightgeom.analysis.compress_choice import choose_by_loss
+from weightgeom.analysis.perplexity import perplexity_of_ids
+from weightgeom.analysis.roles import assign_roles
 
 __all__ = ["METHODS", "MODEL_ROLES", "method_config", "model_point", "run_model_sweep", "model_table_md",
            "plot_model"]
@@ -67,8 +69,6 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
     """Compress every role of ``cfg.roles`` with ``method`` at ``savings``, evaluate, restore: one row (``progress``:
     auto's per-role loss lines on stderr)."""
     import torch
-
-    from weightgeom.analysis.perplexity import perplexity_of_ids
 
     roles = tuple(cfg.roles)
     ccfg, calibrated = method_config(method, savings, cfg.layers_per_group, roles)
@@ -111,8 +111,6 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
 
 def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, progress: bool = True) -> None:
     """Fill ``rows`` with the (method × savings) grid of a ``scope = "model"`` preset (``write()`` after each)."""
-    from weightgeom.analysis.roles import assign_roles
-
     by_role = assign_roles(lm.model.state_dict())
     missing = [r for r in cfg.roles if r not in by_role]
     if missing:
