@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from torch_optim_db import common_optimizers
 from weightgeom.optim import MagnitudeDirection
-
-common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 
 _ADAMW = next(o for o in common_optimizers.optim_db if o.optim_cls is torch.optim.AdamW)
 INPUTS = _ADAMW.optim_inputs_func(device="cpu", dtype=torch.float32)

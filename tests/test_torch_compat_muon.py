@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from torch_optim_db import common_optimizers
 from weightgeom.optim import Muon
 from weightgeom.optim.state_compat import TORCH_MUON, to_torch_muon
 
-common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 _INFO = next(o for o in common_optimizers.optim_db if o.optim_cls is torch.optim.Muon)
 INPUTS = _INFO.optim_inputs_func(device="cpu", dtype=torch.float32)
 ERROR_INPUTS = _INFO.optim_error_inputs_func(device="cpu", dtype=torch.float32)
