@@ -163,7 +163,8 @@ def format_legend(result: AnalysisResult, suggest: bool = False) -> str:
     layers = result.layers
     dims: list[int] = []
     if not layers.empty and {"in_dim", "out_dim"} <= set(layers.columns):
-        dims = sorted({int(d) for d in pd.concat([layers["in_dim"], layers["out_dim"]]).dropna()})
+        # an empty matrix (a dimension of 0) has no random level: it is left out, never divided by
+        dims = sorted({int(d) for d in pd.concat([layers["in_dim"], layers["out_dim"]]).dropna() if int(d) > 0})
     levels = ", ".join(f"{random_level_cos(d):.3f} for d = {d}" for d in dims[:4]) or "sqrt(2/(π d))"
     more = f" (and {len(dims) - 4} more dimensions)" if len(dims) > 4 else ""
     lines = [
