@@ -95,7 +95,7 @@ USER_BATCH, USER_T, USER_VOCAB = 4, 16, 32
 # ascent and the retractions the parameters differ by ≤ 6e-6 (measured, plain Muon; ≤ 1.4e-6 with manifolds/MD);
 # a wrong shard, owner or skipped step moves them by ≥ 1e-3.
 USER_ATOL = 3e-5
-USER_CASES = ("muon", "hetero", "md", "resume")
+USER_CASES = ("muon", "hetero", "md", "resume", "dcp")
 
 
 def _user_model():
@@ -108,7 +108,7 @@ def _user_model():
 def _user_optimizer(case: str, model):
     from weightgeom.optim import MagnitudeDirection, Muon, param_groups
 
-    strategy = "unconstrained" if case == "muon" else "hetero"
+    strategy = "unconstrained" if case in ("muon", "dcp") else "hetero"
     opt = Muon(param_groups(model, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual_steps=5, verbose=False))
     return MagnitudeDirection(opt, model=model, gain_lr=1e-2) if case in ("md", "resume") else opt
 
@@ -121,8 +121,9 @@ def _user_batch(step: int):
 
 def _user_train(case: str, model, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
     """USER_STEPS steps on rank's slice of the same global batches; "resume" (MagnitudeDirection around Muon-hetero)
-    saves the optimizer after 2 steps and continues with a fresh one loaded from it (torch.load weights_only=True).
-    Returns the full parameters."""
+    saves the optimizer after 2 steps and continues with a fresh one loaded from it (torch.load weights_only=True);
+    "dcp" (plain Muon) does the same through torch.distributed.checkpoint's get_optimizer_state_dict /
+    set_optimizer_state_dict (parameter names as keys). Returns the full parameters."""
     opt = _user_optimizer(case, model)
     rows = USER_BATCH // world
     for s in range(USER_STEPS):
@@ -132,6 +133,18 @@ def _user_train(case: str, model, rank: int = 0, world: int = 1) -> dict[str, to
             buf.seek(0)
             opt = _user_optimizer(case, model)
             opt.load_state_dict(torch.load(buf, weights_only=True))
+        if case == "dcp" and s == 2:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            osd = get_optimizer_state_dict(model, opt)
+            opt = _user_optimizer(case, model)
+            # strict=False: each Muon matrix's momentum lives on its owner rank only, so a rank's dict has no entry
+            # for the matrices another rank owns (docs/training.md, "Your own FSDP2 loop")
+            set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(strict=False))
         x, y = _user_batch(s)
         _, loss = model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
         loss.backward()
@@ -255,6 +268,17 @@ def test_user_fsdp2_loop_matches_one_process(user_loop, case, monkeypatch):
         torch.testing.assert_close(got[n], v, rtol=0, atol=USER_ATOL, msg=n)
         moved += int(not torch.equal(v, dict(_user_model().named_parameters())[n].detach()))
     assert moved == len(ref)  # every parameter was updated (no matrix silently skipped)
+
+
+def test_user_fsdp2_dcp_round_trip_continues_bit_identically(user_loop):
+    """Muon's state through torch.distributed.checkpoint's optimizer helpers under FSDP2 (2 gloo ranks): saved with
+    get_optimizer_state_dict after 2 steps, set into a fresh Muon with set_optimizer_state_dict, the run ends bit for
+    bit where the uninterrupted run on the same ranks ends (momentum carried over on each matrix's owner rank)."""
+    got = torch.load(user_loop / "dcp.pt", weights_only=True)
+    ref = torch.load(user_loop / "muon.pt", weights_only=True)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
 
 
 def test_user_fsdp2_nan_gradient_refused_on_every_rank(user_loop):

@@ -213,8 +213,8 @@ def describe_state_dict(sd: Any) -> str:
 def check_torch_layout(who: str, groups: Sequence[Mapping[str, Any]], sd: Any, expected: str
                        ) -> dict[Any, tuple[int, int]]:
     """Refuse ``sd`` unless it has torch's optimizer layout for ``groups``: ``{"state", "param_groups"}``, as
-    many groups, each listing as many parameter ids as this optimizer's, ids unique, state only for listed ids, each a
-    dict.
+    many groups, each listing as many parameter ids (or names, as ``torch.distributed.checkpoint`` writes them) as
+    this optimizer's, ids unique, state only for listed ids, each a dict.
 
     Args:
         who: the optimizer's name (``"Muon"``) for messages.
@@ -241,9 +241,11 @@ def check_torch_layout(who: str, groups: Sequence[Mapping[str, Any]], sd: Any, e
     ids: dict[Any, tuple[int, int]] = {}
     for gi, (s, g) in enumerate(zip(saved, groups)):
         pids = s.get("params")
-        if not isinstance(pids, (list, tuple)) or not all(isinstance(k, int) and not isinstance(k, bool)
+        # ids as torch.optim saves them (ints), or parameter names as torch.distributed.checkpoint's
+        # get_optimizer_state_dict writes them; either way matched by position, as torch's own loader does
+        if not isinstance(pids, (list, tuple)) or not all(isinstance(k, (int, str)) and not isinstance(k, bool)
                                                           for k in pids):
-            raise ValueError(f"{where}: group {gi}'s 'params' must be a list of parameter ids; {_NOTHING}")
+            raise ValueError(f"{where}: group {gi}'s 'params' must be a list of parameter ids or names; {_NOTHING}")
         if len(pids) != len(g["params"]):
             raise ValueError(f"{where}: group {gi} of the state dict has {len(pids)} parameters, this optimizer's has "
                              f"{len(g['params'])}; {_NOTHING}")
