@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import weightgeom._signals as wgsig
+from weightgeom._fmt import duration
 from weightgeom.cli import Terminated, main
 from weightgeom.experiments import launchers
 from weightgeom.experiments.cli import get_recipe
@@ -87,7 +88,7 @@ def test_dry_run_prints_each_arms_settings_and_an_expected_run_time(tmp_path, ca
     tokens = estimate.run_tokens(spec.resolved())
     assert params > 0 and tokens == 40 * spec.resolved()["data.batch_size"] * spec.resolved()["data.block_size"]
     secs = 6 * params * tokens / estimate.GPU_TRAIN_FLOPS
-    assert stiefel.endswith(f"expected ≈ {estimate.format_duration(secs)}")
+    assert stiefel.endswith(f"expected ≈ {duration(secs)}")
     assert "expected run time:" in text and "the time limit is 240 min per job" in text
     assert "the order of magnitude" in text
     # MNIST examples are vectors: the block size of the config does not multiply them

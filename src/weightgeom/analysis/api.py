@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from weightgeom._fmt import duration
 from weightgeom.analysis.continuity import (
     SKETCH_TOL,
     SKETCH_TOL_SMALL,
@@ -433,12 +434,6 @@ def _by_layer(roles: dict[str, list[RoleWeight]] | None, role: str) -> dict | No
     return None if roles is None else {rw.layer: rw.weight for rw in roles.get(role, [])}
 
 
-def _fmt_s(x: float) -> str:
-    """Seconds as ``42 s`` or ``3 min 05 s``."""
-    x = max(0.0, x)
-    return f"{x:.0f} s" if x < 60 else f"{int(x // 60)} min {int(x % 60):02d} s"
-
-
 def _result(ctx: _RunContext, src: Loaded, by_role: dict[str, list[RoleWeight]], done: list[str], method: str,
             metrics: Sequence[str], t_start: float, skipped: list[dict]) -> AnalysisResult:
     """The :class:`AnalysisResult` of the roles in ``done`` (all of them, or those finished before an interrupt)."""
@@ -575,7 +570,7 @@ def analyze_full(
                 eta = el / done_units * (units - done_units) if done_units else 0.0
                 shape = "×".join(str(d) for d in rw.weight.shape)
                 print(f"  [{k:{len(str(total))}d}/{total}] {role:5s} layer {rw.layer:3d} {shape:>11s}  "
-                      f"{_fmt_s(el)} elapsed, ETA {_fmt_s(eta)}", file=sys.stderr, flush=True)
+                      f"{duration(el)} elapsed, ETA {duration(eta)}", file=sys.stderr, flush=True)
         ra.finish()
         done.append(role)
         if progress:

@@ -22,8 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.experiments.runner import RunSpec
 
 __all__ = ["GPU_TRAIN_FLOPS", "CPU_TRAIN_FLOPS_PER_CORE", "NON_SEQUENCE_DATA", "arm_settings", "shared_settings",
-           "run_tokens",
-           "nonembedding_params", "expected_seconds", "format_duration"]
+           "run_tokens", "nonembedding_params", "expected_seconds"]
 
 GPU_TRAIN_FLOPS = 6 * 85.0e6 * 331.7e3
 """Training FLOP/s (``6 · N · tokens/s``) recorded on one NVIDIA H200: weightgeom's trainer on GPT-2 124M (85.0 M
@@ -85,15 +84,6 @@ def expected_seconds(settings: dict[str, Any], params: int, gpus: int, cpus: int
         return None
     rate = GPU_TRAIN_FLOPS * gpus if gpus else CPU_TRAIN_FLOPS_PER_CORE * max(1, cpus)
     return 6 * params * tokens / rate
-
-
-def format_duration(seconds: float) -> str:
-    """``"45 s"``, ``"12 min"``, ``"3.4 h"``."""
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def shared_settings(runs: Sequence[RunSpec]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightgeom._files import open_append, read_json, write_atomic
+from weightgeom._fmt import duration
 from weightgeom._optional import import_extra
 from weightgeom._signals import Terminated, stop_request_handler
 
@@ -893,7 +894,7 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         if secs is not None:
             seconds.append(secs)
         print(f"  arm {spec.variant}: {estimate.arm_settings(spec, shared)}; expected "
-              f"{'≈ ' + estimate.format_duration(secs) if secs is not None else 'unknown (no parameter count)'}",
+              f"{'≈ ' + duration(secs) if secs is not None else 'unknown (no parameter count)'}",
               file=file)
     how = {"slurm": " as one SLURM job array", "ray": " as Ray tasks"}.get(launcher, "")
     print(f"{n} of {len(runs)} runs would be submitted{how}", file=file)
@@ -901,9 +902,9 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         device = f"{gpus} GPU(s) at the H200's recorded rate" if gpus else \
             f"{max(1, resources.cpus)} CPU core(s) at the AMX Xeon's recorded rate"
         limit = (f"; the time limit is {resources.time_min} min per job" if launcher == "slurm" else "")
-        lo, hi = estimate.format_duration(min(seconds)), estimate.format_duration(max(seconds))
+        lo, hi = duration(min(seconds)), duration(max(seconds))
         print(f"expected run time: {lo if lo == hi else f'{lo}–{hi}'} "
-              f"per run, {estimate.format_duration(sum(seconds))} for all {len(seconds)} one after another — a FLOP "
+              f"per run, {duration(sum(seconds))} for all {len(seconds)} one after another — a FLOP "
               f"estimate (6 · non-embedding parameters · tokens on {device}; weightgeom.experiments.estimate): the "
               f"order of magnitude — manifold and MD arms take longer, and the rate varies with model size{limit}",
               file=file)

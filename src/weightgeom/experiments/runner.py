@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from weightgeom._files import read_json, read_toml, write_atomic
+from weightgeom._fmt import duration
 from weightgeom._signals import stop_request_handler
 from weightgeom.experiments.callbacks import build_callbacks
 from weightgeom.train import train
@@ -667,14 +668,6 @@ def default_train_fn(spec: RunSpec, run_dir: Path, progress: bool) -> dict[str, 
     return result
 
 
-def _fmt_s(s: float) -> str:
-    if s < 90:
-        return f"{s:.0f}s"
-    if s < 5400:
-        return f"{s / 60:.1f}min"
-    return f"{s / 3600:.1f}h"
-
-
 def _write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1, default=str))
 
@@ -983,8 +976,8 @@ class _Sweep:
         val = fin.get("val_loss", fin.get("val/loss"))
         extra = f" val_loss {val:.4f}" if isinstance(val, float) else ""
         where = f"at step {rec['step']}" if rec.get("step") is not None else "before its first step"
-        print(f"{self.tag(i)}: {rec['status']} {where}{extra} in {_fmt_s(wall)}"
-              f" (sweep {_fmt_s(elapsed)}, ~{_fmt_s(eta)} left)", flush=True)
+        print(f"{self.tag(i)}: {rec['status']} {where}{extra} in {duration(wall)}"
+              f" (sweep {duration(elapsed)}, ~{duration(eta)} left)", flush=True)
 
     # -- all runs ------------------------------------------------------------------------------------------------
     def run_sequential(self, todo: list[int]) -> None:
