@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["API_PACKAGES", "MATHJAX_SITE_PATH", "mathjax_script", "FIGURES_DIR", "FIGURES_RECORD", "FIGURES_BEGIN",
-           "FIGURES_END", "REGENERATE_FIGURES", "report_figures", "record_figures", "render_figures",
-           "figure_problems", "write_figure_pages", "ROOT", "GUARANTEES_PATH", "REGENERATE_GUARANTEES", "AREAS",
-           "render_guarantees", "public_symbols", "api_problems", "main"]
+           "FIGURES_END", "REGENERATE_FIGURES", "CLAIMS_RECORD", "report_figures", "unrecorded_sweeps",
+           "record_figures", "render_figures", "figure_problems", "write_figure_pages", "ROOT", "GUARANTEES_PATH",
+           "REGENERATE_GUARANTEES", "AREAS", "render_guarantees", "public_symbols", "api_problems", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root (this file is ``docs/gen_docs.py`` of a checkout; it is not part of the installed package,
@@ -86,6 +86,9 @@ FIGURES_END = "<!-- end of figures -->"
 
 REGENERATE_FIGURES = ".venv/bin/python docs/gen_docs.py figures SWEEP_DIR... --write"
 """The command that records a sweep's figures (after ``weightgeom report SWEEP_DIR`` drew them)."""
+
+CLAIMS_RECORD = ROOT / "docs" / "results" / "claims.json"
+"""The claims record (``weightgeom claims --record``): the sweeps the results page quotes, with runs, steps, device."""
 
 _IMAGE = re.compile(r"^!\[([^\]]*)\]\(([^)/\\]+\.png)\)\s*$")
 _HEADING = re.compile(r"^(#{2,4}) (.+?)\s*$")
@@ -173,13 +176,48 @@ def record_figures(sweep_dirs: Sequence[Path], figures_dir: Path = FIGURES_DIR,
     return entries
 
 
-def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/figures/") -> str:
+def unrecorded_sweeps(entries: Sequence[dict[str, Any]], claims: Path = CLAIMS_RECORD) -> list[dict[str, Any]]:
+    """The sweeps the claims record quotes that have no recorded figures, in the record's order.
+
+    Args:
+        entries: the recorded figures (``figures.json``).
+        claims: the claims record; absent: none.
+
+    Returns:
+        One dict per sweep: ``source`` (``weightgeom sweep RECIPE LABEL``), ``runs`` and ``steps`` (the largest over
+        its findings; steps 0 for a sweep of evaluation points), ``device`` (as recorded).
+    """
+    if not claims.is_file():
+        return []
+    have = {e["source"] for e in entries}
+    out: dict[str, dict[str, Any]] = {}
+    for f in json.loads(claims.read_text(encoding="utf-8"))["findings"]:
+        if f["source"] in have:
+            continue
+        o = out.setdefault(f["source"], {"source": f["source"], "runs": 0, "steps": 0, "device": f["device"]})
+        o["runs"], o["steps"] = max(o["runs"], int(f.get("runs") or 0)), max(o["steps"], int(f.get("steps") or 0))
+    return list(out.values())
+
+
+def _plots_from(source: str) -> str:
+    """Where an unrecorded sweep's command draws its plots: its default sweep directory."""
+    recipe, label = source.split()[2:4]
+    out = f"runs/sweeps/{recipe}-{label}"
+    if (recipe, label) == ("continuity", "compress"):  # the compress sweep draws its own plot, without a report
+        return f"`{source}` writes `{out}/compress.png`"
+    return f"`{source}` writes `{out}/report.md` and its PNGs (`weightgeom report {out}` redraws them)"
+
+
+def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/figures/",
+                   claims: Path = CLAIMS_RECORD) -> str:
     """The figures section of a page: one subsection per sweep, each figure with its caption (what it shows, the
-    sweep's command, runs × steps, device kind), between :data:`FIGURES_BEGIN` and :data:`FIGURES_END`.
+    sweep's command, runs × steps, device kind), then the quoted sweeps without recorded figures and the commands
+    that draw theirs, between :data:`FIGURES_BEGIN` and :data:`FIGURES_END`.
 
     Args:
         entries: the record's figures (``figures.json``).
         prefix: the figures' folder relative to the page (``results/figures/`` from ``docs/*.md``).
+        claims: the claims record (:data:`CLAIMS_RECORD`), for :func:`unrecorded_sweeps`.
     """
     lines = [FIGURES_BEGIN, "", "## Figures of the recorded sweeps", "",
              "Drawn by `weightgeom report` from the sweeps' run directories and recorded with "
@@ -197,6 +235,16 @@ def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/fig
         for e in figs:
             lines += [f"![{e['alt']} ({source.split(' (')[0]})]({prefix}{e['file']})", "",
                       f"*{e['alt'][:1].upper()}{e['alt'][1:]}: `{source.split(' (')[0]}`, {e['device']}.*", ""]
+    if missing := unrecorded_sweeps(entries, claims):
+        lines += ["### Sweeps without recorded figures", "",
+                  "Their run directories are not in the repository and their runs were not redrawn for these pages "
+                  "(they take from half an hour to hours on 2 CPU cores); their findings are on the results page. "
+                  "Each command draws the sweep's plots in its sweep directory:", "",
+                  "| sweep | size | device (as recorded) | plots from |", "|---|---|---|---|"]
+        for m in missing:
+            size = f"{m['runs']} runs × {m['steps']} steps" if m["steps"] else f"{m['runs']} points"
+            lines.append(f"| `{m['source']}` | {size} | {m['device']} | {_plots_from(m['source'])} |")
+        lines.append("")
     lines.append(FIGURES_END)
     return "\n".join(lines) + "\n"
 

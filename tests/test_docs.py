@@ -149,6 +149,28 @@ def test_figure_check_catches_a_changed_missing_or_unlisted_figure(tmp_path):
     assert any("but missing" in p for p in _docs.figure_problems(figures, record, [page]))
 
 
+def test_figures_section_names_the_quoted_sweeps_without_figures_and_their_commands(tmp_path):
+    """A sweep the results page quotes but whose plots are not recorded is listed under the figures with the command
+    that draws them (no broken image); a sweep whose figures are recorded is not."""
+    import json
+
+    entries = json.loads(_docs.FIGURES_RECORD.read_text(encoding="utf-8"))["figures"]
+    claims = tmp_path / "claims.json"
+    findings = [{"source": entries[0]["source"], "runs": 8, "steps": 250, "device": "d"},
+                {"source": "weightgeom sweep manifolds long", "runs": 16, "steps": 3000, "device": "not recorded"},
+                {"source": "weightgeom sweep manifolds long", "runs": 4, "steps": 3000, "device": "not recorded"},
+                {"source": "weightgeom sweep continuity compress", "runs": 72, "steps": 0, "device": "CPU AMX"}]
+    claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")
+    section = _docs.render_figures(entries, claims=claims)
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `weightgeom sweep")]
+    assert len(rows) == 2, rows
+    assert "16 runs × 3000 steps" in rows[0] and "weightgeom report runs/sweeps/manifolds-long" in rows[0]
+    assert "72 points" in rows[1] and "runs/sweeps/continuity-compress/compress.png" in rows[1]
+    findings[1:] = []
+    claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")
+    assert "without recorded figures" not in _docs.render_figures(entries, claims=claims)
+
+
 def test_mkdocs_serves_its_own_mathjax():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8").replace("!!python", "#"))
     extensions = [e if isinstance(e, str) else next(iter(e)) for e in config["markdown_extensions"]]
