@@ -573,6 +573,15 @@ def _loader() -> Any:
     return griffe.GriffeLoader(search_paths=[str(ROOT / "src")], docstring_parser="google")
 
 
+def _package(loader: Any, package: str) -> Any:
+    """``weightgeom.<package>`` from ``loader``: a ``load`` parses the whole of ``weightgeom`` again (~1 s per
+    package), so a package already in the loader's collection is taken from there."""
+    try:
+        return loader.modules_collection.get_member(f"weightgeom.{package}")
+    except KeyError:
+        return loader.load(f"weightgeom.{package}")
+
+
 def _api_page(package: str, docs_dir: Path) -> Path:
     return docs_dir / "api" / f"{package}.md"
 
@@ -595,7 +604,7 @@ def public_symbols(package: str, loader: Any = None) -> dict[str, Any]:
     loader = _loader() if loader is None else loader
     module = importlib.import_module(f"weightgeom.{package}")
     lazy = module.__dict__.get("_lazy_exports", {})
-    pkg = loader.load(f"weightgeom.{package}")
+    pkg = _package(loader, package)
     out: dict[str, Any] = {}
     for name in module.__all__:
         try:
