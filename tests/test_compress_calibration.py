@@ -151,6 +151,68 @@ def test_collect_grams_matches_the_inputs_and_shares_q_k_v(tiny_lm):
         grams.get("Gate", 0)
 
 
+def test_collect_grams_holds_the_last_tokens_apart_in_windows_of_their_own(tiny_lm):
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+
+    text = calibration_text()
+    grams = collect_grams(tiny_lm, text, ("Down",), tokens=64, context=32, holdout=0.25)
+    assert (grams.tokens, grams.held_tokens) == (64, 16)
+    ids = torch.tensor([ord(c) % 40 for c in text[:64]])
+    seen = []
+    h = tiny_lm.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda mod, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        for a, b in ((0, 32), (32, 48), (48, 64)):  # the held-out part (the last 16) starts a window
+            tiny_lm.model(ids[None, a:b])
+    h.remove()
+    X = [x.reshape(-1, x.shape[-1]).double() for x in seen]
+    fit, held = torch.cat(X[:2]), X[2]
+    torch.testing.assert_close(grams.held[("Down", 1)], held.mT @ held / 16, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grams.fit_part().get("Down", 1), fit.mT @ fit / 48, rtol=1e-6, atol=1e-9)
+    whole = torch.cat(X)
+    torch.testing.assert_close(grams.get("Down", 1), whole.mT @ whole / 64, rtol=1e-6, atol=1e-9)
+    assert collect_grams(tiny_lm, text, ("Down",), tokens=64, context=32).fit_part().held_tokens == 0
+
+
+def test_auto_scores_every_space_on_held_out_tokens_and_fits_the_choice_on_all(tiny_lm):
+    """auto's loss of a space is the error, on the held-out Grams, of that space's fit to the other tokens (not the
+    fit's own loss, which favours the fit that overfits most); the written groups are fitted on all the tokens."""
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+    from weightgeom.analysis.compress import CompressConfig, _groups, _plan
+    from weightgeom.analysis.compress_choice import choose_by_loss, compress_calibrated
+    from weightgeom.analysis.compress_fit import output_energy
+    from weightgeom.analysis.roles import assign_roles
+
+    grams = collect_grams(tiny_lm, calibration_text(), ("O", "Down"), tokens=64, context=32, holdout=0.25)
+    sd = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
+    by_role = {r: assign_roles(sd)[r] for r in ("O", "Down")}
+    cfg = CompressConfig(share="auto", savings=0.3, layers_per_group=2, roles=("O", "Down"), calibration="x")
+    info = choose_by_loss(by_role, cfg, grams)
+    fit_g = grams.fit_part()
+    for role, v in info.items():
+        assert v["by"] == "held-out loss"
+        for space in ("input", "output", "none"):
+            (_, _, _, r), *_ = _plan({role: by_role[role]}, cfg, {role: space})
+            err = en = 0.0
+            for g in _groups(by_role[role], 2):
+                Ws = [rw.weight.float() for rw in g]
+                f = fit_group(space, Ws, [fit_g.get(role, rw.layer) for rw in g], r)
+                for rw, W, c in zip(g, Ws, f.coefs):
+                    B = f.basis if space != "none" else f.basis[g.index(rw)]
+                    What = B.double() @ c.double() if space == "output" else c.double() @ B.double().mT
+                    err += output_error(W, What, grams.held[(role, rw.layer)])
+                    en += output_energy(W, grams.held[(role, rw.layer)])
+            assert v["loss"][space] == pytest.approx(err / en, rel=1e-4), (role, space)
+            assert v["fit_loss"][space] < v["loss"][space], (role, space)  # in-sample looks better than it is
+        assert v["space"] == min(v["loss"], key=v["loss"].get)
+    res = compress_calibrated(sd, None, cfg, grams=grams)
+    assert {r: v["space"] for r, v in res.spaces.items()} == {r: v["space"] for r, v in info.items()}
+    for g in res.index["groups"]:  # the chosen space refitted on all 64 tokens: its loss is the whole Grams' fit's
+        Ws = [by_role[g["role"]][i].weight.float() for i in g["layers"]]
+        whole = fit_group(g["space"], Ws, [grams.get(g["role"], i) for i in g["layers"]], g["rank"])
+        assert g["calib_loss"] == pytest.approx(whole.loss, rel=1e-6)
+    assert res.index["calibration"] == {"text": grams.text, "tokens": 64, "held_tokens": 16}
+
+
 def test_calibration_text_is_disjoint_from_the_heldout_text():
     from weightgeom.analysis.calibration import calibration_text
     from weightgeom.analysis.perplexity import heldout_text
@@ -291,3 +353,65 @@ def test_model_scope_sweep_compresses_every_role_per_method_and_restores_the_wei
     assert {"compress.csv", "compress.md", "compress.png"} <= {p.name for p in tmp_path.iterdir()}
     with pytest.raises(ValueError, match="unknown method 'svd-x'"):
         CompressSweep(model="tiny", scope="model", methods=("svd-x",)).check()
+
+
+# ------------------------------------------------------------------------------------------ whole-model budget
+@pytest.mark.parametrize("held", [False, True])
+def test_budget_loss_curve_is_the_whitened_fits_error_at_every_rank(held):
+    from weightgeom.analysis.compress_budget import layer_loss_curve
+    from weightgeom.analysis.compress_fit import output_energy
+
+    m, n = 6, 8
+    W, X, Y = _layer(m, n, 40), _correlated(200, n, 41), _correlated(50, n, 42)
+    G, H = X.mT @ X / 200, Y.mT @ Y / 50
+    curve = layer_loss_curve(W, G, H if held else None)
+    assert curve.shape == (min(m, n) + 1,) and curve[-1] == 0
+    score = H if held else G
+    for r in range(1, min(m, n)):
+        f = fit_per_layer(W, G, r)
+        What = f.coefs[0].double() @ f.basis[0].double().mT
+        want = output_error(W, What, score) / output_energy(W, score)
+        assert float(curve[r]) == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert float(curve[0]) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_budget_allots_more_savings_to_the_role_that_loses_least_and_reaches_the_target():
+    from weightgeom.analysis.compress_budget import allocate
+
+    levels = [i * 0.1 for i in range(9)]
+    # A loses 10x less per level than B; both 1000 parameters
+    curves = {"A": [(s, int(s * 1000), 0.1 * s * s) for s in levels], "B": [(s, int(s * 1000), s * s) for s in levels]}
+    got = allocate(curves, {"A": 1000, "B": 1000}, 0.3)
+    assert got["A"] > got["B"] and (got["A"] + got["B"]) * 1000 >= 600 - 1e-6
+    with pytest.raises(ValueError, match="save at most 80%"):
+        allocate(curves, {"A": 1000, "B": 1000}, 0.85)
+
+
+def test_cli_compress_budget_model_allots_savings_per_role_and_saves_the_whole_model_fraction(hf_dir, tmp_path, capsys):
+    import pandas as pd
+
+    from weightgeom.cli import main
+
+    out = tmp_path / "b"
+    assert main(["compress", str(hf_dir), "--out", str(out), "--savings", "0.3", "--budget", "model",
+                 "--share", "none", "--calibration-tokens", "64", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "budget: 30% of the compressed roles' parameters together" in text
+    table = pd.read_csv(out / "savings.csv")
+    total = table[table.role == "total"].iloc[0]
+    assert total.saved >= 0.3 * 4 * sum(m * n for m, n in [(32, 32), (16, 32), (32, 32), (48, 32), (48, 32), (32, 48)])
+    fracs = table[table.role != "total"].set_index("role").saved_frac
+    assert fracs.max() - fracs.min() > 0.05  # the roles' shares differ: allotted, not uniform
+    idx = __import__("json").loads((out / "compressed.json").read_text())
+    assert set(idx["budget"]["roles"]) == set(fracs.index) and idx["budget"]["savings"] == 0.3
+    for role, frac in fracs.items():  # each role saves at least its allotment
+        assert frac >= idx["budget"]["roles"][role] - 1e-9
+    header = next(line for line in text.splitlines() if line.startswith("role") and "savings" in line)
+    assert "choice" in header
+    # refusals: one line, exit 2
+    for extra, says in ((["--rank", "2"], "give --savings, not --rank"),
+                        (["--savings", "0.3", "--calibration", "none"], "drop --calibration none")):
+        assert main(["compress", str(hf_dir), "--out", str(tmp_path / "x"), "--budget", "model", *extra,
+                     "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0]

@@ -7,6 +7,10 @@ memory is the Grams (Σ n² per matrix input; matrices fed the same tensor — Q
 one window's forward pass. The output-space fit needs the output covariance W G Wᵀ, computed from W and G
 (:mod:`weightgeom.analysis.compress_fit`).
 
+With ``holdout`` > 0 the last fraction of the calibration tokens is kept apart as well: :attr:`Grams.held` holds the
+Grams of that part alone and :meth:`Grams.fit_part` those of the rest, so ``auto`` can fit each space on one part and
+score it on the other (:mod:`weightgeom.analysis.compress_choice`); :attr:`Grams.grams` is always the whole text's.
+
 The default calibration text is the bundled Shakespeare corpus without its held-out tail (:func:`calibration_text`),
 disjoint from the text ``weightgeom eval`` evaluates on by default
 (:func:`~weightgeom.analysis.perplexity.heldout_text`).
@@ -14,7 +18,6 @@ disjoint from the text ``weightgeom eval`` evaluates on by default
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -23,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS
+from weightgeom.analysis.compress_fit import CALIBRATION_HOLDOUT, CALIBRATION_TOKENS
 from weightgeom.analysis.perplexity import DEFAULT_CONTEXT, HELDOUT_FRACTION, CausalLM, load_causal_lm
 from weightgeom.analysis.roles import assign_roles
 from weightgeom.data.corpora import shakespeare_text
 
-__all__ = ["CALIBRATION_TOKENS", "DEFAULT_CALIBRATION", "Grams", "calibration_text", "collect_grams",
-           "source_grams"]
+__all__ = ["CALIBRATION_HOLDOUT", "CALIBRATION_TOKENS", "DEFAULT_CALIBRATION", "Grams", "calibration_text",
+           "collect_grams", "source_grams"]
 
 DEFAULT_CALIBRATION = "shakespeare"
 """The name of the default calibration text: the bundled Shakespeare corpus without its held-out tail."""
@@ -44,12 +47,23 @@ class Grams:
         tokens: calibration tokens seen.
         text: what the text was (``shakespeare`` or the file's path).
         seconds: wall time of the pass.
+        held: (role, layer) → the mean Gram over the last ``held_tokens`` tokens alone (empty: no part held out).
+        held_tokens: tokens of the held-out part (0: none).
     """
 
     grams: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
     text: str = ""
     seconds: float = 0.0
+    held: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    held_tokens: int = 0
+
+    def fit_part(self) -> Grams:
+        """The Grams of the tokens before the held-out part (``self`` when nothing is held out), each
+        (T·G − T_h·G_h)/(T − T_h) computed when it is asked for (no third copy of every Gram is kept)."""
+        if not self.held or self.held_tokens <= 0 or self.held_tokens >= self.tokens:
+            return self
+        return _FitPart(self)
 
     def get(self, role: str, layer: int) -> torch.Tensor:
         """G of (role, layer).
@@ -61,6 +75,19 @@ class Grams:
             return self.grams[(role, layer)]
         except KeyError:
             raise KeyError(f"no calibration Gram for role {role} layer {layer}") from None
+
+
+class _FitPart(Grams):
+    """The fit part of a :class:`Grams` with a held-out part (see :meth:`Grams.fit_part`)."""
+
+    def __init__(self, whole: Grams):
+        super().__init__({}, whole.tokens - whole.held_tokens, whole.text, whole.seconds)
+        self._whole = whole
+
+    def get(self, role: str, layer: int) -> torch.Tensor:
+        w = self._whole
+        G, H = w.get(role, layer), w.held[(role, layer)]
+        return (G * w.tokens - H * w.held_tokens) / self.tokens
 
 
 def calibration_text(spec: str | Path | None = None) -> str:
@@ -101,9 +128,14 @@ def _module_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
 @torch.no_grad()
 def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *,
                   role_map: Mapping[str, str] | str | None = None, tokens: int = CALIBRATION_TOKENS,
-                  context: int | None = None, progress: bool = False, label: str = "") -> Grams:
+                  context: int | None = None, progress: bool = False, label: str = "",
+                  holdout: float = 0.0) -> Grams:
     """One forward pass over the first ``tokens`` tokens of ``text`` (windows of ``context``), accumulating the mean
     input Gram of every (role, layer) matrix of ``roles`` (default: every recognised role).
+
+    Args:
+        holdout: fraction of the tokens (the last ones, in windows of their own) whose Grams are also kept apart in
+            :attr:`Grams.held` (0: none; at least 1 token is left on each side).
 
     Raises:
         ValueError: the text has fewer than 2 tokens, or a role's matrix is not a module's ``weight`` (one line).
@@ -119,11 +151,15 @@ def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *
     ids = torch.as_tensor(ids[:tokens], dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("calibration text has fewer than 2 tokens")
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be a fraction in [0, 1), got {holdout!r}")
     ctx = min(int(context or DEFAULT_CONTEXT), lm.max_context)
+    n_held = min(max(int(round(holdout * ids.numel())), 1), ids.numel() - 1) if holdout > 0 else 0
     grams: dict[tuple[str, int], torch.Tensor] = {}
+    held: dict[tuple[str, int], torch.Tensor] = {}
     alias: dict[tuple[str, int], tuple[str, int]] = {}
     first: dict[int, tuple[torch.Tensor, tuple[str, int]]] = {}  # id(input) → (input held alive, key), window 1
-    state = {"first": True}
+    state = {"first": True, "held": False}
     handles = []
 
     def hook_for(key: tuple[str, int]):
@@ -141,7 +177,13 @@ def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *
             g = grams.get(key)
             if g is None:
                 g = grams[key] = torch.zeros(x2.shape[-1], x2.shape[-1], dtype=torch.float64)
-            g += (x2.mT @ x2).double()  # one window's product in float32, the running sum in float64
+            xx = (x2.mT @ x2).double()  # one window's product in float32, the running sums in float64
+            g += xx
+            if state["held"]:
+                h = held.get(key)
+                if h is None:
+                    h = held[key] = torch.zeros_like(g)
+                h += xx
         return hook
 
     try:
@@ -152,15 +194,18 @@ def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *
                     raise ValueError(f"role {role} layer {rw.layer}: {rw.name} is not a module's weight; calibration "
                                      "needs the matrix's module (use --calibration none for weight-only fits)")
                 handles.append(mod.register_forward_hook(hook_for((role, rw.layer))))
-        n_win = math.ceil(ids.numel() / ctx)
-        for j, start in enumerate(range(0, ids.numel(), ctx)):
-            w = ids[start:start + ctx]
-            lm.logits(w[None])
+        cut = ids.numel() - n_held  # the held-out part starts a window of its own
+        spans = [(a, min(a + ctx, cut)) for a in range(0, cut, ctx)] + [
+            (a, min(a + ctx, ids.numel())) for a in range(cut, ids.numel(), ctx)]
+        n_win = len(spans)
+        for j, (start, stop) in enumerate(spans):
+            state["held"] = start >= cut
+            lm.logits(ids[start:stop][None])
             state["first"] = False
             first.clear()
             if progress:
                 el = time.perf_counter() - t0
-                done = min(start + ctx, ids.numel())
+                done = stop
                 print(f"  [{j + 1}/{n_win} calibration windows] {label or lm.name}: {done} tokens  {el:.1f} s "
                       f"elapsed, ETA {el / done * (ids.numel() - done):.1f} s", file=sys.stderr, flush=True)
     finally:
@@ -169,17 +214,21 @@ def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *
     T = int(ids.numel())
     for g in grams.values():
         g.div_(T)
+    for h in held.values():
+        h.div_(n_held)
     for key, src in alias.items():
         grams[key] = grams[src]
-    return Grams(grams, T, "", time.perf_counter() - t0)
+        if src in held:
+            held[key] = held[src]
+    return Grams(grams, T, "", time.perf_counter() - t0, held, n_held)
 
 
 def source_grams(source, roles: Sequence[str], *, text: str | Path | None = None,
                  role_map: Mapping[str, str] | str | None = None, tokens: int = CALIBRATION_TOKENS,
-                 progress: bool = False) -> Grams:
+                 progress: bool = False, holdout: float = 0.0) -> Grams:
     """Load ``source`` as a causal LM (:func:`~weightgeom.analysis.perplexity.load_causal_lm`: an HF directory, a
     .gguf file, a weightgeom checkpoint or run directory, or an already loaded ``CausalLM``) and :func:`collect_grams`
-    on the calibration text ``text`` (:func:`calibration_text`).
+    on the calibration text ``text`` (:func:`calibration_text`), ``holdout`` of it kept apart as well.
 
     Raises:
         ValueError: the source cannot be run (an in-memory state dict, a bare weights file without config or
@@ -204,10 +253,11 @@ def source_grams(source, roles: Sequence[str], *, text: str | Path | None = None
         raise ValueError("calibration needs a model path (an HF directory, .gguf file or weightgeom checkpoint), not "
                          "an in-memory model; pass calibration=None for weight-only fits")
     try:
-        g = collect_grams(lm, body, roles, role_map=role_map, tokens=tokens, progress=progress)
+        g = collect_grams(lm, body, roles, role_map=role_map, tokens=tokens, progress=progress, holdout=holdout)
     except ValueError:
         if role_map is None:
             raise
-        g = collect_grams(lm, body, roles, tokens=tokens, progress=progress)  # the runnable model's own names
+        # the runnable model's own names
+        g = collect_grams(lm, body, roles, tokens=tokens, progress=progress, holdout=holdout)
     g.text = str(text) if text is not None else DEFAULT_CALIBRATION
     return g

@@ -56,18 +56,22 @@ import torch
 
 from weightgeom._files import is_regular, read_json, write_atomic
 from weightgeom.analysis.api import SHARE_SPACE, _as_loaded, analyze_full, as_computable
-from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS, fit_group
+from weightgeom.analysis.compress_fit import CALIBRATION_HOLDOUT, CALIBRATION_TOKENS, fit_group
 from weightgeom.analysis.loaders import Loaded, check_source, load, materialize
 from weightgeom.analysis.report import space_ratios, summary_table
 from weightgeom.analysis.roles import ROLES, RoleWeight, assign_roles
 from weightgeom.train.rundir import LOCK_NAME, DirLock
 
-__all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BASES", "SPACES", "INDEX_FILE",
+__all__ = ["CompressConfig", "CompressResult", "GroupResult", "SHARE_MODES", "BUDGETS", "BASES", "SPACES", "INDEX_FILE",
            "compress", "compress_roles", "choose_spaces", "group_params", "max_rank", "rank_for_savings",
            "shared_basis", "random_basis", "coefficients", "reconstruct", "apply_compressed", "decompress",
            "read_index", "compressed_source", "check_out", "source_fingerprint", "FORMAT_VERSION"]
 
 SHARE_MODES = ("input", "output", "auto", "none")
+BUDGETS = ("role", "model")
+"""``savings`` per role (each role saves that fraction of its own parameters) or of the whole model (all the compressed
+roles' parameters together, allotted per role by measured calibration loss:
+:mod:`weightgeom.analysis.compress_budget`)."""
 SPACES = ("input", "output", "none")
 BASES = ("svd", "random")
 INDEX_FILE = "compressed.json"
@@ -94,6 +98,11 @@ class CompressConfig:
             layer-output error on it (:mod:`weightgeom.analysis.compress_fit`), and ``auto`` picks per role the
             space with the lowest calibration loss (input, output or per layer).
         calibration_tokens: calibration budget in tokens.
+        calibration_holdout: for ``auto`` with calibration, the fraction of the calibration tokens (the last ones)
+            each space's fit is scored on, fitted on the rest (0: scored on the tokens it was fitted on); the chosen
+            space is then fitted on all of them.
+        budget: ``role`` (``savings`` of each role's parameters) or ``model`` (``savings`` of all the compressed
+            roles' parameters together, allotted per role by calibration loss; needs calibration).
     """
 
     share: str = "auto"
@@ -105,6 +114,8 @@ class CompressConfig:
     seed: int = 0
     calibration: str | None = None
     calibration_tokens: int = CALIBRATION_TOKENS
+    calibration_holdout: float = CALIBRATION_HOLDOUT
+    budget: str = "role"
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) for an impossible setting."""
@@ -130,6 +141,13 @@ class CompressConfig:
             raise ValueError("basis 'random' needs a shared space (share input, output or auto), not 'none'")
         if type(self.calibration_tokens) is not int or self.calibration_tokens < 2:
             raise ValueError(f"calibration_tokens must be an integer >= 2, got {self.calibration_tokens!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"unknown budget {self.budget!r}; choose from {', '.join(BUDGETS)}")
+        if self.budget == "model" and self.savings is None:
+            raise ValueError("budget model allots a whole-model --savings across roles; give --savings, not --rank")
+        h = self.calibration_holdout
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ValueError(f"calibration_holdout must be a fraction in [0, 1), got {h!r}")
 
 
 # --------------------------------------------------------------------------------------------------- pure counting
@@ -302,12 +320,15 @@ def _percent(x: float) -> str:
 
 
 def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Mapping[str, str],
-          allow_growth: bool = False) -> list[tuple[str, str, list[RoleWeight], int]]:
+          allow_growth: bool = False, savings_by_role: Mapping[str, float] | None = None
+          ) -> list[tuple[str, str, list[RoleWeight], int]]:
     """(role, space, group, rank) for every group, checked before anything is read.
 
     Args:
         allow_growth: accept a rank at which a group takes at least as many parameters as its dense matrices (a
             full-rank round trip); refused by default.
+        savings_by_role: role → its own savings fraction instead of ``cfg.savings`` (a whole-model budget's
+            allotment).
 
     Raises:
         ValueError: a rank larger than a group's matrices allow, a rank that saves no parameters (naming the largest
@@ -337,10 +358,11 @@ def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Map
                                      f"{group_params(space, k, m, n, r)} parameters at rank {r}, not fewer than "
                                      f"their {k * m * n} dense ones; {hint}")
             else:
-                r = rank_for_savings(space, k, m, n, float(cfg.savings))
+                sv = float((savings_by_role or {}).get(role, cfg.savings))
+                r = rank_for_savings(space, k, m, n, sv)
                 if r < 1:
-                    raise ValueError(f"savings {cfg.savings:g}: even rank 1 keeps more than "
-                                     f"{_percent(1 - cfg.savings)} of role {role}'s {m}×{n} parameters in the {space} "
+                    raise ValueError(f"savings {sv:g}: even rank 1 keeps more than "
+                                     f"{_percent(1 - sv)} of role {role}'s {m}×{n} parameters in the {space} "
                                      f"space (k={k}); lower it")
             plan.append((role, space, g, r))
     return plan
@@ -349,7 +371,8 @@ def _plan(by_role: dict[str, list[RoleWeight]], cfg: CompressConfig, spaces: Map
 def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] | str | None = None,
                    spaces: Mapping[str, str] | None = None, progress: bool = False,
                    by_role: dict[str, list[RoleWeight]] | None = None, allow_growth: bool = False,
-                   skip: Collection[str] = (), grams=None) -> Iterator[GroupResult]:
+                   skip: Collection[str] = (), grams=None,
+                   savings_by_role: Mapping[str, float] | None = None) -> Iterator[GroupResult]:
     """Compress group by group (a generator: each :class:`GroupResult` is yielded, then dropped by the caller).
 
     Args:
@@ -366,6 +389,7 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         grams: calibration Grams (:class:`weightgeom.analysis.calibration.Grams`): every group is fitted to minimise
             its layers' output error on them (:func:`weightgeom.analysis.compress_fit.fit_group`; a random basis
             keeps its least-squares refitted coefficients); None: weight-only fits.
+        savings_by_role: role → its own savings fraction (a whole-model budget's allotment, see :func:`_plan`).
 
     Raises:
         ValueError: bad config, unknown naming, no matrix of the requested roles, a rank a group cannot have or that
@@ -382,7 +406,7 @@ def compress_roles(source, cfg: CompressConfig, *, role_map: Mapping[str, str] |
         spaces = dict(spaces)
     else:
         spaces = dict.fromkeys(by_role, cfg.share)
-    plan = _plan(by_role, cfg, spaces, allow_growth)
+    plan = _plan(by_role, cfg, spaces, allow_growth, savings_by_role)
     gen = torch.Generator().manual_seed(int(cfg.seed))
     total = sum(rw.weight.numel() for role, _, g, _ in plan if role not in skip for rw in g) or 1
     done, t0 = 0, time.perf_counter()
@@ -656,7 +680,8 @@ def _group_file(role: str, j: int) -> str:
 def compress(source, out: str | Path | None = None, cfg: CompressConfig | None = None, *,
              role_map: Mapping[str, str] | str | None = None, progress: bool = False,
              on_role_done: Callable[[CompressResult], None] | None = None, allow_growth: bool = False,
-             grams=None, spaces_info: Mapping[str, dict] | None = None, **kwargs) -> CompressResult:
+             grams=None, spaces_info: Mapping[str, dict] | None = None,
+             savings_by_role: Mapping[str, float] | None = None, **kwargs) -> CompressResult:
     """Compress ``source``'s roles with shared (or per-layer) low-rank bases; write them to ``out``.
 
     Args:
@@ -674,6 +699,9 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
             them and picks ``auto``'s spaces).
         spaces_info: for ``share="auto"``, role → ``{"space": ...}`` chosen by the caller (an interrupted compress
             being finished keeps the spaces its index records).
+        savings_by_role: role → its savings fraction for ``budget="model"`` (the allotment
+            :func:`weightgeom.analysis.compress_choice.compress_calibrated` measures); a role allotted 0 is left
+            whole.
 
     Returns:
         :class:`CompressResult`.
@@ -691,8 +719,14 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     old = check_out(out_p, source, cfg, role_map) if out_p is not None else None
     src = _as_loaded(source)
     by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
+    if cfg.budget == "model":
+        if savings_by_role is None:
+            raise ValueError("budget model: pass the allotment (savings_by_role=...) or call "
+                             "weightgeom.analysis.compress_choice.compress_calibrated, which measures it")
+        by_role = {r: v for r, v in by_role.items() if savings_by_role.get(r, 0) > 0}
     if cfg.share != "auto":
-        _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth)  # a bad rank: refused before calibrating
+        _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth,
+              savings_by_role)  # a bad rank: refused before calibrating
     if grams is None and cfg.calibration is not None:
         raise ValueError("calibration: pass the Grams (grams=...) or call "
                          "weightgeom.analysis.compress_choice.compress_calibrated, which collects them")
@@ -712,15 +746,19 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
     elif cfg.share == "auto":
         spaces_info = choose_spaces(src, role_map, list(by_role))
     else:
-        spaces_info = {r: {"space": cfg.share} for r in by_role}
+        spaces_info = {r: {"space": cfg.share, **({"savings": savings_by_role[r]} if savings_by_role else {})}
+                       for r in by_role}
     spaces = {r: v["space"] for r, v in spaces_info.items()}
     finished = {g["role"] for g in old["groups"]} if old is not None else set()
-    _plan(by_role, cfg, spaces, allow_growth)  # refuse a bad rank before anything is written
+    _plan(by_role, cfg, spaces, allow_growth, savings_by_role)  # refuse a bad rank before anything is written
     index = {"format": "weightgeom-compressed", "version": FORMAT_VERSION, "complete": False,
              "source": {**_source_info(source), "format": src.format}, "role_map": _jsonable(role_map),
              "config": asdict(cfg), "spaces": spaces_info, "groups": list(old["groups"]) if old is not None else []}
+    if savings_by_role is not None:
+        index["budget"] = {"savings": cfg.savings, "roles": {r: float(v) for r, v in savings_by_role.items()}}
     if grams is not None:
-        index["calibration"] = {"text": grams.text, "tokens": grams.tokens}
+        index["calibration"] = {"text": grams.text, "tokens": grams.tokens,
+                                "held_tokens": int(getattr(grams, "held_tokens", 0) or 0)}
     counters: dict[str, int] = {}
 
     def flush() -> None:
@@ -740,7 +778,8 @@ def compress(source, out: str | Path | None = None, cfg: CompressConfig | None =
         flush()  # the index first (no roles yet): a rerun recognises the directory as this compress, interrupted
         current = None
         for g in compress_roles(src, cfg, role_map=role_map, spaces=spaces, progress=progress, by_role=by_role,
-                                allow_growth=allow_growth, skip=finished, grams=grams):
+                                allow_growth=allow_growth, skip=finished, grams=grams,
+                                savings_by_role=savings_by_role):
             if current is not None and g.role != current:
                 role_done()
             current = g.role

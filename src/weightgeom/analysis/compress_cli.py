@@ -31,6 +31,17 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _holdout(text: str) -> float:
+    """argparse type: a fraction in [0, 1) (``--calibration-holdout``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 up to (not including) 1, got {text!r}")
+    return v
+
+
 def _above_one(text: str) -> float:
     """argparse type: a number greater than 1 (``--max-ratio``)."""
     try:
@@ -186,11 +197,21 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                         "with a note); 'none': weight-only fits")
     p.add_argument("--calibration-tokens", type=positive_int, default=None,
                    help="calibration budget in tokens (default 4096)")
+    p.add_argument("--calibration-holdout", type=_holdout, default=None, metavar="F",
+                   help="--share auto: score each space on the last F of the calibration tokens after fitting it on "
+                        "the rest (the choice then does not favour the fit that overfits most); the chosen space is "
+                        "fitted on all of them. 0: score on the fitted tokens (default 0.25)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--rank", type=positive_int, help="basis rank r per group")
     size.add_argument("--savings", type=_fraction,
-                      help="fraction of each role's parameters to save (the rank per group is the largest that saves "
-                           "at least this much)")
+                      help="fraction of the parameters to save: of each role's own (--budget role), or of all the "
+                           "compressed roles' together (--budget model); the rank per group is the largest that saves "
+                           "at least its share")
+    p.add_argument("--budget", choices=("role", "model"), default="role",
+                   help="role: every compressed role saves --savings of its own parameters; model: --savings is of "
+                        "all the compressed roles' parameters together, allotted per role by measured calibration "
+                        "loss (the roles that lose least per parameter saved give most; a role may be kept whole) — "
+                        "the table at the end shows each role's share; needs calibration. Default: %(default)s")
     p.add_argument("--layers-per-group", type=positive_int, default=4,
                    help="consecutive layers sharing one basis (default: %(default)s)")
     p.add_argument("--roles", nargs="+", default=None, metavar="ROLE",
@@ -223,6 +244,12 @@ def run_compress(args: argparse.Namespace) -> int:
         return _fail("compress", f"unknown role {bad[0]!r}; choose from {', '.join(ROLE_NAMES)}")
     if args.basis == "random" and args.share == "none":
         return _fail("compress", "--basis random needs a shared space (--share input, output or auto)")
+    if args.budget == "model" and args.savings is None:
+        return _fail("compress", "--budget model allots a whole-model --savings across roles; give --savings, not "
+                                 "--rank")
+    if args.budget == "model" and args.calibration == "none":
+        return _fail("compress", "--budget model allots the savings by measured calibration loss; drop "
+                                 "--calibration none (or use --budget role)")
     path, out = Path(args.path), Path(args.out)
     problem = unwritable_reason(out) if _compress_output(out) else _unusable_out(out)
     if problem:
@@ -237,7 +264,7 @@ def run_compress(args: argparse.Namespace) -> int:
     try:
         role_map = _role_map_arg(args.role_map)
         from weightgeom.analysis.calibration import DEFAULT_CALIBRATION, calibration_text
-        from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS
+        from weightgeom.analysis.compress_fit import CALIBRATION_HOLDOUT, CALIBRATION_TOKENS
 
         calib = None if args.calibration == "none" else (args.calibration or DEFAULT_CALIBRATION)
         if calib is not None and calib != DEFAULT_CALIBRATION:
@@ -245,7 +272,9 @@ def run_compress(args: argparse.Namespace) -> int:
         cfg = CompressConfig(share=args.share, rank=args.rank, savings=args.savings,
                              layers_per_group=args.layers_per_group,
                              roles=tuple(args.roles) if args.roles else None, basis=args.basis, seed=args.seed,
-                             calibration=calib, calibration_tokens=args.calibration_tokens or CALIBRATION_TOKENS)
+                             calibration=calib, calibration_tokens=args.calibration_tokens or CALIBRATION_TOKENS,
+                             calibration_holdout=(CALIBRATION_HOLDOUT if args.calibration_holdout is None
+                                                  else args.calibration_holdout), budget=args.budget)
         cfg.check()
         try:
             old = check_out(out, path, cfg, role_map)  # before anything is read or written
@@ -278,6 +307,9 @@ def run_compress(args: argparse.Namespace) -> int:
                 raise
             from dataclasses import replace
 
+            if cfg.budget == "model":
+                raise ValueError(f"--budget model needs a model it can run for calibration ({_first_line(e)}); use "
+                                 "--budget role") from None
             if not args.quiet:
                 print(f"weightgeom compress: note: {path} is not a model that can be run for calibration (eval reads "
                       "HF directories, .gguf files and weightgeom checkpoints); fitting weight-only",
@@ -304,11 +336,20 @@ def run_compress(args: argparse.Namespace) -> int:
     if "calib_loss" in t.columns:
         t["calib_loss"] = t["calib_loss"].map(lambda x: f"{x:.4f}")
     print(t.to_string(index=False))
-    if args.share == "auto" and cfg.calibration is not None:
+    if cfg.budget == "model" or args.share == "auto" and cfg.calibration is not None:
         from weightgeom.analysis.compress_choice import format_choice_table
 
-        print("auto: per role the space with the lowest calibration loss (relative layer-output error on "
-              f"{res.index.get('calibration', {}).get('tokens', '?')} calibration tokens), continuity ratios beside:")
+        if cfg.budget == "model":
+            print(f"budget: {cfg.savings:.0%} of the compressed roles' parameters together, allotted per role by the "
+                  "calibration loss per parameter saved (savings column; whole = kept uncompressed)")
+        cal = res.index.get("calibration", {})
+        held = cal.get("held_tokens") or 0
+        where = (f"{held} calibration tokens the fits did not see, each fitted on the other "
+                 f"{cal.get('tokens', 0) - held}; the choice then fitted on all {cal.get('tokens', '?')}" if held else
+                 f"the {cal.get('tokens', '?')} calibration tokens it was fitted on")
+        if args.share == "auto":
+            print("auto: per role the space with the lowest calibration loss (relative layer-output error on "
+                  f"{where}), continuity ratios beside:")
         print(format_choice_table(res.spaces))
     elif args.share == "auto":
         print("auto spaces (C_v / C_u over their random levels): " + ", ".join(

@@ -32,13 +32,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CALIBRATION_TOKENS", "DAMPING", "Fit", "whitening", "output_error", "output_energy", "fit_per_layer",
-           "fit_shared_input", "fit_shared_output", "refit_input_coefficients", "fit_group"]
+__all__ = ["CALIBRATION_HOLDOUT", "CALIBRATION_TOKENS", "DAMPING", "Fit", "whitening", "output_error",
+           "output_energy", "fit_per_layer", "fit_shared_input", "fit_shared_output", "refit_input_coefficients",
+           "fit_group"]
 
 DAMPING = 1e-6
 """Diagonal damping of a Gram before its Cholesky factorisation, as a fraction of its mean diagonal."""
 CALIBRATION_TOKENS = 4096
 """Default calibration budget in tokens (:mod:`weightgeom.analysis.calibration`)."""
+CALIBRATION_HOLDOUT = 0.25
+"""Default fraction of the calibration tokens (the last ones) that ``auto`` scores its choice on, each space fitted on
+the rest (:mod:`weightgeom.analysis.compress_choice`)."""
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import Any
 from weightgeom._files import read_json, read_toml, write_atomic
 from weightgeom._paths import unwritable_reason
 from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
-from weightgeom.analysis.compress_fit import CALIBRATION_TOKENS
+from weightgeom.analysis.compress_fit import CALIBRATION_HOLDOUT, CALIBRATION_TOKENS
 from weightgeom.analysis.perplexity import heldout_text, load_causal_lm, perplexity_of_ids
 from weightgeom.analysis.roles import assign_roles
 from weightgeom.experiments.compression_model import METHODS, model_table_md, plot_model, run_model_sweep
@@ -81,6 +81,8 @@ class CompressSweep:
         calibration: calibration text file of the activation-aware methods (default: the bundled Shakespeare
             without its held-out tail, disjoint from the evaluation text).
         calibration_tokens: calibration budget in tokens.
+        calibration_holdout: the fraction of the calibration tokens ``auto-a`` scores each space on (fitted on the
+            rest; the other methods fit on all the tokens); 0: ``auto-a`` chooses on the fitted tokens.
     """
 
     model: str
@@ -96,6 +98,7 @@ class CompressSweep:
     methods: tuple[str, ...] = METHODS
     calibration: str | None = None
     calibration_tokens: int = CALIBRATION_TOKENS
+    calibration_holdout: float = CALIBRATION_HOLDOUT
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) for a bad setting."""
@@ -108,6 +111,8 @@ class CompressSweep:
                              f"{', '.join(METHODS)}")
         if self.calibration_tokens < 2:
             raise ValueError("[compress] calibration_tokens must be >= 2")
+        if not 0 <= self.calibration_holdout < 1:
+            raise ValueError("[compress] calibration_holdout must be a fraction in [0, 1)")
         bad = [a for a in self.arms if a not in ARMS]
         if bad or not self.arms:
             raise ValueError(f"[compress] arms: unknown arm {bad[0] if bad else '(none)'!r}; choose from "

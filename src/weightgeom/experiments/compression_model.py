@@ -15,7 +15,13 @@ shared       weight-only shared bases, each role in its more continuous space (`
              calibration)
 input-a      activation-aware shared right bases (Basis-Sharing-style, least-squares coefficient refit)
 output-a     activation-aware shared left bases (the exact minimiser of the groups' output error)
-auto-a       per role, whichever of input-a, output-a and svd-w has the lowest calibration loss
+auto-a       per role, whichever of input-a, output-a and svd-w has the lowest held-out calibration loss (each
+             fitted on the first 1 − ``calibration_holdout`` of the calibration tokens, scored on the rest; the
+             choice then fitted on all of them, as the other methods are)
+paper-a      activation-aware, each role in the continuity paper's space (input for Q, K, Gate, Up; output for
+             O, Down; V per layer)
+paper-rev-a  activation-aware, each role in the other space (output for Q, K, Gate, Up; input for O, Down; V per
+             layer): with ``paper-a`` and ``svd-w``, the test of the paper's sharing implication
 ===========  ==================================================================================================
 
 The calibration Grams (:func:`~weightgeom.analysis.calibration.collect_grams`) come from the calibration text (the
@@ -27,6 +33,7 @@ the fraction of the compressed parameters saved, one line per method).
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import time
@@ -43,19 +50,25 @@ from weightgeom.analysis.roles import assign_roles
 __all__ = ["METHODS", "MODEL_ROLES", "method_config", "model_point", "run_model_sweep", "model_table_md",
            "plot_model"]
 
-METHODS = ("svd", "svd-w", "shared", "input-a", "output-a", "auto-a")
+METHODS = ("svd", "svd-w", "shared", "input-a", "output-a", "auto-a", "paper-a", "paper-rev-a")
+PAPER_SPACE = {"Q": "input", "K": "input", "Gate": "input", "Up": "input", "MLP": "input", "O": "output",
+               "Down": "output", "V": "none"}
+"""The continuity paper's space per role (``paper-a``; V, which it advises not to share, per layer)."""
+_OTHER = {"input": "output", "output": "input", "none": "none"}
 MODEL_ROLES = ("Q", "K", "V", "O", "Gate", "Up", "Down")
 """Every attention and MLP projection of a Llama block."""
 LABELS = {"svd": "per-layer SVD", "svd-w": "per-layer whitened SVD (SVD-LLM)", "shared": "weight-only shared (auto)",
           "input-a": "activation-aware shared, input", "output-a": "activation-aware shared, output",
-          "auto-a": "auto (lowest calibration loss)"}
+          "auto-a": "auto (lowest held-out calibration loss)", "paper-a": "activation-aware, the paper's space",
+          "paper-rev-a": "activation-aware, the other space"}
 
 
 def method_config(method: str, savings: float, layers_per_group: int, roles: tuple[str, ...]) -> tuple[
         CompressConfig, bool]:
     """(:class:`CompressConfig`, whether the method uses the calibration Grams) of a method at ``savings``."""
     share, calibrated = {"svd": ("none", False), "svd-w": ("none", True), "shared": ("auto", False),
-                         "input-a": ("input", True), "output-a": ("output", True), "auto-a": ("auto", True)}[method]
+                         "input-a": ("input", True), "output-a": ("output", True), "auto-a": ("auto", True),
+                         "paper-a": ("auto", True), "paper-rev-a": ("auto", True)}[method]
     return CompressConfig(share=share, savings=savings, layers_per_group=layers_per_group, roles=roles,
                           calibration="shakespeare" if calibrated else None), calibrated
 
@@ -75,7 +88,10 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
     sel = {r: by_role[r] for r in roles}
     t0 = time.perf_counter()
     fitted: dict[str, list] = {}
-    if ccfg.share == "auto" and calibrated:
+    if method in ("paper-a", "paper-rev-a"):
+        info = {r: {"space": PAPER_SPACE.get(r, "input") if method == "paper-a" else
+                    _OTHER[PAPER_SPACE.get(r, "input")]} for r in roles}
+    elif ccfg.share == "auto" and calibrated:
         info = choose_by_loss(sel, ccfg, grams, continuity, progress=progress, keep=fitted)
     elif ccfg.share == "auto":
         info = {r: continuity[r] for r in roles}
@@ -103,10 +119,14 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
             for r in roles:
                 for rw in sel[r]:
                     rw.weight.copy_(saved[(r, rw.layer)])
-    return {"method": method, "savings_target": savings, "params_dense": dense, "params": params,
-            "saved_frac": (dense - params) / dense, "spaces": " ".join(f"{r}:{s}" for r, s in spaces.items()),
-            "calib_loss": err / en if en > 0 else math.nan, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
-            "compress_s": t_c, "eval_s": res.seconds, "peak_rss_mb": _peak_rss_mb()}
+    row = {"method": method, "savings_target": savings, "params_dense": dense, "params": params,
+           "saved_frac": (dense - params) / dense, "spaces": " ".join(f"{r}:{s}" for r, s in spaces.items()),
+           "calib_loss": err / en if en > 0 else math.nan, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
+           "compress_s": t_c, "eval_s": res.seconds, "peak_rss_mb": _peak_rss_mb()}
+    if method == "auto-a":  # what the choice compared: per role and space, the scored and fitted loss
+        row["choice_losses"] = json.dumps({r: {s: [v["loss"][s], v["fit_loss"][s]] for s in v["loss"]}
+                                           for r, v in info.items()}, default=str)
+    return row
 
 
 def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, progress: bool = True) -> None:
@@ -119,10 +139,11 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
     continuity: dict[str, dict] = dict(record.get("spaces") or {})
     grams = None
     if any(method_config(m, 0.5, 1, ("Q",))[1] for m in cfg.methods):
+        holdout = cfg.calibration_holdout if "auto-a" in cfg.methods else 0.0
         grams = collect_grams(lm, calibration_text(cfg.calibration), list(cfg.roles), tokens=cfg.calibration_tokens,
-                              context=cfg.context, progress=progress)
+                              context=cfg.context, progress=progress, holdout=holdout)
         record["calibration"] = {"text": cfg.calibration or "shakespeare", "tokens": grams.tokens,
-                                 "seconds": grams.seconds}
+                                 "held_tokens": grams.held_tokens, "seconds": grams.seconds}
         if progress:
             print(f"calibration: {grams.tokens} tokens in {grams.seconds:.1f} s", flush=True)
     done = {(r["method"], r["savings_target"]) for r in rows}
