@@ -4,7 +4,7 @@ included — over torch's Adam/AdamW and over Muon (no graph break, no host read
 Driven by ``CASES`` (tests as data): each row is a base optimizer, MD options, the matrices' shapes and dtype, and the
 largest difference allowed between the host-free (or compiled) step and the eager one after ``STEPS`` steps, over
 every parameter (a bias the base steps alone included) and every state tensor (directions, radii, gains θ and their
-Adam state, the base's state). The host-free path (``MagnitudeDirection.host_free``, ``optim/md_host_free.py``) is
+Adam state, the base's state). The host-free path (``MagnitudeDirection.host_free``, ``optim/md_core.py``) is
 what a trace runs; it is checked eagerly for every row (fast) and through ``torch.compile(..., fullgraph=True,
 backend=COMPILED[row])`` for the rows in ``COMPILED`` (a graph break raises there).
 """

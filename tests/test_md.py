@@ -792,15 +792,15 @@ def test_exclude_pattern_matching_nothing_is_refused():
 @pytest.mark.parametrize("gains,param", [("row+col", "softplus"), ("scalar", "exp"), ("col", "direct"),
                                          ("row", "softplus")])
 def test_batched_gain_maps_equal_one_call_per_gain(monkeypatch, gains, param):
-    """Off the CPU the gains' φ and chain rule run over all gains of a device and dtype at once (one concatenated
-    vector, ``md_eager.elementwise_many``); run that path on the CPU: 4 eager steps (torch passes and C passes around
-    AdamW) match the one-call-per-gain path to float64 rounding — each θ gets its own gradient and value back."""
-    import weightgeom.optim.md_eager as mdmod
+    """Off the CPU the gains' φ and chain rule run once over a bucket's stacked θ (``md_core._per_tensor``); run that
+    path on the CPU: 4 eager steps over AdamW match the one-call-per-gain path to float64 rounding — each θ gets its
+    own gradient and value back."""
+    from weightgeom.optim import md_core
 
     x, y = _batch()
     out = {}
     for batched in (False, True):
-        monkeypatch.setattr(mdmod, "_BATCH_ON_CPU", batched)
+        monkeypatch.setattr(md_core, "_per_tensor", lambda b, batched=batched: not batched)
         model = _mlp()
         md = MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=1e-2), gains=gains, parameterization=param,
                                 gain_lr=3e-2, model=model, fused=False)

@@ -5,7 +5,7 @@ The first step runs eagerly: it creates the optimizer state and runs the checks 
 pretrained-looking matrix at ``init="auto"``, the far-retraction warning), and on a GPU it captures nothing. Later
 steps run ``torch.compile(opt.step, fullgraph=...)`` inside ``full_precision()`` (a trace cannot switch the matmul
 precision itself), so Muon's plain, manifold (host-free path) and AdamW groups are one graph, and so is a
-MagnitudeDirection step over torch's Adam/AdamW or Muon (its host-free path, ``md_host_free``; docs/md.md, "On a
+MagnitudeDirection step over torch's Adam/AdamW or Muon (its host-free path, ``md_core``; docs/md.md, "On a
 GPU"); on CUDA with
 ``mode="reduce-overhead"`` (CUDA graphs) by default. Inductor keeps its compiled kernels in its on-disk cache
 (``TORCHINDUCTOR_CACHE_DIR``, on by default), so a second run of the same configuration skips most of the compilation;
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from weightgeom.linalg import full_precision
-from weightgeom.optim import md_host_free
+from weightgeom.optim import md_core
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 
@@ -102,7 +102,7 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
         backend: torch.compile's backend (None: inductor).
         fullgraph: None: True when a step is one graph — a Muon with ``on_nonfinite="skip"`` (with ``"raise"`` the
             check is a host read), or a MagnitudeDirection with ``on_nonfinite="skip"`` over torch's Adam/AdamW or
-            such a Muon (``md_host_free.one_graph``: the trace runs its host-free step, the base included); False
+            such a Muon (``md_core.one_graph``: the trace runs its host-free step, the base included); False
             otherwise (torch's optimizers insert a graph break in ``step``).
 
     Returns:
@@ -113,5 +113,5 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
         mode = default_mode(opt)
     if fullgraph is None:
         fullgraph = (isinstance(opt, Muon) and opt.on_nonfinite == "skip") or (
-            isinstance(opt, MagnitudeDirection) and md_host_free.one_graph(opt))
+            isinstance(opt, MagnitudeDirection) and md_core.one_graph(opt))
     return CompiledStep(opt, mode, backend, fullgraph)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from weightgeom.optim import md_checks, md_eager, md_fused, md_host_free, md_setup, md_state, md_torch
+from weightgeom.optim import md_checks, md_core, md_fused, md_setup, md_state, md_torch
 from weightgeom.optim.checks import (
     check_new_group,
 )
@@ -138,12 +138,12 @@ class MagnitudeDirection(Optimizer):
             ``NonFiniteGradientError`` naming the parameter, nothing changed. ``"skip"``: the whole step is a no-op
             (parameters, directions, gains, every state tensor, the base's included, bitwise unchanged), counted in
             ``skipped_steps``; eagerly the check is one host read, on the host-free path (``host_free``; inside
-            ``torch.compile``) a 0-dim device flag masking every write (``md_host_free``), so that a step over
+            ``torch.compile``) a 0-dim device flag masking every write (``md_core``), so that a step over
             torch's Adam/AdamW or a Muon with ``on_nonfinite="skip"`` reads nothing on the host and traces as one
             graph (``compile_step``).
 
     Attributes:
-        host_free: None (default): the host-free step (``md_host_free``: same-shape matrices batched, every host
+        host_free: None (default): the host-free step (``md_core``: same-shape matrices batched, every host
             decision a device mask) inside a ``torch.compile`` trace only; True: also eagerly; False: never.
         skipped_steps: 0-dim int64 tensor: the steps ``on_nonfinite="skip"`` skipped.
 
@@ -197,13 +197,17 @@ class MagnitudeDirection(Optimizer):
                              f"{list(ON_NONFINITE)}")
         if fused not in (None, True, False):
             raise ValueError(f"MagnitudeDirection: fused must be None, True or False, got {fused!r}")
+        missing = md_fused.kernel_missing()
         if fused:
-            why = md_fused.base_fusable(base_optimizer) or md_fused.kernel_missing()
+            why = md_fused.base_fusable(base_optimizer) or missing
             if why:
                 raise ValueError(f"MagnitudeDirection: fused=True cannot run: {why}")
         self.fused = fused
+        # the backend of the core's passes over each matrix on the CPU: the C kernels where they load (resolved once,
+        # here, and passed to the core as a value; ``fused=False``: torch everywhere)
+        self.kernels: bool = fused is not False and missing is None
         self.on_nonfinite = on_nonfinite
-        # the host-free step (``md_host_free``): None = inside a torch.compile trace only, True = also eagerly (the
+        # the host-free step (``md_core``): None = inside a torch.compile trace only, True = also eagerly (the
         # path a compiled step runs, e.g. to count its operations; a Muon base is set alike), False = never
         self._host_free_mode: bool | None = None
         groups = base_optimizer.param_groups
@@ -242,8 +246,6 @@ class MagnitudeDirection(Optimizer):
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         # how each matrix was stepped last: "fused", "eager-C (why)" or "eager (why)"
         self._path: dict[torch.Tensor, str] = {}
-        self._stepped: set[torch.Tensor] = set()
-        self._fresh: set[int] = set()  # ids of the θ given a gradient by this step (a stale θ.grad is not stepped)
         group = self._gain_groups[0]
         for p in decoupled:  # meta-device parameters: meta state, made from their values at the first step
             st = self.state[p]
@@ -264,7 +266,7 @@ class MagnitudeDirection(Optimizer):
 
     @property
     def host_free(self) -> bool | None:
-        """Whether ``step`` takes the host-free path (``md_host_free``): None (default) inside a ``torch.compile``
+        """Whether ``step`` takes the host-free path (``md_core``): None (default) inside a ``torch.compile``
         trace only, True also eagerly, False never. Setting it sets a Muon base's ``host_free`` alike."""
         return self._host_free_mode
 
@@ -340,19 +342,6 @@ class MagnitudeDirection(Optimizer):
         gc = None if c is None else gain_value(c, self.parameterization).reshape(1, -1)
         return gr, gc
 
-    def _gain_values_many(self, ps: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """``gain_values(p)`` for each p (keyed by ``id(p)``), the gains' φ evaluated together
-        (``md_eager.elementwise_many``)."""
-        thetas = [self.state[p][k] for p in ps for k in ("gain_row", "gain_col") if k in self.state[p]]
-        values = md_eager.elementwise_many(lambda t: gain_value(t, self.parameterization), thetas)
-        vals = dict(zip(map(id, thetas), values))
-        out = {}
-        for p in ps:
-            r, c = self.state[p].get("gain_row"), self.state[p].get("gain_col")
-            out[id(p)] = (None if r is None else vals[id(r)].reshape(-1, 1),
-                          None if c is None else vals[id(c)].reshape(1, -1))
-        return out
-
     def summary(self) -> str:
         """A table: each decoupled matrix with its shape, radius, mean gains and how the last step ran it ("fused",
         "eager-C (why)" or "eager (why)": why the base step is not fused; "-" before the first step)."""
@@ -407,7 +396,7 @@ class MagnitudeDirection(Optimizer):
                                name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
                                merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
             elif self._host_free():  # inside a torch.compile trace, or host_free=True
-                md_host_free.step(self)
+                md_core.step_host_free(self)
             else:
                 self._update()
         except NonFiniteGradientError:  # refused before anything changed
@@ -416,28 +405,32 @@ class MagnitudeDirection(Optimizer):
             self._skipped += 1
         return loss
 
-    # Never traced by torch.compile: a trace runs ``md_host_free.step`` instead (buckets keyed by the parameters, their
-    # state read inside the step). Tracing this body, dynamo guarded a traced per-matrix pass on the tensors' shapes,
-    # not on which parameter they were: over AdamW (the fused C path) three 256×64 matrices came out 3.3e-3 off.
+    # Never traced by torch.compile: a trace runs ``md_core`` instead (buckets keyed by the parameters,
+    # their state read inside the step). Tracing this body, dynamo guarded a traced per-matrix pass on the tensors'
+    # shapes, not on which parameter they were: over AdamW (the fused C path) three 256×64 matrices came out 3.3e-3 off.
     @torch.compiler.disable
     def _update(self) -> None:
-        """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
+        """The eager step on plain tensors (a single process, or this rank's matrices under ``step_on_owners``):
+        every refusal first (``_plan``), Ŵ re-derived where W's version changed, each matrix's backend chosen, then
+        ``md_core.run`` (the same core as the host-free step)."""
         plan = self._plan()  # every refusal happens here, before anything changes
-        work: list[list] = []
         try:
-            md_eager.prepare(self, plan, work)
-            md_eager.base_step(self, work)
-            md_eager.update_gains(self)
-            md_eager.finish(self, work)
+            entries = []
+            for p, G, group, why, resync in plan:
+                self._adopt(p, resync)
+                kern = why is None or (self.kernels and self.fused is None and self._scale_for(p, group) is None
+                                       and md_fused.kernel_passes(self, p, G))
+                self._path[p] = "fused" if why is None else f"{'eager-C' if kern else 'eager'} ({why})"
+                entries.append((p, group, why is None, kern))
+            md_core.run(self, md_core.buckets(self, entries, eager=True), None)
         except BaseException:
             # the model's W served as scratch: whatever failed, leave the model at γ_r Ŵ γ_c
-            for item in work:
-                p = item[0]
+            for p, *_ in plan:
                 compose(self.state[p]["direction"], *self.gain_values(p), out=p)
                 self._versions[p] = p._version
             raise
-        for p in self._unit_rows:
-            normalize_rows_(p, self.embedding_radius)
+        for p, *_ in plan:
+            self._versions[p] = p._version
 
     def _standins(self, mapping: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
         """For ``step_on_owners``: point the per-matrix bookkeeping at the stand-ins (id(param) → (param, its whole
@@ -493,7 +486,7 @@ class MagnitudeDirection(Optimizer):
             group = group_of[id(p)]
             scaled = self._scale_for(p, group) is not None
             why = "fused=False" if self.fused is False else md_fused.fusable(
-                self.base_optimizer, group, p, G, self.gains, self.parameterization, scaled)
+                self.base_optimizer, group, p, G, self.gains, self.parameterization, scaled, self.kernels)
             if why is not None and self.fused:
                 raise ValueError(f"MagnitudeDirection(fused=True): {self._name[p]!r} cannot take the fused path: "
                                  f"{why}; step refused, nothing was changed")

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightgeom import kernels
-from weightgeom.optim import md_fused
 from weightgeom.optim.checks import (
     PARAM_SHAPED_STATE,
     check_fits_param,
@@ -128,7 +127,7 @@ def check_fits(md: MagnitudeDirection, q: torch.Tensor, decoupled: bool) -> None
 def cpu_scan(md: MagnitudeDirection):
     """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
     step or the C passes around any other base) and they load; None otherwise (a torch norm is used)."""
-    if md.fused is False or md_fused.kernel_missing():
+    if not md.kernels:
         return None
     return kernels.any_nonfinite
 

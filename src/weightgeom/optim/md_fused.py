@@ -14,13 +14,24 @@ moves freely between the fused and the eager path, and LR schedulers work unchan
 hidden from ``base.step()`` so that torch does not step it a second time. Anything the kernel does not cover (another
 base optimizer, amsgrad, maximize, capturable, differentiable, CUDA, bfloat16, ``direct`` gains, a manifold group)
 takes the eager path; ``fusable`` says why.
+
+This module is the C backend of ``md_core``'s passes (``adam_pass``, ``split_pass``, ``finish_pass``); the torch
+backend is ``md_core``'s batched functions, which ``md_functional.fused_step_reference`` and the equivalence test
+(tests/test_md_fused.py) hold it to.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from weightgeom import kernels
+from weightgeom.optim.md_functional import gain_value
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightgeom.optim.magnitude_direction import MagnitudeDirection
+    from weightgeom.optim.md_core import Bucket
 
 try:  # the dtype torch's Adam gives state["step"] (private helper; float32 unless the default dtype is float64)
     from torch.optim.optimizer import _get_scalar_dtype
@@ -39,13 +50,15 @@ def base_fusable(base: torch.optim.Optimizer) -> str | None:
 
 
 def fusable(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.Tensor, gains: str,
-            parameterization: str, scaled: bool) -> str | None:
+            parameterization: str, scaled: bool, kernels_on: bool | None = None) -> str | None:
     """None if this decoupled matrix can take the fused path this step; else the reason (one line).
 
     Args:
         base: the base optimizer; group: p's group in it; p: the model's W; G: its gradient.
         gains, parameterization: the wrapper's options.
         scaled: whether the group's manifold fixes ‖Ŵ‖ (the base then steps Ŵ/s — eager only).
+        kernels_on: whether the C kernels are in use (resolved once, when the wrapper was built); None: whether they
+            load now.
     """
     why = base_fusable(base)
     if why:
@@ -70,7 +83,7 @@ def fusable(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.
             st.get(k) is None or st[k].dtype != p.dtype or not st[k].is_contiguous()
             for k in ("exp_avg", "exp_avg_sq"))):
         return "the base optimizer's state for it is not plain contiguous Adam moments"
-    return kernel_missing()
+    return kernel_missing() if kernels_on is None or not kernels_on else None
 
 
 def kernel_missing() -> str | None:
@@ -106,7 +119,7 @@ def gain_adam_state(state: dict, theta: torch.Tensor) -> dict:
     return gst
 
 
-def step(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.Tensor, md_state: dict,
+def _step(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.Tensor, md_state: dict,
          gain_state: dict, gain_group: dict, parameterization: str, sphere: str) -> None:
     """The whole MD step of one matrix on the fused path (module docstring): Ŵ, its base Adam state, the gains and
     their Adam state, and the model's W, all updated in place; both step counters advanced.
@@ -145,3 +158,79 @@ def step(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.Ten
     # the C code wrote W through its pointer: bump its version as an in-place torch op would, so that autograd still
     # refuses a backward through a graph that saved the old W
     torch.autograd.graph.increment_version(p)
+
+
+def vector(gain: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A gain γ as a contiguous vector of k entries in ``dtype`` (a scalar gain repeated), as the kernels take it."""
+    if gain is None:
+        return None
+    g = gain.to(dtype).reshape(-1)
+    return (g.expand(k) if g.numel() == 1 else g).contiguous()
+
+
+def kernel_passes(md: MagnitudeDirection, p: torch.Tensor, G: torch.Tensor) -> bool:
+    """Whether this matrix's passes around a base step can run in C (``split_pass``/``finish_pass``): plain
+    contiguous CPU float32/float64 tensors of one dtype (W, G, Ŵ, the radius, the Ĝ buffer), not empty,
+    softplus/exp gains — checked before anything changes, so the kernels cannot refuse after the base step. The
+    caller checks that the kernels are in use."""
+    st = md.state[p]
+    D = st["direction"]
+    if md.parameterization not in ("softplus", "exp"):
+        return False
+    ts = (p.data, G, D, st["radius"], md._buffers.get(p, D))
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == D.dtype and t.is_contiguous()
+               for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2 and D.numel() > 0
+
+
+def _gains_of(md: MagnitudeDirection, st: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(γ_r, γ_c) of one matrix's state, as vectors; None where absent."""
+    return tuple(None if st.get(k) is None else gain_value(st[k], md.parameterization)
+                 for k in ("gain_row", "gain_col"))  # type: ignore[return-value]
+
+
+def adam_pass(md: MagnitudeDirection, b: Bucket) -> None:
+    """C backend of the whole step over torch's Adam/AdamW: per matrix two C passes (``md_adam_step``) update Ŵ and
+    its base Adam state, the gains and their Adam state, and W."""
+    for p, G, st in zip(b.ps, b.grads, b.states):
+        _step(md.base_optimizer, b.group, p, G, st, md.state, md._gain_groups[0], md.parameterization, md.sphere)
+
+
+def split_pass(md: MagnitudeDirection, b: Bucket) -> dict[str, list[torch.Tensor]]:
+    """C backend of step 2 (``md_split``, one pass per matrix): Ĝ into a kept buffer and the log-gain sums; sets
+    ``b.target`` (Ŵ, stepped in place by the base) and ``b.Gd``; returns the sums per gain key, one per matrix (for
+    ``md_core.gain_grads``)."""
+    sums: dict[str, list[torch.Tensor]] = {k: [] for k in b.keys}
+    b.target, b.Gd = [], []
+    for p, G, st in zip(b.ps, b.grads, b.states):
+        D = st["direction"]
+        gr, gc = _gains_of(md, st)
+        Gd = G
+        if gr is not None or gc is not None:
+            buf = md._buffers.get(p)
+            if buf is None:  # row-major whatever G's layout: a later step's G may differ
+                buf = md._buffers[p] = torch.empty_like(G, memory_format=torch.contiguous_format)
+            m, n = D.shape
+            s_r, s_c = kernels.md_split(G, D, vector(gr, m, D.dtype), vector(gc, n, D.dtype), buf,
+                                        gr is not None, gc is not None)
+            if s_r is not None and gr.numel() == 1:  # one scalar row gain: the sum over every entry
+                s_r = s_r.sum().reshape(1)
+            for k, s in (("gain_row", s_r), ("gain_col", s_c)):
+                if s is not None:
+                    sums[k].append(s)
+            Gd = buf
+        b.target.append(D)
+        b.Gd.append(Gd)
+    return sums
+
+
+def finish_pass(md: MagnitudeDirection, b: Bucket) -> None:
+    """C backend of steps 4 and 6 (``md_finish``, two passes per matrix): what the base left copied into Ŵ, Ŵ back
+    on its sphere, W = γ_r Ŵ γ_c with the new gains."""
+    for p, new, st in zip(b.ps, b.target, b.states):
+        D = st["direction"]
+        if new.data_ptr() != D.data_ptr():
+            D.copy_(new)
+        m, n = D.shape
+        gr, gc = _gains_of(md, st)
+        kernels.md_finish(D, p.detach(), md.sphere, st["radius"], vector(gr, m, D.dtype), vector(gc, n, D.dtype))
+        torch.autograd.graph.increment_version(p)  # written through a pointer: as an in-place op would
