@@ -346,6 +346,9 @@ def test_model_scope_sweep_compresses_every_role_per_method_and_restores_the_wei
     run_model_sweep(sw, tiny_lm, ids, base, rec, rows, lambda: None, progress=False)
     assert [r["method"] for r in rows] == list(METHODS)
     assert all(r["saved_frac"] >= 0.3 and r["ppl"] > 1 and r["peak_rss_mb"] > 0 for r in rows)
+    assert len({r["params_dense"] for r in rows}) == 1  # the budget's whole roles count too: one denominator
+    budget = next(r for r in rows if r["method"] == "budget-w")
+    assert len(set(budget["allotment"].replace(":", " ").split()[1::2])) > 1  # roles allotted different shares
     assert all(r["ppl"] != pytest.approx(base.ppl, rel=1e-9) for r in rows)  # each point did change the model
     for k, v in tiny_lm.model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -22,6 +22,9 @@ paper-a      activation-aware, each role in the continuity paper's space (input 
              O, Down; V per layer)
 paper-rev-a  activation-aware, each role in the other space (output for Q, K, Gate, Up; input for O, Down; V per
              layer): with ``paper-a`` and ``svd-w``, the test of the paper's sharing implication
+budget-w     per-layer whitened SVD under a whole-model budget (``--budget model``): the savings fraction of all
+             the roles together, allotted per role by the held-out loss curves
+             (:mod:`weightgeom.analysis.compress_budget`); compare with ``svd-w`` (every role at that fraction)
 ===========  ==================================================================================================
 
 The calibration Grams (:func:`~weightgeom.analysis.calibration.collect_grams`) come from the calibration text (the
@@ -37,12 +40,14 @@ import json
 import math
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from weightgeom._files import write_atomic
 from weightgeom.analysis.calibration import calibration_text, collect_grams
 from weightgeom.analysis.compress import CompressConfig, choose_spaces, compress_roles
+from weightgeom.analysis.compress_budget import allocate, role_curves
 from weightgeom.analysis.compress_choice import choose_by_loss
 from weightgeom.analysis.perplexity import perplexity_of_ids
 from weightgeom.analysis.roles import assign_roles
@@ -50,7 +55,7 @@ from weightgeom.analysis.roles import assign_roles
 __all__ = ["METHODS", "MODEL_ROLES", "method_config", "model_point", "run_model_sweep", "model_table_md",
            "plot_model"]
 
-METHODS = ("svd", "svd-w", "shared", "input-a", "output-a", "auto-a", "paper-a", "paper-rev-a")
+METHODS = ("svd", "svd-w", "shared", "input-a", "output-a", "auto-a", "paper-a", "paper-rev-a", "budget-w")
 PAPER_SPACE = {"Q": "input", "K": "input", "Gate": "input", "Up": "input", "MLP": "input", "O": "output",
                "Down": "output", "V": "none"}
 """The continuity paper's space per role (``paper-a``; V, which it advises not to share, per layer)."""
@@ -60,7 +65,7 @@ MODEL_ROLES = ("Q", "K", "V", "O", "Gate", "Up", "Down")
 LABELS = {"svd": "per-layer SVD", "svd-w": "per-layer whitened SVD (SVD-LLM)", "shared": "weight-only shared (auto)",
           "input-a": "activation-aware shared, input", "output-a": "activation-aware shared, output",
           "auto-a": "auto (lowest held-out calibration loss)", "paper-a": "activation-aware, the paper's space",
-          "paper-rev-a": "activation-aware, the other space"}
+          "paper-rev-a": "activation-aware, the other space", "budget-w": "whitened SVD, whole-model budget"}
 
 
 def method_config(method: str, savings: float, layers_per_group: int, roles: tuple[str, ...]) -> tuple[
@@ -68,7 +73,7 @@ def method_config(method: str, savings: float, layers_per_group: int, roles: tup
     """(:class:`CompressConfig`, whether the method uses the calibration Grams) of a method at ``savings``."""
     share, calibrated = {"svd": ("none", False), "svd-w": ("none", True), "shared": ("auto", False),
                          "input-a": ("input", True), "output-a": ("output", True), "auto-a": ("auto", True),
-                         "paper-a": ("auto", True), "paper-rev-a": ("auto", True)}[method]
+                         "paper-a": ("auto", True), "paper-rev-a": ("auto", True), "budget-w": ("none", True)}[method]
     return CompressConfig(share=share, savings=savings, layers_per_group=layers_per_group, roles=roles,
                           calibration="shakespeare" if calibrated else None), calibrated
 
@@ -88,6 +93,10 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
     sel = {r: by_role[r] for r in roles}
     t0 = time.perf_counter()
     fitted: dict[str, list] = {}
+    allot = None
+    if method == "budget-w":
+        allot = allocate(role_curves(sel, grams), {r: sum(rw.weight.numel() for rw in sel[r]) for r in roles},
+                         savings)
     if method in ("paper-a", "paper-rev-a"):
         info = {r: {"space": PAPER_SPACE.get(r, "input") if method == "paper-a" else
                     _OTHER[PAPER_SPACE.get(r, "input")]} for r in roles}
@@ -99,13 +108,16 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
         info = {r: {"space": ccfg.share} for r in roles}
     spaces = {r: v["space"] for r, v in info.items()}
     saved = {(r, rw.layer): rw.weight.clone() for r in roles for rw in sel[r]}
-    dense = params = 0
     err = en = 0.0
     try:
         with torch.no_grad():
             # the spaces are fixed above: ``auto`` reads them from ``spaces``
+            cut = {r: v for r, v in sel.items() if allot is None or allot[r] > 0}
+            whole = sum(rw.weight.numel() for r in roles if r not in cut for rw in sel[r])
+            dense, params = whole, whole  # a role the budget keeps whole
             groups = ([g for r in roles for g in fitted[r]] if fitted else
-                      compress_roles(None, ccfg, spaces=spaces, by_role=sel, grams=grams if calibrated else None))
+                      compress_roles(None, replace(ccfg, roles=tuple(cut)), spaces=spaces, by_role=cut,
+                                     grams=grams if calibrated else None, savings_by_role=allot))
             for g in groups:  # auto-a: the groups its choice already fitted
                 for rw in (x for x in sel[g.role] if x.layer in g.coefs):
                     rw.weight.copy_(g.dense(rw.layer))
@@ -123,6 +135,8 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
            "saved_frac": (dense - params) / dense, "spaces": " ".join(f"{r}:{s}" for r, s in spaces.items()),
            "calib_loss": err / en if en > 0 else math.nan, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
            "compress_s": t_c, "eval_s": res.seconds, "peak_rss_mb": _peak_rss_mb()}
+    if allot is not None:
+        row["allotment"] = " ".join(f"{r}:{v:g}" for r, v in allot.items())
     if method == "auto-a":  # what the choice compared: per role and space, the scored and fitted loss
         row["choice_losses"] = json.dumps({r: {s: [v["loss"][s], v["fit_loss"][s]] for s in v["loss"]}
                                            for r, v in info.items()}, default=str)
@@ -139,7 +153,7 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
     continuity: dict[str, dict] = dict(record.get("spaces") or {})
     grams = None
     if any(method_config(m, 0.5, 1, ("Q",))[1] for m in cfg.methods):
-        holdout = cfg.calibration_holdout if "auto-a" in cfg.methods else 0.0
+        holdout = cfg.calibration_holdout if {"auto-a", "budget-w"} & set(cfg.methods) else 0.0
         grams = collect_grams(lm, calibration_text(cfg.calibration), list(cfg.roles), tokens=cfg.calibration_tokens,
                               context=cfg.context, progress=progress, holdout=holdout)
         record["calibration"] = {"text": cfg.calibration or "shakespeare", "tokens": grams.tokens,
