@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from weightgeom._cache import cache_root
+from weightgeom._numerics_env import kernels_enabled
 
 __all__ = ["load_kernel", "unavailable_reason", "uses_openmp", "md_adam_step", "md_split", "md_finish", "any_nonfinite",
            "kernel_cache_dir", "lanczos", "split_bf16_kernel", "column_sumsq", "symsum", "scaled_bf16",
@@ -99,7 +100,7 @@ def _build(name: str) -> tuple[ctypes.CDLL | None, str]:
 
 
 def _build_unchecked(name: str) -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("WEIGHTGEOM_NO_KERNELS", "") not in ("", "0"):
+    if not kernels_enabled():
         return None, "disabled by WEIGHTGEOM_NO_KERNELS"
     cc = _compiler()
     if cc is None:

@@ -50,6 +50,8 @@ import torch
 
 from weightgeom._cache import cache_root
 from weightgeom._files import write_atomic
+from weightgeom._numerics_env import MSIGN_VAR, PRODUCTS_VAR, SPLIT_VAR, msign_override, products_override
+from weightgeom._numerics_env import PRODUCTS as _KINDS
 from weightgeom.linalg.gemm import ieee_mm, onednn_available, onednn_products
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 from weightgeom.linalg.precision import with_full_precision
@@ -59,7 +61,7 @@ __all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "cle
            "adopted_msign_choice", "forced_msign_choice", "forced_products", "split_products_for", "products_for",
            "constraint_products", "PRODUCTS", "PRODUCTS_ENV_VAR", "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
 
-ENV_VAR = "WEIGHTGEOM_MSIGN"
+ENV_VAR = MSIGN_VAR
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _PROBE_SHAPE = (128, 384)
 _SPEED_SHAPE = (192, 768)
@@ -72,9 +74,9 @@ _GPU_WARMUP, _GPU_TIMED = 3, 5
 _REFERENCE_STEPS = 5  # torch.optim.Muon's default ns_steps
 # 2: the GPU speed shape and warm-up; 3: the constraint products; 4: oneDNN among them (older ones are measured again)
 _CACHE_VERSION = 4
-PRODUCTS = ("ieee", "ieee_onednn", "split_bf16")
-PRODUCTS_ENV_VAR = "WEIGHTGEOM_PRODUCTS"
-SPLIT_ENV_VAR = "WEIGHTGEOM_SPLIT_PRODUCTS"
+PRODUCTS = _KINDS
+PRODUCTS_ENV_VAR = PRODUCTS_VAR
+SPLIT_ENV_VAR = SPLIT_VAR
 # oneDNN takes over the IEEE products where the probe takes at most this fraction of torch's BLAS time: a change of
 # library changes the bits (not the accuracy), so only for a clear gain (AMD EPYC with AVX-512: 0.47–0.6).
 ONEDNN_WINS = 0.8
@@ -219,15 +221,11 @@ def forced_msign_choice(device: torch.device | str) -> MsignChoice | None:
 
 
 def _forced(device: torch.device) -> MsignChoice | None:
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw or raw == "auto":
+    forced = msign_override()
+    if forced is None:
         return None
-    name, _, steps = raw.partition(":")
-    if name not in _DTYPES or (steps and not (steps.isdigit() and int(steps) >= 1)):
-        raise ValueError(f"{ENV_VAR}={raw!r} is invalid: use auto, float32, bfloat16 or float64, optionally "
-                         f"followed by :STEPS (an int ≥ 1), e.g. bfloat16:6")
-    n = int(steps) if steps else MSIGN_PRESETS["polar_express"].steps
-    return MsignChoice(str(device), _DTYPES[name], n, "env")
+    name, steps = forced
+    return MsignChoice(str(device), _DTYPES[name], steps or MSIGN_PRESETS["polar_express"].steps, "env")
 
 
 def _device_key(device: torch.device) -> str:
@@ -386,15 +384,8 @@ def _products_env() -> str | None:
     """The constraint products forced by the environment (``WEIGHTGEOM_PRODUCTS``, then the older
     ``WEIGHTGEOM_SPLIT_PRODUCTS=1``), "no-split" for ``WEIGHTGEOM_SPLIT_PRODUCTS=0``, or None (measure); an invalid
     value raises ValueError naming the variable."""
-    raw = os.environ.get(PRODUCTS_ENV_VAR, "").strip()
-    if raw not in ("", "auto", *PRODUCTS):
-        raise ValueError(f"{PRODUCTS_ENV_VAR}={raw!r} is invalid: use auto, " + ", ".join(PRODUCTS))
-    old = os.environ.get(SPLIT_ENV_VAR, "").strip()
-    if old not in ("", "auto", "0", "1"):
-        raise ValueError(f"{SPLIT_ENV_VAR}={old!r} is invalid: use auto, 0 or 1")
-    if raw not in ("", "auto"):
-        return raw
-    return {"1": "split_bf16", "0": "no-split"}.get(old)
+    forced = products_override()
+    return None if forced is None else forced[1]
 
 
 def forced_products(device: torch.device | str) -> tuple[str, str] | None:
@@ -407,15 +398,13 @@ def forced_products(device: torch.device | str) -> tuple[str, str] | None:
         ValueError: an invalid value, naming the variable.
     """
     device = torch.device(device)
-    forced = _products_env()
+    forced = products_override()
     if forced is None or device.type != "cpu":
         return None
-    raw = os.environ.get(PRODUCTS_ENV_VAR, "").strip()
-    var = f"{PRODUCTS_ENV_VAR}={raw}" if raw not in ("", "auto") else \
-        f"{SPLIT_ENV_VAR}={os.environ.get(SPLIT_ENV_VAR, '').strip()}"
-    if forced != "no-split" and not _products_available(forced, device):
-        forced = "ieee"
-    return var, forced
+    var, kind = forced
+    if kind != "no-split" and not _products_available(kind, device):
+        kind = "ieee"
+    return var, kind
 
 
 def products_for(device: torch.device | str) -> str:

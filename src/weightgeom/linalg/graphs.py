@@ -30,7 +30,6 @@ for the previous call's use of the buffers (an event), so they cannot overwrite 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import warnings
@@ -39,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from weightgeom._numerics_env import CUDA_GRAPHS_MAX_MB_VAR, CUDA_GRAPHS_VAR, cuda_graphs_enabled, cuda_graphs_max_mb
+
 __all__ = ["replay", "enabled", "clear", "max_input_bytes", "ENV_VAR", "MAX_MB_ENV_VAR"]
 
-ENV_VAR = "WEIGHTGEOM_CUDA_GRAPHS"
-MAX_MB_ENV_VAR = "WEIGHTGEOM_CUDA_GRAPHS_MAX_MB"
-_DEFAULT_MAX_MB = 256
+ENV_VAR = CUDA_GRAPHS_VAR
+MAX_MB_ENV_VAR = CUDA_GRAPHS_MAX_MB_VAR
 
 
 @dataclass
@@ -60,22 +60,15 @@ _TOTAL_FACTOR = 4  # all captured signatures' inputs together stay within this m
 
 
 def enabled() -> bool:
-    """Whether graph replay is on (``WEIGHTGEOM_CUDA_GRAPHS`` is not ``"0"``)."""
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+    """Whether graph replay is on (``WEIGHTGEOM_CUDA_GRAPHS`` is not ``"0"``; read by ``weightgeom._numerics_env``,
+    recorded per device in ``weightgeom.linalg.numerics.Numerics``)."""
+    return cuda_graphs_enabled()
 
 
 def max_input_bytes() -> int:
     """Largest total size of a call's tensor arguments that is captured (``WEIGHTGEOM_CUDA_GRAPHS_MAX_MB``, default
     256 MiB; a value that is not a number ≥ 0 raises ValueError naming the variable)."""
-    raw = os.environ.get(MAX_MB_ENV_VAR, "").strip()
-    if not raw:
-        return _DEFAULT_MAX_MB << 20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"{MAX_MB_ENV_VAR}={raw!r} is invalid: use a number of MiB >= 0 (0: never capture)")
+    mb = cuda_graphs_max_mb()
     return sys.maxsize if math.isinf(mb) else int(mb * (1 << 20))  # "inf": no cap
 
 
