@@ -738,11 +738,11 @@ def test_default_muon_direction_as_orthogonal_as_torch_muon(tmp_path, monkeypatc
 def test_same_shape_matrices_batched_equal_one_at_a_time(kw, monkeypatch):
     """A plain-Muon group's same-shape matrices go through one batched msign call per step; the parameters and
     momentum buffers after 3 steps equal those of one optimizer per matrix (the unbatched 2-D path)."""
-    import weightgeom.optim.muon as muon_mod
+    import weightgeom.optim.muon_core as core
 
     calls = []
-    real = muon_mod.msign
-    monkeypatch.setattr(muon_mod, "msign", lambda G, **k: calls.append(tuple(G.shape)) or real(G, **k))
+    real = core.msign
+    monkeypatch.setattr(core, "msign", lambda G, **k: calls.append(tuple(G.shape)) or real(G, **k))
     g = torch.Generator().manual_seed(11)
     shapes = [(32, 48), (32, 48), (24, 40), (32, 48)]
     init = [0.02 * torch.randn(s, generator=g) for s in shapes]
@@ -901,3 +901,38 @@ def test_adopt_manifolds_takes_a_moved_groups_manifold_and_nothing_else():
     assert plain.adopt_manifolds(sd) == {} and plain.adopt_manifolds({"state": {}}) == {}
     with pytest.raises(ValueError, match="manifold='stiefel' in the state dict but manifold=None"):
         plain.load_state_dict(copy.deepcopy(sd))
+
+
+def test_compiled_raise_step_keeps_a_constant_number_of_graphs():
+    """compile_step with on_nonfinite="raise" (the default) over plain-Muon and AdamW groups, a changing lr and
+    zero_grad(set_to_none=True) between steps: a constant number of graphs over 8 steps (the host check used to
+    graph-break mid-step, and the resumed frame guarded on the freed gradients: one recompile per step up to dynamo's
+    limit of 8); a NaN gradient afterwards raises naming the parameter, nothing changed."""
+    from torch._dynamo.utils import counters
+
+    from weightgeom.optim import compile_step
+    from weightgeom.optim.functional import NonFiniteGradientError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))  # one bucket: a short trace
+    opt = Muon([{"params": [m.weight for m in model], "names": ["w0", "w1"]},
+                {"params": [m.bias for m in model], "algorithm": "adamw"}], lr=0.02)
+    step = compile_step(opt, backend="eager")  # dynamo alone: the graphs are dynamo's
+    x = torch.randn(4, 8)
+    counters.clear()
+    graphs = []
+    for i in range(8):
+        for g in opt.param_groups:
+            g["lr"] = 0.02 * (1 - i / 20)
+        model(x).square().sum().backward()
+        step()
+        opt.zero_grad(set_to_none=True)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[3] <= 3, graphs  # was 1, 2, 3, 4, 5, ...
+    model(x).square().sum().backward()
+    model[1].weight.grad[0, 0] = float("nan")
+    before = [t.clone() for p in model.parameters() for t in (p.detach(), *opt.state[p].values())]
+    with pytest.raises(NonFiniteGradientError, match="'w1'"):
+        step()
+    after = [t for p in model.parameters() for t in (p.detach(), *opt.state[p].values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -12,32 +12,29 @@ where the direction is msign(U) without a manifold, or the manifold-Muon directi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from functools import partial
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from weightgeom import manifolds
-from weightgeom.linalg import MSIGN_PRESETS, full_precision, layout, msign, msign_choice
-from weightgeom.linalg.autotune import constraint_products, products_for
-from weightgeom.optim import manifold_host_free, state_compat
+from weightgeom.linalg import full_precision, msign_choice
+from weightgeom.linalg.numerics import NOT_RESOLVED, Numerics, resolve_numerics
+from weightgeom.optim import manifold_step, state_compat
 from weightgeom.optim.checks import (
     check_new_group,
     describe_state_dict,
     is_bookkeeping_key,
 )
+from weightgeom.optim.dual import GROUP_KEYS as DUAL_GROUP_KEYS
+from weightgeom.optim.dual import DualAscent, legacy_message, resolve_dual, take_legacy
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
     adamw_update,
     all_finite,
-    apply_update,
-    decoupled_step,
     momentum_direction,
-    newton_schulz,
-    shape_scale,
 )
-from weightgeom.optim.manifold_muon import manifold_direction
+from weightgeom.optim.manifold_muon import lanczos_start
 from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
     ALGORITHMS,
     FAR_RETRACTION,
@@ -48,31 +45,20 @@ from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
     fresh_ratio,
     looks_fresh,
 )
+from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.muon_checks import validate_values as _validate_values
+from weightgeom.optim.muon_core import Orthogonaliser, momentum_step, muon_update
 from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURAL_KEYS, param_name  # noqa: F401  (re-exported)
 from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
-from weightgeom.optim.muon_layout import dual_shape as _dual_shape
-from weightgeom.optim.muon_layout import from_tall as _from_tall
-from weightgeom.optim.muon_layout import matrices as _matrices
 from weightgeom.optim.muon_layout import out_in as _out_in
-from weightgeom.optim.muon_layout import retract as _retract
-from weightgeom.optim.muon_layout import retraction_distance as _retraction_distance
-from weightgeom.optim.muon_layout import row_major as _row_major
 from weightgeom.optim.muon_layout import step_counter as _step_counter
 from weightgeom.optim.muon_layout import structural as _structural
-from weightgeom.optim.muon_layout import tall_batch as _tall_batch
-from weightgeom.optim.muon_layout import tall_shape as _tall_shape
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
 # ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
 ON_NONFINITE = ("raise", "skip")
-# Device types on which a manifold group's same-shape matrices step as one batch (``Muon._manifold_group``). Not the
-# CPU: there the stacking copies and batched products made the step slower (4 GPT-2-small layers, 16 matrices, on
-# the 2-core AMX Xeon: Stiefel 1.77 s batched vs 1.57 s one at a time, DGram 1.91 vs 1.64 s); on a GPU batching
-# replaces per-matrix kernel launches and host reads (the dual residual, polar_near's norm) by one per bucket.
-MANIFOLD_BATCH_DEVICES = ("cuda",)
 
 
 def uses_msign_choice(group: dict[str, Any]) -> bool:
@@ -91,6 +77,9 @@ def uses_msign_choice(group: dict[str, Any]) -> bool:
 
 class Muon(StepChecks, torch.optim.Optimizer):
     """Muon / manifold Muon / AdamW in one optimizer; every keyword but ``on_nonfinite`` is also a per-group key.
+
+    torch.optim.Muon's keywords (``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
+    ``ns_steps``, ``adjust_lr_fn``) are spelled and mean as there; every default is ``muon_checks.MUON_DEFAULTS``.
 
     Args:
         params: parameters or groups (dicts). A group may carry ``"names": [...]`` (one per param, as
@@ -137,25 +126,15 @@ class Muon(StepChecks, torch.optim.Optimizer):
         manifold: None (plain Muon) or a registry name (``"stiefel"``, ``"dgram"``, ``"oblique"``, ...).
             Constrained matrices are retracted onto the manifold at their first step, then after every step; a
             pretrained-looking matrix far from it is refused at the default ``init="auto"`` (see ``init``).
-        dual_steps: maximum dual-ascent iterations per step (each costs one msign). Default 1 with ``dual_project``:
-            the warm-started (predicted) multiplier's direction, projected onto the tangent space — tangent residual
-            ~1e-8 at 2.0× (Stiefel) / 2.2× (DGram) our plain Muon step on 768×768 (2-core AVX2 CPU,
-            ``weightgeom bench optimizer_step --quick``); the published 20 steps stay available (``preset="paper"``).
-        dual_lr: dual step α (units of the momentum normalised to unit RMS singular value); halved automatically
-            whenever the residual grows.
-        dual_tol: stop the dual ascent once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol.
-        dual_schedule: ``"linear"`` (α_k = α(1 − k/K), the manifold-assignment paper) or ``"constant"``.
-        dual_ns_steps: msign steps inside the dual loop (None: ``ns_steps``); when set, one accurate msign
-            (``ns_steps``) recomputes the direction at the best Λ.
-        dual_project: (default True) project the final direction onto the tangent space (exactly tangent) and
-            rescale it to unit spectral norm (‖A‖₂ estimated by Lanczos steps); ``last_stats`` then also
-            reports the dual residual before projection.
-        dual_normalize: divide the momentum by its RMS singular value before the dual ascent (scale-free α and Λ).
-            False: the manifold-assignment paper's published code, which does not normalise.
-        dual_warm_start: start the dual ascent from the previous step's multiplier (predicted, see docs/muon.md).
-            False: cold start Λ₀ = −¼·P(WᵀU + UᵀW) every step, as published.
-        dual_keep: ``"best"`` (step halving when the residual grows; the smallest-residual iterate is used) or
-            ``"last"`` (the published loop exactly: fixed schedule, the last iterate's direction).
+        dual: manifold Muon's dual-ascent settings (ignored without a manifold): a ``DualAscent`` value
+            (``weightgeom.optim.DualAscent``: steps, lr, tol, schedule, ns_steps, project, normalize, warm_start,
+            keep), a preset name — ``"default"`` (one warm-started dual step projected onto the tangent space:
+            tangent residual ~1e-8 at 2.0× (Stiefel) / 2.2× (DGram) our plain Muon step on 768×768, 2-core AVX2
+            CPU, ``weightgeom bench optimizer_step --quick``) or ``"published"`` (the manifold-assignment paper's 20
+            cold-started steps, last iterate) — or, in a param group, a dict of fields over the optimizer's value.
+            A group holds it as the keys ``dual_steps``, ``dual_lr``, … (``DualAscent.group_keys``; what
+            ``state_dict()`` saves). Written by hand, those keys (keywords, group keys) are the older spelling: they
+            still work, with one DeprecationWarning naming ``dual=``.
         retraction: passed to the manifold's constructor when not None. ``"paper"`` is accepted by every manifold
             and selects the manifold-assignment paper's published retraction (Stiefel: msign(W) with this group's
             msign settings; DGram: (U Vᵀ)·diag(σ sorted); Oblique: columns / max(‖w_j‖, 1e-8)).
@@ -216,49 +195,48 @@ class Muon(StepChecks, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int | None = None,
-        ns_coefficients: tuple[float, float, float] | None = None,
-        eps: float = state_compat.TORCH_MUON["eps"],
-        msign_method: str = "polar_express",
-        msign_dtype: torch.dtype | None = None,
-        adjust_lr_fn: str | None = None,
-        momentum_form: str = "ema",
-        algorithm: str = "muon",
-        manifold: str | None = None,
-        dual_steps: int = 1,
-        dual_lr: float = 0.1,
-        dual_tol: float = 1e-4,
-        dual_schedule: str = "linear",
-        dual_ns_steps: int | None = None,
-        dual_project: bool = True,
-        dual_normalize: bool = True,
-        dual_warm_start: bool = True,
-        dual_keep: str = "best",
-        retraction: str | None = None,
-        betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = state_compat.ADAMW_EPS,
-        adamw_lr: float | None = None,
-        layout: str = "out_in",
-        split: int | None = None,
-        init: str = "auto",
-        on_nonfinite: str = "raise",
+        lr: float = _D["lr"],
+        momentum: float = _D["momentum"],
+        nesterov: bool = _D["nesterov"],
+        weight_decay: float = _D["weight_decay"],
+        ns_steps: int | None = _D["ns_steps"],
+        ns_coefficients: tuple[float, float, float] | None = _D["ns_coefficients"],
+        eps: float = _D["eps"],
+        msign_method: str = _D["msign_method"],
+        msign_dtype: torch.dtype | None = _D["msign_dtype"],
+        adjust_lr_fn: str | None = _D["adjust_lr_fn"],
+        momentum_form: str = _D["momentum_form"],
+        algorithm: str = _D["algorithm"],
+        manifold: str | None = _D["manifold"],
+        dual: DualAscent | str | Mapping[str, Any] | None = _D["dual"],
+        retraction: str | None = _D["retraction"],
+        betas: tuple[float, float] = _D["betas"],
+        adamw_eps: float = _D["adamw_eps"],
+        adamw_lr: float | None = _D["adamw_lr"],
+        layout: str = _D["layout"],
+        split: int | None = _D["split"],
+        init: str = _D["init"],
+        on_nonfinite: str = _D["on_nonfinite"],
+        **deprecated: Any,
     ) -> None:
         if algorithm == "adamw" and eps != state_compat.TORCH_MUON["eps"] and adamw_eps == state_compat.ADAMW_EPS:
             warnings.warn(f"Muon(algorithm='adamw', eps={eps!r}): 'eps' is the old spelling of the AdamW ε; taken as "
                           "adamw_eps (write adamw_eps=)", DeprecationWarning, stacklevel=2)
             adamw_eps, eps = eps, state_compat.TORCH_MUON["eps"]
+        legacy = take_legacy(deprecated, where="Muon()")
+        if deprecated:
+            raise TypeError(f"Muon() got an unexpected keyword argument {next(iter(deprecated))!r}")
+        dual = resolve_dual(dual)
+        if legacy:
+            warnings.warn(legacy_message("Muon()", {f"dual_{k}": v for k, v in legacy.items()}), DeprecationWarning,
+                          stacklevel=2)
+            dual = dual.replace(**legacy)
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=None if ns_coefficients is None else tuple(ns_coefficients), eps=eps,
             msign_method=msign_method, msign_dtype=msign_dtype, adjust_lr_fn=adjust_lr_fn,
-            momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, dual_steps=dual_steps,
-            dual_lr=dual_lr, dual_tol=dual_tol, dual_schedule=dual_schedule, dual_ns_steps=dual_ns_steps,
-            dual_project=dual_project, dual_normalize=dual_normalize, dual_warm_start=dual_warm_start,
-            dual_keep=dual_keep, retraction=retraction,
+            momentum_form=momentum_form, algorithm=algorithm, manifold=manifold, **dual.group_keys(),
+            retraction=retraction,
             betas=tuple(betas), adamw_eps=adamw_eps, adamw_lr=adamw_lr, layout=layout, split=split, init=init,
         )
         self._manifolds: dict[tuple[Any, Any], Any] = {}
@@ -272,10 +250,9 @@ class Muon(StepChecks, torch.optim.Optimizer):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"Muon(): on_nonfinite={on_nonfinite!r} is invalid: choose one of {list(ON_NONFINITE)}")
         self.on_nonfinite = on_nonfinite
-        # msign settings per device for the groups that take the per-device choice (resolved when a group is added,
-        # so the step only looks them up: no benchmark, lock or environment read inside a compiled step).
-        self._msign_choices: dict[str, tuple[torch.dtype, int]] = {}
-        self._products: dict[str, str] = {}  # device -> manifold groups' constraint products there (PRODUCTS)
+        # the numerics per device (``resolve_numerics``), resolved when a group is added, so the step only looks them
+        # up: no benchmark, lock or environment read inside a compiled step
+        self.numerics: dict[str, Numerics] = {}
         # manifold groups' host-free step (``manifold_host_free``): None = inside a torch.compile trace only, True =
         # also eagerly (the path a compiled step runs, e.g. to count its operations), False = never
         self.host_free: bool | None = None
@@ -299,7 +276,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         it with ``int()`` only when needed — that is a host sync on a GPU)."""
         return self._skipped
 
-    _OWN_ATTRS = ("on_nonfinite", "host_free", "_skipped", "_msign_choices", "_products", "msign_auto", "_manifolds",
+    _OWN_ATTRS = ("on_nonfinite", "host_free", "_skipped", "numerics", "msign_auto", "_manifolds",
                   "last_stats", "_far_retractions", "_warned_far_retraction")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -317,10 +294,12 @@ class Muon(StepChecks, torch.optim.Optimizer):
                                           self.defaults)
         if param_group.get("ns_coefficients") is not None and isinstance(param_group["ns_coefficients"], list):
             param_group["ns_coefficients"] = tuple(param_group["ns_coefficients"])
+        self._expand_dual(param_group)
         unknown = sorted(k for k in set(param_group) - set(self.defaults) if not is_bookkeeping_key(k))
         if unknown:
             raise ValueError(
-                f"Muon: unknown param-group key(s) {unknown}; valid keys: {sorted(self.defaults)} "
+                f"Muon: unknown param-group key(s) {unknown}; valid keys: "
+                f"{sorted({k for k in self.defaults if k not in DUAL_GROUP_KEYS} | {'dual'})} "
                 f"(plus 'params', 'names')"
             )
         check_new_group("Muon", self.param_groups, param_group)
@@ -333,6 +312,28 @@ class Muon(StepChecks, torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
+
+    def _expand_dual(self, group: dict[str, Any]) -> None:
+        """A group's ``"dual"`` (a ``DualAscent``, a preset name or a dict of fields over the optimizer's value) as the
+        ``dual_<field>`` keys Muon keeps; hand-written ``dual_<field>`` keys (the older spelling) merged over it with
+        one DeprecationWarning. A group holding all of them (a copy of one of Muon's own groups) is taken as is. In
+        place; ValueError naming the group for a bad value."""
+        gi = len(self.param_groups)
+        if "dual" not in group and all(k in group for k in DUAL_GROUP_KEYS):
+            return
+        legacy = take_legacy(group, where=f"Muon group {gi}")
+        if "dual" not in group and not legacy:
+            return
+        try:
+            dual = resolve_dual(group.pop("dual", None), base=DualAscent.from_group(self.defaults))
+            if legacy:
+                written = {f"dual_{k}": v for k, v in legacy.items()}
+                warnings.warn(legacy_message(f"Muon group {gi}", written, new="the group key 'dual': "),
+                              DeprecationWarning, stacklevel=4)
+                dual = dual.replace(**legacy)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"Muon group {gi}: {e}") from None
+        group.update(dual.group_keys())
 
     def _check_group(self, group: dict[str, Any], gi: int) -> None:
         """Validate a group torch has just added (names, values, shapes) and resolve its per-device choices."""
@@ -370,47 +371,49 @@ class Muon(StepChecks, torch.optim.Optimizer):
             raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
 
     def _resolve_choices(self, group: dict[str, Any]) -> None:
-        """Resolve a group's manifold and per-device choices (constraint products, msign) now, so a step never
-        measures or reads the environment and an unknown manifold fails here."""
+        """Resolve a group's manifold and its devices' numerics (``resolve_numerics``: msign, constraint products,
+        kernels) now, so a step never measures or reads the environment and an unknown manifold fails here."""
         if group["manifold"] is not None:
             self._manifold(group)  # resolve now so an unknown name fails at construction
-            for p in group["params"]:  # and the constraint products' choice (it may measure, or reject the env var)
-                if p.device.type == "cpu" and p.dtype != torch.float64:
-                    self._products_device(p.device)
+            for p in group["params"]:
                 if p.ndim == 2:  # the norm estimate's start vector, made here: a compiled step cannot run a Generator
                     k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
-                    manifold_host_free.lanczos_start(min(rows // int(k) if k else rows, cols), _dual_dtype(p),
-                                                     p.device)
+                    lanczos_start(min(rows // int(k) if k else rows, cols), _dual_dtype(p), p.device)
+        if group["algorithm"] == "muon":
+            for p in group["params"]:  # the constraint products' choice may measure, or reject the env var
+                self._numerics_for(p.device, products=group["manifold"] is not None and p.dtype != torch.float64)
         if uses_msign_choice(group):
             for p in group["params"]:
                 if p.dtype != torch.float64:
                     self._msign_choice_for(p.device)
 
-    def _msign_choice_for(self, device: torch.device) -> tuple[torch.dtype, int]:
-        """(dtype, steps) of ``msign_choice`` on ``device``, looked up once per optimizer and device (recorded in
-        ``msign_auto``)."""
+    def _numerics_for(self, device: torch.device, products: bool = False) -> Numerics:
+        """``opt.numerics[str(device)]``, resolved at its first use (``products``: with the constraint products, which
+        a CPU may time once per process)."""
+        memo = self.__dict__.setdefault("numerics", {})
         key = str(device)
-        if key not in self._msign_choices:
-            choice = msign_choice(device)
-            self._msign_choices[key] = (choice.dtype, choice.steps)
-            self.msign_auto.setdefault(key, choice.as_dict())
-        return self._msign_choices[key]
+        if key not in memo or (products and memo[key].products_source == NOT_RESOLVED):
+            memo[key] = resolve_numerics(device, constraint_products=products)
+        return memo[key]
+
+    def _msign_choice_for(self, device: torch.device) -> tuple[torch.dtype, int]:
+        """(dtype, steps) of the per-device msign choice on ``device`` (``opt.numerics``; also recorded in
+        ``msign_auto``)."""
+        n = self._numerics_for(device)
+        self.msign_auto.setdefault(str(device), msign_choice(device).as_dict())
+        return n.msign_dtype, n.msign_steps
 
     def _products_for(self, X: torch.Tensor) -> str:
         """How a manifold step on X (its float32 working copy) runs its constraint products (one of
         ``autotune.PRODUCTS``: IEEE through torch's BLAS or oneDNN, or split-bf16): a CPU float32 X takes its
-        device's per-device choice (``products_for``), looked up once per optimizer and device — when the group was
-        added, so a step never measures or reads the environment; anything else ``"ieee"``."""
+        device's ``opt.numerics`` kind, resolved when the group was added, so a step never measures or reads the
+        environment; anything else ``"ieee"``."""
         if X.dtype != torch.float32 or X.device.type != "cpu":
             return "ieee"
         return self._products_device(X.device)
 
     def _products_device(self, device: torch.device) -> str:
-        memo = self.__dict__.setdefault("_products", {})
-        key = str(device)
-        if key not in memo:
-            memo[key] = products_for(device)
-        return memo[key]
+        return self._numerics_for(device, products=True).products
 
     _name = staticmethod(param_name)
 
@@ -498,6 +501,14 @@ class Muon(StepChecks, torch.optim.Optimizer):
         for group in self.param_groups:
             self._resolve_choices(group)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict (``state``, ``param_groups``) plus ``"numerics"``: {device: ``Numerics.as_dict()``}, the
+        arithmetic the state was made with, as plain strings and numbers (``load_state_dict`` does not need it: a
+        state dict without it, an older one or torch.optim.Muon's, loads the same)."""
+        sd = super().state_dict()
+        sd["numerics"] = {dev: n.as_dict() for dev, n in self.__dict__.get("numerics", {}).items()}
+        return sd
+
     # ---- the step --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -555,8 +566,17 @@ class Muon(StepChecks, torch.optim.Optimizer):
         """The step body on plain tensors (a single process, or this rank's matrices under ``step_on_owners``)."""
         work = self._with_grads()
         ok = None  # "skip": 0-dim bool device tensor, True when every gradient is finite
-        if self.on_nonfinite == "raise":
+        # "raise" inside a torch.compile trace: no host read mid-step (a graph break there made the resumed frame guard
+        # on the gradients, which zero_grad frees: one recompile per step, up to dynamo's limit). The trace steps with
+        # every write masked by the device-side check, and ``_refuse_masked`` raises after it, nothing changed.
+        deferred = self.on_nonfinite == "raise" and torch.compiler.is_compiling() and (
+            self._host_free() or not self._manifold_items(work))
+        if self.on_nonfinite == "raise" and not deferred:
             self._check_finite(work)
+        elif deferred:
+            grads = [p.grad for _, _, items in work for _, p in items]
+            weights = [p.detach() for *_, p in self._manifold_items(work)]
+            ok = all_finite(grads + weights, device=grads[0].device if grads else None)
         else:
             grads = [p.grad for _, _, items in work for _, p in items]
             device = grads[0].device if grads else self._skipped.device
@@ -594,6 +614,19 @@ class Muon(StepChecks, torch.optim.Optimizer):
                 with full_precision():  # the constraint arithmetic in IEEE float32 whatever the process's mode
                     self._manifold_group(group, [(self._name(group, i, gi), p) for i, p in items])
         self._warn_far_retraction()
+        if deferred:  # last: the graph break it makes resumes into nothing, so it guards on nothing
+            self._refuse_masked(work, ok)
+
+    @torch.compiler.disable
+    def _refuse_masked(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]],
+                       ok: torch.Tensor) -> None:
+        """After a compiled ``on_nonfinite="raise"`` step (every write masked by ``ok``): one host read of ``ok``, and
+        where it is False the eager step's error, naming the parameter (nothing changed)."""
+        if bool(ok):
+            return
+        self._check_finite(work)  # names the gradient (or manifold weight) and raises
+        raise NonFiniteGradientError("Muon: a gradient's norm overflows (entries ≳ 1e19 in float32); step refused, "
+                                     "no parameter or optimizer state was changed")
 
     def _host_free(self) -> bool:
         """Whether manifold groups take the host-free step (``host_free``; by default inside a torch.compile trace)."""
@@ -624,25 +657,27 @@ class Muon(StepChecks, torch.optim.Optimizer):
         steps, dtype = group["ns_steps"], group["msign_dtype"]
         if not uses_msign_choice(group) or U.dtype == torch.float64:
             return steps, dtype
-        key = str(U.device)  # resolved when the group was added; a parameter moved since is looked up here
-        choice_dtype, choice_steps = self._msign_choices.get(key) or self._msign_choice_for(U.device)
+        n = self.__dict__.get("numerics", {}).get(str(U.device))  # resolved when the group was added
+        choice_dtype, choice_steps = (n.msign_dtype, n.msign_steps) if n is not None else \
+            self._msign_choice_for(U.device)  # a parameter moved since: looked up here
         if dtype is None:
             dtype = choice_dtype
             steps = choice_steps if steps is None else steps
         return steps, dtype
 
-    def _orthogonalise(self, group: dict[str, Any], U: torch.Tensor) -> torch.Tensor:
-        """A plain-Muon group's direction of U (..., m, n): torch.optim.Muon's Newton–Schulz where the group sets
-        ``ns_coefficients``, else msign with the group's (or the per-device) settings."""
+    def _orthogonaliser(self, group: dict[str, Any], U: torch.Tensor) -> Orthogonaliser:
+        """A plain-Muon group's direction numerics for matrices like U: torch.optim.Muon's Newton–Schulz where the
+        group sets ``ns_coefficients``, else msign with the group's (or the per-device) settings."""
         if group["ns_coefficients"] is not None:
-            return newton_schulz(U, group["ns_coefficients"], group["ns_steps"] or state_compat.TORCH_MUON["ns_steps"],
-                                 group["eps"], group["msign_dtype"] or torch.bfloat16)
+            return Orthogonaliser(coefficients=tuple(group["ns_coefficients"]), eps=group["eps"],
+                                  steps=group["ns_steps"] or state_compat.TORCH_MUON["ns_steps"],
+                                  dtype=group["msign_dtype"] or torch.bfloat16)
         steps, dtype = self._msign_settings(group, U)
-        return msign(U, method=group["msign_method"], steps=steps, dtype=dtype)
+        return Orthogonaliser(group["msign_method"], steps, dtype)
 
     def summary(self) -> str:
-        """One line per parameter group (algorithm, size, manifold, msign settings) plus the per-device msign choice
-        (``msign_auto``, made when the groups were added)."""
+        """One line per parameter group (algorithm, size, manifold, msign settings) plus, per device, the msign choice
+        (``msign_auto``) and the numerics (``opt.numerics``), resolved when the groups were added."""
         lines = []
         for gi, group in enumerate(self.param_groups):
             n = sum(p.numel() for p in group["params"])
@@ -659,15 +694,16 @@ class Muon(StepChecks, torch.optim.Optimizer):
             where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
             lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
                          f"{where}, {ms}")
-        kinds = self.__dict__.get("_products", {})
-        for dev, c in self.msign_auto.items():
-            kind = kinds.get(dev)
-            products = "" if kind is None else f"; manifold constraint products {kind}"
-            lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
-                         f"{products}")
-        for dev, kind in kinds.items():  # manifold groups with their msign set explicitly
-            if dev not in self.msign_auto:
+        for dev, n in self.__dict__.get("numerics", {}).items():
+            c = self.msign_auto.get(dev)
+            kind = None if n.products_source == NOT_RESOLVED else n.products
+            if c is not None:
+                products = "" if kind is None else f"; manifold constraint products {kind}"
+                lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
+                             f"{products}")
+            elif kind is not None:  # manifold groups with their msign set explicitly
                 lines.append(f"manifold constraint products on {dev}: {kind}")
+            lines.append(n.describe())
         return "\n".join(lines)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
@@ -684,72 +720,50 @@ class Muon(StepChecks, torch.optim.Optimizer):
 
     def _muon_group_batched(self, group: dict[str, Any], params: list[torch.Tensor],
                             ok: torch.Tensor | None = None) -> None:
-        """Plain-Muon step of one group: matrices of the same (out, in) view shape, dtype and device are stacked and
-        orthogonalised by one batched msign call (msign normalises and iterates each matrix of a batch on its own,
-        so the result equals one call per matrix up to rounding); a bucket of one takes the 2-D path."""
+        """Plain-Muon step of one group: parameters of the same shape, dtype and device are stacked (B, *shape), stepped
+        by the one batched core ``muon_core.muon_update`` (a bucket of one is B = 1) and written back with one
+        ``_foreach_copy_`` into the parameters and one into the momentum buffers: a constant number of operations
+        per bucket, no host read, the same function eagerly and under torch.compile."""
         buckets: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for p in params:
-            shape = tuple(_matrices(p, group["layout"], group["split"]).shape)
-            buckets.setdefault((shape, p.dtype, p.device), []).append(p)
-        lr, wd = float(group["lr"]), group["weight_decay"]
-        adjust = group["adjust_lr_fn"] or "original"
-        for (shape, _, _), ps in buckets.items():
-            if len(ps) == 1:
-                self._muon_step(group, ps[0], "", ok)
-                continue
-            if self._host_free():  # a constant number of operations per bucket (what a compiled step traces)
-                self._muon_bucket_stacked(group, ps, ok)
-                continue
-            U = None  # (len(ps), *shape): the momentum directions, filled one matrix at a time
-            for j, p in enumerate(ps):
-                u = _matrices(self._momentum(group, p, ok), group["layout"], group["split"])
-                if U is None:
-                    U = torch.empty((len(ps), *shape), dtype=u.dtype, device=u.device)
-                U[j].copy_(u)
-            D = self._orthogonalise(group, U)
-            del U
-            for p, d in zip(ps, D.unbind(0)):
-                W = _matrices(p, group["layout"], group["split"])
-                apply_update(W, d, lr, shape_scale(W.shape, adjust), wd, ok=ok)
-                _step_counter(self.state[p], p).add_(1 if ok is None else ok)
+            buckets.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+        for ps in buckets.values():
+            bufs = self._momentum_buffers(ps)
+            new, new_m = muon_update(
+                torch.stack([p.detach() for p in ps]), torch.stack([p.grad for p in ps]), torch.stack(bufs),
+                lr=float(group["lr"]), momentum=group["momentum"], nesterov=group["nesterov"],
+                momentum_form=group["momentum_form"], weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"], layout=group["layout"], split=group["split"],
+                orthogonalise=self._orthogonaliser(group, ps[0]), ok=ok)
+            torch._foreach_copy_(bufs, list(new_m.unbind(0)))
+            torch._foreach_copy_(ps, list(new.unbind(0)))
+            self._count_steps(ps, ok)
+
+    def _momentum_buffers(self, ps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters' momentum buffers, created as zeros at a first step."""
+        for p in ps:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return [self.state[p]["momentum_buffer"] for p in ps]
+
+    def _count_steps(self, ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
+        """Advance the parameters' step counters by one (by ``ok`` under ``on_nonfinite="skip"``), one foreach op."""
+        counters = [_step_counter(self.state[p], p) for p in ps]
+        if ok is None:
+            torch._foreach_add_(counters, 1.0)
+        else:  # a list of 0-dim tensors: the Tensor-scalar overload reads its scalar on the host
+            torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
 
     def _stacked_momentum(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None
                           ) -> torch.Tensor:
-        """The bucket's momentum step on the stacked buffers (created as zeros on a first step), written back with
-        one ``_foreach_copy_``; returns the stacked direction U (B, *shape) msign is taken of."""
-        states = [self.state[p] for p in ps]
-        for p, st in zip(ps, states):
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        bufs = [st["momentum_buffer"] for st in states]
+        """The bucket's momentum step on the stacked buffers (``muon_core.momentum_step``), written back with one
+        ``_foreach_copy_``; returns the stacked direction U (B, *shape) msign is taken of."""
+        bufs = self._momentum_buffers(ps)
         M = torch.stack(bufs)
-        U = momentum_direction(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
-                               group["momentum_form"], ok=ok)
-        torch._foreach_copy_(bufs, list(M.unbind(0)))
+        new, U = momentum_step(M, torch.stack([p.grad for p in ps]), group["momentum"], group["nesterov"],
+                               group["momentum_form"])
+        torch._foreach_copy_(bufs, list((new if ok is None else torch.where(ok, new, M)).unbind(0)))
         return U
-
-    def _muon_bucket_stacked(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
-        """``_muon_group_batched``'s bucket with every elementwise pass on the stacked matrices (the same values: the
-        passes are elementwise) and one ``_foreach_copy_`` back into the momentum buffers and the parameters each:
-        its operation count does not grow with the number of matrices."""
-        U = self._stacked_momentum(group, ps, ok)
-        layout, split = group["layout"], group["split"]
-        X = U if layout == "out_in" else U.mT
-        X = X if not split else X.unflatten(1, (int(split), -1))
-        D = self._orthogonalise(group, X)
-        P = torch.stack([p.detach() for p in ps])
-        W = P if layout == "out_in" else P.mT
-        W = W if not split else W.unflatten(1, (int(split), -1))
-        lr, wd = float(group["lr"]), group["weight_decay"]
-        new = decoupled_step(W, D, lr, shape_scale(W.shape, group["adjust_lr_fn"] or "original"), wd)
-        new = new if not split else new.flatten(1, 2)
-        new = new if layout == "out_in" else new.mT
-        torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
-        counters = [_step_counter(st, p) for st, p in zip((self.state[p] for p in ps), ps)]
-        if ok is None:
-            torch._foreach_add_(counters, 1.0)
-        else:
-            torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
 
     def _momentum(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
         """Update p's momentum buffer (created at the first step) with its gradient; return the direction input U."""
@@ -759,219 +773,28 @@ class Muon(StepChecks, torch.optim.Optimizer):
         return momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
                                   group["momentum_form"], ok=ok)
 
-    def _muon_step(self, group: dict[str, Any], p: torch.Tensor, name: str, ok: torch.Tensor | None = None) -> None:
-        """One plain-Muon matrix's step; ``ok`` (``on_nonfinite="skip"``) masks every write. Manifold groups step
-        through ``_manifold_group``."""
-        state = self.state[p]
-        lr = float(group["lr"])
-        U = self._momentum(group, p, ok)
-        W = _matrices(p, group["layout"], group["split"])  # (out, in) view, or (k, out/k, in) blocks
-        U = _matrices(U, group["layout"], group["split"])
-        direction = self._orthogonalise(group, U)
-        apply_update(W, direction, lr, shape_scale(W.shape, group["adjust_lr_fn"] or "original"),
-                     group["weight_decay"], ok=ok)
-        _step_counter(state, p).add_(1 if ok is None else ok)
-
-    # Never traced by torch.compile: a compiled `opt.step` runs this part eagerly (one graph break). Its buckets are
-    # lists built during the step, and dynamo guarded a traced bucket on its tensors' shapes, not on which parameter
-    # they are: the bucket of one 256×64 matrix replayed for the next one with the first one's optimizer state (its
-    # momentum updated twice, the other's never: 6e-3 off the eager step), and C kernels wrote through the stale
-    # buffers (heap corruption). Manifold groups read their dual ascent on the host anyway, so nothing is lost.
+    # Never traced by torch.compile: a compiled `opt.step` runs an eager manifold step eagerly (one graph break). Its
+    # buckets are lists built during the step, and dynamo guarded a traced bucket on its tensors' shapes, not on which
+    # parameter they are: the bucket of one 256×64 matrix replayed for the next one with the first one's optimizer
+    # state (its momentum updated twice, the other's never: 6e-3 off the eager step), and C kernels wrote through the
+    # stale buffers (heap corruption). The eager step reads its dual ascent on the host anyway, so nothing is lost; a
+    # trace takes the host-free step (``_manifold_group_host_free``), whose buckets are keyed by what they hold.
     @torch.compiler.disable
     def _manifold_group(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
-        """A manifold group's step. On a device in ``MANIFOLD_BATCH_DEVICES``, with one dual iteration (the
-        default), matrices of the same view shape, dtype and device that are past their first step go through one
-        batched manifold-Muon direction and one batched retraction (every quantity is per matrix, so the result
-        equals one call per matrix up to rounding: bitwise in float32 in the tests, to bf16 rounding with a bf16
-        msign); more dual iterations keep per-matrix early stopping and step halving, so each matrix steps alone,
-        as does a matrix at its first step (its own retraction onto the manifold)."""
-        buckets: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-        for name, p in entries:
-            st = self.state[p]
-            alone = (int(group["dual_steps"]) != 1 or "momentum_buffer" not in st
-                     or p.device.type not in MANIFOLD_BATCH_DEVICES)
-            key = (name,) if alone else (_tall_shape(_matrices(p, group["layout"], group["split"])), p.dtype,
-                                         p.device, "dual_multiplier" in st, "dual_cold" in st)
-            buckets.setdefault(key, []).append((name, p))
-        for bucket in buckets.values():
-            self._manifold_bucket(group, bucket)
+        """A manifold group's eager step (``manifold_step.group_step``)."""
+        manifold_step.group_step(self, group, entries)
 
     @torch.compiler.disable
     def _manifold_group_eager(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
         """``_manifold_group`` at full precision, never traced (a manifold without a host-free retraction)."""
         with full_precision():
-            self._manifold_group(group, entries)
+            manifold_step.group_step(self, group, entries)
 
     def _manifold_group_host_free(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
                                   ok: torch.Tensor | None) -> None:
-        """A manifold group's step without host reads (``manifold_host_free``): parameters of the same stored shape,
-        dtype and device and the same state keys step as one batch — buckets keyed by what the parameters are and
-        hold, their state passed in and written back, so a trace serves exactly the parameters it was traced for.
-        ``ok`` (``on_nonfinite="skip"``) masks every write. A manifold without a host-free retraction steps eagerly."""
-        manifold = self._manifold(group)
-        if not manifold_host_free.supports(manifold):
+        """A manifold group's step without host reads (``manifold_step.group_step(host_free=True)``); ``ok``
+        (``on_nonfinite="skip"``) masks every write. A manifold without a host-free retraction steps eagerly."""
+        if not manifold_step.host_free_supported(self._manifold(group)):
             self._manifold_group_eager(group, entries)
             return
-        buckets: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-        for name, p in entries:
-            st = self.state[p]
-            key = (tuple(p.shape), p.dtype, p.device, *(k in st for k in ("momentum_buffer", *DUAL_STATE)))
-            buckets.setdefault(key, []).append((name, p))
-        for bucket in buckets.values():
-            self._manifold_bucket_host_free(group, manifold, bucket, ok)
-
-    def _manifold_bucket_host_free(self, group: dict[str, Any], manifold: manifolds.Manifold,
-                                   entries: list[tuple[str, torch.Tensor]], ok: torch.Tensor | None) -> None:
-        """One bucket of ``_manifold_group_host_free``: the eager ``_manifold_bucket``'s arithmetic on the stacked
-        matrices, a constant number of operations whatever their count (stack, one batched computation, one
-        ``_foreach_copy_`` back into each of parameters, momentum buffers and dual state)."""
-        layout, split = group["layout"], group["split"]
-        ps = [p for _, p in entries]
-        states = [self.state[p] for p in ps]
-        first = "momentum_buffer" not in states[0]
-        U = self._stacked_momentum(group, ps, ok)
-        P = torch.stack([p.detach() for p in ps])  # (B, *stored): also the values a skipped step writes back
-        V, flip = _tall_batch(P, layout, split)
-        m, n = V.shape[-2:]
-        X = V.reshape(-1, m, n).clone(memory_format=torch.contiguous_format)  # (B·k, m, n) tall working copy
-        if group["init"] in ("retract", "auto") and first:  # start on the manifold, as the eager first step
-            X = manifold_host_free.retract(manifold, X, far=True)
-            if manifold.retraction != "paper":
-                X = manifold_host_free.retract(manifold, X)
-        G = _tall_batch(U, layout, split)[0].reshape(-1, m, n)
-        X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
-        inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
-
-        def stacked(key: str) -> torch.Tensor | None:
-            return torch.stack([st[key] for st in states]).reshape(-1, n, n) if key in states[0] else None
-
-        warm = group["dual_warm_start"]
-        direction, lam, cold, res, dres, iters = manifold_host_free.direction(
-            X32, G.to(X32.dtype), manifold, stacked("dual_multiplier") if warm else None,
-            stacked("dual_cold") if warm else None, steps=int(group["dual_steps"]), lr=group["dual_lr"],
-            tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], normalize=group["dual_normalize"],
-            project=group["dual_project"], final_msign_fn=final, final_continues=continues, keep=group["dual_keep"],
-            feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None)
-        lr, wd = float(group["lr"]), group["weight_decay"]
-        scale = shape_scale(_matrices(ps[0], layout, split).shape, group["adjust_lr_fn"] or "none")
-        X = decoupled_step(X, direction, lr, scale, wd)  # apply_update's arithmetic, out of place
-        if group["init"] in ("retract", "auto"):
-            X = manifold_host_free.retract(manifold, X)
-        new = _from_tall(X.reshape(V.shape), layout, split, flip)
-        torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))
-        b = len(ps)
-        for key, value in (("dual_multiplier", lam), ("dual_cold", cold)):
-            value = value.reshape(b, *_dual_shape(group, ps[0]))
-            old = stacked(key)
-            if ok is not None:  # a skipped first step leaves Λ = cold = 0: the next step starts cold, as eagerly
-                value = torch.where(ok, value, 0.0 if old is None else old.reshape(value.shape))
-            if old is None:
-                for st, v in zip(states, value.unbind(0)):
-                    st[key] = v.clone()
-            else:
-                torch._foreach_copy_([st[key] for st in states], list(value.unbind(0)))
-        counters = [_step_counter(st, p) for st, p in zip(states, ps)]
-        if ok is None:
-            torch._foreach_add_(counters, 1.0)
-        else:  # a list of 0-dim tensors: the Tensor-scalar overload reads its scalar on the host
-            torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
-        worst = [t.reshape(b, -1).amax(dim=1) for t in (res, iters, dres)]
-        for j, (name, _) in enumerate(entries):  # device tensors: read them (a sync) only when needed
-            self.last_stats[name] = {"tangent_residual": worst[0][j], "dual_iters": worst[1][j],
-                                     "dual_residual": worst[2][j]}
-
-    def _manifold_msign_fns(self, group: dict[str, Any], X32: torch.Tensor) -> tuple[Any, Any, bool, torch.dtype]:
-        """(inner msign, final msign or None, whether the final one continues the inner, compute dtype) of a
-        manifold group: the per-device choice where the group leaves it (dual_project), float32/float64 otherwise."""
-        steps, dtype = self._msign_settings(group, X32)  # the per-device choice where the group leaves it
-        if dtype is None or not group["dual_project"] and group["msign_dtype"] is None:
-            dtype = torch.float64 if X32.dtype == torch.float64 else torch.float32
-        ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
-        inner, final, continues = ms, None, False
-        if group["dual_ns_steps"] is not None:
-            k = int(group["dual_ns_steps"])
-            inner = partial(msign, method=group["msign_method"], steps=k, dtype=dtype)
-            final = ms
-            preset = MSIGN_PRESETS.get(group["msign_method"])
-            n_final = steps if steps is not None else (preset.steps if preset else 0)
-            if preset is not None and k < n_final:  # the accurate msign continues the inner one from step k
-                final = partial(msign, method=group["msign_method"], steps=n_final, dtype=dtype, start_step=k)
-                continues = True
-        return inner, final, continues, dtype
-
-    def _manifold_bucket(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
-        """Manifold-Muon step of one or more same-shape matrices (stacked along a new leading dim when several)."""
-        manifold = self._manifold(group)
-        lr = float(group["lr"])
-        ps = [p for _, p in entries]
-        states = [self.state[p] for p in ps]
-        firsts = ["momentum_buffer" not in st for st in states]  # host-side: no step counter is read
-        Us = [_matrices(self._momentum(group, p), group["layout"], group["split"]) for p in ps]
-        Ws = [_matrices(p, group["layout"], group["split"]) for p in ps]  # (out, in) views, or (k, out/k, in) blocks
-        one = len(ps) == 1
-        # The step runs on row-major tall matrices: the parameter itself when its tall view is one, else (a wide or an
-        # in_out matrix; a batch) a row-major copy written back once at the end — on the CPU, in-place updates and fused
-        # products into a transposed view cost 3–7× their row-major versions (a 768×3072 Stiefel step took 135 ms
-        # against 123 ms for 3072×768 on the AMX Xeon). Elementwise results are the same bits either way.
-        flips = [w.shape[-2] < w.shape[-1] for w in Ws]  # per matrix: a bucket holds W and Wᵀ shapes alike
-        talls = [w.mT if f else w for w, f in zip(Ws, flips)]
-        copied = not (one and talls[0].is_contiguous())
-        X = _row_major(talls) if copied else talls[0]
-        Xs = [X] if one else X.unbind(0)  # the working tall matrices (the parameter's own view when not copied)
-        if group["init"] in ("retract", "auto"):
-            for (name, _), V, first in zip(entries, Xs, firsts):
-                if first:  # start on the manifold
-                    # twice: a far start (Polar Express) lands within ~1e-5 of the manifold, the second retraction
-                    # (near-manifold, cheap) takes it to rounding level, where the tangent projection is exact;
-                    # once with the published retraction, as the published code initialises
-                    R = _retract(manifold, V)
-                    if getattr(manifold, "retraction", None) != "paper":
-                        R = _retract(manifold, R)
-                    dist = _retraction_distance(V, R)
-                    if dist > FAR_RETRACTION and group["init"] == "retract" and not looks_fresh(V):
-                        self._far_retractions[name] = (dist, manifold.name)
-                    V.copy_(R)
-        Gt = [u.mT if f else u for u, f in zip(Us, flips)]
-        G = Gt[0] if one and Gt[0].is_contiguous() else _row_major(Gt)
-        X32 = X.float() if X.dtype in (torch.float16, torch.bfloat16) else X
-        G32 = G.to(X32.dtype)
-        inner, final, continues, dtype = self._manifold_msign_fns(group, X32)
-        warm = group["dual_warm_start"]
-
-        def stacked(key: str) -> torch.Tensor | None:
-            got = [st.get(key) for st in states] if warm else [None]
-            if any(g is None for g in got):
-                return None
-            return got[0] if one else torch.stack(got)
-
-        info: dict[str, Any] = {}
-        with constraint_products(self._products_for(X32)):  # split-bf16 or through oneDNN where that is faster
-            direction, lam, _, iters = manifold_direction(  # on the tall matrices: the direction comes back tall
-                X32, G32, manifold, stacked("dual_multiplier"), steps=group["dual_steps"], lr=group["dual_lr"],
-                tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"],
-                project=group["dual_project"], final_msign_fn=final, stats=info, cold0=stacked("dual_cold"),
-                final_continues=continues, normalize=group["dual_normalize"], keep=group["dual_keep"],
-                feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None,
-            )
-        # per-matrix statistics (worst block of a split matrix): one host read for the bucket
-        res = info["residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
-        dres = info["dual_residuals"].reshape(len(ps), -1).amax(dim=1).tolist()
-        adjust = group["adjust_lr_fn"] or "none"
-        for j, ((name, _), Wj, st) in enumerate(zip(entries, Ws, states)):
-            st["dual_multiplier"] = lam if one else lam[j].clone()  # a clone: state must not hold batch views
-            st["dual_cold"] = info["cold_multiplier"] if one else info["cold_multiplier"][j].clone()
-            self.last_stats[name] = {"tangent_residual": res[j], "dual_iters": iters, "dual_residual": dres[j]}
-            apply_update(Xs[j], direction if one else direction[j], lr, shape_scale(Wj.shape, adjust),
-                         group["weight_decay"])
-        R = X  # tall, like X
-        if group["init"] in ("retract", "auto"):
-            with constraint_products(self._products_for(X32)):
-                if X.dtype in (torch.float32, torch.float64):
-                    manifold.retract_(X)  # in place: the parameter's own view, or the working copy
-                else:
-                    R = _retract(manifold, X)  # computed in float32, a new tensor in X's dtype
-        if copied or R is not X:
-            for Wj, Rj, f in zip(Ws, [R] if one else R.unbind(0), flips):
-                layout.copy_(Wj, Rj.mT if f else Rj)
-        for p in ps:
-            _step_counter(self.state[p], p).add_(1)
+        manifold_step.group_step(self, group, entries, ok, host_free=True)

@@ -52,6 +52,7 @@ from typing import Any
 import torch.nn as nn
 
 from weightgeom import manifolds
+from weightgeom.optim.dual import GROUP_KEYS as DUAL_GROUP_KEYS
 from weightgeom.optim.muon import Muon
 
 __all__ = ["param_groups", "describe", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
@@ -99,7 +100,9 @@ def muon_group_keys() -> tuple[str, ...]:
     """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (its defaults) except
     ``params``, the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``)."""
     skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr", "adamw_eps"}
-    return tuple(k for k in inspect.signature(Muon.__init__).parameters if k not in skip)
+    params = inspect.signature(Muon.__init__).parameters
+    # plus the older dual_<field> spelling of ``dual``, passed on to Muon, which warns and takes it
+    return (*(k for k, p in params.items() if k not in skip and p.kind is not p.VAR_KEYWORD), *DUAL_GROUP_KEYS)
 
 
 def _did_you_mean(key: str, options: Iterable[str]) -> str:
@@ -339,7 +342,9 @@ def describe(optimizer: Any, model: nn.Module | None = None) -> str:
         model: the model, to name each parameter's role (``attn``, ``mlp``, ...); ``-`` without it.
 
     Returns:
-        The table as text (no trailing newline).
+        The table as text (no trailing newline), then one line per device with the numerics the optimizer resolved
+        there (``opt.numerics``: msign dtype and steps, constraint products, C kernels, CUDA graphs, each with where it
+        came from) for a Muon, or a MagnitudeDirection over one.
     """
     groups = optimizer.param_groups if hasattr(optimizer, "param_groups") else list(optimizer)
     roles = {name: role for name, _, role, _ in classify(model)} if model is not None else {}
@@ -351,7 +356,10 @@ def describe(optimizer: Any, model: nn.Module | None = None) -> str:
         spec["algorithm"] = spec.get("algorithm") or default
         for name, p in zip(names, g["params"]):
             rows.append({"name": name, "param": p, "role": roles.get(name, "-"), "source": "group", "spec": spec})
-    return format_table(rows, title=f"{type(optimizer).__name__ if hasattr(optimizer, 'param_groups') else 'groups'}")
+    table = format_table(rows, title=f"{type(optimizer).__name__ if hasattr(optimizer, 'param_groups') else 'groups'}")
+    holder = next((o for o in (optimizer, getattr(optimizer, "base_optimizer", None)) if hasattr(o, "numerics")), None)
+    numerics = getattr(holder, "numerics", None) or {}
+    return "\n".join([table, *(n.describe() for n in numerics.values())])
 
 
 def format_table(rows: list[dict[str, Any]], strategy: str = "", title: str | None = None) -> str:

@@ -29,19 +29,23 @@ from weightgeom.linalg.autotune import (
 )
 from weightgeom.optim.muon import uses_msign_choice
 
-__all__ = ["MSIGN_KEY", "PRODUCTS_KEY", "choice_record", "resume_choice"]
+__all__ = ["MSIGN_KEY", "PRODUCTS_KEY", "NUMERICS_KEY", "choice_record", "resume_choice"]
 
 MSIGN_KEY = "msign_default"
 """``meta.json`` key of the msign choice (``MsignChoice.as_dict()``; its ``products`` is what the run used)."""
 PRODUCTS_KEY = "constraint_products"
 """``meta.json`` key of manifold Muon's constraint products on a CPU (one of ``autotune.PRODUCTS``)."""
+NUMERICS_KEY = "numerics"
+"""``meta.json`` key of the optimizer's numerics per device (``Numerics.as_dict()``: msign, constraint products, C
+kernels, CUDA graphs, each with where it came from)."""
 
 _DTYPES = ("float32", "bfloat16", "float64")
 
 
 def choice_record(optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
     """What ``optimizer`` takes from the per-device choice on ``device``: ``{MSIGN_KEY: {...}}`` when a group's msign
-    does, ``{PRODUCTS_KEY: kind}`` when it has manifold groups on a CPU (empty when neither)."""
+    does, ``{PRODUCTS_KEY: kind}`` when it has manifold groups on a CPU, ``{NUMERICS_KEY: {device: {...}}}`` for a
+    Muon (or an optimizer over one) — empty when none applies."""
     groups = optimizer.param_groups
     out: dict[str, Any] = {}
     manifold_cpu = device.type == "cpu" and any(g.get("algorithm") == "muon" and g.get("manifold") is not None
@@ -51,6 +55,9 @@ def choice_record(optimizer: torch.optim.Optimizer, device: torch.device) -> dic
         out[MSIGN_KEY] = {**msign_choice(device).as_dict(), "products": products}
     if manifold_cpu:
         out[PRODUCTS_KEY] = products
+    holder = next((o for o in (optimizer, getattr(optimizer, "base_optimizer", None)) if hasattr(o, "numerics")), None)
+    if holder is not None and holder.numerics:  # the arithmetic per device (``weightgeom.linalg.numerics.Numerics``)
+        out[NUMERICS_KEY] = {dev: n.as_dict() for dev, n in holder.numerics.items()}
     return out
 
 

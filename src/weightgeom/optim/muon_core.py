@@ -1,0 +1,113 @@
+"""The plain-Muon step as one batched function: stacked matrices, gradients and momentum buffers in, new matrices and
+buffers out (docs/muon.md §1).
+
+``muon_update`` is the one implementation of a plain-Muon step. ``Muon`` gathers each bucket of same-shape
+parameters, stacks them along a new leading dim (a bucket of one is B = 1), calls it and writes the results back with
+one ``torch._foreach_copy_`` per tensor list; the eager step, a ``torch.compile``'d step and ``compile_step`` all run
+it. It reads nothing back to the host: a step skipped for a NaN/Inf gradient is a device-side mask ``ok``, and every
+setting (learning rate, momentum, the msign or Newton–Schulz numerics) is an argument.
+
+Arithmetic: every stage is elementwise per matrix except the orthogonalisation, which normalises and iterates each
+matrix of the batch on its own; a bucket of one is orthogonalised as the 2-D matrix it is (``mm``, not a batch of
+one through ``bmm``), so its bits are those of torch.optim.Muon's per-parameter step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weightgeom.linalg import msign
+from weightgeom.optim.functional import MOMENTUM_FORMS, decoupled_step, newton_schulz, shape_scale
+
+__all__ = ["Orthogonaliser", "momentum_step", "muon_update"]
+
+
+@dataclass(frozen=True)
+class Orthogonaliser:
+    """How a plain-Muon direction is computed from the momentum direction U: a resolved value, no defaults left.
+
+    Attributes:
+        method: an msign preset name (``"polar_express"``, ``"muon"``, ``"polar_express_paper"``) or ``"svd"``;
+            ignored when ``coefficients`` is set.
+        steps: polynomial steps (None: the preset's default).
+        dtype: compute dtype (None: msign's default for the device).
+        coefficients: None, or torch.optim.Muon's fixed quintic (a, b, c), run by ``functional.newton_schulz``
+            in torch's arithmetic for ``steps`` steps in ``dtype`` with Frobenius floor ``eps``.
+        eps: the Newton–Schulz normalisation's floor (unused by the msign presets).
+    """
+
+    method: str = "polar_express"
+    steps: int | None = None
+    dtype: torch.dtype | None = None
+    coefficients: tuple[float, float, float] | None = None
+    eps: float = 1e-7
+
+    def __call__(self, U: torch.Tensor) -> torch.Tensor:
+        """The direction of U (..., m, n), of U's shape and dtype."""
+        if self.coefficients is not None:
+            return newton_schulz(U, self.coefficients, int(self.steps), self.eps, self.dtype or torch.bfloat16)
+        return msign(U, method=self.method, steps=self.steps, dtype=self.dtype)
+
+
+def momentum_step(M: torch.Tensor, G: torch.Tensor, beta: float, nesterov: bool, form: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new momentum M', direction input U) out of place, with the bits of ``functional.momentum_direction``'s
+    in-place update: ``"ema"`` M' = βM + (1−β)G (``lerp``), Nesterov U = (1−β)G + βM'; ``"sum"`` M' = βM + G,
+    Nesterov U = G + βM'; U = M' without Nesterov."""
+    if form not in MOMENTUM_FORMS:
+        raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
+    if form == "ema":
+        new = M.lerp(G, 1.0 - beta)
+        return new, (G.lerp(new, beta) if nesterov else new)
+    new = M.mul(beta).add_(G)
+    return new, (G.add(new, alpha=beta) if nesterov else new)
+
+
+def _blocks(T: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
+    """View of a stack (B, *stored) as its (out, in) matrices (B, out, in), or (B, k, out/k, in) blocks."""
+    X = T if layout == "out_in" else T.mT
+    return X.unflatten(1, (int(split), -1)) if split else X
+
+
+def _stored(X: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
+    """The inverse view of ``_blocks``."""
+    X = X.flatten(1, 2) if split else X
+    return X if layout == "out_in" else X.mT
+
+
+def muon_update(params: torch.Tensor, grads: torch.Tensor, bufs: torch.Tensor, *, lr: float, momentum: float,
+                nesterov: bool, momentum_form: str, weight_decay: float, adjust_lr_fn: str | None,
+                layout: str, split: int | None, orthogonalise: Orthogonaliser,
+                ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain-Muon step of B same-shape matrices: momentum → msign → shape scale → decoupled decay → lr step.
+
+    Args:
+        params: (B, *stored) stacked weights W (stored layout, ``layout``), not modified.
+        grads: (B, *stored) their gradients G.
+        bufs: (B, *stored) their momentum buffers M, not modified.
+        lr: step size (spectral-norm units: ‖ΔW‖₂ = lr·s per matrix, s the shape scale).
+        momentum: β in [0, 1).
+        nesterov: the Nesterov look-ahead.
+        momentum_form: ``"ema"`` or ``"sum"`` (``momentum_step``).
+        weight_decay: decoupled decay coefficient: W ← W(1 − lr·wd) before the step.
+        adjust_lr_fn: shape scale s (``functional.shape_scale``; None: ``"original"``).
+        layout: ``"out_in"`` or ``"in_out"`` (the stored matrices are (in, out)).
+        split: None, or k: each matrix is k blocks stacked along its output dim, each orthogonalised alone.
+        orthogonalise: the resolved numerics of the direction.
+        ok: optional 0-dim bool device tensor: where False, the returned weights and buffers are bitwise the inputs
+            (``torch.where``; a NaN in G reaches neither).
+
+    Returns:
+        (new weights, new momentum buffers), each (B, *stored), new tensors.
+    """
+    new_m, U = momentum_step(bufs, grads, momentum, nesterov, momentum_form)
+    X = _blocks(U, layout, split)
+    D = orthogonalise(X[0]).unsqueeze(0) if X.shape[0] == 1 else orthogonalise(X)  # B = 1: the 2-D path
+    W = _blocks(params, layout, split)
+    new = _stored(decoupled_step(W, D, lr, shape_scale(W.shape, adjust_lr_fn or "original"), weight_decay),
+                  layout, split)
+    if ok is not None:
+        new, new_m = torch.where(ok, new, params), torch.where(ok, new_m, bufs)
+    return new, new_m
