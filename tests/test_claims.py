@@ -316,6 +316,37 @@ def test_pretrained_sharing_rule():
     assert "over 1024 tokens of wiki.txt)" in cl.compress_findings(record)[0][2]
 
 
+@pytest.mark.parametrize("paper,other,svdw,verdict", [
+    (100, 200, 150, "reproduced"),
+    (100, 200, 90, "partly reproduced"),  # beats the other space, not per-layer whitened SVD
+    (200, 100, 150, "reversed"),
+    (100, 103, 300, "inconclusive"),  # paper vs other inside the 5 % noise
+    (150, 170, 100, "not reproduced"),  # paper vs other: beyond the noise both ways, one level each
+])
+def test_pretrained_sharing_whole_model_rule(paper, other, svdw, verdict):
+    def record(model, scale=1.0, second=None):
+        pts = {"paper-a": paper, "paper-rev-a": other, "svd-w": svdw}
+        rows = [{"method": m, "savings_target": lv, "ppl": p * scale * (1 + lv)} for lv in (0.1, 0.2)
+                for m, p in pts.items()]
+        if second is not None:  # the other space better at the second level
+            rows = [r if not (r["method"] == "paper-rev-a" and r["savings_target"] == 0.2) else
+                    {**r, "ppl": second} for r in rows]
+        return {"scope": "model", "model": model, "rows": rows, "baseline": {"ppl": 68.68, "tokens": 1024},
+                "settings": {"text": None}}
+
+    second = paper * 1.2 * 0.8 if verdict == "not reproduced" else None
+    (key, got, ev), = cl.compress_findings(record("m1", second=second))
+    assert (key, got) == ("c-pretrained", verdict)
+    assert ev.startswith("m1: perplexity in the paper's spaces vs the other space vs per-layer whitened SVD at 10%: ")
+    assert "over 1024 tokens of the held-out Shakespeare text" in ev
+    # two models that disagree: inconclusive, saying so first
+    flipped = {"scope": "model", "model": "m2", "rows": [{**r, "ppl": {"paper-a": 2, "paper-rev-a": 1}.get(
+        r["method"], 3) * 100.0} for r in record("m2")["rows"]], "baseline": {"ppl": 50.0}}
+    (_, both, ev2), = cl.compress_model_findings([record("m1"), flipped])
+    assert (both, ev2.startswith("inconclusive (the models disagree)")) == (
+        (verdict, False) if verdict == "reversed" else ("inconclusive", True))
+
+
 def _finding(**kw) -> dict:
     f = {"key": "c-nores", "verdict": "reproduced", "evidence": "NoRes 0.05",
          "source": "weightgeom sweep continuity cpu", "steps": 500, "runs": 2, "device": "CPU AMX, 2 cores"}

@@ -404,6 +404,7 @@ def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) 
     rows = record["rows"]
     write_atomic(out / "compress.json", json.dumps(record, indent=1, default=str))
     if record.get("scope") == "model":
+        write_claims_of(out, record)
         if rows:
             write_atomic(out / "compress.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
         if plot and rows:
