@@ -1,5 +1,5 @@
-"""The fused CPU path of MagnitudeDirection over Adam/AdamW: the C kernel against its float64 torch reference, the
-wrapper's fused steps against its eager steps, checkpoints across paths, fallbacks and errors."""
+"""The C backend of MagnitudeDirection's core (md_fused): the kernels against their float64 torch reference, the C
+backend against the torch backend (one table, ``BACKEND_ROWS``), checkpoints across paths, fallbacks and errors."""
 
 from __future__ import annotations
 
@@ -274,23 +274,6 @@ def _default_and_torch_runs(make, base: str, dtype: torch.dtype, **md_kw) -> lis
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("base", ["adamw", "adam-l2", "adamw-fused"])
-@pytest.mark.parametrize("gains,param,sphere", [("row+col", "softplus", "frobenius"), ("row", "exp", "row"),
-                                                 ("col", "softplus", "col"), ("scalar", "exp", "frobenius"),
-                                                 ("none", "direct", "row")])
-def test_fused_wrapper_equals_eager_wrapper(base, gains, param, sphere, dtype):
-    (md_f, model_f), (md_e, model_e) = _default_and_torch_runs(_make, base, dtype, gains=gains,
-                                                               parameterization=param, sphere=sphere)
-    assert all(path == "fused" for path in md_f._path.values())
-    assert all(path.startswith("eager") for path in md_e._path.values())
-    _assert_same(md_f, model_f, md_e, model_e, PATH_TOL[dtype])
-    # the gains group's Adam state advanced once per step on both paths
-    for theta in md_f.param_groups[-1]["params"]:
-        assert float(md_f.state[theta]["step"]) == STEPS
-
-
-@needs_kernel
 def test_checkpoint_moves_between_fused_and_eager():
     model = _model(torch.float64)
     md = _make("adamw", model, None)
@@ -518,11 +501,7 @@ def test_md_overhead_benchmark_runs_and_reports_the_path(tmp_path, capsys):
     assert main(["bench", "md_overhead", "--adamw-impl", "nope"]) == 2
 
 
-# ---- the C passes of the eager path (any other base: Muon, SGD, Adam with amsgrad, ...) ------------------------------
-# eager-C ÷ eager (fused=False) after STEPS steps: the same operations in the same order, but the sums (gain
-# gradients, sphere norms) in float64 instead of torch's reductions; measured over the cases below (AMX Xeon):
-# float64 ≤ 2.6e-15, float32 ≤ 1.2e-6 (the limits leave ~400× and ~17× headroom).
-C_PATH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+# ---- the C passes around any other base (Muon, SGD, Adam with amsgrad, ...) -----------------------------------------
 
 
 def _make_other(kind: str, model: torch.nn.Module, fused, **md_kw) -> MagnitudeDirection:
@@ -540,33 +519,57 @@ def _make_other(kind: str, model: torch.nn.Module, fused, **md_kw) -> MagnitudeD
     return MagnitudeDirection(base, model=model, fused=fused, gain_lr=3e-2, **md_kw)
 
 
+F32, F64 = torch.float32, torch.float64
+# The one equivalence test of md_core's two backends: MD's default (fused=None: the C kernels — the fused Adam pass
+# over Adam/AdamW, the split and finish passes around any other base) against fused=False (the torch backend), after
+# STEPS steps. All pairs of base × gains × parameterization × sphere × dtype (rows: base, gains, param, sphere, dtype).
+BACKEND_ROWS = [
+    ("adamw", "row+col", "softplus", "frobenius", F64), ("adamw", "row", "exp", "row", F32),
+    ("adamw", "scalar", "exp", "col", F64), ("adam-l2", "col", "softplus", "col", F32),
+    ("adam-l2", "none", "direct", "row", F64), ("adam-l2", "row+col", "exp", "frobenius", F32),
+    ("adamw-fused", "scalar", "softplus", "row", F32), ("adamw-fused", "row+col", "exp", "col", F64),
+    ("adamw-fused", "none", "softplus", "frobenius", F32), ("sgd", "row+col", "softplus", "frobenius", F32),
+    ("sgd", "scalar", "exp", "frobenius", F64), ("sgd", "col", "softplus", "col", F64),
+    ("sgd", "row", "exp", "row", F32),
+    ("muon", "row", "exp", "row", F64), ("muon", "none", "softplus", "col", F32),
+    ("muon", "row+col", "softplus", "frobenius", F32), ("muon", "col", "exp", "col", F64),
+    ("muon", "scalar", "softplus", "row", F32),
+]
+# C backend ÷ torch backend, relative to the largest entry (the C passes sum in float64, torch's reductions in their
+# dtype; the fused pass has its own op order): measured float64 ≤ 2.6e-15, float32 ≤ 1.3e-6 (AMX Xeon).
+BACKEND_TOL = {F64: 1e-10, F32: 5e-5}
+
+
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("base", ["muon", "sgd"])
-@pytest.mark.parametrize("gains,param,sphere", [("row+col", "softplus", "frobenius"), ("row", "exp", "row"),
-                                                 ("col", "softplus", "col"), ("scalar", "exp", "frobenius"),
-                                                 ("none", "softplus", "col")])
-def test_eager_c_passes_equal_the_torch_passes(base, gains, param, sphere, dtype):
-    """Over a base the fused kernel does not cover, the default (fused=None) runs MD's passes in C around the base's
-    own step: the same W, Ŵ, gains and gain gradients as the all-torch path (fused=False)."""
-    (md_c, model_c), (md_e, model_e) = _default_and_torch_runs(_make_other, base, dtype, gains=gains,
-                                                               parameterization=param, sphere=sphere)
-    assert all(path.startswith("eager-C (the base optimizer is ") for path in md_c._path.values()), md_c._path
-    assert all(path == "eager (fused=False)" for path in md_e._path.values())
-    tol = C_PATH_TOL[dtype]
-    for pa, pb in zip(model_c.parameters(), model_e.parameters()):
+@pytest.mark.parametrize("base,gains,param,sphere,dtype", BACKEND_ROWS)
+def test_c_backend_equals_the_torch_backend(base, gains, param, sphere, dtype):
+    adam = base.startswith("adam")
+    runs = _default_and_torch_runs(_make if adam else _make_other, base, dtype, gains=gains, parameterization=param,
+                                   sphere=sphere)
+    (md_c, model_c), (md_t, model_t) = runs
+    want = "fused" if adam else "eager-C (the base optimizer is "
+    assert all(path.startswith(want) for path in md_c._path.values()), md_c._path
+    assert all(path == "eager (fused=False)" for path in md_t._path.values())
+    tol = BACKEND_TOL[dtype]
+    for pa, pb in zip(model_c.parameters(), model_t.parameters()):
         _close(pa.detach(), pb.detach(), tol)
-    for pa, pb in zip(md_c._decoupled, md_e._decoupled):
-        sa, sb = md_c.state[pa], md_e.state[pb]
+    for pa, pb in zip(md_c._decoupled, md_t._decoupled):
+        sa, sb = md_c.state[pa], md_t.state[pb]
         _close(sa["direction"], sb["direction"], tol)
         norms = sphere_norm(sa["direction"], sphere)  # Ŵ on its sphere
-        _close(norms, sa["radius"].reshape(norms.shape), 1e-12 if dtype == torch.float64 else 1e-6)
+        _close(norms, sa["radius"].reshape(norms.shape), 1e-12 if dtype == F64 else 1e-6)
         for key in ("gain_row", "gain_col"):
             if key in sa:
                 _close(sa[key], sb[key], tol)
                 _close(sa[key].grad, sb[key].grad, max(tol, 1e-9))
-        # the model's weight is exactly γ_r Ŵ γ_c of the state (the next step must not see an outside edit)
-        assert torch.equal(compose_of(md_c, pa), pa.detach())
+                assert float(md_c.state[sa[key]]["step"]) == STEPS  # the gains' Adam advanced once per step
+        if adam:  # the base's own Adam state, advanced by the fused pass as by torch
+            ba, bb = md_c.base_optimizer.state[pa], md_t.base_optimizer.state[pb]
+            for key in ("exp_avg", "exp_avg_sq"):
+                _close(ba[key], bb[key], tol)
+            assert float(ba["step"]) == float(bb["step"])
+        else:  # the model's weight is exactly γ_r Ŵ γ_c of the state (the next step must not see an outside edit)
+            assert torch.equal(compose_of(md_c, pa), pa.detach())
 
 
 def compose_of(md: MagnitudeDirection, p: torch.Tensor) -> torch.Tensor:

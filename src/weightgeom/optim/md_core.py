@@ -24,7 +24,6 @@ leaves every tensor bitwise unchanged; the C backend runs only with ``ok`` None 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,13 +33,15 @@ from weightgeom.optim.functional import NonFiniteGradientError, all_finite, firs
 from weightgeom.optim.md_checks import RESYNC_ULPS
 from weightgeom.optim.md_functional import (
     _ZERO_NORM,
+    _wide,
+    adam_gains,
     compose,
     gain_chain,
     gain_chain_log,
-    gain_grad_limit,
     gain_value,
+    project,
     sphere_norm,
-    sphere_norm_wide,
+    split,
 )
 from weightgeom.optim.muon import Muon
 
@@ -54,11 +55,6 @@ GAIN_KEYS = ("gain_row", "gain_col")
 # group flags whose arithmetic ``adam_base`` lacks ("capturable" only moves the step counter to the device, as this
 # step does anyway; dynamo's view of a torch optimizer's groups shows it True inside a trace)
 _ADAM_FLAGS = ("amsgrad", "maximize", "differentiable")
-
-
-def _wide(device: torch.device) -> torch.dtype:
-    """The dtype bias corrections are computed in: float64, float32 where the device has none (MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def own_adam(base: torch.optim.Optimizer) -> bool:
@@ -78,43 +74,6 @@ def one_graph(md: MagnitudeDirection) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The batched maths (torch backend): pure functions on (B, m, n) stacks.
 # ---------------------------------------------------------------------------------------------------------------------
-def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None, log: bool
-          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """``split_gradient_log`` (``log``) or ``split_gradient`` on a batch (B, m, n), gains (B, m, 1)/(B, 1, n) (a scalar
-    gain (B, 1, 1)); the same operations in the same order. Returns (s_r (B, m) or (B, 1), s_c (B, n), Ĝ)."""
-    if gr is None and gc is None:
-        return None, None, G
-    Gd = G * (gr if gr is not None else gc).to(G.dtype)
-    if gr is not None and gc is not None:
-        Gd = Gd * gc.to(G.dtype)
-    big = torch.finfo(G.dtype).max
-    Gd = Gd.clamp(-big, big)
-    m, n = G.shape[-2:]
-    scalar = gr is not None and gr.shape[-2] != m
-    if not log:  # split_gradient: H = G ⊙ Ŵ, contracted with the other gain
-        H = G * D
-        H = H.float() if H.dtype in (torch.float16, torch.bfloat16) else H
-        s_r = s_c = None
-        if gr is not None:
-            hr = (H @ gc.mT.to(H.dtype))[..., 0] if gc is not None else H.sum(dim=-1)
-            s_r = hr.sum(dim=-1, keepdim=True) if scalar else hr
-        if gc is not None:
-            if gr is None:
-                s_c = H.sum(dim=-2)
-            elif scalar:
-                s_c = H.sum(dim=-2) * gr[..., 0].to(H.dtype)
-            else:
-                s_c = (gr.mT.to(H.dtype) @ H)[..., 0, :]
-        return s_r, s_c, Gd
-    P = D * Gd
-    P = P.float() if P.dtype in (torch.float16, torch.bfloat16) else P
-    e = math.ceil(math.log2(max(2, m * n if scalar else max(m, n))))  # split_gradient_log's overflow guard
-    P = P * 2.0**-e
-    s_r = None if gr is None else (P.sum(dim=(-2, -1))[..., None] if scalar else P.sum(dim=-1)) * 2.0**e
-    s_c = None if gc is None else P.sum(dim=-2) * 2.0**e
-    return s_r, s_c, Gd
-
-
 def adam_base(X: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
               group: dict[str, Any], decoupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch's single-tensor Adam/AdamW step (``_single_tensor_adam``) on a batch, out of place: (X, m, v) new.
@@ -149,22 +108,6 @@ def adam_base(X: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Ten
     return X, m, v
 
 
-def adam_gains(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-               group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``adam_update_many_`` on a batch of θ (B, k) with per-row step counters (B,) (after this step), out of place,
-    in its order of operations (θ + (−lr/bc₁·m)/denom, as ``addcdiv`` forms it): (θ, the gradient stepped with —
-    NaN → 0, clamped —, m, v)."""
-    (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
-    lim = gain_grad_limit(theta.dtype)
-    g = grad.nan_to_num(nan=0.0).clamp(-lim, lim)
-    m = m.lerp(g, 1 - b1)
-    v = v.mul(b2).addcmul_(g, g, value=1 - b2)
-    t = step.to(_wide(theta.device)).reshape(-1, 1)
-    bc1, bc2 = 1 - torch.pow(b1, t), 1 - torch.pow(b2, t)
-    denom = (v / bc2.to(v.dtype)).sqrt().add(eps)
-    return theta + (-lr / bc1).to(theta.dtype) * m / denom, g, m, v
-
-
 def resync(D: torch.Tensor, W: torch.Tensor, R: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None,
            sphere: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``md_checks.rederive`` on a batch, as masks: where W is no longer γ_r Ŵ γ_c (within ``RESYNC_ULPS``),
@@ -182,12 +125,6 @@ def resync(D: torch.Tensor, W: torch.Tensor, R: torch.Tensor, gr: torch.Tensor |
              & (torch.isfinite(Rr) & (Rr > _ZERO_NORM)).flatten(1).all(dim=1))
     keep = same.reshape(-1, 1, 1)
     return torch.where(keep, D, Dr), torch.where(keep, R, Rr), ~same & ~valid
-
-
-def project(D: torch.Tensor, R: torch.Tensor, sphere: str) -> torch.Tensor:
-    """``project_to_sphere_`` on a batch (B, m, n), radii (B, 1, 1)/(B, m, 1)/(B, 1, n), out of place."""
-    norm = sphere_norm_wide(D, sphere)
-    return D * (R.to(norm.dtype) / norm.clamp_min(_ZERO_NORM)).to(D.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -106,108 +106,89 @@ def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: 
     raise AssertionError("unreachable")
 
 
-def split_gradient(
-    G: torch.Tensor,
-    D: torch.Tensor,
-    gamma_row: torch.Tensor | None,
-    gamma_col: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Chain rule through W = γ_r ⊙ D ⊙ γ_c (broadcast): gradients of the gains and of the direction.
+def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None, log: bool
+          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The split of ∂L/∂W on a batch (B, m, n), gains (B, m, 1)/(B, 1, n) (a scalar gain (B, 1, 1)): the one
+    definition (``split_gradient``/``split_gradient_log`` are its one-matrix forms; the C kernels follow its order).
 
-    Args:
-        G: ∂L/∂W, shape (m, n).
-        D: the direction Ŵ, shape (m, n).
-        gamma_row: γ_r as (m, 1), a scalar gain as (1, 1), or None (no row gain).
-        gamma_col: γ_c as (1, n) or None.
-        out: optional (m, n) buffer for Ĝ (must not alias G or D).
+    Ĝ = γ_r ⊙ G ⊙ γ_c, saturating at ±the dtype's largest number (a finite G times gains above 1 would be ±inf,
+    which the base step turns into NaN). Plain form (``log`` False): ∂L/∂γ_r = Σ_j (Ŵ⊙G)_ij γ_c,j and ∂L/∂γ_c =
+    Σ_i γ_r,i (Ŵ⊙G)_ij. Log-gain form: with P = Ŵ ⊙ Ĝ, s_r = Σ_j P_ij = γ_r ⊙ ∂L/∂γ_r and s_c = Σ_i P_ij =
+    γ_c ⊙ ∂L/∂γ_c (the gradients w.r.t. log γ), turned into ∂L/∂θ by ``gain_chain_log`` without dividing by γ, so
+    exact for softplus and exp even where γ underflows. Sums of low-precision products accumulate in float32.
 
     Returns:
-        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c,
-        saturating at ±the dtype's largest number). Gain gradients are float32 at least (reductions of low-precision
-        products are accumulated in float32); a sum of products past the range may be ±inf or NaN, which the gains'
-        update clamps, or counts as 0.
+        (s_r (B, m) or (B, 1), s_c (B, n), Ĝ); Ĝ is G itself without gains.
     """
-    need = gamma_row is not None or gamma_col is not None
-    g_row = g_col = None
-    if need:
+    if gr is None and gc is None:
+        return None, None, G
+    Gd = G * (gr if gr is not None else gc).to(G.dtype)
+    if gr is not None and gc is not None:
+        Gd = Gd * gc.to(G.dtype)
+    big = torch.finfo(G.dtype).max
+    Gd = Gd.clamp(-big, big)
+    m, n = G.shape[-2:]
+    scalar = gr is not None and gr.shape[-2] != m
+    if not log:  # H = G ⊙ Ŵ, contracted with the other gain
         H = G * D
-        if H.dtype in (torch.float16, torch.bfloat16):
-            H = H.float()
-        if gamma_row is not None:
-            if gamma_col is not None:
-                hr = H @ gamma_col.reshape(-1).to(H.dtype)
+        H = H.float() if H.dtype in (torch.float16, torch.bfloat16) else H
+        s_r = s_c = None
+        if gr is not None:
+            hr = (H @ gc.mT.to(H.dtype))[..., 0] if gc is not None else H.sum(dim=-1)
+            s_r = hr.sum(dim=-1, keepdim=True) if scalar else hr
+        if gc is not None:
+            if gr is None:
+                s_c = H.sum(dim=-2)
+            elif scalar:
+                s_c = H.sum(dim=-2) * gr[..., 0].to(H.dtype)
             else:
-                hr = H.sum(dim=1)
-            # a (1, 1) gain on an m > 1 matrix is the scalar gain: its gradient sums over rows too
-            g_row = (hr if gamma_row.numel() == hr.numel() else hr.sum()).reshape(gamma_row.shape)
-        if gamma_col is not None:
-            if gamma_row is None:
-                hc = H.sum(dim=0)
-            elif gamma_row.numel() == 1:
-                hc = H.sum(dim=0) * gamma_row.reshape(()).to(H.dtype)
-            else:
-                hc = gamma_row.reshape(-1).to(H.dtype) @ H
-            g_col = hc.reshape(gamma_col.shape)
-    return g_row, g_col, _scaled_gradient(G, gamma_row, gamma_col, out)
-
-
-def _scaled_gradient(G: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
-                     out: torch.Tensor | None) -> torch.Tensor:
-    """Ĝ = γ_r ⊙ G ⊙ γ_c (``compose``), saturating at ±the dtype's largest number where there are gains: a finite G
-    times gains above 1 would otherwise be ±inf, which the base step turns into NaN."""
-    Gd = compose(G, gamma_row, gamma_col, out=out)
-    if gamma_row is not None or gamma_col is not None:
-        big = torch.finfo(G.dtype).max
-        Gd.clamp_(-big, big)
-    return Gd
-
-
-def split_gradient_log(
-    G: torch.Tensor,
-    D: torch.Tensor,
-    gamma_row: torch.Tensor | None,
-    gamma_col: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """``split_gradient`` in log-gain form, with fewer and contiguous passes over the (m, n) tensors.
-
-    With Ĝ = γ_r ⊙ G ⊙ γ_c and P = Ŵ ⊙ Ĝ: s_r = Σ_j P_ij = γ_r ⊙ ∂L/∂γ_r and s_c = Σ_i P_ij = γ_c ⊙ ∂L/∂γ_c
-    (the gradients w.r.t. log γ). Turned into ∂L/∂θ by ``gain_chain_log`` without dividing by γ, so it is exact for
-    the positive parameterizations (softplus, exp) even where γ underflows.
-
-    Args:
-        G, D, gamma_row, gamma_col, out: as in ``split_gradient``.
-        scratch: optional (m, n) buffer for P, overwritten (the wrapper passes the model's W, which it rewrites
-            after the base step anyway; avoids allocating — on CPU a fresh large tensor costs a pass of page faults).
-
-    Returns:
-        (s_r shaped like gamma_row or None, s_c shaped like gamma_col or None, Ĝ). s is float32 at least (see the
-        comment on overflow below); Ĝ saturates at ±the dtype's largest number (a finite G times gains above 1 would
-        be ±inf).
-    """
-    if gamma_row is None and gamma_col is None:
-        return None, None, (G.clone() if out is None else out.copy_(G))
-    Gd = _scaled_gradient(G, gamma_row, gamma_col, out)
-    P = torch.mul(D, Gd, out=scratch) if scratch is not None else D * Gd
-    if P.dtype in (torch.float16, torch.bfloat16):
-        P = P.float()
+                s_c = (gr.mT.to(H.dtype) @ H)[..., 0, :]
+        return s_r, s_c, Gd
+    P = D * Gd
+    P = P.float() if P.dtype in (torch.float16, torch.bfloat16) else P
     # no partial sum of finite products may overflow (huge products of both signs would give inf − inf = NaN): they
     # are summed scaled by 2^-e, 2^e ≥ the longest sum's length, and the sums scaled back (an overflow there is a clean
     # ±inf, which the gains' Adam clamps to gain_grad_limit). Powers of two commute with rounding: bitwise the plain
-    # sums for any gradient whose products stay above ~1e-34; one pass, where float64 sums cost 1.6 ms per 3072×768
-    # matrix. Products themselves past the range (|Ŵ| > 1 times a saturated Ĝ) can still make a NaN sum, which the
-    # gains' update counts as 0, as the C kernels do
-    scalar = gamma_row is not None and gamma_row.numel() != P.shape[0]
-    e = math.ceil(math.log2(max(2, P.numel() if scalar else max(P.shape))))
-    P.mul_(2.0**-e)
-    s_row = s_col = None
-    if gamma_row is not None:
-        s_row = (P.sum() if scalar else P.sum(dim=1)).mul_(2.0**e).reshape(gamma_row.shape)
-    if gamma_col is not None:
-        s_col = P.sum(dim=0).mul_(2.0**e).reshape(gamma_col.shape)
-    return s_row, s_col, Gd
+    # sums for any gradient whose products stay above ~1e-34. Products themselves past the range (|Ŵ| > 1 times a
+    # saturated Ĝ) can still make a NaN sum, which the gains' update counts as 0, as the C kernels do
+    e = math.ceil(math.log2(max(2, m * n if scalar else max(m, n))))
+    P = P * 2.0**-e
+    s_r = None if gr is None else (P.sum(dim=(-2, -1))[..., None] if scalar else P.sum(dim=-1)) * 2.0**e
+    s_c = None if gc is None else P.sum(dim=-2) * 2.0**e
+    return s_r, s_c, Gd
+
+
+def _split_one(G: torch.Tensor, D: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
+               out: torch.Tensor | None, log: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    gr = None if gamma_row is None else gamma_row.reshape(1, -1, 1)
+    gc = None if gamma_col is None else gamma_col.reshape(1, 1, -1)
+    s_r, s_c, Gd = split(G[None], D[None], gr, gc, log)
+    Gd = Gd[0] if out is None else out.copy_(Gd[0])
+    return (None if s_r is None else s_r.reshape(gamma_row.shape),
+            None if s_c is None else s_c.reshape(gamma_col.shape), Gd.clone() if Gd is G else Gd)
+
+
+def split_gradient(G: torch.Tensor, D: torch.Tensor, gamma_row: torch.Tensor | None, gamma_col: torch.Tensor | None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Chain rule through W = γ_r ⊙ D ⊙ γ_c (broadcast) for one matrix: ``split``'s plain form.
+
+    Args:
+        G: ∂L/∂W, shape (m, n). D: the direction Ŵ, shape (m, n).
+        gamma_row: γ_r as (m, 1), a scalar gain as (1, 1), or None (no row gain). gamma_col: γ_c as (1, n) or None.
+        out: optional (m, n) buffer for Ĝ (must not alias G or D).
+
+    Returns:
+        (∂L/∂γ_r shaped like gamma_row or None, ∂L/∂γ_c shaped like gamma_col or None, Ĝ = γ_r ⊙ G ⊙ γ_c, saturating).
+    """
+    return _split_one(G, D, gamma_row, gamma_col, out, log=False)
+
+
+def split_gradient_log(G: torch.Tensor, D: torch.Tensor, gamma_row: torch.Tensor | None,
+                       gamma_col: torch.Tensor | None, out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``split_gradient`` in log-gain form (``split``'s): (s_r shaped like gamma_row or None, s_c shaped like
+    gamma_col or None, Ĝ), s = γ·∂L/∂γ, float32 at least."""
+    return _split_one(G, D, gamma_row, gamma_col, out, log=True)
 
 
 def gain_chain_log(theta: torch.Tensor, s: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
@@ -330,11 +311,8 @@ def adam_update_many_(
     grad_limit: float | None = None,
 ) -> None:
     """``adam_update_`` on several θ of one device and dtype at the same ``step``, with each ``grad`` first made the
-    gradient the gains step with, in place: a NaN counts as 0, then clamped to ±``grad_limit``.
-
-    The same arithmetic as ``adam_update_`` per θ (bitwise, on the CPU and on CUDA), in a handful of multi-tensor
-    (``torch._foreach_*``) kernels instead of ~10 kernels per θ: on a GPU the gains' updates are launch-bound
-    (a row and a column vector per matrix, 96 of them on GPT-2 small).
+    gradient the gains step with, in place: a NaN counts as 0, then clamped to ±``grad_limit``. The same arithmetic
+    as ``adam_update_`` per θ (bitwise): ``adam_gains`` on the concatenated vectors.
     """
     if not thetas:
         return
@@ -344,21 +322,40 @@ def adam_update_many_(
         raise ValueError(f"adam_update_many_: needs {len(thetas)} θ, grads, exp_avgs and exp_avg_sqs of one device and "
                          f"dtype and step ≥ 1; got lengths {[len(v) for v in lists.values()]}, (device, dtype) "
                          f"{sorted(map(str, kinds))}, step={step!r}")
-    b1, b2 = betas
-    lim = gain_grad_limit(thetas[0].dtype) if grad_limit is None else grad_limit
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one pass for the NaN → 0 and the clamp (no foreach nan_to_num)
-    flat.nan_to_num_(nan=0.0).clamp_(-lim, lim)
-    clamped = [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)]
-    torch._foreach_copy_(grads, clamped)
-    torch._foreach_lerp_(exp_avgs, clamped, 1 - b1)
-    torch._foreach_mul_(exp_avg_sqs, b2)
-    torch._foreach_addcmul_(exp_avg_sqs, clamped, clamped, value=1 - b2)
-    bc1 = 1 - b1**step
-    bc2 = 1 - b2**step
-    denom = torch._foreach_div(exp_avg_sqs, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(thetas, exp_avgs, denom, value=-lr / bc1)
+    flat = [torch.cat([t.reshape(-1) for t in ts])[None] for ts in (thetas, grads, exp_avgs, exp_avg_sqs)]
+    t = torch.full((1,), float(step), dtype=torch.float32, device=thetas[0].device)
+    new = adam_gains(*flat, t, {"betas": betas, "lr": lr, "eps": eps}, grad_limit)
+    sizes = [x.numel() for x in thetas]
+    for dst, src in zip((thetas, grads, exp_avgs, exp_avg_sqs), new):
+        torch._foreach_copy_(dst, [piece.view_as(d) for piece, d in zip(src[0].split(sizes), dst)])
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype bias corrections are computed in: float64, float32 where the device has none (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def adam_gains(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+               group: dict[str, Any], grad_limit: float | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``adam_update_many_`` on a batch of θ (B, k) with per-row step counters (B,) (after this step), out of place,
+    in its order of operations (θ + (−lr/bc₁·m)/denom, as ``addcdiv`` forms it): (θ, the gradient stepped with —
+    NaN → 0, clamped to ±``grad_limit`` (default ``gain_grad_limit``) —, m, v)."""
+    (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+    lim = gain_grad_limit(theta.dtype) if grad_limit is None else grad_limit
+    g = grad.nan_to_num(nan=0.0).clamp(-lim, lim)
+    m = m.lerp(g, 1 - b1)
+    v = v.mul(b2).addcmul_(g, g, value=1 - b2)
+    t = step.to(_wide(theta.device)).reshape(-1, 1)
+    bc1, bc2 = 1 - torch.pow(b1, t), 1 - torch.pow(b2, t)
+    denom = (v / bc2.to(v.dtype)).sqrt().add(eps)
+    return theta + (-lr / bc1).to(theta.dtype) * m / denom, g, m, v
+
+
+def project(D: torch.Tensor, R: torch.Tensor, sphere: str) -> torch.Tensor:
+    """``project_to_sphere_`` on a batch (B, m, n), radii (B, 1, 1)/(B, m, 1)/(B, 1, n), out of place."""
+    norm = sphere_norm_wide(D, sphere)
+    return D * (R.to(norm.dtype) / norm.clamp_min(_ZERO_NORM)).to(D.dtype)
 
 
 def fused_step_reference(
