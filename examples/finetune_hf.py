@@ -201,7 +201,7 @@ def plain_loop(model: SentenceEncoder, data: PairDataset, steps: int) -> list[fl
                 break
     # last_stats, per constrained matrix: how far the last step was from tangent to the constraint, and the dual
     # iterations it took. Off the manifold (a pretrained point) the dual ascent converges slowly: a residual of a few
-    # 1e-2 after the default 1 dual step; raise dual_steps= if it matters (docs/manifolds.md).
+    # 1e-2 after the default 1 dual step; raise dual=DualAscent(steps=...) if it matters (docs/manifolds.md).
     worst = max((s.get("tangent_residual", 0.0) for s in opt.last_stats.values()), default=0.0)
     print(f"  {len(opt.last_stats)} constrained matrices; worst tangent residual of the last step {worst:.2e}")
     return losses

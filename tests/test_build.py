@@ -7,6 +7,7 @@ import torch
 
 from weightgeom.models import build_model
 from weightgeom.optim.build import adamw_groups, build_optimizer, canonical_name
+from weightgeom.optim.dual import DualAscent
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
 
@@ -86,14 +87,14 @@ def test_bad_input():
     with pytest.raises(ValueError, match="strategy"):
         build_optimizer(model, "adamw", strategy="all-stiefel")
     # Muon-only keys (the trainer passes one config for every name) are accepted and ignored by AdamW
-    build_optimizer(model, "adamw", momentum=0.9, dual_steps=5, split_qkv=False)
+    build_optimizer(model, "adamw", momentum=0.9, dual=DualAscent(steps=5), split_qkv=False)
 
 
 @pytest.mark.parametrize("name,strategy", [("muon", "unconstrained"), ("muon-md", "unconstrained"),
                                            ("muon-md", "hetero"), ("muon-md", "all-stiefel")])
 def test_muon_names_train(name, strategy):
     model = _gpt()
-    opt = build_optimizer(model, name, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual_steps=5)
+    opt = build_optimizer(model, name, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual={"steps": 5})
     if name.endswith("-md"):
         assert isinstance(opt, MagnitudeDirection)
         assert BLOCK_MATRICES <= set(opt.decoupled_names)
@@ -104,7 +105,7 @@ def test_muon_names_train(name, strategy):
 
 def test_stiefel_attention_plus_md_one_liner():
     model = _gpt()
-    opt = build_optimizer(model, "muon-md", rules={r"\.attn\.": "stiefel"}, md={"gains": "row+col"}, dual_steps=5)
+    opt = build_optimizer(model, "muon-md", rules={r"\.attn\.": "stiefel"}, md={"gains": "row+col"}, dual={"steps": 5})
     manifolds = {n: g.get("manifold") for g in opt.base_optimizer.param_groups for n in g.get("names", [])}
     assert manifolds["transformer.h.0.attn.c_attn.weight"] == "stiefel"
     assert manifolds["transformer.h.0.mlp.c_fc.weight"] is None
@@ -118,7 +119,7 @@ def test_muon_md_manifold_checkpoint_round_trip():
     def make(seed):
         model = _gpt()
         torch.manual_seed(seed)
-        opt = build_optimizer(model, "muon-md", strategy="hetero", split_qkv=True, dual_steps=2,
+        opt = build_optimizer(model, "muon-md", strategy="hetero", split_qkv=True, dual={"steps": 2},
                               md={"gain_lr": 1e-2})
         return model, opt
 

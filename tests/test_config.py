@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hostile_cases import assert_one_line_error, cli
-from weightgeom.optim import MagnitudeDirection, Muon, build_optimizer
+from weightgeom.optim import DualAscent, MagnitudeDirection, Muon, build_optimizer
 from weightgeom.optim.build import resolve_config
 from weightgeom.optim.config import AdamWConfig, MDConfig, MuonConfig, OptimConfig
 from weightgeom.schema import ConfigError, parse_value, to_dict
@@ -114,7 +114,7 @@ def test_overrides_are_toml_literals_coerced_to_the_field_type():
     ("optim.lr=0.1", "optim.lr: moved to optim.muon.lr"),
     ("optim.adamw_lr=0.1", "optim.adamw_lr: moved to optim.adamw.lr"),
     ("optim.muon_weight_decay=0", "moved to optim.muon.weight_decay"),
-    ("optim.dual_steps=3", "moved to optim.muon.dual_steps"),
+    ("optim.dual_steps=3", "moved to optim.muon.dual.steps"),
     ("optim.muon.msign_dtype=bf16", "optim.muon.msign_dtype='bf16': must be one of"),
     ("optim.muon.msign_method=polarexpress", "did you mean 'polar_express'"),
     ("optim.md.gain_lr=fast", "optim.md.gain_lr: expected a number, got 'fast'"),
@@ -207,8 +207,8 @@ def test_build_optimizer_takes_the_config_and_every_muon_keyword():
     from weightgeom.models import build_model
 
     model = build_model("gpt", n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8)
-    muon = MuonConfig(lr=0.01, ns_steps=6, msign_dtype="float32", dual_steps=3, dual_schedule="constant",
-                      dual_ns_steps=4, dual_project=True, retraction=None)
+    muon = MuonConfig(lr=0.01, ns_steps=6, msign_dtype="float32", retraction=None,
+                      dual=DualAscent(steps=3, schedule="constant", ns_steps=4, project=True))
     cfg = OptimConfig(name="muon", strategy="hetero", muon=muon,
                       adamw=AdamWConfig(lr=1e-3, weight_decay=0.0))
     opt = build_optimizer(model, config=cfg)
@@ -307,7 +307,8 @@ def test_apply_lr_scales_every_group_including_muon_keys():
     ("optim.muon.lr=inf", "optim.muon.lr=inf: must be finite and >= 0"),
     ("optim.adamw.eps=inf", "must be finite"),
     ("train.grad_clip=inf", "must be finite"),
-    ("optim.muon.dual_steps=0", "optim.muon.dual_steps=0: must be > 0"),
+    ("optim.muon.dual.steps=0", "steps=0 is invalid: must be an int ≥ 1"),
+    ("optim.muon.dual=publishd", "optim.muon.dual='publishd': must be one of default, published"),
     ("run.seed=18446744073709551616", "run.seed="),
     ("model.block_size=8", "model.block_size=8: shorter than data.block_size="),
     ("run.name=2024-01-01", "quote it"),
@@ -352,7 +353,7 @@ def test_odd_but_valid_inputs(tmp_path):
     cfg = load_config(None, ["data.path=a\x7fb", "data.kind=text"])
     (tmp_path / "del.toml").write_text(dump_toml(cfg))
     assert load_config(tmp_path / "del.toml") == cfg  # DEL escaped in the dump
-    assert MuonConfig(lr=np.float32(0.5), dual_steps=np.int64(3)).dual_steps == 3
+    assert MuonConfig(lr=np.float32(0.5), dual={"steps": np.int64(3)}).dual.steps == 3
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, rules={"weight": "muon"}, msign_dtype=torch.float32)
     assert next(g for g in opt.param_groups if g["algorithm"] == "muon")["msign_dtype"] is torch.float32
@@ -374,7 +375,9 @@ def test_explicit_fields_record_what_was_written():
     from weightgeom.schema import explicit_fields, from_dict
 
     assert explicit_fields(MuonConfig()) == frozenset()
-    assert explicit_fields(MuonConfig(dual_steps=1)) == {"dual_steps"}
+    assert explicit_fields(MuonConfig(dual=DualAscent(steps=1))) == {"dual"}
+    assert explicit_fields(MuonConfig(dual=DualAscent(steps=1)).dual) == {"steps"}
+    assert explicit_fields(from_dict(MuonConfig, {"dual": {"keep": "last"}}).dual) == {"keep"}
     assert explicit_fields(from_dict(MuonConfig, {"lr": 0.02, "momentum": 0.9})) == {"lr", "momentum"}
     assert explicit_fields(OptimConfig().muon) == frozenset()  # the default factory's copy keeps the record
     assert explicit_fields(dataclasses.replace(MuonConfig(lr=0.1))) == {f.name for f in dataclasses.fields(MuonConfig)}

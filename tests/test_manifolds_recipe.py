@@ -40,7 +40,7 @@ TINY = {
     "run": {"device": "cpu"},
     "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "bias": False},
     "data": {"kind": "shakespeare", "tokenizer": "char", "block_size": 16, "batch_size": 4},
-    "optim": {"name": "muon", "strategy": "auto", "muon": {"lr": 0.05, "dual_steps": 2}},
+    "optim": {"name": "muon", "strategy": "auto", "muon": {"lr": 0.05, "dual": {"steps": 2}}},
     "schedule": {"kind": "constant"},
     "train": {"max_steps": 4, "eval_every": 0, "eval_iters": 1, "log_every": 1},
 }
@@ -87,13 +87,13 @@ def test_boundary_preset_plans_ladders_that_stop_at_divergence():
     assert bf.overrides["optim.muon.msign_dtype"] == "bfloat16" and bf.overrides["optim.muon.ns_steps"] == 10
     # the published algorithm: every [optim.muon] value of the preset forced, whatever the part's own [optim.muon]
     paper = next(v for v in variants if v.name == "all-dgram-paper-lr0.16")
-    assert paper.overrides["optim.preset"] == "paper" and paper.overrides["optim.muon.dual_steps"] == 20
+    assert paper.overrides["optim.preset"] == "paper" and paper.overrides["optim.muon.dual.steps"] == 20
     assert paper.overrides["optim.muon.momentum_form"] == "sum" and paper.overrides["optim.muon.lr"] == 0.16
     cfg = plan("manifolds", variants, parts, [0], only=["all-dgram-paper-lr0.16"])[0].resolved()
     assert cfg["optim.muon.msign_method"] == "polar_express_paper" and cfg["optim.muon.retraction"] == "paper"
-    assert cfg["optim.muon.dual_steps"] == 20 and cfg["optim.muon.dual_keep"] == "last"
+    assert cfg["optim.muon.dual.steps"] == 20 and cfg["optim.muon.dual.keep"] == "last"
     assert plan("manifolds", variants, parts, [0], only=["all-dgram-ours-lr0.16"])[0].resolved()[
-        "optim.muon.dual_steps"] == MuonConfig().dual_steps  # ours: the library's defaults
+        "optim.muon.dual.steps"] == MuonConfig().dual.steps  # ours: the library's defaults
 
 
 def test_mechanism_and_main_presets_declare_their_controls():
@@ -120,7 +120,7 @@ def test_long_preset_plans_the_published_algorithm_at_four_learning_rates():
     assert parts["long"]["model"] == {k: demo["model"][k] for k in parts["long"]["model"]}  # the demo's model
     lrs = sorted({v.overrides["optim.muon.lr"] for v in variants})
     assert lrs == [demo["optim"]["muon"]["lr"] * m for m in (1, 2, 4, 8)]
-    assert all(v.overrides["optim.preset"] == "paper" and v.overrides["optim.muon.dual_steps"] == 20
+    assert all(v.overrides["optim.preset"] == "paper" and v.overrides["optim.muon.dual.steps"] == 20
                and v.overrides["optim.muon.msign_dtype"] == "float32" and v.tags["msign_dtype"] == "float32"
                and v.controls == {"head_stats_every": 50} for v in variants)
     train_cfg, sched = parts["long"]["train"], parts["long"]["schedule"]
@@ -312,7 +312,7 @@ def test_boundary_table_from_run_records():
 def _auto_setup(threshold: float):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
-    opt = Muon(param_groups(model, "auto", lr=0.05, dual_steps=2, verbose=False))
+    opt = Muon(param_groups(model, "auto", lr=0.05, dual={"steps": 2}, verbose=False))
     cb = AutoAssign(threshold=threshold)
     ctx = TrainContext(model=model, optimizer=opt, config=None, run_dir=Path("."), max_steps=10, is_main=False)
     cb.on_train_start(ctx)

@@ -26,7 +26,7 @@ import torch
 import weightgeom.manifolds.stiefel as stiefel_mod
 from weightgeom.linalg import msign
 from weightgeom.models import GPT, GPTConfig
-from weightgeom.optim import Muon, build_optimizer
+from weightgeom.optim import DualAscent, Muon, build_optimizer
 from weightgeom.optim.config import PAPER_MUON, MuonConfig, OptimConfig
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.train.config import describe_presets, dump_toml, load_config, preset_report
@@ -187,8 +187,9 @@ def test_config_preset_builds_the_paper_groups(strategy):
     expected_manifolds = {m for m in STRATEGIES[strategy].values()}
     assert {g["manifold"] for g in muon_groups} == expected_manifolds
     for g in muon_groups:
+        assert DualAscent.from_group(g) == PAPER_MUON["dual"] == DualAscent.preset("published")
         for k, v in PAPER_MUON.items():
-            if k == "weight_decay":
+            if k in ("weight_decay", "dual"):
                 continue
             want = getattr(torch, v) if k == "msign_dtype" else v
             assert g[k] == want, (strategy, g["manifold"], k, g[k], want)
@@ -199,27 +200,27 @@ def test_config_preset_builds_the_paper_groups(strategy):
 
 
 def test_preset_fills_defaults_and_keeps_set_keys():
-    cfg = OptimConfig(preset="paper", muon=MuonConfig(dual_steps=7, lr=0.01))
-    assert cfg.muon.dual_steps == 7 and cfg.muon.lr == 0.01  # set keys win
-    assert cfg.muon.dual_normalize is False and cfg.muon.retraction == "paper"  # defaults take the preset
-    assert cfg.preset_overrides() == {"dual_steps": (7, 20)}
+    cfg = OptimConfig(preset="paper", muon=MuonConfig(dual=DualAscent(steps=7), lr=0.01))
+    assert cfg.muon.dual.steps == 7 and cfg.muon.lr == 0.01  # set keys (and dual fields) win
+    assert cfg.muon.dual.normalize is False and cfg.muon.retraction == "paper"  # defaults take the preset
+    assert cfg.preset_overrides() == {"dual.steps": (7, 20)}
     assert OptimConfig(preset="paper", muon=cfg.muon) == cfg  # idempotent (the resolved config loads back equal)
     assert OptimConfig().muon == MuonConfig() and OptimConfig().preset_overrides() == {}
 
 
 def test_preset_never_replaces_a_written_key_even_at_its_default():
     # written = in the file / --set / constructor arguments; not "differs from the default"
-    cfg = load_config(None, ["optim.preset=paper", "optim.muon.dual_steps=1", "optim.muon.dual_project=true"])
-    assert cfg.optim.muon.dual_steps == 1 and cfg.optim.muon.dual_project is True
-    assert cfg.optim.muon.dual_keep == "last"  # unwritten keys take the preset's value
-    assert OptimConfig(preset="paper", muon=MuonConfig(dual_steps=1)).muon.dual_steps == 1
-    assert OptimConfig(preset="paper").muon.dual_steps == 20
-    assert load_config({"optim": {"preset": "paper", "muon": {"dual_steps": 1}}}).optim.muon.dual_steps == 1
+    cfg = load_config(None, ["optim.preset=paper", "optim.muon.dual.steps=1", "optim.muon.dual.project=true"])
+    assert cfg.optim.muon.dual.steps == 1 and cfg.optim.muon.dual.project is True
+    assert cfg.optim.muon.dual.keep == "last"  # unwritten fields take the preset's value
+    assert OptimConfig(preset="paper", muon=MuonConfig(dual=DualAscent(steps=1))).muon.dual.steps == 1
+    assert OptimConfig(preset="paper").muon.dual == DualAscent.preset("published")
+    assert load_config({"optim": {"preset": "paper", "muon": {"dual": {"steps": 1}}}}).optim.muon.dual.steps == 1
     report = preset_report(cfg)["optim.preset"]
-    assert report["kept"] == {"optim.muon.dual_steps": [1, 20], "optim.muon.dual_project": [True, False]}
-    assert report["set"]["optim.muon.retraction"] == "paper"
+    assert report["kept"] == {"optim.muon.dual.steps": [1, 20], "optim.muon.dual.project": [True, False]}
+    assert report["set"]["optim.muon.retraction"] == "paper" and report["set"]["optim.muon.dual.keep"] == "last"
     (line,) = describe_presets(preset_report(cfg))
-    assert line.startswith('optim.preset="paper" set ') and "optim.muon.dual_steps=1 (the preset's: 20)" in line
+    assert line.startswith('optim.preset="paper" set ') and "optim.muon.dual.steps=1 (the preset's: 20)" in line
     assert preset_report(load_config(None, ["optim.preset=ours"])) == {}
 
 
@@ -236,10 +237,11 @@ def test_preset_says_manifold_groups_get_no_weight_decay():
 
 
 def test_preset_resolved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["optim.preset=paper", "optim.strategy=hetero", "optim.muon.dual_steps=9"])
-    assert cfg.optim.muon.dual_keep == "last" and cfg.optim.muon.dual_steps == 9
+    cfg = load_config(None, ["optim.preset=paper", "optim.strategy=hetero", "optim.muon.dual.steps=9"])
+    assert cfg.optim.muon.dual.keep == "last" and cfg.optim.muon.dual.steps == 9
     text = dump_toml(cfg)
-    assert 'preset = "paper"' in text and 'dual_keep = "last"' in text and 'retraction = "paper"' in text
+    assert 'preset = "paper"' in text and "[optim.muon.dual]" in text and 'keep = "last"' in text
+    assert 'retraction = "paper"' in text
     (tmp_path / "c.toml").write_text(text)
     assert load_config(str(tmp_path / "c.toml")) == cfg
     assert dataclasses.replace(cfg.optim.muon) == cfg.optim.muon

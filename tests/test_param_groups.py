@@ -244,8 +244,10 @@ def test_every_muon_keyword_is_accepted_including_init():
 
     sig = set(inspect.signature(Muon.__init__).parameters) - {"self", "params"}
     keys = set(muon_group_keys())
-    assert "init" in keys and "dual_steps" in keys
-    assert keys == sig - {"algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_eps", "adamw_lr"}
+    assert "init" in keys and "dual" in keys and "dual_steps" in keys  # dual_steps: the older spelling, still taken
+    assert keys == (sig - {"algorithm", "manifold", "layout", "split", "betas", "eps", "adamw_eps", "adamw_lr",
+                           "deprecated"}) | {f"dual_{f}" for f in ("steps", "lr", "tol", "schedule", "ns_steps",
+                                                                  "project", "normalize", "warm_start", "keep")}
     groups = param_groups(MODELS["ours-gpt"](), "hetero", verbose=False, init="keep")
     assert all(g.get("init") == "keep" for g in groups if g["algorithm"] == "muon")
     assert all("init" not in g for g in groups if g["algorithm"] == "adamw")

@@ -309,6 +309,9 @@ def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str | None = None) 
     if not isinstance(data, Mapping):
         raise ConfigError(f"config section {prefix or cls.__name__}: expected a table, got {data!r}")
     prefix = getattr(cls, "_prefix", "") if prefix is None else prefix
+    upgrade = getattr(cls, "_upgrade", None)  # a section's older spellings rewritten (each warns, naming the new one)
+    if upgrade is not None:
+        data = upgrade(data, prefix)
     names = {f.name for f in dataclasses.fields(cls)}
     hints = field_types(cls)
     kwargs = {}

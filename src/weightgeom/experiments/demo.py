@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show the trainer's progress bars (with --jobs 1)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key in every run of both sweeps (TOML literal value, as for train and "
-                        "sweep), e.g. --set optim.muon.dual_steps=10")
+                        "sweep), e.g. --set optim.muon.dual.steps=10")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="runs in parallel, one process and one thread each (default 2: one per core of a 2-core CPU)")
 

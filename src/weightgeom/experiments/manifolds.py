@@ -44,6 +44,7 @@ stderr naming the key, so a preset keeps working while the published-algorithm k
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -98,7 +99,8 @@ SCALE_CONTROLS = ("qk-clip", "sigma-cap")
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "ours": {"optim.preset": "ours"},
-    "paper": {"optim.preset": "paper", **{f"optim.muon.{k}": v for k, v in PAPER_MUON.items()}},
+    "paper": {"optim.preset": "paper", **{f"optim.muon.{k}": v for k, v in PAPER_MUON.items() if k != "dual"},
+              **{f"optim.muon.dual.{k}": v for k, v in dataclasses.asdict(PAPER_MUON["dual"]).items()}},
 }
 """Algorithm name → config overrides: our manifold Muon (the preset's ``[optim.muon]``), or the manifold-assignment
 paper's published code — every ``[optim.muon]`` value of the published algorithm set explicitly, so a preset's own
@@ -106,7 +108,7 @@ paper's published code — every ``[optim.muon]`` value of the published algorit
 
 ATTRIBUTION_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "no-g-normalisation": ("the momentum is not normalised before the dual ascent",
-                           {"optim.muon.dual_normalize": False}),
+                           {"optim.muon.dual.normalize": False}),
     "sum-momentum": ("SGD-sum momentum B ← βB + g (Nesterov U = g + βB)", {"optim.muon.momentum_form": "sum"}),
     "sorted-sigma-retraction": ("retraction (UVᵀ)·diag(sorted σ), column norms handed out by index",
                                 {"optim.muon.retraction": "paper"}),
@@ -114,9 +116,9 @@ ATTRIBUTION_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
                    {"optim.muon.msign_method": "polar_express_paper", "optim.muon.msign_dtype": "bfloat16",
                     "optim.muon.ns_steps": 10}),
     "dual-no-convergence": ("20 cold-started dual steps, stop only below 1e-6, last iterate kept (not projected)",
-                            {"optim.muon.dual_keep": "last", "optim.muon.dual_warm_start": False,
-                             "optim.muon.dual_tol": 1e-6, "optim.muon.dual_steps": 20,
-                             "optim.muon.dual_project": False}),
+                            {"optim.muon.dual.keep": "last", "optim.muon.dual.warm_start": False,
+                             "optim.muon.dual.tol": 1e-6, "optim.muon.dual.steps": 20,
+                             "optim.muon.dual.project": False}),
 }
 """Element of the published algorithm → (description, overrides switching on just that element on top of ours)."""
 

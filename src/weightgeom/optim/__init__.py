@@ -7,6 +7,7 @@ See docs/ARCHITECTURE.md (optim) and docs/muon.md (derivations).
 from weightgeom.optim.build import build_optimizer
 from weightgeom.optim.compiled import compile_step
 from weightgeom.optim.config import AdamWConfig, MDConfig, MuonConfig, OptimConfig
+from weightgeom.optim.dual import DUAL_PRESETS, DualAscent
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
     adamw_update,
@@ -21,6 +22,8 @@ from weightgeom.optim.param_groups import STRATEGIES, describe, param_groups
 
 __all__ = [
     "Muon",
+    "DualAscent",
+    "DUAL_PRESETS",
     "MagnitudeDirection",
     "build_optimizer",
     "compile_step",

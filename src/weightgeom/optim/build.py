@@ -22,6 +22,7 @@ name) or ``split_qkv`` / ``rules``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from weightgeom.optim.config import OPTIMIZER_NAMES, AdamWConfig, MDConfig, MuonConfig, OptimConfig
+from weightgeom.optim.dual import legacy_message, resolve_dual, take_legacy
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
 from weightgeom.optim.muon import Muon
 from weightgeom.optim.param_groups import param_groups
@@ -88,6 +90,15 @@ def resolve_config(
     """
     cfg = OptimConfig() if config is None else (
         config if isinstance(config, OptimConfig) else from_dict(OptimConfig, config))
+    legacy = take_legacy(hp)
+    if legacy:
+        warnings.warn(legacy_message("build_optimizer()", {f"dual_{k}": v for k, v in legacy.items()}),
+                      DeprecationWarning, stacklevel=3)
+    if legacy or "dual" in hp:  # a preset name, a DualAscent, or fields over the config's value
+        try:
+            hp["dual"] = resolve_dual(hp.get("dual"), base=cfg.muon.dual).replace(**legacy)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"build_optimizer: {e}") from None
     unknown = sorted(set(hp) - set(_MUON_FIELDS) - set(_GROUP_KEYS))
     if unknown:
         names = (*_MUON_FIELDS, *_GROUP_KEYS, "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "betas", "eps")
@@ -158,8 +169,9 @@ def build_optimizer(
         betas: AdamW betas.
         eps: AdamW epsilon.
         verbose: print the parameter-group table (Muon names).
-        **hp: :class:`MuonConfig` fields (``momentum``, ``ns_steps``, ``msign_dtype``, ``dual_steps``, ``init``, ...;
-            ignored by the AdamW names) and ``split_qkv`` / ``rules``.
+        **hp: :class:`MuonConfig` fields (``momentum``, ``ns_steps``, ``msign_dtype``, ``dual``, ``init``, ...;
+            ignored by the AdamW names; ``dual`` may be a preset name or a dict of the fields it changes over
+            ``config``'s) and ``split_qkv`` / ``rules``.
 
     Returns:
         A ``torch.optim.Optimizer`` (``MagnitudeDirection`` for the ``-md`` names).

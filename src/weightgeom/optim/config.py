@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from weightgeom.linalg.msign import MSIGN_PRESETS
 from weightgeom.manifolds import retraction_names
+from weightgeom.optim.dual import DUAL_FIELDS, DUAL_PRESETS, GROUP_KEYS, DualAscent, legacy_message, resolve_dual
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
-from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
+from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.schema import (
     ConfigError,
@@ -52,8 +55,6 @@ MSIGN_DTYPES = ("float32", "bfloat16", "float16", "float64")
 MsignDtype = Literal[MSIGN_DTYPES]  # type: ignore[valid-type]
 AdjustLr = Literal[ADJUST_LR_FNS]  # type: ignore[valid-type]
 MomentumForm = Literal[MOMENTUM_FORMS]  # type: ignore[valid-type]
-DualSchedule = Literal[DUAL_SCHEDULES]  # type: ignore[valid-type]
-DualKeep = Literal[DUAL_KEEP]  # type: ignore[valid-type]
 Preset = Literal[PRESETS]  # type: ignore[valid-type]
 Gains = Literal[GAINS]  # type: ignore[valid-type]
 Parameterization = Literal[PARAMETERIZATIONS]  # type: ignore[valid-type]
@@ -64,59 +65,113 @@ Init = Literal["auto", "retract", "keep"]
 OnNonfinite = Literal["raise", "skip"]
 
 
+class _Unset:
+    """An older ``dual_<field>`` keyword of MuonConfig that was not given (read ``cfg.dual.<field>`` instead)."""
+
+    def __repr__(self) -> str:
+        return "<unset: the field moved to MuonConfig.dual>"
+
+
+_UNSET: Any = _Unset()
+
+
 @dataclass
 class MuonConfig(Section):
-    """Muon and manifold Muon (``[optim.muon]``); the fields are :class:`weightgeom.optim.Muon`'s keywords."""
+    """Muon and manifold Muon (``[optim.muon]``); the fields are :class:`weightgeom.optim.Muon`'s keywords, with its
+    defaults (``muon_checks.MUON_DEFAULTS``). ``dual`` is a :class:`~weightgeom.optim.dual.DualAscent`: in a file a
+    preset name (``dual = "published"``) or a ``[optim.muon.dual]`` table. The older ``dual_<field>`` keys (files,
+    ``--set``, keyword arguments) still load, with one DeprecationWarning naming the new key."""
 
     _prefix: ClassVar[str] = "optim.muon"
 
-    lr: float = setting(0.02, "step size: ‖ΔW‖₂ = lr·s per step, s the shape scale (spectral-norm units)", ge=0)
-    momentum: float = setting(0.95, "momentum coefficient β", ge=0, lt=1)
-    nesterov: bool = setting(True, "Nesterov look-ahead U = (1−β)G + βM (ema) / G + βM (sum)")
-    weight_decay: float = setting(0.0, "decoupled decay W ← W(1 − lr·wd) on Muon matrices (per step, unitless)",
-                                  ge=0)
-    ns_steps: int | None = setting(None, "msign polynomial steps (unset: the method's default; 5 with "
-                                         "ns_coefficients)", gt=0)
+    lr: float = setting(_D["lr"], "step size: ‖ΔW‖₂ = lr·s per step, s the shape scale (spectral-norm units)", ge=0)
+    momentum: float = setting(_D["momentum"], "momentum coefficient β", ge=0, lt=1)
+    nesterov: bool = setting(_D["nesterov"], "Nesterov look-ahead U = (1−β)G + βM (ema) / G + βM (sum)")
+    weight_decay: float = setting(_D["weight_decay"], "decoupled decay W ← W(1 − lr·wd) on Muon matrices (per step, "
+                                                      "unitless)", ge=0)
+    ns_steps: int | None = setting(_D["ns_steps"], "msign polynomial steps (unset: the method's default; 5 with "
+                                                   "ns_coefficients)", gt=0)
     ns_coefficients: tuple[float, float, float] | None = setting(
-        None, "torch.optim.Muon's (a, b, c): plain Muon orthogonalises by ns_steps steps of this one quintic in "
-              "torch's bf16 arithmetic instead of msign_method (unset: msign_method; torch's default "
-              "[3.4445, -4.775, 2.0315])")
-    eps: float = setting(1e-7, "torch.optim.Muon's ε: lower bound of the norm the ns_coefficients iteration divides "
-                               "by (the AdamW ε is optim.adamw.eps)", gt=0)
-    msign_method: str = setting("polar_express", "msign polynomial: polar_express | muon | svd")
-    msign_dtype: MsignDtype | None = setting(None, "msign compute dtype (unset: chosen per device by a cached "
-                                                   "micro-benchmark, bf16 only where faster; manifold groups too "
-                                                   "with dual_project, else fp32)")
-    adjust_lr_fn: AdjustLr | None = setting(None, "shape scale s: original sqrt(max(1, rows/cols)) | "
-                                                  "match_rms_adamw | none (unset: original without a manifold, "
-                                                  "none with one, so a manifold step is ‖ΔW‖₂ = lr)")
-    momentum_form: MomentumForm = setting("ema", "ema M ← βM + (1−β)G (torch.optim.Muon) | sum M ← βM + G")
-    dual_steps: int = setting(1, "manifold Muon: maximum dual-ascent iterations per step (one msign each; "
-                                     "default 1 with dual_project: tangent residual ~1e-8 at ≤ 2.5× a Muon step)",
-                             gt=0)
-    dual_lr: float = setting(0.1, "manifold Muon: dual step α (momentum normalised to unit RMS singular value)",
-                             gt=0)
-    dual_tol: float = setting(1e-4, "manifold Muon: stop once the tangent residual ‖P(WᵀA + AᵀW)‖_F/n ≤ dual_tol",
-                              ge=0)
-    dual_schedule: DualSchedule = setting("linear", "manifold Muon: α_k = α(1 − k/K) (linear) or α (constant)")
-    dual_ns_steps: int | None = setting(None, "manifold Muon: msign steps inside the dual loop (unset: ns_steps)",
-                                        gt=0)
-    dual_project: bool = setting(True, "manifold Muon: project the final direction onto the tangent space and "
-                                        "rescale it to unit spectral norm")
-    dual_normalize: bool = setting(True, "manifold Muon: divide the momentum by its RMS singular value before the "
-                                         "dual ascent (false: the published code, no normalisation)")
-    dual_warm_start: bool = setting(True, "manifold Muon: start the dual ascent from the previous step's multiplier "
-                                          "(false: cold start every step, as published)")
-    dual_keep: DualKeep = setting("best", "manifold Muon: best (halve α when the residual grows, keep the "
-                                          "smallest-residual iterate) | last (the published loop's last iterate)")
-    retraction: str | None = setting(None, "manifold retraction variant (unset: the manifold's default; paper: the "
-                                           "published retraction of every manifold)")
-    init: Init = setting("auto", "first step of a constrained matrix: auto (retract a fresh initialisation silently; "
-                                 "refuse a pretrained-looking matrix far from the manifold, naming retract and keep) "
-                                 "| retract (onto the manifold) | keep (the given, e.g. pretrained, weights)")
-    on_nonfinite: OnNonfinite = setting("raise", "a NaN/Inf gradient: raise (naming the parameter; one host sync per "
-                                                 "step) | skip (the whole step becomes a no-op on the device, counted "
-                                                 "in skipped_steps; no host sync)")
+        _D["ns_coefficients"], "torch.optim.Muon's (a, b, c): plain Muon orthogonalises by ns_steps steps of this one "
+                               "quintic in torch's bf16 arithmetic instead of msign_method (unset: msign_method; "
+                               "torch's default [3.4445, -4.775, 2.0315])")
+    eps: float = setting(_D["eps"], "torch.optim.Muon's ε: lower bound of the norm the ns_coefficients iteration "
+                                    "divides by (the AdamW ε is optim.adamw.eps)", gt=0)
+    msign_method: str = setting(_D["msign_method"], "msign polynomial: polar_express | muon | svd")
+    msign_dtype: MsignDtype | None = setting(_D["msign_dtype"], "msign compute dtype (unset: chosen per device by a "
+                                                                "cached micro-benchmark, bf16 only where faster; "
+                                                                "manifold groups too with dual.project, else fp32)")
+    adjust_lr_fn: AdjustLr | None = setting(_D["adjust_lr_fn"], "shape scale s: original sqrt(max(1, rows/cols)) | "
+                                                                "match_rms_adamw | none (unset: original without a "
+                                                                "manifold, none with one, so a manifold step is "
+                                                                "‖ΔW‖₂ = lr)")
+    momentum_form: MomentumForm = setting(_D["momentum_form"], "ema M ← βM + (1−β)G (torch.optim.Muon) | sum "
+                                                               "M ← βM + G")
+    dual: DualAscent = setting(_D["dual"], "manifold Muon's dual ascent: a preset (default | published) or a table of "
+                                           "its fields (steps, lr, tol, schedule, ns_steps, project, normalize, "
+                                           "warm_start, keep)")
+    retraction: str | None = setting(_D["retraction"], "manifold retraction variant (unset: the manifold's default; "
+                                                       "paper: the published retraction of every manifold)")
+    init: Init = setting(_D["init"], "first step of a constrained matrix: auto (retract a fresh initialisation "
+                                     "silently; refuse a pretrained-looking matrix far from the manifold, naming "
+                                     "retract and keep) | retract (onto the manifold) | keep (the given, e.g. "
+                                     "pretrained, weights)")
+    on_nonfinite: OnNonfinite = setting(_D["on_nonfinite"], "a NaN/Inf gradient: raise (naming the parameter; one "
+                                                            "host sync per step) | skip (the whole step becomes a "
+                                                            "no-op on the device, counted in skipped_steps; no host "
+                                                            "sync)")
+    # the older spelling of ``dual``'s fields (keyword arguments only: never fields, never written out)
+    dual_steps: dataclasses.InitVar[Any] = _UNSET
+    dual_lr: dataclasses.InitVar[Any] = _UNSET
+    dual_tol: dataclasses.InitVar[Any] = _UNSET
+    dual_schedule: dataclasses.InitVar[Any] = _UNSET
+    dual_ns_steps: dataclasses.InitVar[Any] = _UNSET
+    dual_project: dataclasses.InitVar[Any] = _UNSET
+    dual_normalize: dataclasses.InitVar[Any] = _UNSET
+    dual_warm_start: dataclasses.InitVar[Any] = _UNSET
+    dual_keep: dataclasses.InitVar[Any] = _UNSET
+
+    def __post_init__(self, *legacy_values: Any) -> None:  # type: ignore[override]
+        legacy = {f: v for f, v in zip(DUAL_FIELDS, legacy_values) if v is not _UNSET}
+        object.__setattr__(self, "dual", _dual_value(self.dual, "optim.muon.dual"))
+        if legacy:
+            warnings.warn(legacy_message("MuonConfig()", {f"dual_{k}": v for k, v in legacy.items()}),
+                          DeprecationWarning, stacklevel=3)
+            try:
+                object.__setattr__(self, "dual", self.dual.replace(**legacy))
+            except ValueError as e:
+                raise ConfigError(f"config key optim.muon.dual: {e}") from None
+        # the older keywords count as writing ``dual`` (dataclasses.replace passes them all, unset)
+        written = explicit_fields(self) - set(GROUP_KEYS)
+        object.__setattr__(self, "_explicit", written | {"dual"} if legacy else written)
+        super().__post_init__()
+
+    @classmethod
+    def _upgrade(cls, data: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+        """``from_dict``'s hook: a preset name for ``dual`` as its value, and the older ``dual_<field>`` keys moved
+        into the ``dual`` table with one DeprecationWarning naming the new keys."""
+        legacy = {k: data[k] for k in GROUP_KEYS if k in data}
+        if not legacy and not isinstance(data.get("dual"), str):
+            return data
+        out = {k: v for k, v in data.items() if k not in legacy}
+        if "dual" in out:
+            out["dual"] = _dual_value(out["dual"], f"{prefix}.dual", table=True)
+        if legacy:
+            old = ", ".join(f"{prefix}.{k}" for k in legacy)
+            new = ", ".join(f"{prefix}.dual.{k.removeprefix('dual_')}={v!r}" for k, v in legacy.items())
+            warnings.warn(f"config key{'s' if len(legacy) > 1 else ''} {old} {'are' if len(legacy) > 1 else 'is'} "
+                          f"deprecated; use {new} (a [{prefix}.dual] table in a file)", DeprecationWarning,
+                          stacklevel=4)
+            fields = {k.removeprefix("dual_"): v for k, v in legacy.items()}
+            base = out.get("dual")
+            if isinstance(base, DualAscent):
+                try:
+                    out["dual"] = base.replace(**fields)
+                except ValueError as e:
+                    raise ConfigError(f"config key {prefix}.dual: {e}") from None
+            else:
+                out["dual"] = {**(base if isinstance(base, Mapping) else {}), **fields}
+        return out
 
     def check(self) -> None:
         if self.msign_method not in MSIGN_METHODS:
@@ -140,6 +195,17 @@ class MuonConfig(Section):
         return kw
 
 
+def _dual_value(value: Any, key: str, table: bool = False) -> Any:
+    """``dual`` as written: a preset name → its :class:`DualAscent` (ConfigError naming ``key`` when unknown); anything
+    else as it is (a table is coerced by the field's type)."""
+    if not isinstance(value, str):
+        return value
+    if value not in DUAL_PRESETS:
+        raise ConfigError(f"config key {key}={value!r}: must be one of {', '.join(DUAL_PRESETS)} or a table of "
+                          f"DualAscent fields{suggest(value, DUAL_PRESETS)}")
+    return DUAL_PRESETS[value]
+
+
 @dataclass
 class AdamWConfig(Section):
     """The AdamW path (``[optim.adamw]``): every parameter for the ``adamw`` names; embeddings, LM head, norms and
@@ -148,8 +214,8 @@ class AdamWConfig(Section):
     _prefix: ClassVar[str] = "optim.adamw"
 
     lr: float = setting(6e-4, "AdamW step size (parameter units per step)", ge=0)
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW (β1, β2)", ge=0, lt=1)
-    eps: float = setting(1e-8, "AdamW denominator ε", gt=0)
+    betas: tuple[float, float] = setting(_D["betas"], "AdamW (β1, β2)", ge=0, lt=1)
+    eps: float = setting(_D["adamw_eps"], "AdamW denominator ε", gt=0)
     weight_decay: float = setting(0.1, "decoupled decay on ≥2-D AdamW parameters (1-D ones get none)", ge=0)
 
 
@@ -210,8 +276,22 @@ def _check_rules(rules: dict[str, Any]) -> dict[str, Any]:
         adamw = target.get("algorithm") == "adamw"
         types, meta = (adamw_types, AdamWConfig) if adamw else (muon_types, MuonConfig)
         fields = {f.name: f for f in dataclasses.fields(meta)}
+        legacy = {k.removeprefix("dual_"): target[k] for k in GROUP_KEYS if k in target and not adamw}
+        if legacy:
+            warnings.warn(legacy_message(f"config key {key}", {f"dual_{k}": v for k, v in legacy.items()},
+                                         new="the key dual = "), DeprecationWarning, stacklevel=4)
+            base = target.get("dual", {})
+            target = {**{k: v for k, v in target.items() if k not in GROUP_KEYS},
+                      "dual": {**base, **legacy} if isinstance(base, Mapping) else
+                      resolve_dual(_dual_value(base, f"{key}.dual")).replace(**legacy)}
         for k, v in target.items():
-            if k in _RULE_GROUP_KEYS:
+            if k == "dual" and not adamw:  # kept as written (Muon takes a table over the optimizer's value)
+                try:
+                    resolve_dual(_dual_value(v, f"{key}.dual"))
+                except (ValueError, TypeError) as e:
+                    raise ConfigError(f"config key {key}.dual: {e}") from None
+                group[k] = dict(v) if isinstance(v, Mapping) else v
+            elif k in _RULE_GROUP_KEYS:
                 if not isinstance(v, str):
                     raise ConfigError(f"config key {key}.{k}: expected a string, got {v!r}")
                 group[k] = v
@@ -233,15 +313,7 @@ PAPER_MUON: dict[str, Any] = {
     "msign_method": "polar_express_paper",
     "ns_steps": 10,
     "msign_dtype": "bfloat16",
-    "dual_steps": 20,
-    "dual_lr": 0.1,
-    "dual_tol": 1e-6,
-    "dual_schedule": "linear",
-    "dual_ns_steps": None,
-    "dual_project": False,
-    "dual_normalize": False,
-    "dual_warm_start": False,
-    "dual_keep": "last",
+    "dual": DUAL_PRESETS["published"],
     "retraction": "paper",
     "init": "retract",
 }
@@ -258,8 +330,21 @@ def apply_preset(muon: MuonConfig) -> MuonConfig:
     not in the config file, ``--set`` or the constructor's arguments) set to the preset's value; written keys keep
     the user's value, even one equal to the default (reported by ``OptimConfig.preset_overrides``). Idempotent."""
     written = explicit_fields(muon)
-    changes = {k: v for k, v in PAPER_MUON.items() if k not in written and getattr(muon, k) != v}
+    changes = {k: v for k, v in PAPER_MUON.items() if k != "dual" and k not in written and getattr(muon, k) != v}
+    dual_written = explicit_fields(muon.dual) if "dual" in written else frozenset()
+    dual = {f: getattr(PAPER_MUON["dual"], f) for f in DUAL_FIELDS
+            if f not in dual_written and getattr(muon.dual, f) != getattr(PAPER_MUON["dual"], f)}
+    if dual:  # field by field: a written dual.steps keeps its value, the other fields take the preset's
+        changes["dual"] = replace_filled(muon.dual, **dual)
     return replace_filled(muon, **changes) if changes else muon
+
+
+def paper_keys(muon: MuonConfig) -> dict[str, tuple[Any, Any]]:
+    """{key: (value in ``muon``, the preset's value)} for every [optim.muon] key ``PAPER_MUON`` names, ``dual``'s
+    fields as ``dual.<field>`` (the keys a preset report lists)."""
+    out = {k: (getattr(muon, k), v) for k, v in PAPER_MUON.items() if k != "dual"}
+    out.update({f"dual.{f}": (getattr(muon.dual, f), getattr(PAPER_MUON["dual"], f)) for f in DUAL_FIELDS})
+    return out
 
 
 MOVED_KEYS: dict[str, str] = {
@@ -271,8 +356,8 @@ MOVED_KEYS: dict[str, str] = {
     "betas": "moved to optim.adamw.betas",
     "eps": "moved to optim.adamw.eps",
     **{k: f"moved to optim.muon.{k}" for k in ("momentum", "nesterov", "ns_steps", "msign_method", "msign_dtype",
-                                               "adjust_lr_fn", "momentum_form", "dual_steps", "dual_lr", "dual_tol",
-                                               "dual_schedule", "dual_ns_steps", "dual_project", "retraction")},
+                                               "adjust_lr_fn", "momentum_form", "retraction")},
+    **{k: f"moved to optim.muon.dual.{k.removeprefix('dual_')}" for k in GROUP_KEYS},
 }
 """Keys of the older flat ``[optim]`` layout → where they live now (used in the unknown-key message)."""
 
@@ -320,11 +405,11 @@ class OptimConfig(Section):
         (empty for preset "ours")."""
         if self.preset != "paper":
             return {}
-        return {k: (getattr(self.muon, k), v) for k, v in PAPER_MUON.items() if getattr(self.muon, k) != v}
+        return {k: (v, p) for k, (v, p) in paper_keys(self.muon).items() if v != p}
 
     def preset_values(self) -> dict[str, Any]:
         """{key: value} of the [optim.muon] keys that have the preset's value (empty for preset "ours"): with
         :meth:`preset_overrides`, every key the preset names."""
         if self.preset != "paper":
             return {}
-        return {k: v for k, v in PAPER_MUON.items() if getattr(self.muon, k) == v}
+        return {k: v for k, (v, p) in paper_keys(self.muon).items() if v == p}

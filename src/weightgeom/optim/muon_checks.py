@@ -1,5 +1,7 @@
 """What ``Muon`` accepts in a param group, and its test of whether a matrix looks like a fresh initialisation.
 
+- ``MUON_DEFAULTS``: every ``Muon`` keyword's default, defined once (the signature, ``MuonConfig``'s fields, the
+  AdamW section's ε and betas and the docs' tables take them from here; tests/test_dual.py checks they agree).
 - ``validate_values``: every group key's allowed values, one ValueError line naming the key (at construction, in
   ``add_param_group``, before each step and for each group a state dict would install).
 - ``fresh_ratio`` / ``looks_fresh``: ``init="auto"``'s test that refuses pretrained weights a manifold's first
@@ -21,8 +23,9 @@ import torch
 from weightgeom.linalg import MSIGN_PRESETS
 from weightgeom.manifolds.base import tall
 from weightgeom.optim.checks import check_fits_param, dtype_supported, param_label, unsupported_dtype
+from weightgeom.optim.dual import DUAL_FIELDS, DualAscent, dual_problem
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS, NonFiniteGradientError, first_nonfinite
-from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES, spectral_norm_estimate
+from weightgeom.optim.manifold_muon import spectral_norm_estimate
 from weightgeom.optim.muon_layout import PARAM_LIKE_STATE
 from weightgeom.optim.muon_layout import foreign_key as _foreign_key
 from weightgeom.optim.muon_layout import matrices as _matrices
@@ -31,9 +34,36 @@ from weightgeom.optim.muon_layout import retraction_distance as _retraction_dist
 from weightgeom.optim.muon_layout import state_shapes as _state_shapes
 from weightgeom.optim.muon_layout import structural as _structural
 
-__all__ = ["ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES", "FAR_RETRACTION",
-           "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit", "validate_values",
-           "StepChecks"]
+__all__ = ["MUON_DEFAULTS", "ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES",
+           "FAR_RETRACTION", "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit",
+           "validate_values", "StepChecks"]
+
+MUON_DEFAULTS: dict[str, Any] = {
+    "lr": 0.02,
+    "momentum": 0.95,
+    "nesterov": True,
+    "weight_decay": 0.0,
+    "ns_steps": None,
+    "ns_coefficients": None,
+    "eps": 1e-7,  # torch.optim.Muon's
+    "msign_method": "polar_express",
+    "msign_dtype": None,
+    "adjust_lr_fn": None,
+    "momentum_form": "ema",
+    "algorithm": "muon",
+    "manifold": None,
+    "dual": DualAscent(),
+    "retraction": None,
+    "betas": (0.9, 0.95),
+    "adamw_eps": 1e-8,  # torch.optim.AdamW's
+    "adamw_lr": None,
+    "layout": "out_in",
+    "split": None,
+    "init": "auto",
+    "on_nonfinite": "raise",
+}
+"""Every ``Muon`` keyword (after ``params``) → its default: the one definition. In a param group ``dual`` is held as
+the ``dual_<field>`` keys of ``DualAscent.group_keys``; ``on_nonfinite`` is optimizer-wide, not a group key."""
 
 ALGORITHMS = ("muon", "adamw")
 # msign presets whose singular values do not converge to 1 (Keller Jordan's quintic: ≈ [0.7, 1.2]); refused for manifold
@@ -108,8 +138,6 @@ def validate_values(group: dict[str, Any], where: str) -> None:
         "algorithm": ALGORITHMS,
         "momentum_form": MOMENTUM_FORMS,
         "msign_method": MSIGN_METHODS,
-        "dual_schedule": DUAL_SCHEDULES,
-        "dual_keep": DUAL_KEEP,
         "layout": ("out_in", "in_out"),
         "init": INIT_MODES,
     }
@@ -145,20 +173,14 @@ def validate_values(group: dict[str, Any], where: str) -> None:
             raise bad("ns_coefficients", f"a manifold group (manifold={group['manifold']!r}) needs an msign whose "
                                          "singular values converge to 1, which a fixed quintic does not give; leave "
                                          "it None (msign_method='polar_express')")
-    for key in ("ns_steps", "dual_ns_steps"):
-        if key in group and group[key] is not None and num(key, int) < 1:
-            raise bad(key, "must be ≥ 1 or None")
-    if "dual_steps" in group and num("dual_steps", int) < 1:
-        raise bad("dual_steps", "must be ≥ 1")
-    if "dual_lr" in group and not num("dual_lr") > 0.0:
-        raise bad("dual_lr", "must be > 0")
-    if "dual_tol" in group and not num("dual_tol") >= 0.0:
-        raise bad("dual_tol", "must be ≥ 0")
+    if "ns_steps" in group and group["ns_steps"] is not None and num("ns_steps", int) < 1:
+        raise bad("ns_steps", "must be ≥ 1 or None")
+    for field in DUAL_FIELDS:  # DualAscent's own rules, on the group's flattened keys
+        key = f"dual_{field}"
+        if key in group and (why := dual_problem(field, group[key])):
+            raise bad(key, why)
     if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in MSIGN_DTYPES:
         raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in MSIGN_DTYPES]}")
-    for key in ("dual_normalize", "dual_warm_start", "dual_project"):
-        if key in group and not isinstance(group[key], bool):
-            raise bad(key, "must be True or False")
     if "split" in group and group["split"] is not None and (
             isinstance(group["split"], bool) or not hasattr(group["split"], "__index__")
             or operator.index(group["split"]) < 1):

@@ -31,7 +31,7 @@ from weightgeom.optim.checks import (
     is_bookkeeping_key,
     param_label,
 )
-from weightgeom.optim.muon_checks import validate_values
+from weightgeom.optim.muon_checks import MUON_DEFAULTS, validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
 from weightgeom.optim.state_checks import check_state_finite, state_entries
 
@@ -51,7 +51,7 @@ TORCH_MUON: dict[str, Any] = {
 """torch.optim.Muon's defaults (torch 2.9+; ``adjust_lr_fn=None`` there means ``"original"``) as Muon keywords."""
 TORCH_GROUP_KEYS = tuple(TORCH_MUON)
 """The hyperparameter keys of a torch.optim.Muon param group."""
-ADAMW_EPS = 1e-8
+ADAMW_EPS = MUON_DEFAULTS["adamw_eps"]
 """Muon's default AdamW-group ε (``adamw_eps``; torch.optim.AdamW's)."""
 _OLD_EPS = ("Muon: the param group key 'eps' of an algorithm='adamw' group is the old spelling of 'adamw_eps' (the "
             "AdamW ε; 'eps' now means torch.optim.Muon's Newton–Schulz ε): taken as adamw_eps={value!r}; write "
