@@ -400,22 +400,22 @@ def _preset_keeps_written_keys(tmp: Path) -> None:
     # keys written on the command line or in the file keep their value under a preset, even the library default
     run = tmp / "r"
     res = _train(tmp, run, "--set", "train.max_steps=2", "--set", "optim.name=muon", "--set", "optim.preset=paper",
-                 "--set", "optim.muon.dual_steps=1", "--set", "optim.muon.dual_project=true")
+                 "--set", "optim.muon.dual.steps=1", "--set", "optim.muon.dual.project=true")
     assert res.rc == 0, res.err
     muon = tomllib.loads((run / "config.resolved.toml").read_text())["optim"]["muon"]
-    assert muon["dual_steps"] == 1 and muon["dual_project"] is True and muon["dual_keep"] == "last"
+    assert muon["dual"]["steps"] == 1 and muon["dual"]["project"] is True and muon["dual"]["keep"] == "last"
     line = next(ln for ln in res.err.splitlines() if "optim.preset=" in ln)  # printed with --no-progress too
-    assert "optim.muon.dual_steps=1 (the preset's: 20)" in line and 'optim.muon.dual_keep="last"' in line
+    assert "optim.muon.dual.steps=1 (the preset's: 20)" in line and 'optim.muon.dual.keep="last"' in line
     kept = json.loads((run / "meta.json").read_text())["presets"]["optim.preset"]["kept"]
-    assert kept == {"optim.muon.dual_steps": [1, 20], "optim.muon.dual_project": [True, False]}
+    assert kept == {"optim.muon.dual.steps": [1, 20], "optim.muon.dual.project": [True, False]}
     cfg = {**TINY, "model": dict(TINY["model"])}  # the same key written in the config file
-    cfg["optim"] = {"name": "muon", "preset": "paper", "muon": {"dual_steps": 1}}
+    cfg["optim"] = {"name": "muon", "preset": "paper", "muon": {"dual": {"steps": 1}}}
     cfg["model"]["preset"] = "gpt-nano"  # a model preset: the file's n_layer, n_head, n_embd stay too
     (tmp / "p.yaml").write_text(yaml.safe_dump(cfg))
     res = cli("train", str(tmp / "p.yaml"), "--out", str(tmp / "f"), "--no-progress", "--set", "train.max_steps=2")
     assert res.rc == 0, res.err
-    assert tomllib.loads((tmp / "f" / "config.resolved.toml").read_text())["optim"]["muon"]["dual_steps"] == 1
-    assert "model.n_layer=1 (the preset's: 3)" in res.err and "optim.muon.dual_steps=1 (the preset's: 20)" in res.err
+    assert tomllib.loads((tmp / "f" / "config.resolved.toml").read_text())["optim"]["muon"]["dual"]["steps"] == 1
+    assert "model.n_layer=1 (the preset's: 3)" in res.err and "optim.muon.dual.steps=1 (the preset's: 20)" in res.err
     assert "model.preset" in json.loads((tmp / "f" / "meta.json").read_text())["presets"]
 
 
@@ -613,7 +613,7 @@ CASES: list[Hostile] = [
             "reason, the lock is released", _sigterm_unwinds),
     Hostile("preset-keeps-written-keys", "rundir",
             "`optim.preset=paper` (or a `model.preset`) with keys the user wrote in the config file or with `--set`, "
-            "even at the library default (`optim.muon.dual_steps=1`, `dual_project=true`): the written values are "
+            "even at the library default (`optim.muon.dual.steps=1`, `dual.project=true`): the written values are "
             "kept, and a line on stderr (with or without the progress bar) and `meta.json` say what the preset set "
             "and which written keys it left", _preset_keeps_written_keys),
     Hostile("resume-keeps-msign-choice", "rundir",

@@ -48,7 +48,7 @@ from weightgeom.benchmarks._common import (
     write_markdown,
 )
 from weightgeom.linalg import msign, msign_choice, orthogonality_error
-from weightgeom.optim import Muon, compile_step
+from weightgeom.optim import DualAscent, Muon, compile_step
 from weightgeom.optim.compiled import WARM_CALLS
 from weightgeom.optim.muon import FarRetractionWarning
 
@@ -79,10 +79,8 @@ PEER_ROWS = ("torch.optim.Muon", "muon (ours, muon preset bf16)")
 # then the projection (the dual residual before projection is reported too).
 # "fp32 msign" rows keep the per-device choice's step count (an explicit msign_dtype alone would take the preset's 10)
 _CHOICE_STEPS = "choice"
-_PAPER_DUAL = {"dual_tol": TOL, "dual_steps": 20, "dual_lr": 0.1, "dual_schedule": "linear", "ns_steps": 10,
-               "dual_project": False}
-_FAST_DUAL = {"dual_tol": TOL, "dual_steps": 4, "dual_ns_steps": 5, "dual_lr": 0.3, "dual_schedule": "constant",
-              "dual_project": True}
+_PAPER_DUAL = {"dual": DualAscent(tol=TOL, steps=20, lr=0.1, schedule="linear", project=False), "ns_steps": 10}
+_FAST_DUAL = {"dual": DualAscent(tol=TOL, steps=4, ns_steps=5, lr=0.3, schedule="constant", project=True)}
 CONFIGS: dict[str, tuple[str, dict]] = {
     "torch.optim.Muon": ("torch_muon", {}),
     "muon (ours, default)": ("ours", {}),
