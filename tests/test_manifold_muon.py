@@ -480,7 +480,7 @@ def test_sampled_tangent_residual(name):
 
 
 def _record_msign_dtypes(monkeypatch) -> list:
-    import weightgeom.optim.muon as muon_mod
+    import weightgeom.optim.manifold_step as step_mod
 
     seen = []
 
@@ -488,7 +488,7 @@ def _record_msign_dtypes(monkeypatch) -> list:
         seen.append(dtype)
         return msign(G, method=method, steps=steps, dtype=dtype, start_step=start_step)
 
-    monkeypatch.setattr(muon_mod, "msign", spy)
+    monkeypatch.setattr(step_mod, "msign", spy)
     return seen
 
 
@@ -576,18 +576,20 @@ def test_projection_into_the_widened_msign_output_changes_nothing(name, split):
 @pytest.mark.parametrize("kw", [{}, {"split": 2, "layout": "in_out"}, {"momentum_form": "sum", "weight_decay": 0.1}])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_same_shape_manifold_matrices_batched_equal_one_at_a_time(name, kw, dtype, monkeypatch):
-    """With one dual iteration (and a device in MANIFOLD_BATCH_DEVICES: the CPU is added here), a manifold group's
+    """With one dual iteration (and a device in manifold_step.BATCH_DEVICES: the CPU is added here), a manifold group's
     same-shape matrices past their first step go through one batched msign (and projection, norm estimate,
     retraction) per step; parameters, multipliers and per-matrix stats after 4 steps equal those of one optimizer per
     matrix — to float32 rounding with an fp32 msign, to bf16 rounding with a
     bf16 one (a batched norm may round its last bit differently; bf16 then rounds a few entries one ulp apart, which
-    moves a step by ~1e-2·lr). More dual iterations keep one call per matrix."""
+    moves a step by ~1e-2·lr). More dual iterations batch alike: each matrix stops and halves its step on its own
+    (device-side masks)."""
     import weightgeom.linalg.autotune as autotune
-    import weightgeom.optim.muon as muon_mod
+    import weightgeom.optim.manifold_step as muon_mod
 
     monkeypatch.setenv(autotune.ENV_VAR, f"{dtype}:5")
-    monkeypatch.setattr(muon_mod, "MANIFOLD_BATCH_DEVICES", ("cpu", "cuda"))  # batched on the CPU too, for the test
+    monkeypatch.setattr(muon_mod, "BATCH_DEVICES", ("cpu", "cuda"))  # batched on the CPU too, for the test
     atol = 1e-5 if dtype == "float32" else 5e-3
+    blocks = kw.get("split") or 1  # a batch is flat: (matrices · blocks, m, n)
 
     calls = []
     real = muon_mod.msign
@@ -607,7 +609,7 @@ def test_same_shape_manifold_matrices_batched_equal_one_at_a_time(name, kw, dtyp
             p.grad = gr.clone()
         opt.step()
         if step > 0:  # one batched call for the three 48×16 matrices, one for the 40×12
-            assert len(calls) == 2 and sum(len(c) > (2 + bool(kw.get("split"))) and c[0] == 3 for c in calls) == 1, \
+            assert len(calls) == 2 and sum(len(c) == 3 and c[0] == 3 * blocks for c in calls) == 1, \
                 calls
         for o, p, gr in zip(opts, single, grads[step]):
             p.grad = gr.clone()
@@ -620,19 +622,27 @@ def test_same_shape_manifold_matrices_batched_equal_one_at_a_time(name, kw, dtyp
         assert opt.last_stats[n]["dual_residual"] == pytest.approx(o.last_stats[n]["dual_residual"],
                                                                    rel=1e-3 if dtype == "float32" else 0.5, abs=1e-9)
         assert opt.last_stats[n]["tangent_residual"] < 1e-5
-    calls.clear()
+    single = [torch.nn.Parameter(p.detach().clone()) for p in batched]
     opt2 = Muon([{"params": batched, "names": names}], lr=0.05, manifold=name, dual_steps=3, **kw)
-    for _ in range(2):
-        for p, gr in zip(batched, grads[0]):
-            p.grad = gr.clone()
+    opts = [Muon([{"params": [p], "names": [n]}], lr=0.05, manifold=name, dual_steps=3, **kw)
+            for p, n in zip(single, names)]
+    for step in range(2):
+        calls.clear()
+        for p, q, gr in zip(batched, single, grads[step]):
+            p.grad, q.grad = gr.clone(), gr.clone()
         opt2.step()
-    assert all(len(c) == 2 + bool(kw.get("split")) for c in calls), calls  # per-matrix early stopping: never stacked
+        if step > 0:  # the 48×16 matrices stacked in every dual iteration
+            assert any(len(c) == 3 and c[0] == 3 * blocks for c in calls), calls
+        for o in opts:
+            o.step()
+    for pb, ps in zip(batched, single):
+        torch.testing.assert_close(pb, ps, atol=atol, rtol=0)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["stiefel", "dgram"])
 def test_cuda_manifold_group_batched_matches_cpu_per_matrix(name):
-    """On a GPU (MANIFOLD_BATCH_DEVICES) three same-shape matrices step as one batch: W stays on its manifold, and
+    """On a GPU (manifold_step.BATCH_DEVICES) three same-shape matrices step as one batch: W stays on its manifold, and
     the parameters after 3 steps match a CPU optimizer stepping them one at a time with the same fp32 msign (both
     forced to fp32 through msign_dtype/ns_steps: the GPU would otherwise choose bf16)."""
     man = manifolds.get(name)

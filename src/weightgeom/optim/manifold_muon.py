@@ -13,14 +13,19 @@ concave with (super)gradient −H, H = P(WᵀA + AᵀW), so dual ascent is Λ �
 under scaling G and Λ together, so G is first normalised to unit RMS singular value (‖G‖_F/sqrt(n)): α then has fixed
 units and Λ can be warm-started across steps whatever the gradient scale.
 
-``manifold_direction`` is a pure function (no state); the optimizer keeps Λ between steps as a warm start.
-``manifold_direction_reference`` is the slow float64 SVD version for tests. Derivation: ``docs/muon.md``.
+``dual_ascent`` is the one implementation, on batches of tall matrices: every per-matrix decision (early stop,
+step halving, the best iterate) is a device-side mask, so a compiled step traces it with a fixed number of iterations
+and no host reads (docs/muon.md §6, "One compiled step"). ``manifold_direction`` is its eager form (either
+orientation; the loop ends once every matrix has stopped; the residual as a float). Both are pure functions; the
+optimizer keeps Λ between steps as a warm start. ``manifold_direction_reference`` is the slow float64 SVD version for
+tests. Derivation: ``docs/muon.md``.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -32,9 +37,10 @@ from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, plain
 from weightgeom.linalg.split import split_active, split_bf16, split_matmul
 from weightgeom.manifolds.base import Manifold, constraint_mm, tall, untall
 
-__all__ = ["manifold_direction", "manifold_direction_reference", "initial_multiplier", "spectral_norm_estimate",
+__all__ = ["dual_ascent", "DualResult", "manifold_direction", "manifold_direction_reference", "initial_multiplier",
+           "warm_multiplier", "spectral_norm_estimate", "lanczos_start", "top_eigenvalue_psd",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
-           "LANCZOS_BREAKDOWN", "RESIDUAL_SAMPLE_COLUMNS"]
+           "LANCZOS_BREAKDOWN", "RESIDUAL_SAMPLE_COLUMNS", "SQUARINGS"]
 
 DUAL_SCHEDULES = ("linear", "constant")
 # Which iterate the dual ascent returns: "best" (step halving when the residual grows, smallest-residual iterate) or
@@ -59,6 +65,11 @@ LANCZOS_BREAKDOWN = 2.0
 # projection it is at rounding level by construction, so the exact m×n×n product (as costly as the projection
 # itself) is not spent on it every step; a matrix with n ≤ this many columns is measured exactly.
 RESIDUAL_SAMPLE_COLUMNS = 32
+# Repeated squarings of Lanczos' tridiagonal T (normalised each time) before its Rayleigh quotient
+# (``top_eigenvalue_psd``): T^(2^24) separates the top eigenvalue from one a relative 1e-6 below it by a factor e^-16;
+# closer eigenvalues are within that gap of each other anyway, so the quotient is the top one to ~gap·(λ₂/λ₁)^(2^24)
+# — float64 rounding for every T we see (tested against ``eigvalsh``).
+SQUARINGS = 24
 
 # Added to ‖G‖_F before dividing (a zero gradient gives a zero direction: see ``manifold_direction``).
 _NORM_EPS = 1e-30
@@ -91,6 +102,115 @@ def warm_multiplier(cold: torch.Tensor, Lambda0: torch.Tensor | None, cold0: tor
     return Lambda0.to(cold.dtype)
 
 
+class DualResult(NamedTuple):
+    """What ``dual_ascent`` returns, every field a device tensor (nothing read on the host).
+
+    Attributes:
+        direction: the direction A, tall (..., m, n), ‖A‖₂ ≈ 1; 0 where G = 0.
+        multiplier: the multiplier Λ of the returned A (..., n, n), to warm-start the next call.
+        cold: this call's cold start (..., n, n), to pass as ``cold0`` next time.
+        residuals: the returned A's tangent residual per matrix (...,) (with ``project``: the projected one, sampled).
+        dual_residuals: the dual ascent's residual per matrix (...,) (before the projection).
+        iters: dual iterations each matrix took (...,) int64 (msign calls in the loop, not ``final_msign_fn``).
+        lr_scale: each matrix's final step-halving factor (..., 1, 1) float64 (1 without halving).
+        norm: with ``project``, the estimated ‖A‖₂ (..., 1, 1) of the projected direction before rescaling; else None.
+    """
+
+    direction: torch.Tensor
+    multiplier: torch.Tensor
+    cold: torch.Tensor
+    residuals: torch.Tensor
+    dual_residuals: torch.Tensor
+    iters: torch.Tensor
+    lr_scale: torch.Tensor
+    norm: torch.Tensor | None
+
+
+def dual_ascent(
+    X: torch.Tensor, G: torch.Tensor, manifold: Manifold, Lambda0: torch.Tensor | None = None,
+    cold0: torch.Tensor | None = None, *, steps: int = 20, lr: float = 0.1, tol: float = 1e-4,
+    msign_fn: Callable[[torch.Tensor], torch.Tensor] = msign, schedule: str = "linear", normalize: bool = True,
+    project: bool = False, final_msign_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    final_continues: bool = False, keep: str = "best", feed_dtype: torch.dtype | None = None, eager: bool = False,
+) -> DualResult:
+    """The manifold-Muon direction of a batch of tall matrices: the one implementation of the dual ascent.
+
+    Every matrix of the batch (leading dims of X) is its own problem: its early stop (residual under ``tol``), step
+    halving and best iterate are boolean masks on the device, so the loop always runs ``steps`` iterations and a
+    matrix that has stopped is carried unchanged through the rest (computed and discarded). Nothing is read on the
+    host: what ``torch.compile(fullgraph=True)`` and CUDA graphs need. Arguments as ``manifold_direction``'s, on tall
+    X, G (..., m, n) in the compute dtype (float32/float64) and Λ₀, its cold start (..., n, n) or None.
+
+    ``eager``: the caller runs eagerly and may read the host. Then the loop ends once every matrix has stopped (one
+    read per iteration), the zero-gradient mask is applied only where some G is zero, and the norm estimate of
+    ``project`` takes ``eigvalsh`` and its C/CUDA-graph backends (``spectral_norm_estimate``). The same arithmetic:
+    only the discarded iterations and the top eigenvalue's solver (≤ ~1e-13 relative) differ.
+    """
+    lead = X.shape[:-2]
+    n = X.shape[-1]
+    gnorm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
+    scale = n**0.5 / (gnorm + _NORM_EPS) if normalize else None
+    if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
+        # the bf16 copy is X's split piece X_hi: under split-bf16 products X is split into both pieces here, in one
+        # pass, and the constraint products (XᵀA, the projection) reuse them
+        Xf = split_bf16(X)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
+        Yf = _narrow_scaled(G, scale, feed_dtype)
+    else:
+        Xf = X
+        Yf = G if scale is None else G * scale
+    cold = initial_multiplier(Xf, Yf, manifold).to(X.dtype)
+    Lam = warm_multiplier(cold, Lambda0, cold0)
+    last = keep == "last"
+    active = torch.ones(lead, dtype=torch.bool, device=X.device)
+    shrink = torch.ones(*lead, 1, 1, dtype=torch.float64, device=X.device)
+    iters = torch.zeros(lead, dtype=torch.int64, device=X.device)
+    for k in range(steps):
+        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
+        A, owned = _widened(A, X.dtype)
+        S, H, rv = _residual(X, A, manifold, exact)
+        iters = iters + active
+        if k == 0:  # the first iterate is the best so far (also a non-finite one: reported as such)
+            best_r, best_A, best_L, best_S, best_owned, prev = rv, A, Lam, S, owned, rv
+        else:  # "last": every active matrix's newest iterate; "best": where the residual went down
+            take = active if last else active & (rv < best_r)
+            t3 = take[..., None, None]
+            best_r = torch.where(take, rv, best_r)
+            best_A, best_L = torch.where(t3, A, best_A), torch.where(t3, Lam, best_L)
+            best_S = torch.where(t3, S, best_S)
+            best_owned = True
+        if k == steps - 1:
+            break
+        go = active & ~((rv < tol) if last else (rv <= tol))
+        if not last and k > 0:  # halve the step for the rest of the call where the residual grew
+            shrink = torch.where((go & (rv > prev))[..., None, None], shrink * 0.5, shrink)
+            prev = torch.where(go, rv, prev)
+        alpha = (lr * ((1.0 - k / steps) if schedule == "linear" else 1.0) * shrink).to(X.dtype)
+        Lam = torch.where(go[..., None, None], Lam - alpha * H, Lam)
+        active = go
+        if eager and not bool(active.any()):  # eager only: every matrix has stopped (one host read)
+            break
+    A, Lam, S, rv, owned = best_A, best_L, best_S, best_r, best_owned
+    if final_msign_fn is not None:
+        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        exact = (A, None) if A.dtype == torch.bfloat16 else None
+        A, owned = _widened(A, X.dtype)
+        S, _, rv = _residual(X, A, manifold, exact)
+    dual, norm = rv, None
+    if project:
+        Ap = manifold.proj_tangent_tall(X, A, S, overwrite_a=owned)
+        norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype, host_free=not eager)
+        # to unit spectral norm, up or down: the constrained optimum has ‖A‖₂ = 1, and a projection that removed a
+        # large normal part (DGram after one dual step: ‖A‖₂ ≈ 0.15–0.9) would otherwise shorten the step
+        inv = torch.where(norm == 0, 0.0, 1.0 / norm)  # a zero direction stays zero; NaN stays NaN
+        # in place only on a tensor of this call's own: the projection's, or A's copy it may have written into
+        A = Ap.mul_(inv) if Ap is not X and (owned or Ap is not A) else Ap * inv
+        rv = _sampled_residuals(X, A, manifold)
+    if not eager or not bool((gnorm > 0).all()):  # zero gradient → zero step (the multiplier alone must not move W)
+        A = torch.where(gnorm > 0, A, 0.0)
+    return DualResult(A, Lam, cold, rv, dual, iters, shrink, norm)
+
+
 def manifold_direction(
     W: torch.Tensor,
     G: torch.Tensor,
@@ -110,13 +230,15 @@ def manifold_direction(
     keep: str = "best",
     feed_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ.
+    """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ (eager: ``dual_ascent``
+    with host reads — the loop ends once every matrix has stopped, the residual comes back as a float).
 
     Iteration k: A_k = msign(Ĝ + 2X·P(Λ_k)), H_k = P(XᵀA_k + A_kᵀX), stop if ‖H_k‖_F/n ≤ tol, else
     Λ_{k+1} = Λ_k − α_k·H_k. With ``keep="best"`` (safeguard) the step is halved for the rest of the call whenever
     the residual grows, and the iterate with the smallest residual is returned (so more steps never give a worse
     answer); ``keep="last"`` is the manifold-assignment paper's published loop (no halving, stop when the residual
-    is *below* tol, the last iterate's A).
+    is *below* tol, the last iterate's A). Each matrix of a batch (leading dims) stops, halves and keeps its best
+    iterate on its own.
 
     A matrix (or batch entry) whose G is exactly zero gets A = 0: no gradient, no step, whatever Λ holds.
 
@@ -145,9 +267,10 @@ def manifold_direction(
         final_msign_fn: if given, A is recomputed once at the returned Λ with this (more accurate) orthogonaliser —
             for a cheap ``msign_fn`` inside the loop.
         stats: optional dict that receives ``dual_residual`` (before projection; ``dual_residuals`` per matrix of the
-            batch, and ``residuals`` the returned residual's per-matrix values), ``dual_lr_final``,
-            ``cold_multiplier`` (this call's cold start, to pass as ``cold0`` next time) and, with ``project``,
-            ``norm_before_rescale`` (the estimated ‖A‖₂ of the projected direction, worst matrix).
+            batch, and ``residuals`` the returned residual's per-matrix values), ``dual_lr_final`` (worst matrix),
+            ``dual_iters`` (per matrix), ``cold_multiplier`` (this call's cold start, to pass as ``cold0`` next time)
+            and, with ``project``, ``norm_before_rescale`` (the estimated ‖A‖₂ of the projected direction, worst
+            matrix).
         cold0: the cold start of the call that produced ``Lambda0``. When given with ``Lambda0`` the warm start is
             predicted as Lambda0 + (cold start now − cold0): first-order tracking of the moving optimum, exact for
             square Stiefel W (where the cold start is the solution). Costs one XᵀG product.
@@ -162,8 +285,8 @@ def manifold_direction(
 
     Returns:
         (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1 (0 where G = 0); the multiplier
-        Λ of the returned A, to warm-start the next call; the tangent residual of the returned A; the number of dual
-        iterations (msign calls in the loop, not counting ``final_msign_fn``).
+        Λ of the returned A, to warm-start the next call; the tangent residual of the returned A (worst matrix); the
+        number of dual iterations (the most any matrix took; msign calls in the loop, not ``final_msign_fn``).
     """
     if schedule not in DUAL_SCHEDULES:
         raise ValueError(f"dual_schedule: unknown value {schedule!r}; choose one of {DUAL_SCHEDULES}")
@@ -171,82 +294,22 @@ def manifold_direction(
         raise ValueError(f"dual_keep: unknown value {keep!r}; choose one of {DUAL_KEEP}")
     if W.shape != G.shape:
         raise ValueError(f"manifold_direction: W {tuple(W.shape)} and G {tuple(G.shape)} differ in shape")
-    steps = max(1, int(steps))
     X, t = tall(W)
-    Y = G.mT if t else G
-    n = X.shape[-1]
-    gnorm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
-    scale = n**0.5 / (gnorm + _NORM_EPS) if normalize else None
-    if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
-        # the bf16 copy is X's split piece X_hi: inside split_products() X is split into both pieces here, in one
-        # pass, and the constraint products (XᵀA, the projection) reuse them
-        Xf = split_bf16(X)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
-        Yf = _narrow_scaled(Y, scale, feed_dtype)
-    else:
-        Xf = X
-        Yf = Y if scale is None else Y * scale
-    cold = initial_multiplier(Xf, Yf, manifold).to(X.dtype)
-    Lam = warm_multiplier(cold, Lambda0, cold0)
-    last = keep == "last"
-    # (residual, A, Λ, XᵀA, per-matrix residuals, whether A is this call's own tensor: the widened copy of a
-    # narrower msign output, which the projection may then overwrite)
-    best = (float("inf"), X, Lam, None, None, False)
-    prev = float("inf")
-    shrink = 1.0
-    iters = 0
-    for k in range(steps):
-        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
-        exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
-        A, owned = _widened(A, X.dtype)
-        iters = k + 1
-        S, H, rv = _residual(X, A, manifold, exact)
-        residual = float(rv.max())
-        if last:
-            best = (residual, A, Lam, S, rv, owned)
-            if residual < tol or k == steps - 1:
-                break
-        else:
-            if residual < best[0]:
-                best = (residual, A, Lam, S, rv, owned)
-            if residual <= tol or k == steps - 1:
-                break
-            if residual > prev:
-                shrink *= 0.5
-            prev = residual
-        alpha = lr * shrink * ((1.0 - k / steps) if schedule == "linear" else 1.0)
-        Lam = Lam - alpha * H
-    residual, A, Lam, S, rv, owned = best
-    if final_msign_fn is not None:
-        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
-        exact = (A, None) if A.dtype == torch.bfloat16 else None
-        A, owned = _widened(A, X.dtype)
-        S, H, rv = _residual(X, A, manifold, exact)
-        residual = float(rv.max())
-    if rv is None:  # no finite iterate: report it as such
-        rv = torch.full(X.shape[:-2], float("nan"), dtype=X.dtype, device=X.device)
+    out = dual_ascent(X, G.mT if t else G, manifold, Lambda0, cold0, steps=max(1, int(steps)), lr=lr, tol=tol,
+                      msign_fn=msign_fn, schedule=schedule, normalize=normalize, project=project,
+                      final_msign_fn=final_msign_fn, final_continues=final_continues, keep=keep,
+                      feed_dtype=feed_dtype, eager=True)
+    residual = float(out.residuals.max())
     if stats is not None:
-        stats["dual_residual"] = residual
-        stats["dual_residuals"] = rv
-        stats["dual_lr_final"] = lr * shrink
-        stats["cold_multiplier"] = cold
-    if project:
-        Ap = manifold.proj_tangent_tall(X, A, S, overwrite_a=owned)
-        norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype)
-        # in place only on a tensor of this call's own: the projection's, or A's widened copy it may have written into
-        fresh = Ap.data_ptr() != X.data_ptr() and (owned or Ap.data_ptr() != A.data_ptr())
-        # to unit spectral norm, up or down: the constrained optimum has ‖A‖₂ = 1, and a projection that removed a
-        # large normal part (DGram after one dual step: ‖A‖₂ ≈ 0.15–0.9) would otherwise shorten the step
-        inv = torch.where(norm == 0, 0.0, 1.0 / norm)  # a zero direction stays zero; NaN stays NaN
-        A = Ap.mul_(inv) if fresh else Ap * inv
-        rv = _sampled_residuals(X, A, manifold)
-        residual = float(rv.max())
-        if stats is not None:
-            stats["norm_before_rescale"] = float(norm.max())
-    if stats is not None:
-        stats["residuals"] = rv
-    if not bool((gnorm > 0).all()):  # zero gradient → zero step (the multiplier alone must not move W)
-        A = A * (gnorm > 0).to(A.dtype)
-    return untall(A, t), Lam, residual, iters
+        stats["dual_residual"] = float(out.dual_residuals.max())
+        stats["dual_residuals"] = out.dual_residuals
+        stats["dual_iters"] = out.iters
+        stats["dual_lr_final"] = lr * float(out.lr_scale.min())
+        stats["cold_multiplier"] = out.cold
+        stats["residuals"] = out.residuals
+        if out.norm is not None:
+            stats["norm_before_rescale"] = float(out.norm.max())
+    return untall(out.direction, t), out.multiplier, residual, int(out.iters.max())
 
 
 @with_full_precision
@@ -265,7 +328,7 @@ def sampled_tangent_residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifol
 
 def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
                        columns: int = RESIDUAL_SAMPLE_COLUMNS) -> torch.Tensor:
-    """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape)."""
+    """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape); no host read."""
     if int(columns) < 1:
         raise ValueError(f"sampled_tangent_residual: columns must be ≥ 1, got {columns!r}")
     if X.shape != A.shape or X.shape[-2] < X.shape[-1]:
@@ -286,7 +349,9 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
 
 def _rows_of_P(manifold: Manifold, n: int, J: slice, device: torch.device) -> torch.Tensor:
     """Rows J of P(1) ≠ 0 (1: n×n all-ones): the selection of the entrywise projector P as a boolean mask, remembered
-    per manifold (weakly: a manifold object that goes away takes its masks along)."""
+    per manifold (weakly: a manifold object that goes away takes its masks along; built afresh inside a trace)."""
+    if torch.compiler.is_compiling():
+        return manifold.P(torch.ones(n, n, dtype=torch.float64, device=device))[J] != 0
     key = (n, J.start, J.stop, device)
     masks = _P_ROWS.setdefault(manifold, {})
     if key not in masks:
@@ -296,10 +361,39 @@ def _rows_of_P(manifold: Manifold, n: int, J: slice, device: torch.device) -> to
 
 _P_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# Lanczos start vectors by (n, dtype, device) (``lanczos_start``): made outside a compiled step (when a manifold group
+# is added), because a trace cannot run a ``torch.Generator``.
+_STARTS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+
+def lanczos_start(n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The unit start vector (n, 1) of ``spectral_norm_estimate`` (float64 Gaussian, seed 0, cast), remembered."""
+    key = (int(n), dtype, str(torch.device(device)))
+    v = _STARTS.get(key)
+    if v is None:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        v = _STARTS[key] = v / torch.linalg.vector_norm(v)
+    return v
+
+
+def top_eigenvalue_psd(T: torch.Tensor) -> torch.Tensor:
+    """The largest eigenvalue of each symmetric positive semi-definite (..., k, k) matrix, shape (...): ``SQUARINGS``
+    normalised squarings of T, then the Rayleigh quotient of its largest column. 0 for a zero matrix. No host read
+    (``eigvalsh`` synchronises on a GPU)."""
+    tiny = torch.finfo(T.dtype).tiny
+    M = T
+    for _ in range(SQUARINGS):
+        M = M @ M
+        M = M / M.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(tiny)
+    col = torch.linalg.vector_norm(M, dim=-2).argmax(dim=-1)  # (...,)
+    v = torch.take_along_dim(M, col[..., None, None], dim=-1)  # (..., k, 1)
+    return ((v.mT @ T @ v) / (v.mT @ v).clamp_min(tiny))[..., 0, 0]
+
 
 @with_full_precision
 def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
-                           gram_dtype: torch.dtype | None = None) -> torch.Tensor:
+                           gram_dtype: torch.dtype | None = None, host_free: bool = False) -> torch.Tensor:
     """‖A‖₂ of each matrix of a batch (..., m, n), (..., 1, 1): ``iters`` Lanczos steps on AᵀA from a fixed start.
 
     The largest Ritz value is a lower bound on ‖A‖₂² that converges much faster than power iteration when the
@@ -310,7 +404,9 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     relative, ``docs/muon.md``) — and the steps are n×n products on it, cheaper than 2·``iters`` m×n
     matrix-vector products that stream all of A from memory each time; a near-square A is used directly (there
     forming AᵀA costs more than it saves; ``gram_dtype`` is then unused). Full reorthogonalisation (k ≤ ``iters``
-    vectors of length n); a k×k eigenvalue problem in float64.
+    vectors of length n); the top eigenvalue of the k×k tridiagonal matrix by ``eigvalsh`` in float64, or with
+    ``host_free`` by ``top_eigenvalue_psd`` (agreement ~1e-13 relative, tested), the batch in one recurrence and no C
+    kernel or CUDA graph: a constant number of operations without host reads, as a compiled step needs.
 
     The steps run on AᵀA divided by its largest diagonal entry, so any scale of A works as long as that Gram is
     finite (float32 entries beyond ~1e19 overflow it: NaN; below ~1e-19 its entries lose digits). When the Krylov
@@ -330,14 +426,13 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     lead = A.shape[:-2]
     if A.shape[-2] == 0 or n == 0:  # an empty matrix: norm 0
         return A.new_zeros(*lead, 1, 1)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    v = torch.randn(n, 1, generator=g, dtype=torch.float64).to(device=A.device, dtype=A.dtype)
-    v = v / torch.linalg.vector_norm(v)
+    v = lanczos_start(n, A.dtype, A.device)
     # on a GPU the recurrence's ~13 small kernels per step are launch-bound: replayed as one CUDA graph
-    out = graphs.replay("spectral_norm_estimate", _lanczos_coefficients, A, v, k=k, gram_dtype=gram_dtype)
+    out = None if host_free else graphs.replay("spectral_norm_estimate", _lanczos_coefficients, A, v, k=k,
+                                                gram_dtype=gram_dtype)
     if out is not None:
         coef, unit = out
-    elif A.device.type == "cpu" and A.ndim > 2 and A.shape[:-2].numel() > 1:
+    elif not host_free and A.device.type == "cpu" and A.ndim > 2 and A.shape[:-2].numel() > 1:
         # one matrix at a time on a CPU: a batched matrix-vector product (bmm) is 2–3× slower there than one mm per
         # matrix (768² Grams: 183 µs against 2 × 40 µs, AMX), and the recurrence is those products
         parts = [_lanczos_coefficients(a, v, k=k, gram_dtype=gram_dtype) for a in A.reshape(-1, *A.shape[-2:])]
@@ -349,7 +444,7 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     coef = torch.where(finite[..., None], coef, 0.0)
     diag, off = coef[..., :k], coef[..., k:2 * k - 1]
     T = torch.diag_embed(diag) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
-    top = torch.linalg.eigvalsh(T)[..., -1]
+    top = top_eigenvalue_psd(T) if host_free else torch.linalg.eigvalsh(T)[..., -1]
     top = torch.where(finite, top, float("nan"))
     return (top.clamp_min(0).sqrt().reshape(*lead, 1, 1) * unit.to(torch.float64).sqrt()).to(A.dtype)
 
