@@ -112,10 +112,10 @@ class Muon(StepChecks, torch.optim.Optimizer):
             Express steps (when ``ns_steps`` is None too) whose direction is at least as orthogonal as
             torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
             ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold
-            groups with ``dual_project`` (the default) take the same choice for the dual ascent's msign — the
+            groups with ``dual.project`` (the default) take the same choice for the dual ascent's msign — the
             projection, residual, multiplier and retraction stay float32 (float64 for float64 params), so the
-            direction is exactly tangent whatever the msign dtype; without ``dual_project`` they use float32 because
-            the dual ascent itself must reach ``dual_tol``. An explicit dtype always wins (with the preset's steps
+            direction is exactly tangent whatever the msign dtype; without ``dual.project`` they use float32 because
+            the dual ascent itself must reach ``dual.tol``. An explicit dtype always wins (with the preset's steps
             unless ``ns_steps`` is set).
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
@@ -160,7 +160,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
             tangent space of the level set {V : P(VᵀV) = P(W₀ᵀW₀)} through the starting point W₀ (the manifold
             itself when W₀ is on it). So "keep" holds P(WᵀW) at its pretrained value to first order: each step
             changes it by lr²·P(AᵀA) plus lr times the dual residual, and weight decay scales it by (1 − lr·wd)²;
-            nothing pulls it back. ``dual_project=True`` uses the manifold's closed-form projection, exact only on
+            nothing pulls it back. ``dual.project=True`` uses the manifold's closed-form projection, exact only on
             the manifold. Details: docs/manifolds.md, "Fine-tuning a pretrained model".
         on_nonfinite: what ``step`` does when a gradient holds NaN/Inf (optimizer-wide, not a group key).
             ``"raise"`` (default): raise ``NonFiniteGradientError`` naming the parameter, nothing changed; the check
@@ -176,6 +176,12 @@ class Muon(StepChecks, torch.optim.Optimizer):
         msign_auto: {device: the per-device msign choice (``MsignChoice.as_dict()``: dtype, steps, source, measured
             step seconds and probe errors)} for every device a plain-Muon group uses it on, filled when the group is
             added; empty when every group sets ``msign_dtype`` and ``ns_steps``.
+        numerics: {device: ``weightgeom.linalg.numerics.Numerics``}: the arithmetic on each device of a Muon group
+            (msign dtype and steps where a group leaves them to the device, constraint products, C kernels, CUDA
+            graphs, each with where it came from: the autotuner's cache or benchmark, a ``WEIGHTGEOM_*`` override, a
+            default), resolved once when the groups are added (``resolve_numerics``) and passed to the maths from
+            there; shown by ``describe(opt)`` and ``summary()``, saved as plain values in ``state_dict()["numerics"]``
+            and in a run's ``meta.json``.
         skipped_steps: 0-dim int64 tensor on the parameters' device: the steps ``on_nonfinite="skip"`` skipped.
             Reading it (``int(opt.skipped_steps)``) is a host sync on a GPU: do it when you need the number. Not
             part of ``state_dict()``.
@@ -253,7 +259,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         # the numerics per device (``resolve_numerics``), resolved when a group is added, so the step only looks them
         # up: no benchmark, lock or environment read inside a compiled step
         self.numerics: dict[str, Numerics] = {}
-        # manifold groups' host-free step (``manifold_host_free``): None = inside a torch.compile trace only, True =
+        # manifold groups' host-free step (``manifold_step``): None = inside a torch.compile trace only, True =
         # also eagerly (the path a compiled step runs, e.g. to count its operations), False = never
         self.host_free: bool | None = None
         _validate_values(defaults, where="Muon()")
