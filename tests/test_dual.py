@@ -82,6 +82,21 @@ def test_presets_and_tables_resolve_per_group_over_the_optimizers_value():
         Muon([_p()], dual_stepz=2)
 
 
+def test_dual_set_on_an_added_group_is_refused_not_ignored():
+    p = _p()
+    opt = Muon([p], manifold="stiefel", init="retract")
+    opt.param_groups[0]["dual"] = DualAscent(steps=3)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="Muon group 0: the key 'dual' was set on a group already added.*group_keys"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    del opt.param_groups[0]["dual"]
+    opt.param_groups[0].update(DualAscent(steps=3).group_keys())  # the way that is read
+    opt.step()
+    assert opt.last_stats and DualAscent.from_group(opt.param_groups[0]).steps == 3
+
+
 def _one_deprecation(fn):
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

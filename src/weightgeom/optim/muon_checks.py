@@ -175,6 +175,10 @@ def validate_values(group: dict[str, Any], where: str) -> None:
                                          "it None (msign_method='polar_express')")
     if "ns_steps" in group and group["ns_steps"] is not None and num("ns_steps", int) < 1:
         raise bad("ns_steps", "must be ≥ 1 or None")
+    if "dual" in group:  # added groups hold it as the dual_* keys (Muon.add_param_group expands it)
+        raise ValueError(f"{where}: the key 'dual' was set on a group already added, where it is not read; write "
+                         "group.update(DualAscent(...).group_keys()) (the dual_* keys) or give 'dual' when adding "
+                         "the group")
     for field in DUAL_FIELDS:  # DualAscent's own rules, on the group's flattened keys
         key = f"dual_{field}"
         if key in group and (why := dual_problem(field, group[key])):
