@@ -418,3 +418,33 @@ def test_cli_compress_budget_model_allots_savings_per_role_and_saves_the_whole_m
                      "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0]
+
+
+def test_auto_with_the_model_follows_its_held_out_nll_with_one_role_replaced(tiny_lm):
+    """Given the runnable model, auto judges each space by the model's own NLL on the held-out calibration tokens
+    with that role's matrices replaced by the fit (the other weights whole), and leaves the model as it was."""
+    from weightgeom.analysis.calibration import calibration_text, collect_grams
+    from weightgeom.analysis.compress import CompressConfig, compress_roles
+    from weightgeom.analysis.compress_choice import choose_by_loss
+    from weightgeom.analysis.perplexity import perplexity_of_ids
+    from weightgeom.analysis.roles import assign_roles
+
+    grams = collect_grams(tiny_lm, calibration_text(), ("Up",), tokens=64, context=32, holdout=0.25)
+    before = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
+    by_role = {"Up": assign_roles(tiny_lm.model.state_dict())["Up"]}
+    cfg = CompressConfig(share="auto", savings=0.3, layers_per_group=2, roles=("Up",), calibration="x")
+    v = choose_by_loss(by_role, cfg, grams, lm=tiny_lm)["Up"]
+    for k, t in tiny_lm.model.state_dict().items():
+        assert torch.equal(t, before[k]), k
+    assert v["by"] == "held-out NLL" and v["space"] == min(v["nll"], key=v["nll"].get)
+    nll = lambda: perplexity_of_ids(tiny_lm, grams.held_ids, tokens=16, context=32).nll  # noqa: E731
+    base = nll()
+    groups = list(compress_roles(None, CompressConfig(share="none", savings=0.3, layers_per_group=2, roles=("Up",)),
+                                 by_role=by_role, grams=grams.fit_part()))
+    with torch.no_grad():
+        for g in groups:
+            for rw in (x for x in by_role["Up"] if x.layer in g.coefs):
+                rw.weight.copy_(g.dense(rw.layer))
+        replaced = nll()
+        tiny_lm.model.load_state_dict(before)
+    assert v["nll"]["none"] == pytest.approx(replaced - base, rel=1e-6, abs=1e-9)

@@ -32,7 +32,7 @@ from weightgeom.analysis.roles import assign_roles
 from weightgeom.data.corpora import shakespeare_text
 
 __all__ = ["CALIBRATION_HOLDOUT", "CALIBRATION_TOKENS", "DEFAULT_CALIBRATION", "Grams", "calibration_text",
-           "collect_grams", "source_grams"]
+           "collect_grams", "runnable_lm", "source_grams"]
 
 DEFAULT_CALIBRATION = "shakespeare"
 """The name of the default calibration text: the bundled Shakespeare corpus without its held-out tail."""
@@ -49,6 +49,8 @@ class Grams:
         seconds: wall time of the pass.
         held: (role, layer) → the mean Gram over the last ``held_tokens`` tokens alone (empty: no part held out).
         held_tokens: tokens of the held-out part (0: none).
+        held_ids: the held-out part's token ids (None: none), and ``context`` the window length used, so a choice
+            can also be scored by the model's loss on them.
     """
 
     grams: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
@@ -57,6 +59,8 @@ class Grams:
     seconds: float = 0.0
     held: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     held_tokens: int = 0
+    held_ids: torch.Tensor | None = None
+    context: int = 0
 
     def fit_part(self) -> Grams:
         """The Grams of the tokens before the held-out part (``self`` when nothing is held out), each
@@ -220,7 +224,33 @@ def collect_grams(lm: CausalLM, text: str, roles: Sequence[str] | None = None, *
         grams[key] = grams[src]
         if src in held:
             held[key] = held[src]
-    return Grams(grams, T, "", time.perf_counter() - t0, held, n_held)
+    return Grams(grams, T, "", time.perf_counter() - t0, held, n_held, ids[T - n_held:].clone() if n_held else None,
+                 ctx)
+
+
+def runnable_lm(source, progress: bool = False) -> CausalLM:
+    """``source`` as a causal LM that calibration can run (:func:`~weightgeom.analysis.perplexity.load_causal_lm`).
+
+    Raises:
+        ValueError: the source cannot be run (one line saying to use weight-only fits, ``--calibration none``).
+    """
+    if isinstance(source, CausalLM):
+        return source
+    if not isinstance(source, (str, Path)):
+        raise ValueError("calibration needs a model path (an HF directory, .gguf file or weightgeom checkpoint), not "
+                         "an in-memory model; pass calibration=None for weight-only fits")
+    t0 = time.perf_counter()
+    if progress:
+        print(f"loading {source} for calibration ...", file=sys.stderr, flush=True)
+    try:
+        lm = load_causal_lm(source)
+    except (ValueError, FileNotFoundError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"calibration needs a model it can run ({first}); pass --calibration none for "
+                         "weight-only fits") from None
+    if progress:
+        print(f"loaded {lm.name} ({lm.kind}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return lm
 
 
 def source_grams(source, roles: Sequence[str], *, text: str | Path | None = None,
@@ -235,23 +265,7 @@ def source_grams(source, roles: Sequence[str], *, text: str | Path | None = None
             tokenizer): one line saying to use weight-only fits (``--calibration none``).
     """
     body = calibration_text(text)
-    if isinstance(source, CausalLM):
-        lm = source
-    elif isinstance(source, (str, Path)):
-        t0 = time.perf_counter()
-        if progress:
-            print(f"loading {source} for calibration ...", file=sys.stderr, flush=True)
-        try:
-            lm = load_causal_lm(source)
-        except (ValueError, FileNotFoundError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise ValueError(f"calibration needs a model it can run ({first}); pass --calibration none for "
-                             "weight-only fits") from None
-        if progress:
-            print(f"loaded {lm.name} ({lm.kind}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    else:
-        raise ValueError("calibration needs a model path (an HF directory, .gguf file or weightgeom checkpoint), not "
-                         "an in-memory model; pass calibration=None for weight-only fits")
+    lm = runnable_lm(source, progress)
     try:
         g = collect_grams(lm, body, roles, role_map=role_map, tokens=tokens, progress=progress, holdout=holdout)
     except ValueError:

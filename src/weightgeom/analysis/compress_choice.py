@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from weightgeom.analysis.api import _as_loaded, as_computable
-from weightgeom.analysis.calibration import source_grams
+from weightgeom.analysis.calibration import runnable_lm, source_grams
 from weightgeom.analysis.compress import (
     SPACES,
     CompressConfig,
@@ -79,7 +79,8 @@ def role_losses(items: list[RoleWeight], role: str, cfg: CompressConfig, grams, 
 
 def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig, grams,
                    ratios: Mapping[str, dict] | None = None, progress: bool = False,
-                   keep: dict | None = None, savings_by_role: Mapping[str, float] | None = None) -> dict[str, dict]:
+                   keep: dict | None = None, savings_by_role: Mapping[str, float] | None = None,
+                   lm=None) -> dict[str, dict]:
     """Per role, the space with the lowest calibration loss: held-out when ``grams`` holds a part apart (each space
     fitted on :meth:`~weightgeom.analysis.calibration.Grams.fit_part`, scored on
     :attr:`~weightgeom.analysis.calibration.Grams.held`), else in-sample.
@@ -92,6 +93,10 @@ def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig,
         keep: a dict that gets role → the chosen space's fitted groups (so they need not be fitted again); only
             without a held-out part (the groups fitted on the fit part are not the final ones, so none are kept).
         savings_by_role: role → its own savings (a whole-model budget's allotment) instead of ``cfg.savings``.
+        lm: the runnable model (:class:`~weightgeom.analysis.perplexity.CausalLM`) the Grams came from: with a
+            held-out part, each space is then judged by the model's own loss on the held-out tokens with that role's
+            matrices replaced by the fits (the other roles whole): the increase of the NLL per token over the
+            uncompressed model's (``"nll"``), which the choice follows instead of the layer-output loss.
 
     Returns:
         role → ``{"space": ..., "loss": {space: relative loss}, "fit_loss": {space: in-sample loss on the fitted
@@ -102,31 +107,76 @@ def choose_by_loss(by_role: Mapping[str, list[RoleWeight]], cfg: CompressConfig,
     held = grams.held if getattr(grams, "held", None) and grams.held_tokens > 0 else None
     fit_grams = grams.fit_part() if held is not None else grams
     keep_here = keep is not None and held is None
+    judge = _NllJudge(lm, grams) if lm is not None and held is not None and grams.held_ids is not None else None
     for j, (role, items) in enumerate(by_role.items()):
         fitted: dict[str, list] = {s: [] for s in SPACES}
-        losses, fit_losses = {}, {}
+        losses, fit_losses, nll = {}, {}, {}
         for s in SPACES:
             groups = fitted[s] if keep_here or held is not None else None
             rcfg = replace(cfg, savings=savings_by_role[role]) if savings_by_role else cfg
             losses[s] = role_losses(items, role, rcfg, fit_grams, s, groups, held)
             fit_losses[s] = _in_sample(groups) if held is not None else losses[s]
+            if judge is not None:
+                nll[s] = judge.delta(role, groups) if not math.isnan(losses[s]) else math.nan
             if not keep_here:
                 fitted[s] = []
-        ok = {s: v for s, v in losses.items() if not math.isnan(v)}
+        score = nll if judge is not None and not all(math.isnan(v) for v in nll.values()) else losses
+        ok = {s: v for s, v in score.items() if not math.isnan(v)}
         best = min(ok, key=lambda s: ok[s]) if ok else "none"
         if keep_here:
             keep[role] = fitted[best]
         del fitted
         r = dict((ratios or {}).get(role) or {})
         out[role] = {"space": best, "loss": losses, "fit_loss": fit_losses, "input": r.get("input", math.nan),
-                     "output": r.get("output", math.nan), "by": "held-out loss" if held is not None else "loss"}
+                     "output": r.get("output", math.nan),
+                     "by": "held-out NLL" if score is nll else "held-out loss" if held is not None else "loss"}
+        if score is nll:
+            out[role]["nll"] = nll
         if savings_by_role:
             out[role]["savings"] = savings_by_role[role]
         if progress:
             print(f"  [{j + 1}/{len(by_role)} roles] auto: {role} " + ", ".join(
-                f"{s} {v:.4g}" for s, v in losses.items()) + f" → {best}  {time.perf_counter() - t0:.1f} s elapsed",
-                file=sys.stderr, flush=True)
+                f"{s} {v:.4g}" + (f" (ΔNLL {nll[s]:+.4f})" if s in nll else "") for s, v in losses.items())
+                + f" → {best}  {time.perf_counter() - t0:.1f} s elapsed", file=sys.stderr, flush=True)
     return out
+
+
+class _NllJudge:
+    """The model's NLL per token on the held-out calibration tokens with one role's matrices replaced by fitted
+    groups (every other weight as loaded), minus the uncompressed model's: what a role's compression costs the model
+    itself on text the fits did not see."""
+
+    def __init__(self, lm, grams):
+        from weightgeom.analysis.perplexity import perplexity_of_ids
+
+        self.lm, self.ids, self.ctx = lm, grams.held_ids, grams.context or None
+        self._ppl = perplexity_of_ids
+        self.model_roles = assign_roles(lm.model.state_dict())
+        self.base = self._nll()
+
+    def _nll(self) -> float:
+        return self._ppl(self.lm, self.ids, tokens=int(self.ids.numel()), context=self.ctx).nll
+
+    def delta(self, role: str, groups: list) -> float:
+        """ΔNLL with ``role``'s layers replaced by ``groups``' reconstructions (NaN when the model lacks them)."""
+        import torch
+
+        mats = {rw.layer: rw.weight for rw in self.model_roles.get(role, [])}
+        layers = [lay for g in groups for lay in g.layers]
+        if not layers or any(lay not in mats or tuple(mats[lay].shape) != tuple(g.shape)
+                             for g in groups for lay in g.layers):
+            return math.nan
+        saved = {lay: mats[lay].clone() for lay in layers}
+        try:
+            with torch.no_grad():
+                for g in groups:
+                    for lay in g.layers:
+                        mats[lay].copy_(g.dense(lay).to(mats[lay].dtype))
+            return self._nll() - self.base
+        finally:
+            with torch.no_grad():
+                for lay, w in saved.items():
+                    mats[lay].copy_(w)
 
 
 def _in_sample(groups: list | None) -> float:
@@ -143,16 +193,19 @@ def format_choice_table(spaces: Mapping[str, dict]) -> str:
     """The per-role table ``compress`` ends with: the choice, the calibration loss of each option (relative
     layer-output error on the calibration text) and the continuity ratios (C_v, C_u over their random levels)."""
     budget = any("savings" in v for v in spaces.values())
-    head = ("role",) + (("savings",) if budget else ()) + (
-        "choice", "loss input", "loss output", "loss per-layer", "C_v/rand", "C_u/rand")
+    by_nll = any("nll" in v for v in spaces.values())
+    head = ("role",) + (("savings",) if budget else ()) + ("choice", "loss input", "loss output", "loss per-layer") + (
+        ("ΔNLL input", "ΔNLL output", "ΔNLL per-layer") if by_nll else ()) + ("C_v/rand", "C_u/rand")
     rows = [head]
     for role, v in spaces.items():
         loss = v.get("loss") or {}
         sv = (f"{v['savings']:.1%}" if "savings" in v else "—",) if budget else ()
         choice = "whole" if v.get("space") == "kept" else "per-layer" if v.get("space") == "none" else str(
             v.get("space"))
-        rows.append((role,) + sv + (choice, _num(loss.get("input")), _num(loss.get("output")), _num(loss.get("none")),
-                                    _num(v.get("input")), _num(v.get("output"))))
+        nll = v.get("nll") or {}
+        rows.append((role,) + sv + (choice, _num(loss.get("input")), _num(loss.get("output")), _num(loss.get("none")))
+                    + ((_num(nll.get("input")), _num(nll.get("output")), _num(nll.get("none"))) if by_nll else ())
+                    + (_num(v.get("input")), _num(v.get("output"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     left = 1 + budget  # role (and savings) and choice left-aligned
     return "\n".join("  ".join(c.rjust(w) if i > left else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -165,7 +218,8 @@ def compress_calibrated(source, out: str | Path | None = None, cfg: CompressConf
     """:func:`~weightgeom.analysis.compress.compress` with activation-aware fits: collects the calibration Grams of
     ``source`` (:func:`~weightgeom.analysis.calibration.source_grams` on ``cfg.calibration``, unless ``grams`` is
     given; for ``auto`` the last ``cfg.calibration_holdout`` of the tokens held apart), picks ``auto``'s spaces by
-    held-out calibration loss (:func:`choose_by_loss`, continuity ratios beside), then compresses with the Grams of
+    the model's held-out calibration NLL (:func:`choose_by_loss` with the loaded model; with given ``grams``, which
+    come without it, by the held-out layer-output loss; continuity ratios beside), then compresses with the Grams of
     all the calibration tokens.
 
     Raises:
@@ -182,10 +236,12 @@ def compress_calibrated(source, out: str | Path | None = None, cfg: CompressConf
     by_role = _select(assign_roles(src.tensors, role_map), cfg.roles)
     if cfg.share != "auto":
         _plan(by_role, cfg, dict.fromkeys(by_role, cfg.share), allow_growth)
+    lm = None
     if grams is None:
         runnable = source.meta.get("path") if isinstance(source, Loaded) else source
         choose = cfg.share == "auto" or cfg.budget == "model"
-        grams = source_grams(runnable, list(by_role), text=cfg.calibration, role_map=role_map,
+        lm = runnable_lm(runnable, progress)
+        grams = source_grams(lm, list(by_role), text=cfg.calibration, role_map=role_map,
                              tokens=cfg.calibration_tokens, progress=progress,
                              holdout=cfg.calibration_holdout if choose else 0.0)
     spaces_info = savings_by_role = None
@@ -208,7 +264,8 @@ def compress_calibrated(source, out: str | Path | None = None, cfg: CompressConf
         if progress:
             print("measuring each role's calibration loss in the input, output and per-layer spaces ...",
                   file=sys.stderr, flush=True)
-        spaces_info = choose_by_loss(by_role, cfg, grams, ratios, progress, savings_by_role=savings_by_role)
+        spaces_info = choose_by_loss(by_role, cfg, grams, ratios, progress, savings_by_role=savings_by_role, lm=lm)
+    del lm  # the runnable copy is not needed for the compress itself
     res = compress(source, out, cfg, role_map=role_map, progress=progress, allow_growth=allow_growth, grams=grams,
                    spaces_info=spaces_info, savings_by_role=savings_by_role)
     if cfg.budget == "model":

@@ -15,9 +15,9 @@ shared       weight-only shared bases, each role in its more continuous space (`
              calibration)
 input-a      activation-aware shared right bases (Basis-Sharing-style, least-squares coefficient refit)
 output-a     activation-aware shared left bases (the exact minimiser of the groups' output error)
-auto-a       per role, whichever of input-a, output-a and svd-w has the lowest held-out calibration loss (each
-             fitted on the first 1 − ``calibration_holdout`` of the calibration tokens, scored on the rest; the
-             choice then fitted on all of them, as the other methods are)
+auto-a       per role, whichever of input-a, output-a and svd-w costs the model least on held-out calibration
+             tokens (each fitted on the first 1 − ``calibration_holdout`` of the calibration tokens, that role alone
+             replaced, the model's NLL on the rest; the choice then fitted on all of them, as the other methods are)
 paper-a      activation-aware, each role in the continuity paper's space (input for Q, K, Gate, Up; output for
              O, Down; V per layer)
 paper-rev-a  activation-aware, each role in the other space (output for Q, K, Gate, Up; input for O, Down; V per
@@ -64,7 +64,7 @@ MODEL_ROLES = ("Q", "K", "V", "O", "Gate", "Up", "Down")
 """Every attention and MLP projection of a Llama block."""
 LABELS = {"svd": "per-layer SVD", "svd-w": "per-layer whitened SVD (SVD-LLM)", "shared": "weight-only shared (auto)",
           "input-a": "activation-aware shared, input", "output-a": "activation-aware shared, output",
-          "auto-a": "auto (lowest held-out calibration loss)", "paper-a": "activation-aware, the paper's space",
+          "auto-a": "auto (lowest held-out calibration NLL)", "paper-a": "activation-aware, the paper's space",
           "paper-rev-a": "activation-aware, the other space", "budget-w": "whitened SVD, whole-model budget"}
 
 
@@ -101,7 +101,7 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
         info = {r: {"space": PAPER_SPACE.get(r, "input") if method == "paper-a" else
                     _OTHER[PAPER_SPACE.get(r, "input")]} for r in roles}
     elif ccfg.share == "auto" and calibrated:
-        info = choose_by_loss(sel, ccfg, grams, continuity, progress=progress, keep=fitted)
+        info = choose_by_loss(sel, ccfg, grams, continuity, progress=progress, keep=fitted, lm=lm)
     elif ccfg.share == "auto":
         info = {r: continuity[r] for r in roles}
     else:
