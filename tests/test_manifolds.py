@@ -592,3 +592,76 @@ def test_dgram_retraction_keeps_small_columns(shape):
     ratio = torch.linalg.vector_norm(W, dim=0) / torch.linalg.vector_norm(W0, dim=0)
     assert float((ratio - 1).abs().max()) < 1e-3
     assert DGram().check(W, tol=1e-5)
+
+
+# ---- host-free retractions (what a compiled optimizer step runs) ---------------------------------------------------
+@pytest.mark.parametrize("make", MANIFOLDS)
+def test_host_free_retraction_lands_where_retract_does(make):
+    """Every manifold configuration with a host-free retraction (``host_free_retraction``): from a far batch
+    (``far=True``) it lands on the manifold, and from a near one it gives ``retract``'s point to float32 rounding."""
+    m = make()
+    if not m.host_free_retraction():
+        pytest.skip("this configuration retracts eagerly only")
+    g = torch.Generator().manual_seed(3)
+    far = torch.randn(3, 20, 6, generator=g)
+    R = m.retract_host_free(far, far=True)
+    assert R.shape == far.shape and R.dtype == far.dtype
+    assert float(m.constraint_violation(R).max()) < 1e-5
+    near = R + 1e-3 * torch.randn(3, 20, 6, generator=g)
+    torch.testing.assert_close(m.retract_host_free(near), m.retract(near), atol=1e-5, rtol=0)
+
+
+class _UnitColumns(Manifold):
+    """A custom manifold written outside the library (unit columns, as Oblique), without a host-free retraction."""
+
+    name = "unit-columns"
+    retractions = ("normalize",)
+    entrywise_P = True
+
+    def P(self, S: torch.Tensor) -> torch.Tensor:
+        return torch.diag_embed(S.diagonal(dim1=-2, dim2=-1))
+
+    def retract(self, W: torch.Tensor) -> torch.Tensor:
+        X, t = tall(W)
+        return (X / torch.linalg.vector_norm(X, dim=-2, keepdim=True)).mT if t else \
+            X / torch.linalg.vector_norm(X, dim=-2, keepdim=True)
+
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        X, t = tall(W)
+        Y = A.mT if t else A
+        P = Y - X * (X * Y).sum(dim=-2, keepdim=True)
+        return P.mT if t else P
+
+
+class _UnitColumnsHostFree(_UnitColumns):
+    """The same manifold with its host-free retraction."""
+
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        return X / torch.linalg.vector_norm(X, dim=-2, keepdim=True)
+
+
+def test_custom_manifold_steps_host_free_only_with_retract_host_free():
+    """A custom manifold that implements ``retract_host_free`` takes the host-free step (what a compiled step traces)
+    and lands where its eager step does; one that does not is refused with one line naming the method (it used to
+    fall back silently to another path)."""
+    from weightgeom.optim import Muon
+
+    g = torch.Generator().manual_seed(0)
+    W0 = torch.randn(24, 8, generator=g)
+    grads = [torch.randn(24, 8, generator=g) for _ in range(3)]
+
+    def run(manifold: Manifold, host_free: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(W0.clone())
+        opt = Muon([p], lr=0.05, manifold=manifold)
+        opt.host_free = host_free
+        for gr in grads:
+            p.grad = gr.clone()
+            opt.step()
+        return p.detach()
+
+    with pytest.raises(TypeError, match=r"_UnitColumns\).*retract_host_free\(X, far\)") as err:
+        run(_UnitColumns(), True)
+    assert "\n" not in str(err.value)
+    eager = run(_UnitColumns(), False)
+    torch.testing.assert_close(run(_UnitColumnsHostFree(), True), eager, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.linalg.vector_norm(eager, dim=0), torch.ones(8), atol=1e-5, rtol=0)

@@ -8,7 +8,8 @@ P = Diag; Euclidean: P = 0, no constraint). Its tangent space at W is {A : P(W�
 Wide matrices (m < n) are handled by transposing: every public method accepts either orientation and works on the
 tall view (``tall(W)``), returning results in the caller's orientation. Leading dims are batched.
 
-Subclasses implement ``P``, ``retract`` and ``proj_tangent`` (and may override the rest). Adding a manifold is one
+Subclasses implement ``P``, ``retract`` and ``proj_tangent`` (and may override the rest); ``retract_host_free`` (a
+batched retraction without host reads) lets an optimizer step on the manifold compile. Adding a manifold is one
 file, one line in ``manifolds/__init__.py``'s registry and one line in the test table; optimizers use only this API
 and never branch on the manifold's type.
 """
@@ -326,6 +327,36 @@ class Manifold(ABC):
         if R is not W:
             W.copy_(R)
         return W
+
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        """The retraction of a batch (B, m, n) of tall matrices with no host reads: fixed loop counts, every per-matrix
+        decision a device-side mask, a constant number of operations whatever B — what a compiled optimizer step
+        (``torch.compile(opt.step)``, ``Muon.host_free``) runs after each step. Returns the retracted batch in X's
+        dtype (computed in at least float32). ``far``: X may be far from the manifold (a fresh matrix's first step):
+        take it to rounding level from there.
+
+        Not implemented here: a manifold that implements it compiles (``host_free_retraction`` then says which of its
+        configurations do); one that does not is refused by a compiled step with a TypeError naming this method."""
+        raise TypeError(f"{type(self).__name__} ({self.name!r}) does not implement retract_host_free(X, far), the "
+                        "host-free retraction a compiled step needs: implement it, or step this manifold eagerly")
+
+    def host_free_retraction(self) -> bool:
+        """Whether this manifold, as configured, has a host-free retraction (``retract_host_free``); a configuration
+        without one (e.g. an SVD retraction) steps eagerly inside a compiled step (one graph break). False where
+        ``retract_host_free`` is not implemented."""
+        return type(self).retract_host_free is not Manifold.retract_host_free
+
+    def retract_far(self, W: torch.Tensor) -> torch.Tensor:
+        """Retract a point that may be far from the manifold (a fresh matrix's first step) to rounding level: twice by
+        default — a far start lands within ~1e-5 of the manifold, the second (near-manifold, cheap) retraction takes
+        it to rounding level, where the tangent projection is exact; once with a published retraction (``retraction
+        == "paper"``), as the published code initialises. Computed in at least float32, in W's dtype."""
+        X = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
+        R = self.retract(X).to(W.dtype)
+        if getattr(self, "retraction", None) == "paper":
+            return R
+        X = R.float() if R.dtype in (torch.float16, torch.bfloat16) else R
+        return self.retract(X).to(W.dtype)
 
     @abstractmethod
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

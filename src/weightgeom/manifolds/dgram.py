@@ -47,7 +47,7 @@ from weightgeom.manifolds.base import (
     tall_pair,
     untall,
 )
-from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near
+from weightgeom.manifolds.stiefel import haar_orthonormal, polar_near, polar_near_masked
 
 __all__ = ["DGram", "off", "dgram_proj_tangent", "dgram_retract_column_polar", "dgram_retract_polar",
            "dgram_retract_paper", "polar_near_columns",
@@ -255,6 +255,23 @@ class DGram(Manifold):
             dgram_retract_column_polar(X, self.method, self.steps, inplace=True)
             return W
         return super().retract_(W)
+
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        """``Manifold.retract_host_free``: ``"column_polar"`` by ``polar_near_masked`` in the column-scaled coordinates
+        (``far``: Polar Express of the column-normalised X first); ``"paper"`` as ``retract``. A zero column gives NaN
+        here (``retract`` completes it exactly; a compiled step with ``on_nonfinite="skip"`` then skips)."""
+        if self.retraction == "paper":
+            return dgram_retract_paper(X)
+        Z = X.to(compute_dtype(X))
+        if far:
+            norms = torch.linalg.vector_norm(Z, dim=-2, keepdim=True)
+            X = (polar(Z / norms, "polar_express", self.steps) * norms).to(X.dtype)
+            Z = X.to(compute_dtype(X))
+        return polar_near_masked(Z, scale=torch.linalg.vector_norm(Z, dim=-2, keepdim=True)).to(X.dtype)
+
+    def host_free_retraction(self) -> bool:
+        """The column-polar retraction by Polar Express, or the published one (others step eagerly)."""
+        return self.retraction == "paper" or (self.retraction == "column_polar" and self.method == "polar_express")
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·Λ with Λ_ij = (WᵀA + AᵀW)_ij/(d_i + d_j) off-diagonal, d = diag(WᵀW) (tall view)."""

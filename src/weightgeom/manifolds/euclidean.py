@@ -26,6 +26,10 @@ class Euclidean(Manifold):
         tall(W)  # validates the shape
         return W
 
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        """``Manifold.retract_host_free``: the identity, as ``retract``."""
+        return X
+
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """Identity (returns A itself): every direction is tangent."""
         tall_pair(W, A)  # validates the shapes

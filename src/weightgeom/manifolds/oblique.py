@@ -75,6 +75,15 @@ class Oblique(Manifold):
         X, t = tall(W)
         return untall(normalize_columns_paper(X) if self.retraction == "paper" else normalize_columns(X), t)
 
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        """``Manifold.retract_host_free``: each column normalised (``retract``'s arithmetic, host-free already;
+        ``far``: twice, as ``retract_far``)."""
+        f = normalize_columns_paper if self.retraction == "paper" else normalize_columns
+        R = f(X.to(compute_dtype(X))).to(X.dtype)
+        if far and self.retraction != "paper":
+            R = f(R.to(compute_dtype(R))).to(R.dtype)
+        return R
+
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·diag(diag(WᵀA)/diag(WᵀW)) on the tall view."""
         X, Y, t = tall_pair(W, A)

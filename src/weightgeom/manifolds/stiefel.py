@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from weightgeom import kernels
+from weightgeom.linalg.gemm import addmm_batched
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
 from weightgeom.linalg.norms import plain
@@ -33,6 +34,7 @@ from weightgeom.manifolds.base import (
 )
 
 __all__ = ["Stiefel", "sym", "stiefel_proj_tangent", "gram_deviation", "scaled_gram_deviation", "polar_near",
+           "polar_near_masked",
            "NEAR_TOL", "NEAR_REMAINDER", "ORDER_REMAINDER", "NEAR_MAX_ITERS"]
 
 _METHODS = ("polar_express", "svd")
@@ -53,7 +55,7 @@ NEAR_REMAINDER = {torch.float32: 5e-8, torch.float64: 5e-16}
 ORDER_REMAINDER = (0.75, 0.625, 35 / 128)
 """c_k of the remainder c_k·x^{k+1} of ``polar_near``'s order-k step, k = 1, 2, 3 (see the comment above)."""
 NEAR_MAX_ITERS = 4
-"""Iterations ``polar_near`` (and the host-free batched form in ``optim.manifold_host_free``) run at most."""
+"""Iterations ``polar_near`` (and its host-free batched form ``polar_near_masked``) run at most."""
 
 
 def sym(M: torch.Tensor) -> torch.Tensor:
@@ -158,6 +160,38 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
     return None
 
 
+def polar_near_masked(X: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``polar_near`` of a batch (B, m, n) of tall matrices without host reads, with a fixed count:
+    ``NEAR_MAX_ITERS`` iterations, each matrix choosing its series order and stopping where ``polar_near`` does alone
+    (its later iterations are masked out). ``scale``: column scales s (B, 1, n), as ``polar_near``'s. In compute
+    dtype. Unlike ``polar_near`` it never switches to Polar Express far from the manifold: the series converges for
+    singular values in about (0.3, 1.5) — a step of spectral size lr moves them by ≤ lr, so this holds after an
+    optimizer step for lr ≲ 0.3; a far point takes ``retract_host_free(X, far=True)``."""
+    Xc = X.to(compute_dtype(X))
+    tol = NEAR_REMAINDER[Xc.dtype]
+    n = Xc.shape[-1]
+    eye = torch.eye(n, dtype=Xc.dtype, device=Xc.device)
+    s = None if scale is None else scale.to(Xc.dtype)
+    active = torch.ones(Xc.shape[0], 1, 1, dtype=torch.bool, device=Xc.device)
+    for _ in range(NEAR_MAX_ITERS):
+        G = Xc.mT @ Xc
+        E = (G if s is None else G / (s.mT * s)) - eye
+        # the order test in float64, as polar_near takes it on the host
+        e = torch.linalg.matrix_norm(E).to(torch.float64)
+        rho = torch.minimum(e, E.abs().sum(dim=-1).amax(dim=-1).to(torch.float64))
+        o1, o2, o3 = ((c * rho**k * e <= tol).reshape(-1, 1, 1) for k, c in enumerate(ORDER_REMAINDER, 1))
+        F1 = E * -0.5
+        E2 = E @ E
+        F2 = torch.add(F1, E2, alpha=0.375)
+        F3 = torch.add(F2, E2 @ E, alpha=-0.3125)
+        F = torch.where(o1, F1, torch.where(o2, F2, F3))
+        if s is not None:
+            F = F * (s / s.mT)
+        Xc = torch.where(active, addmm_batched(Xc, Xc, F), Xc)
+        active = active & ~(o1 | o2 | o3)
+    return Xc
+
+
 def _near_correction(E: torch.Tensor, order: int) -> torch.Tensor:
     """p_order(E) − I = −E/2 (+ 3E²/8 (− 5E³/16)) for order 1, 2 or 3 (order − 1 n×n×n products, each of small
     factors only — ``small_mm``, one bf16 product inside ``split_products()`` — added to the exact first-order term)."""
@@ -242,6 +276,19 @@ class Stiefel(Manifold):
                     X.copy_(R)
                 return W
         return super().retract_(W)
+
+    def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
+        """``Manifold.retract_host_free``: ``polar_near_masked``; ``far``: Polar Express first (as ``retract`` does
+        for a far point), then the near series to rounding level; ``"paper"``: msign(X) by the published iteration."""
+        if self.retraction == "paper":
+            return msign(X, method="polar_express_paper").to(X.dtype)
+        if far:
+            X = polar(X.to(compute_dtype(X)), "polar_express", self.steps).to(X.dtype)
+        return polar_near_masked(X.to(compute_dtype(X))).to(X.dtype)
+
+    def host_free_retraction(self) -> bool:
+        """Polar Express or the published retraction (an SVD polar factor steps eagerly)."""
+        return self.retraction == "paper" or self.method == "polar_express"
 
     def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """A − W·sym(WᵀA) on the tall view (orthogonal projection when W is on the manifold)."""

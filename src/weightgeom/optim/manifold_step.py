@@ -11,7 +11,8 @@ once every matrix has stopped, per-matrix stats as Python floats (one host read 
 parameter whose tall view is row-major (no working copy), the constraint products the device chose
 (``Muon._products_for``). The host-free step (``host_free=True``: what ``torch.compile(opt.step)`` traces) reads
 nothing on the host, takes a constant number of operations per bucket, masks every write with ``ok``
-(``on_nonfinite="skip"``) and retracts by the manifold's host-free retraction.
+(``on_nonfinite="skip"``) and retracts by the manifold's ``retract_host_free``. The manifold's maths (retraction,
+projection, P) are its own methods: nothing here asks which manifold it is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from weightgeom.linalg import MSIGN_PRESETS, msign
 from weightgeom.linalg import layout as linalg_layout
 from weightgeom.linalg.autotune import constraint_products
 from weightgeom.manifolds import Manifold
-from weightgeom.optim import manifold_host_free
 from weightgeom.optim.functional import apply_update, shape_scale
 from weightgeom.optim.manifold_muon import dual_ascent
 from weightgeom.optim.muon_checks import FAR_RETRACTION, looks_fresh
@@ -52,8 +52,17 @@ Entries = list[tuple[str, torch.Tensor]]
 
 
 def host_free_supported(manifold: Manifold) -> bool:
-    """Whether ``manifold`` has a host-free retraction (else a compiled step runs its group eagerly)."""
-    return manifold_host_free.supports(manifold)
+    """Whether ``manifold``, as configured, has a host-free retraction (``Manifold.host_free_retraction``; else a
+    compiled step runs its group eagerly).
+
+    Raises:
+        TypeError: the manifold's class does not implement ``retract_host_free`` at all (one line naming it).
+    """
+    if type(manifold).retract_host_free is Manifold.retract_host_free:
+        raise TypeError(f"Muon: manifold {manifold.name!r} ({type(manifold).__name__}) does not implement "
+                        "retract_host_free(X, far), which a compiled or host-free step needs: implement it, or step "
+                        "this group eagerly (no compile_step, host_free=False)")
+    return manifold.host_free_retraction()
 
 
 def group_step(opt: Any, group: dict[str, Any], entries: Entries, ok: torch.Tensor | None = None,
@@ -98,13 +107,8 @@ def msign_fns(opt: Any, group: dict[str, Any], X32: torch.Tensor) -> tuple[Any, 
 def first_retraction(opt: Any, group: dict[str, Any], manifold: Manifold, name: str, X: torch.Tensor) -> None:
     """Eager: retract parameter ``name``'s tall matrix (or blocks) X onto the manifold at its first step, in place,
     and record a far retraction of a matrix that does not look freshly initialised (``init="retract"``: the
-    optimizer warns once).
-    Twice: a far start (Polar Express) lands within ~1e-5 of the manifold, the second retraction (near-manifold,
-    cheap) takes it to rounding level, where the tangent projection is exact; once with the published retraction,
-    as the published code initialises."""
-    R = retract(manifold, X)
-    if getattr(manifold, "retraction", None) != "paper":
-        R = retract(manifold, R)
+    optimizer warns once). ``Manifold.retract_far``: to rounding level from a far start."""
+    R = manifold.retract_far(X)
     dist = retraction_distance(X, R)
     if dist > FAR_RETRACTION and group["init"] == "retract" and not looks_fresh(X):
         opt._far_retractions[name] = (dist, manifold.name)
@@ -140,9 +144,7 @@ def bucket_step(opt: Any, group: dict[str, Any], manifold: Manifold, entries: En
     X = V.reshape(shape) if own else V.reshape(shape).clone(memory_format=torch.contiguous_format)
     if retracts and first:  # start on the manifold
         if host_free:
-            X = manifold_host_free.retract(manifold, X, far=True)
-            if manifold.retraction != "paper":
-                X = manifold_host_free.retract(manifold, X)
+            X = manifold.retract_host_free(X, far=True)
         else:
             first_retraction(opt, group, manifold, entries[0][0], X)  # eagerly a first step is a bucket alone
     G = tall_batch(U, layout, split)[0].reshape(shape).contiguous()
@@ -165,7 +167,7 @@ def bucket_step(opt: Any, group: dict[str, Any], manifold: Manifold, entries: En
         apply_update(X, out.direction, float(group["lr"]), scale, group["weight_decay"])
         R = X
         if retracts and host_free:
-            R = manifold_host_free.retract(manifold, X)
+            R = manifold.retract_host_free(X)
         elif retracts:
             R = manifold.retract_(X) if X.dtype in (torch.float32, torch.float64) else retract(manifold, X)
     if host_free:

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from weightgeom import manifolds
-from weightgeom.linalg import layout as linalg_layout
 from weightgeom.optim.sharded import is_dtensor
 
 __all__ = ["STRUCTURAL_KEYS", "PARAM_LIKE_STATE", "DUAL_STATE", "param_name", "tall_batch", "from_tall", "dual_shape",
-           "row_major", "tall_shape", "step_counter", "structural", "state_shapes", "foreign_key", "dual_dtype",
+           "step_counter", "structural", "state_shapes", "foreign_key", "dual_dtype",
            "out_in", "matrices", "retraction_distance", "retract"]
 
 # Group keys that decide what a parameter's optimizer state means (which buffers exist, their shape and units): a state
@@ -57,17 +56,6 @@ def from_tall(X: torch.Tensor, layout: str, split: int | None, flip: bool) -> to
 def dual_shape(group: dict[str, Any], p: torch.Tensor) -> tuple[int, ...]:
     """The shape of a manifold matrix's dual state (``state_shapes``)."""
     return state_shapes(group, p)["dual_multiplier"]
-
-
-def row_major(mats: list[torch.Tensor]) -> torch.Tensor:
-    """A row-major copy of one matrix, or of several stacked (``layout.stacked``: transposed views copied in blocks)."""
-    out = linalg_layout.stacked(mats)
-    return out[0] if len(mats) == 1 else out
-
-
-def tall_shape(W: torch.Tensor) -> tuple[int, ...]:
-    """The shape of W's tall view (rows ≥ columns): W and Wᵀ share a manifold-Muon bucket."""
-    return (*W.shape[:-2], max(W.shape[-2:]), min(W.shape[-2:]))
 
 
 def step_counter(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
