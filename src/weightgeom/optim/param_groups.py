@@ -30,7 +30,7 @@ with a "did you mean"):
   dropped), the AdamW-only ``betas`` and ``eps``, and the entries of ``adamw_hparams={"lr": ...}`` (keys ``lr``,
   ``weight_decay``, ``betas``, ``eps``). The same setting given two ways is an error.
 - Muon groups: every other keyword, which must be a Muon group key (a keyword of ``weightgeom.optim.Muon``:
-  ``lr``, ``weight_decay``, ``momentum``, ``dual_steps``, ``init``, ...). ``lr`` and ``weight_decay`` are Muon's.
+  ``lr``, ``weight_decay``, ``momentum``, ``dual``, ``init``, ...). ``lr`` and ``weight_decay`` are Muon's.
 - An AdamW group given no ``lr`` takes the optimizer's (``Muon(..., adamw_lr=)``, else ``Muon(..., lr=)``).
 
 HF GPT-2 uses ``Conv1D`` whose weight is stored (in, out): such parameters get the group key ``layout="in_out"`` so
@@ -239,7 +239,7 @@ def param_groups(
             decay applies to ≥2-D tensors only (1-D: 0).
         **hparams: routed by name (module docstring): ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas`` /
             ``betas``, ``adamw_eps`` / ``eps`` → AdamW groups; every other key must be a Muon group key (``lr``
-            in spectral-norm units per step, ``weight_decay``, ``momentum``, ``dual_steps``, ``init``, ...) and goes
+            in spectral-norm units per step, ``weight_decay``, ``momentum``, ``dual``, ``init``, ...) and goes
             to the Muon groups. E.g. ``param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3)``.
 
     Returns:
