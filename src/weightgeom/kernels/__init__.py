@@ -218,7 +218,7 @@ def md_adam_step(G: torch.Tensor, D: torch.Tensor, W: torch.Tensor, exp_avg: tor
     """One whole MD step of one matrix over an Adam(W) base, in two passes (maths: ``md_adam.c``'s header).
 
     Everything is updated in place: Ŵ (``D``) and its Adam moments, the gains θ and their Adam moments, and the
-    model's ``W`` = γ_r Ŵ γ_c. The float64 reference is ``md_functional.fused_step_reference``.
+    model's ``W`` = γ_r Ŵ γ_c. The float64 reference is tests/test_md_fused.py's ``fused_step_reference``.
 
     Args:
         G: ∂L/∂W, (m, n), float32 or float64, contiguous, CPU; D, W, exp_avg, exp_avg_sq: same layout.

@@ -475,15 +475,9 @@ class MagnitudeDirection(Optimizer):
         """
         self.check_groups()
         md_checks.check_gradients(self)
-        group_of = {id(q): g for g in self.base_optimizer.param_groups for q in g["params"]}
         plan = []
-        for p in self._decoupled:
+        for p, group in md_checks.with_gradients(self):
             G = p.grad
-            if G is None:
-                continue
-            if id(p) not in group_of:
-                raise ValueError(f"MagnitudeDirection: parameter {self._name[p]!r} is no longer in the base optimizer")
-            group = group_of[id(p)]
             scaled = self._scale_for(p, group) is not None
             why = "fused=False" if self.fused is False else md_fused.fusable(
                 self.base_optimizer, group, p, G, self.gains, self.parameterization, scaled, self.kernels)

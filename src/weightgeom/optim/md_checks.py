@@ -26,8 +26,8 @@ from weightgeom.optim.md_state import invalid_gain_key
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
-__all__ = ["RESYNC_ULPS", "SPARSE_BASES", "same_weight", "check_groups", "check_gradients", "check_metadata",
-           "check_fits", "cpu_scan", "param_label", "rederive"]
+__all__ = ["RESYNC_ULPS", "SPARSE_BASES", "resync", "check_groups", "check_gradients", "check_metadata",
+           "check_fits", "with_gradients", "cpu_scan", "param_label", "rederive"]
 
 
 # W counts as still γ_r Ŵ γ_c (no re-derivation of Ŵ) when every entry agrees to this many units in the last place:
@@ -35,16 +35,6 @@ __all__ = ["RESYNC_ULPS", "SPARSE_BASES", "same_weight", "check_groups", "check_
 # so γ_r Ŵ γ_c recomputed in torch differs from the kernel's W by a few ulp (measured ≤ 3.3·eps·|W| over 30 fused
 # steps of 10 matrices, softplus and exp). Any real change to W (a different checkpoint, an edit) is far larger.
 RESYNC_ULPS = 16
-
-
-def same_weight(composed: torch.Tensor, W: torch.Tensor) -> bool:
-    """Whether W still equals γ_r Ŵ γ_c (``composed``) within ``RESYNC_ULPS``."""
-    if torch.equal(composed, W):
-        return True
-    if not W.is_floating_point():
-        return False
-    tol = RESYNC_ULPS * torch.finfo(W.dtype).eps
-    return bool(((composed - W).abs() <= tol * W.abs()).all())
 
 
 # torch optimizers whose step takes sparse gradients; any other base (Adam, AdamW, Muon, ...) would refuse one inside
@@ -124,6 +114,22 @@ def check_fits(md: MagnitudeDirection, q: torch.Tensor, decoupled: bool) -> None
                      torch_state_shapes(q) if torch_base else {}, PARAM_SHAPED_STATE)
 
 
+def with_gradients(md: MagnitudeDirection) -> list[tuple[torch.Tensor, dict]]:
+    """(p, its base group) for each decoupled matrix with a gradient, in order.
+
+    Raises:
+        ValueError: a decoupled matrix is no longer in the base optimizer (naming it); nothing was changed.
+    """
+    group_of = {id(q): g for g in md.base_optimizer.param_groups for q in g["params"]}
+    out = []
+    for p in md._decoupled:
+        if p.grad is not None:
+            if id(p) not in group_of:
+                raise ValueError(f"MagnitudeDirection: parameter {md._name[p]!r} is no longer in the base optimizer")
+            out.append((p, group_of[id(p)]))
+    return out
+
+
 def cpu_scan(md: MagnitudeDirection):
     """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
     step or the C passes around any other base) and they load; None otherwise (a torch norm is used)."""
@@ -143,34 +149,51 @@ def param_label(md: MagnitudeDirection, q: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(q.shape)}"
 
 
-def rederive(md: MagnitudeDirection, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The direction and radius W implies with the current gains, or None if W still equals γ_r Ŵ γ_c (e.g. the
-    same checkpoint loaded into the model: the stored Ŵ is then kept bit for bit). Changes nothing.
-
-    Gains are at least ``GAIN_MIN`` in magnitude, so the division is always defined; the result is refused
-    (ValueError naming p) when W holds NaN/Inf, W/γ overflows the dtype, or the norm is zero.
-    """
-    st = md.state[p]
-    gr, gc = md.gain_values(p)
-    W = p.detach()
-    if same_weight(compose(st["direction"], gr, gc), W):
-        return None
-    name = md._name[p]
-    if not bool(torch.isfinite(W).all()):
-        raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now holds "
-                         "NaN/Inf entries; it has no direction; step refused, nothing was changed")
-    D = W.clone()
+def resync(D: torch.Tensor, W: torch.Tensor, R: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None,
+           sphere: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The direction W implies, on a batch (B, m, n) with gains (B, m, 1)/(B, 1, n), as masks: where W is no longer
+    γ_r Ŵ γ_c (within ``RESYNC_ULPS``), Ŵ = W/γ_r/γ_c and its radius. Returns (Ŵ, radius, same (B,): W still equals
+    γ_r Ŵ γ_c, valid (B,): the re-derived direction exists — W finite, W/γ not overflowing, no zero norm)."""
+    C = compose(D, gr, gc)
+    tol = RESYNC_ULPS * torch.finfo(W.dtype).eps
+    same = ((C == W) | ((C - W).abs() <= tol * W.abs())).flatten(1).all(dim=1)
+    Dr = W
     for g in (gr, gc):
         if g is not None:
-            D.div_(g.to(D.dtype))
-    radius = sphere_norm(D, md.sphere).to(st["radius"].dtype)
-    if not (bool(torch.isfinite(D).all()) and bool(torch.isfinite(radius).all())):
-        gains = [float(g.abs().min()) for g in (gr, gc) if g is not None]
-        smallest = f" (smallest gain {min(gains):.3g})" if gains else ""
-        raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {name!r} from its changed "
-                         f"weight: W / gains overflows {D.dtype}{smallest}; step refused, nothing was changed")
-    if bool((radius <= _ZERO_NORM).any()):
+            Dr = Dr / g.to(W.dtype)
+    Rr = sphere_norm(Dr, sphere).to(R.dtype)
+    valid = (torch.isfinite(W).flatten(1).all(dim=1) & torch.isfinite(Dr).flatten(1).all(dim=1)
+             & (torch.isfinite(Rr) & (Rr > _ZERO_NORM)).flatten(1).all(dim=1))
+    keep = same.reshape(-1, 1, 1)
+    return torch.where(keep, D, Dr), torch.where(keep, R, Rr), same, valid
+
+
+def rederive(md: MagnitudeDirection, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The direction and radius W implies with the current gains (``resync`` on one matrix), or None if W still equals
+    γ_r Ŵ γ_c (e.g. the same checkpoint loaded into the model: the stored Ŵ is then kept bit for bit). Changes
+    nothing. Gains are at least ``GAIN_MIN`` in magnitude, so the division is always defined.
+
+    Raises:
+        ValueError: naming p, where W holds NaN/Inf, W/γ overflows the dtype, or the norm is zero.
+    """
+    st = md.state[p]
+    gains = md.gain_values(p)
+    W = p.detach()
+    D, radius, same, valid = resync(st["direction"][None], W[None], st["radius"][None],
+                                    *(None if g is None else g[None] for g in gains), md.sphere)
+    if bool(same[0]):
+        return None
+    name = md._name[p]
+    if not bool(valid[0]):
+        if not bool(torch.isfinite(W).all()):
+            raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now holds "
+                             "NaN/Inf entries; it has no direction; step refused, nothing was changed")
+        if not (bool(torch.isfinite(D).all()) and bool(torch.isfinite(radius).all())):
+            low = [float(g.abs().min()) for g in gains if g is not None]
+            smallest = f" (smallest gain {min(low):.3g})" if low else ""
+            raise ValueError(f"MagnitudeDirection: cannot re-derive the direction of {name!r} from its changed "
+                             f"weight: W / gains overflows {D.dtype}{smallest}; step refused, nothing was changed")
         what = {"frobenius": "zero norm", "row": "a zero row", "col": "a zero column"}[md.sphere]
         raise ValueError(f"MagnitudeDirection: parameter {name!r} was changed outside the optimizer and now has "
                          f"{what}; its direction is undefined; step refused, nothing was changed")
-    return D, radius
+    return D[0], radius[0]

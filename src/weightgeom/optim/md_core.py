@@ -30,7 +30,7 @@ import torch
 
 from weightgeom.optim import md_fused, md_torch
 from weightgeom.optim.functional import NonFiniteGradientError, all_finite, first_nonfinite
-from weightgeom.optim.md_checks import RESYNC_ULPS
+from weightgeom.optim.md_checks import resync, with_gradients
 from weightgeom.optim.md_functional import (
     _ZERO_NORM,
     _wide,
@@ -40,7 +40,6 @@ from weightgeom.optim.md_functional import (
     gain_chain_log,
     gain_value,
     project,
-    sphere_norm,
     split,
 )
 from weightgeom.optim.muon import Muon
@@ -106,25 +105,6 @@ def adam_base(X: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Ten
     denom = (f(denom) + eps).to(dt)
     X = (f(X) + (f(m) / f(denom)) * (-step_size).to(op)).to(dt)
     return X, m, v
-
-
-def resync(D: torch.Tensor, W: torch.Tensor, R: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None,
-           sphere: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``md_checks.rederive`` on a batch, as masks: where W is no longer γ_r Ŵ γ_c (within ``RESYNC_ULPS``),
-    Ŵ = W/γ_r/γ_c and its radius. Returns (Ŵ, radius, bad (B,): W changed and has no direction — NaN/Inf, W/γ
-    overflowing, or a zero norm)."""
-    C = compose(D, gr, gc)
-    tol = RESYNC_ULPS * torch.finfo(W.dtype).eps
-    same = ((C == W) | ((C - W).abs() <= tol * W.abs())).flatten(1).all(dim=1)
-    Dr = W
-    for g in (gr, gc):
-        if g is not None:
-            Dr = Dr / g.to(W.dtype)
-    Rr = sphere_norm(Dr, sphere).to(R.dtype)
-    valid = (torch.isfinite(W).flatten(1).all(dim=1) & torch.isfinite(Dr).flatten(1).all(dim=1)
-             & (torch.isfinite(Rr) & (Rr > _ZERO_NORM)).flatten(1).all(dim=1))
-    keep = same.reshape(-1, 1, 1)
-    return torch.where(keep, D, Dr), torch.where(keep, R, Rr), ~same & ~valid
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,7 +226,8 @@ def prepare(md: MagnitudeDirection, bs: list[Bucket]) -> torch.Tensor | None:
     bad_any = None
     for b in bs:
         b.gains = _gains(md, b, b.thetas, b.TH)
-        b.D, b.R, bad = resync(b.D0, b.W, b.R0, *b.gains, md.sphere)
+        b.D, b.R, same, valid = resync(b.D0, b.W, b.R0, *b.gains, md.sphere)
+        bad = ~same & ~valid
         bad_any = bad.any() if bad_any is None else bad_any | bad.any()
     return bad_any
 
@@ -451,16 +432,8 @@ def step_host_free(md: MagnitudeDirection) -> None:
         check_step = getattr(base, "check_step", None)
         if check_step is not None:
             check_step()
-    group_of = {id(q): g for g in base.param_groups for q in g["params"]}
     adam = own_adam(base)
-    entries = []
-    for p in md._decoupled:
-        if p.grad is None:
-            continue
-        if id(p) not in group_of:
-            raise ValueError(f"MagnitudeDirection: parameter {md._name[p]!r} is no longer in the base optimizer")
-        entries.append((p, group_of[id(p)], adam, False))
-    bs = buckets(md, entries, eager=False)
+    bs = buckets(md, [(p, group, adam, False) for p, group in with_gradients(md)], eager=False)
     bad_any = prepare(md, bs)
     if bad_any is not None:
         if ok is not None:

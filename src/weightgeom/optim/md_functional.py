@@ -358,68 +358,6 @@ def project(D: torch.Tensor, R: torch.Tensor, sphere: str) -> torch.Tensor:
     return D * (R.to(norm.dtype) / norm.clamp_min(_ZERO_NORM)).to(D.dtype)
 
 
-def fused_step_reference(
-    G: torch.Tensor,
-    D: torch.Tensor,
-    W: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    step_size: float,
-    bc2_sqrt: float,
-    eps: float,
-    decay: float = 1.0,
-    l2: float = 0.0,
-    gain_row: tuple | None = None,
-    gain_col: tuple | None = None,
-    parameterization: str = "softplus",
-    gain_lr: float = 0.0,
-    gain_betas: tuple[float, float] = (0.9, 0.95),
-    gain_eps: float = 1e-8,
-    sphere: str = "frobenius",
-    radius: torch.Tensor | None = None,
-) -> None:
-    """Slow float64 reference of the fused MD step over Adam(W) (``weightgeom.kernels.md_adam_step``), built from the
-    functions above; same arguments, same in-place updates (computed in float64, written back in each dtype).
-
-    Order: log-gain split of G (old Ŵ and gains); torch's Adam(W) step of Ŵ with Ĝ (+ ``l2``·Ŵ, × ``decay``); each
-    gain's Adam step at ``gain_lr`` (``gain_row``/``gain_col`` = (θ, exp_avg, exp_avg_sq, step t, grad out)); Ŵ on its
-    sphere of ``radius``; W = γ_r Ŵ γ_c with the new gains.
-    """
-    d = D.double()
-    thetas = [None if g is None else g[0].double() for g in (gain_row, gain_col)]
-    gr = None if thetas[0] is None else gain_value(thetas[0], parameterization).reshape(-1, 1)
-    gc = None if thetas[1] is None else gain_value(thetas[1], parameterization).reshape(1, -1)
-    s_row, s_col, gh = split_gradient_log(G.double(), d, gr, gc)
-    big = torch.finfo(G.dtype).max  # the kernel's Ĝ saturates in its own dtype
-    gh = gh.clamp(-big, big)
-    e = gh + l2 * d
-    m = exp_avg.double().lerp(e, 1 - beta1)
-    v = exp_avg_sq.double() * beta2 + (1 - beta2) * e * e
-    x = d * decay - step_size * (m / (v.sqrt() / bc2_sqrt + eps))
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
-    for gain, theta, s in ((gain_row, thetas[0], s_row), (gain_col, thetas[1], s_col)):
-        if gain is None:
-            continue
-        ga, gv = gain[1].double(), gain[2].double()
-        lim = gain_grad_limit(gain[0].dtype)  # the kernel clamps at its own dtype's limit
-        grad = gain_chain_log(theta, s.reshape(theta.shape), parameterization).clamp(-lim, lim)
-        if len(gain) > 4 and gain[4] is not None:
-            gain[4].copy_(grad)
-        adam_update_(theta, grad, ga, gv, int(gain[3]), gain_lr, gain_betas, gain_eps, grad_limit=lim)
-        for dst, src in zip(gain[:3], (theta, ga, gv)):
-            dst.copy_(src)
-    shape = {"frobenius": (1, 1), "row": (-1, 1), "col": (1, -1)}[sphere]
-    project_to_sphere_(x, radius.double().reshape(shape), sphere)
-    gr = None if thetas[0] is None else gain_value(thetas[0], parameterization).reshape(-1, 1)
-    gc = None if thetas[1] is None else gain_value(thetas[1], parameterization).reshape(1, -1)
-    W.copy_(compose(x, gr, gc))
-    D.copy_(x)
-
-
 def _check_choice(what: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"MagnitudeDirection: unknown {what} {value!r}; choose from {list(choices)}")

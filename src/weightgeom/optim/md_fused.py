@@ -16,7 +16,7 @@ base optimizer, amsgrad, maximize, capturable, differentiable, CUDA, bfloat16, `
 takes the eager path; ``fusable`` says why.
 
 This module is the C backend of ``md_core``'s passes (``adam_pass``, ``split_pass``, ``finish_pass``); the torch
-backend is ``md_core``'s batched functions, which ``md_functional.fused_step_reference`` and the equivalence test
+backend is ``md_core``'s batched functions, which the float64 reference and the equivalence test
 (tests/test_md_fused.py) hold it to.
 """
 
