@@ -96,3 +96,16 @@ def test_cuda_captured_inputs_stay_within_four_caps(monkeypatch):
     held = sum(b.numel() * b.element_size() for e in graphs._entries.values() if e for b in e.inputs)
     assert held <= 4 * graphs.max_input_bytes()
     graphs.clear()
+
+
+@pytest.mark.cuda
+def test_cuda_replay_follows_the_callers_resolved_setting_over_the_environment(monkeypatch):
+    """max_mb (a Numerics' graphs_max_mb) decides alone: 0 captures nothing even where the environment allows it, a
+    cap at least the input's size captures even under WEIGHTGEOM_CUDA_GRAPHS=0."""
+    graphs.clear()
+    x, y = torch.randn(4, 8, device="cuda"), torch.randn(8, 8, device="cuda") / 4
+    assert graphs.replay("step", _step, x, y, max_mb=0.0, k=3) is None and not graphs._entries
+    monkeypatch.setenv(graphs.ENV_VAR, "0")
+    out = graphs.replay("step", _step, x, y, max_mb=1.0, k=3)
+    assert out is not None and torch.equal(out[0], _step(x, y, 3)[0]) and len(graphs._entries) == 1
+    graphs.clear()

@@ -94,3 +94,24 @@ def test_a_run_records_its_numerics_in_meta_json(tmp_path, monkeypatch):
     rec = meta["numerics"]["cpu"]
     assert rec["msign_source"] == "WEIGHTGEOM_MSIGN" and rec["kernels"] is False
     assert Numerics.from_dict(rec) == resolve_numerics("cpu", constraint_products=False)
+
+
+def test_the_step_takes_its_cuda_graph_setting_from_the_value_not_the_environment(monkeypatch):
+    """A plain-Muon step hands msign the resolved CUDA-graph setting (0 on the CPU), read from opt.numerics, not the
+    environment at step time."""
+    import weightgeom.linalg.graphs as graphs
+
+    seen = []
+    real = graphs.replay
+
+    def spy(*a, max_mb=None, **k):
+        seen.append(max_mb)
+        return real(*a, max_mb=max_mb, **k)
+
+    monkeypatch.setattr(graphs, "replay", spy)
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    opt = Muon([p], lr=0.02)
+    monkeypatch.setenv("WEIGHTGEOM_CUDA_GRAPHS_MAX_MB", "not a number")  # never read by the step
+    p.grad = torch.randn(p.shape)
+    opt.step()
+    assert seen == [opt.numerics["cpu"].graphs_max_mb] == [0.0]

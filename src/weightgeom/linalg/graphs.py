@@ -68,7 +68,10 @@ def enabled() -> bool:
 def max_input_bytes() -> int:
     """Largest total size of a call's tensor arguments that is captured (``WEIGHTGEOM_CUDA_GRAPHS_MAX_MB``, default
     256 MiB; a value that is not a number ≥ 0 raises ValueError naming the variable)."""
-    mb = cuda_graphs_max_mb()
+    return _bytes(cuda_graphs_max_mb())
+
+
+def _bytes(mb: float) -> int:
     return sys.maxsize if math.isinf(mb) else int(mb * (1 << 20))  # "inf": no cap
 
 
@@ -125,13 +128,15 @@ def _capture(name: str, fn: Callable, args: tuple[torch.Tensor, ...], kw: dict) 
 
 
 def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *args: torch.Tensor,
-           **kw) -> tuple[torch.Tensor, ...] | None:
+           max_mb: float | None = None, **kw) -> tuple[torch.Tensor, ...] | None:
     """``fn(*args, **kw)`` through a CUDA graph captured on first use of this signature.
 
     Args:
         name: the function's name in warnings and in the cache key.
         fn: a capturable pure function (module docstring).
         *args: its tensor arguments, plain tensors (not subclasses) on one CUDA device.
+        max_mb: the caller's resolved setting (``Numerics``: 0 when CUDA graphs are off, else their size cap in MiB,
+            ``inf`` for none); None: the environment's (``enabled()``, ``max_input_bytes()``).
         **kw: its other arguments (hashable; part of the signature).
 
     Returns:
@@ -139,7 +144,9 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
         ``torch.compile`` or another capture, arguments over ``max_input_bytes()``, a signature whose capture
         failed): the caller then runs ``fn`` itself.
     """
-    if not args or not enabled() or any(type(a) is not torch.Tensor or a.device.type != "cuda" for a in args):
+    if max_mb is None:
+        max_mb = cuda_graphs_max_mb() if enabled() else 0.0
+    if not args or not max_mb or any(type(a) is not torch.Tensor or a.device.type != "cuda" for a in args):
         return None  # the CPU; tensor subclasses (DTensor, Parameter) run eagerly
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return None
@@ -147,7 +154,7 @@ def replay(name: str, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     # change the captured kernels' dtypes without being part of the signature: both run eagerly
     if torch.is_inference_mode_enabled() or torch.is_autocast_enabled("cuda"):
         return None
-    size, cap = sum(a.numel() * a.element_size() for a in args), max_input_bytes()
+    size, cap = sum(a.numel() * a.element_size() for a in args), _bytes(max_mb)
     if size > cap:
         return None
     key = (name, fn, args[0].device.index, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args),

@@ -125,6 +125,7 @@ def msign(
     steps: int | None = None,
     dtype: torch.dtype | None = None,
     start_step: int = 0,
+    cuda_graphs_max_mb: float | None = None,
 ) -> torch.Tensor:
     """Orthogonalise ``G``: return ≈ U Vᵀ where G = U S Vᵀ (the matrix sign / polar factor).
 
@@ -144,6 +145,9 @@ def msign(
             compute), else up to the rounding of the returned iterate to G0's dtype (bf16 G0 with a float32 compute,
             float32 G0 with a float64 one). Used to refine a cheap inner iterate into the accurate one without
             starting over.
+        cuda_graphs_max_mb: on CUDA, replay the call as a CUDA graph when its input holds at most this many MiB
+            (``Numerics``: 0 when CUDA graphs are off, ``inf`` for no cap); None: the environment's setting
+            (``weightgeom.linalg.graphs``). Results are the same either way.
 
     Returns:
         Tensor of G's shape and dtype. A zero matrix maps to zero (never NaN).
@@ -182,7 +186,8 @@ def msign(
         X0 = _normalise(X, preset.safety, dtype) if start_step == 0 else X.to(dtype).contiguous()
         return _iterate_autograd(X0, triples, tall).reshape(G.shape).to(G.dtype)
     # on a GPU the ~45 small kernels of a call are launch-bound for GPT-sized matrices: replayed as one CUDA graph
-    out = graphs.replay("msign", _msign_inplace, G, method=method, steps=steps, dtype=dtype, start_step=start_step)
+    out = graphs.replay("msign", _msign_inplace, G, max_mb=cuda_graphs_max_mb, method=method, steps=steps, dtype=dtype,
+                        start_step=start_step)
     return out[0] if out is not None else _msign_inplace(G, method, steps, dtype, start_step)
 
 

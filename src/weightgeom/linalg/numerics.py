@@ -72,6 +72,11 @@ class Numerics:
     kernels_source: str = "default"
     cuda_graphs_source: str = "default"
 
+    @property
+    def graphs_max_mb(self) -> float:
+        """msign's ``cuda_graphs_max_mb`` argument: the cap where CUDA graphs are on, 0 (never capture) where off."""
+        return self.cuda_graphs_max_mb if self.cuda_graphs else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         """Plain strings, ints, floats and bools (state dicts, ``meta.json``); ``from_dict`` reads it back."""
         d = dataclasses.asdict(self)

@@ -679,7 +679,9 @@ class Muon(StepChecks, torch.optim.Optimizer):
                                   steps=group["ns_steps"] or state_compat.TORCH_MUON["ns_steps"],
                                   dtype=group["msign_dtype"] or torch.bfloat16)
         steps, dtype = self._msign_settings(group, U)
-        return Orthogonaliser(group["msign_method"], steps, dtype)
+        n = self.__dict__.get("numerics", {}).get(str(U.device))
+        return Orthogonaliser(group["msign_method"], steps, dtype,
+                              cuda_graphs_max_mb=None if n is None else n.graphs_max_mb)
 
     def summary(self) -> str:
         """One line per parameter group (algorithm, size, manifold, msign settings) plus, per device, the msign choice

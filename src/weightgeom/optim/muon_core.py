@@ -36,6 +36,7 @@ class Orthogonaliser:
         coefficients: None, or torch.optim.Muon's fixed quintic (a, b, c), run by ``functional.newton_schulz``
             in torch's arithmetic for ``steps`` steps in ``dtype`` with Frobenius floor ``eps``.
         eps: the Newton–Schulz normalisation's floor (unused by the msign presets).
+        cuda_graphs_max_mb: msign's CUDA-graph replay (``Numerics.graphs_max_mb``: 0 off; None: the environment's).
     """
 
     method: str = "polar_express"
@@ -43,12 +44,14 @@ class Orthogonaliser:
     dtype: torch.dtype | None = None
     coefficients: tuple[float, float, float] | None = None
     eps: float = 1e-7
+    cuda_graphs_max_mb: float | None = None
 
     def __call__(self, U: torch.Tensor) -> torch.Tensor:
         """The direction of U (..., m, n), of U's shape and dtype."""
         if self.coefficients is not None:
             return newton_schulz(U, self.coefficients, int(self.steps), self.eps, self.dtype or torch.bfloat16)
-        return msign(U, method=self.method, steps=self.steps, dtype=self.dtype)
+        return msign(U, method=self.method, steps=self.steps, dtype=self.dtype,
+                     cuda_graphs_max_mb=self.cuda_graphs_max_mb)
 
 
 def momentum_step(M: torch.Tensor, G: torch.Tensor, beta: float, nesterov: bool, form: str
