@@ -340,3 +340,12 @@ def test_bench_markdown_block_replaces_its_own_block_and_keeps_the_page(tmp_path
     second = page.read_text()
     assert second.count("<!-- bench md_overhead on CPU ") == 1 and second.startswith("# Benchmarks\n\nhand-written")
     assert "markdown: replaced its block in" in capsys.readouterr().out
+
+
+def test_an_old_config_key_is_named_with_its_new_spelling_on_one_line(capsys):
+    """Python hides library DeprecationWarnings outside __main__; the CLI shows weightgeom's own, one line each."""
+    rc = cli.main(["train", "tiny-shakespeare", "--print-config", "--set", "optim.muon.dual_steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 0
+    assert err == ["weightgeom train: deprecated: config key optim.muon.dual_steps is deprecated; use "
+                   "optim.muon.dual.steps=3 (a [optim.muon.dual] table in a file)"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from weightgeom._cli_args import OneLineParser, nonneg_int, os_error_line, positive_int
 from weightgeom._signals import Terminated, sigterm_unwinds
@@ -87,6 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_deprecations(command: str) -> None:
+    """Inside ``catch_warnings``: weightgeom's own DeprecationWarnings (an old config key or keyword, named with its
+    new spelling) are shown once each as one line, ``weightgeom COMMAND: deprecated: ...`` — Python hides them by
+    default outside ``__main__``; every other warning keeps its own filter and format."""
+    shown = warnings.showwarning
+    warnings.filterwarnings("default", category=DeprecationWarning, module=r"weightgeom(\.|$)")
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' signature)
+        if issubclass(category, DeprecationWarning) and "weightgeom" in str(filename):
+            print(f"weightgeom {command}: deprecated: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``weightgeom`` script. Returns the process exit code (130 after Ctrl-C, 143 after
     SIGTERM)."""
@@ -96,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with sigterm_unwinds():
+        with sigterm_unwinds(), warnings.catch_warnings():
+            _show_deprecations(args.command)
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("weightgeom: interrupted", file=sys.stderr)
