@@ -1,5 +1,6 @@
 """``MagnitudeDirection``'s construction: which base parameters it decouples and their names, the weight-decay edit
-of the base's groups, and how a group's manifold meets MD's sphere (docs/md.md, "Manifold-Muon groups" and "Options").
+of the base's groups, and how a group's manifold meets MD's sphere (docs/md.md, "Manifold-Muon groups" and "All
+options").
 """
 
 from __future__ import annotations
