@@ -274,8 +274,9 @@ def figure_problems(figures_dir: Path = FIGURES_DIR, record: Path = FIGURES_RECO
     for page in pages:
         block = _block(page.read_text(encoding="utf-8"))
         if block != render_figures(entries):
-            problems.append(f"{page}: its figures section is {'missing' if block is None else 'stale'}: "
-                            f"`{REGENERATE_FIGURES}` rewrites it")
+            problems.append(f"{page}: its figures section is {'missing' if block is None else 'stale'} (it renders "
+                            f"{record.name} and lists the sweeps of {CLAIMS_RECORD.name} without figures): "
+                            f"`{REGENERATE_FIGURES}` rewrites it, SWEEP_DIR... optional")
     return problems
 
 
