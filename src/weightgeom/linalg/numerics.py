@@ -109,8 +109,10 @@ class Numerics:
         dtype = str(self.msign_dtype).replace("torch.", "")
         graphs = "off" if not self.cuda_graphs else (
             "on" + ("" if math.isinf(self.cuda_graphs_max_mb) else f" ≤ {self.cuda_graphs_max_mb:g} MiB"))
+        products = "constraint products not resolved (no manifold group here)" if \
+            self.products_source == NOT_RESOLVED else f"constraint products {self.products} ({self.products_source})"
         return (f"numerics on {self.device}: msign {dtype}, {self.msign_steps} Polar Express steps "
-                f"({self.msign_source}); constraint products {self.products} ({self.products_source}); C kernels "
+                f"({self.msign_source}); {products}; C kernels "
                 f"{'on' if self.kernels else 'off'} ({self.kernels_source}); CUDA graphs {graphs} "
                 f"({self.cuda_graphs_source})")
 
