@@ -878,3 +878,16 @@ def test_report_plots_label_axes_with_units_and_keep_overlapping_arms_apart(tmp_
             assert "(" in ax.get_xlabel() and "(" in ax.get_ylabel(), (ax.get_xlabel(), ax.get_ylabel())
             styles = {(ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines() if ln.get_label()[:1] != "_"}
             assert len(styles) == 2, styles  # one (line style, marker) per arm
+
+
+def test_a_compress_sweep_dry_run_writes_nothing(tmp_path, capsys):
+    """--dry-run on a compress preset lists its points and touches nothing (it used to load the model and run)."""
+    from weightgeom.cli import main as cli_main
+
+    out = tmp_path / "c"
+    assert cli_main(["sweep", "continuity", "compress", "--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "dry run" in printed and "72 points" in printed
+    assert not out.exists()
+    assert cli_main(["sweep", "continuity", "compress", "--launcher", "slurm", "--out", str(out)]) == 2
+    assert "run it without --launcher" in capsys.readouterr().err and not out.exists()

@@ -190,7 +190,12 @@ def execute(recipe_name: str, config: str | None = None, seeds=None, steps: int 
     from weightgeom.train.rundir import DirLock
 
     if compression.is_compress_preset(config, recipe_name):  # no training: compress a pretrained model, measure it
-        return compression.execute(config, out, resume=resume, progress=progress, list_only=list_only,
+        if launcher != "local" and not (list_only or dry_run):
+            raise ValueError(f"--launcher {launcher}: a compress sweep runs in this process (one model loaded once); "
+                             "run it without --launcher")
+        if dry_run:  # what would run, nothing written: the points, as --list prints them
+            print("dry run: a compress sweep runs here, in this process; nothing is written")
+        return compression.execute(config, out, resume=resume, progress=progress, list_only=list_only or dry_run,
                                    threads=threads)
     recipe = get_recipe(recipe_name)
     label, parts, sweep = load_parts(config or recipe.default_config, recipe.name)
