@@ -87,7 +87,9 @@ def test_dry_run_prints_each_arms_settings_and_an_expected_run_time(tmp_path, ca
     params = estimate.nonembedding_params(spec.config["model"])
     tokens = estimate.run_tokens(spec.resolved())
     assert params > 0 and tokens == 40 * spec.resolved()["data.batch_size"] * spec.resolved()["data.block_size"]
-    secs = 6 * params * tokens / estimate.GPU_TRAIN_FLOPS
+    opt = estimate.optimizer_flops_per_step(spec.resolved(), spec.config["model"])
+    assert opt > 0
+    secs = (6 * params * tokens + 40 * opt) / estimate.GPU_TRAIN_FLOPS
     assert stiefel.endswith(f"expected ≈ {duration(secs)}")
     assert "expected run time:" in text and "the time limit is 240 min per job" in text
     assert "the order of magnitude" in text
@@ -500,3 +502,20 @@ def test_cluster_options_cannot_add_lines_to_the_job_script(tmp_path, capsys, fl
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
     assert not out.exists()
+
+
+def test_the_estimate_counts_muon_orthogonalisations_per_step():
+    """A 1-layer GPT of width 8 (c_attn 24×8, c_proj 8×8, c_fc 32×8, mlp c_proj 8×32), msign of 3 iterations, 2 dual
+    iterations: worked by hand from ≈ 4·m·n² + 2·n³ per iteration (tall m×n), one msign per plain-Muon matrix,
+    dual.steps + 1 msigns plus 4·m·n² per dual iteration for a manifold matrix."""
+    from weightgeom.experiments import estimate
+
+    model = {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 8, "vocab_size": 50, "block_size": 16}
+    base = {"optim.name": "muon", "optim.muon.ns_steps": 3, "optim.muon.dual.steps": 2}
+    assert estimate.optimizer_flops_per_step({**base, "optim.strategy": "unconstrained"}, model) == 86016
+    assert estimate.optimizer_flops_per_step({**base, "optim.strategy": "all-stiefel"}, model) == 307200
+    assert estimate.optimizer_flops_per_step({**base, "optim.name": "adamw"}, model) == 0
+    settings = {**base, "optim.strategy": "all-stiefel", "train.max_steps": 10, "data.batch_size": 2,
+                "data.block_size": 4}
+    assert estimate.expected_seconds(settings, 100, 0, 1, 307200) == pytest.approx(
+        (6 * 100 * 80 + 10 * 307200) / estimate.CPU_TRAIN_FLOPS_PER_CORE)

@@ -889,8 +889,9 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         n += 1
         cmd = run_command(job_file(Path(out).resolve(), spec.name), resources.gpus if launcher != "local" else 0)
         print(f"{spec.name}: {' '.join(cmd)}  [{resources.describe(launcher)}]", file=file)
-        secs = estimate.expected_seconds(spec.resolved(), params[json.dumps(spec.config["model"], sort_keys=True,
-                                                                            default=str)], gpus, resources.cpus)
+        model_key = json.dumps(spec.config["model"], sort_keys=True, default=str)
+        secs = estimate.expected_seconds(spec.resolved(), params[model_key], gpus, resources.cpus,
+                                         estimate.optimizer_flops_per_step(spec.resolved(), json.loads(model_key)))
         if secs is not None:
             seconds.append(secs)
         print(f"  arm {spec.variant}: {estimate.arm_settings(spec, shared)}; expected "
@@ -905,8 +906,8 @@ def dry_run(runs: list[RunSpec], out: Path, launcher: str, resources: Resources,
         lo, hi = duration(min(seconds)), duration(max(seconds))
         print(f"expected run time: {lo if lo == hi else f'{lo}–{hi}'} "
               f"per run, {duration(sum(seconds))} for all {len(seconds)} one after another — a FLOP "
-              f"estimate (6 · non-embedding parameters · tokens on {device}; weightgeom.experiments.estimate): the "
-              f"order of magnitude — manifold and MD arms take longer, and the rate varies with model size{limit}",
+              f"estimate (6 · non-embedding parameters · tokens + Muon's orthogonalisations per step, on {device}; "
+              f"weightgeom.experiments.estimate): the order of magnitude — the rate varies with model size{limit}",
               file=file)
     paths = required_paths(runs)
     if launcher != "local":
