@@ -1,9 +1,20 @@
-"""Shared test configuration: deterministic seeds, CUDA marker skipping, the slow-marker switch (WG_SLOW=1)."""
+"""Shared test configuration: deterministic seeds, CUDA marker skipping, the slow-marker switch (WG_SLOW=1), torch's
+thread count under pytest-xdist."""
 
 import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker's torch takes its share of the cores (``cores // N``, at least 1):
+    N workers at torch's default thread count would oversubscribe the CPU, where tiny ops with several threads
+    spend their time waiting on each other. Without xdist nothing changes."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 def pytest_collection_modifyitems(config, items):
