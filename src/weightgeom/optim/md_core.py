@@ -40,6 +40,7 @@ from weightgeom.optim.md_functional import (
     gain_chain_log,
     gain_value,
     project,
+    project_to_sphere_,
     split,
 )
 from weightgeom.optim.muon import Muon
@@ -110,8 +111,9 @@ def adam_base(X: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Ten
 # ---------------------------------------------------------------------------------------------------------------------
 # Buckets and masked writes.
 # ---------------------------------------------------------------------------------------------------------------------
-def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(ts)
+def _stack(ts: list[torch.Tensor], view: bool = False) -> torch.Tensor:
+    """``torch.stack``; with ``view``, one tensor as a (1, ...) view of itself (written through: eager only)."""
+    return ts[0].unsqueeze(0) if view and len(ts) == 1 else torch.stack(ts)
 
 
 def _masked(ok: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -179,11 +181,11 @@ class Bucket:
         self.thetas = {k: [st[k] for st in self.states] for k in self.keys}
         self.grads = [p.grad for p in ps]
         self.TH = {k: _stack(v) for k, v in self.thetas.items()}
-        if not kernels:
-            self.W = _stack([p.detach() for p in ps])
-            self.G = _stack(self.grads)
-            self.D0 = _stack([st["direction"] for st in self.states])
-            self.R0 = _stack([st["radius"] for st in self.states])
+        if not kernels:  # eagerly on the CPU one matrix per bucket: views, the passes write in place (``_finish``)
+            self.W = _stack([p.detach() for p in ps], eager)
+            self.G = _stack(self.grads, eager)
+            self.D0 = _stack([st["direction"] for st in self.states], eager)
+            self.R0 = _stack([st["radius"] for st in self.states], eager)
             self.D, self.R = self.D0, self.R0
         self.gains: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # γ of TH, once computed
 
@@ -196,6 +198,8 @@ def buckets(md: MagnitudeDirection, entries: list[tuple[torch.Tensor, dict[str, 
     route: dict[tuple[Any, ...], tuple[dict[str, Any], bool, bool]] = {}
     for p, group, adam, kernels in entries:
         key = (tuple(p.shape), p.dtype, p.device, id(group), adam, kernels)
+        if eager and p.device.type == "cpu":  # no batching on the CPU: the stacks' copies would cost passes
+            key += (id(p),)
         keyed.setdefault(key, []).append(p)
         route[key] = (group, adam, kernels)
     out = []
@@ -345,11 +349,11 @@ def _base_step(md: MagnitudeDirection, bs: list[Bucket], ok: torch.Tensor | None
     try:
         for b in bs:
             for i, p in enumerate(b.ps):
-                swapped.append((p, p.data if b.kernels and not b.adam else None, b.grads[i]))
+                swapped.append((p, p.data if (b.kernels or b.eager) and not b.adam else None, b.grads[i]))
             if b.adam:
                 for p in b.ps:
                     p.grad = None
-            elif b.kernels:
+            elif b.kernels or b.eager:  # swapped in: the base steps Q in place (no copy)
                 for p, target, Gd in zip(b.ps, b.target, b.Gd):
                     p.data, p.grad = target, Gd
             else:
@@ -360,7 +364,7 @@ def _base_step(md: MagnitudeDirection, bs: list[Bucket], ok: torch.Tensor | None
         md_torch.step_base(md.base_optimizer)  # the global step hooks fire around MD's step only
     finally:
         for b in bs:
-            if b.kernels and not b.adam:  # what the base left (it may have rebound .data instead of writing in place)
+            if (b.kernels or b.eager) and not b.adam:  # what the base left (it may have rebound .data)
                 b.target = [p.data for p in b.ps]
         for p, data, grad in swapped:
             if data is not None:
@@ -368,7 +372,7 @@ def _base_step(md: MagnitudeDirection, bs: list[Bucket], ok: torch.Tensor | None
             p.grad = grad
     for b in bs:
         if not b.adam and not b.kernels:
-            b.new = _stack([p.detach() for p in b.ps])
+            b.new = _stack(b.target, True) if b.eager else _stack([p.detach() for p in b.ps])
 
 
 def _adam_gains(md: MagnitudeDirection, b: Bucket, gain_group: dict[str, Any], ok: torch.Tensor | None
@@ -392,11 +396,23 @@ def _adam_gains(md: MagnitudeDirection, b: Bucket, gain_group: dict[str, Any], o
 
 def _finish(md: MagnitudeDirection, b: Bucket, TH: dict[str, torch.Tensor], ok: torch.Tensor | None) -> None:
     """Torch backend of steps 4 and 6: Ŵ back on its sphere, W = γ_r Ŵ γ_c; every write masked by ``ok``."""
+    gr, gc = _gains(md, b, {k: list(TH[k].unbind(0)) for k in b.keys} if _per_tensor(b) else b.thetas, TH)
     new = b.new
+    if b.eager:  # ok is None: in place, into the directions and the model's tensors (views for one matrix)
+        D = b.D0
+        if b.scale is not None:
+            torch.mul(new, b.sv.to(new.dtype), out=D)
+        elif new.data_ptr() != D.data_ptr():
+            D.copy_(new)
+        project_to_sphere_(D, b.R, md.sphere)
+        compose(D, gr, gc, out=b.W)
+        if len(b.ps) > 1:
+            _write(None, [st["direction"] for st in b.states], D)
+            _write(None, b.ps, b.W)
+        return
     if b.scale is not None:
         new = new * b.sv.to(new.dtype)
     D = project(new.to(b.D.dtype), b.R, md.sphere)
-    gr, gc = _gains(md, b, {k: list(TH[k].unbind(0)) for k in b.keys} if _per_tensor(b) else b.thetas, TH)
     W = compose(D, gr, gc)
     _write(ok, [st["direction"] for st in b.states], D, b.D0)
     _write(ok, [st["radius"] for st in b.states], b.R, b.R0)
