@@ -75,10 +75,6 @@ SQUARINGS = 24
 _NORM_EPS = 1e-30
 
 
-def _sym(S: torch.Tensor) -> torch.Tensor:
-    return sym_sum(S, 0.5)
-
-
 @with_full_precision
 def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> torch.Tensor:
     """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3)."""
