@@ -19,6 +19,7 @@ __all__ = [
     "NonFiniteGradientError",
     "first_nonfinite",
     "all_finite",
+    "momentum_step",
     "momentum_direction",
     "shape_scale",
     "newton_schulz",
@@ -142,25 +143,42 @@ def _scannable(t: torch.Tensor) -> bool:
         type(t) is torch.Tensor)
 
 
+def momentum_step(M: torch.Tensor, G: torch.Tensor, beta: float, nesterov: bool = True, form: str = "ema"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The momentum stage out of place: (new buffer M', the vector U to orthogonalise); any leading dims (a stack of
+    matrices steps at once).
+
+    Forms (β = ``beta``):
+        - ``"ema"`` (torch.optim.Muon): M' = βM + (1−β)G (``lerp``); Nesterov U = (1−β)G + βM', else U = M'.
+        - ``"sum"`` (SGD form, the manifold-assignment paper's published code): M' = βM + G; Nesterov U = G + βM',
+          else U = M'.
+    Started from M = 0 the two buffers differ by the constant factor (1−β), so after a scale-invariant msign the
+    directions are identical; the forms differ only in what the buffer stores (and hence in checkpoints).
+
+    Returns:
+        (M', U): new tensors (U is M' itself without Nesterov); M and G are not modified.
+    """
+    if form not in MOMENTUM_FORMS:
+        raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
+    if form == "ema":
+        new = M.lerp(G, 1.0 - beta)
+        return new, (G.lerp(new, beta) if nesterov else new)
+    new = M.mul(beta).add_(G)
+    return new, (G.add(new, alpha=beta) if nesterov else new)
+
+
 def momentum_direction(
     buf: torch.Tensor, grad: torch.Tensor, beta: float, nesterov: bool = True, form: str = "ema",
     ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Update the momentum buffer in place and return the vector to orthogonalise.
-
-    Forms (β = ``beta``):
-        - ``"ema"`` (torch.optim.Muon): M ← βM + (1−β)G; Nesterov U = (1−β)G + βM, else U = M.
-        - ``"sum"`` (SGD form, the manifold-assignment paper's published code): M ← βM + G; Nesterov
-          U = G + βM, else U = M.
-    Started from M = 0 the two buffers differ by the constant factor (1−β), so after a scale-invariant msign the
-    directions are identical; the forms differ only in what the buffer stores (and hence in checkpoints).
+    """``momentum_step`` with the buffer updated in place: returns the vector U to orthogonalise.
 
     Args:
         buf: momentum buffer M, modified in place.
         grad: gradient G (same shape as ``buf``).
         beta: momentum coefficient in [0, 1).
         nesterov: use the Nesterov look-ahead.
-        form: ``"ema"`` or ``"sum"``.
+        form: ``"ema"`` or ``"sum"`` (``momentum_step``).
         ok: optional 0-dim bool tensor (``all_finite``): the new M is written only where it is True
             (``torch.where``, so a NaN in G never reaches M when it is False); M's values are bitwise those of the
             unconditional update when True. The returned U is then always a new tensor (NaN when G is).
@@ -168,16 +186,10 @@ def momentum_direction(
     Returns:
         U (a new tensor, or ``buf`` itself when not Nesterov and ``ok`` is None — do not modify it).
     """
-    if form not in MOMENTUM_FORMS:
-        raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
+    new, U = momentum_step(buf, grad, beta, nesterov, form)
     if ok is None:
-        if form == "ema":
-            buf.lerp_(grad, 1.0 - beta)
-            return grad.lerp(buf, beta) if nesterov else buf
-        buf.mul_(beta).add_(grad)
-        return grad.add(buf, alpha=beta) if nesterov else buf
-    new = buf.lerp(grad, 1.0 - beta) if form == "ema" else buf.mul(beta).add_(grad)
-    U = (grad.lerp(new, beta) if form == "ema" else grad.add(new, alpha=beta)) if nesterov else new
+        buf.copy_(new)
+        return U if nesterov else buf
     buf.copy_(torch.where(ok, new, buf))
     return U
 

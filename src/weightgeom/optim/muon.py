@@ -33,6 +33,7 @@ from weightgeom.optim.functional import (
     adamw_update,
     all_finite,
     momentum_direction,
+    momentum_step,
 )
 from weightgeom.optim.manifold_muon import lanczos_start
 from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
@@ -47,7 +48,7 @@ from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.muon_checks import validate_values as _validate_values
-from weightgeom.optim.muon_core import Orthogonaliser, momentum_step, muon_update
+from weightgeom.optim.muon_core import Orthogonaliser, muon_update
 from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURAL_KEYS, param_name  # noqa: F401  (re-exported)
 from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
 from weightgeom.optim.muon_layout import out_in as _out_in
@@ -764,7 +765,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
 
     def _stacked_momentum(self, group: dict[str, Any], ps: list[torch.Tensor], ok: torch.Tensor | None
                           ) -> torch.Tensor:
-        """The bucket's momentum step on the stacked buffers (``muon_core.momentum_step``), written back with one
+        """The bucket's momentum step on the stacked buffers (``functional.momentum_step``), written back with one
         ``_foreach_copy_``; returns the stacked direction U (B, *shape) msign is taken of."""
         bufs = self._momentum_buffers(ps)
         M = torch.stack(bufs)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from weightgeom.linalg import msign
-from weightgeom.optim.functional import MOMENTUM_FORMS, decoupled_step, newton_schulz, shape_scale
+from weightgeom.optim.functional import decoupled_step, momentum_step, newton_schulz, shape_scale
 
-__all__ = ["Orthogonaliser", "momentum_step", "muon_update"]
+__all__ = ["Orthogonaliser", "muon_update"]
 
 
 @dataclass(frozen=True)
@@ -54,20 +54,6 @@ class Orthogonaliser:
                      cuda_graphs_max_mb=self.cuda_graphs_max_mb)
 
 
-def momentum_step(M: torch.Tensor, G: torch.Tensor, beta: float, nesterov: bool, form: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new momentum M', direction input U) out of place, with the bits of ``functional.momentum_direction``'s
-    in-place update: ``"ema"`` M' = βM + (1−β)G (``lerp``), Nesterov U = (1−β)G + βM'; ``"sum"`` M' = βM + G,
-    Nesterov U = G + βM'; U = M' without Nesterov."""
-    if form not in MOMENTUM_FORMS:
-        raise ValueError(f"momentum_form: unknown value {form!r}; choose one of {MOMENTUM_FORMS}")
-    if form == "ema":
-        new = M.lerp(G, 1.0 - beta)
-        return new, (G.lerp(new, beta) if nesterov else new)
-    new = M.mul(beta).add_(G)
-    return new, (G.add(new, alpha=beta) if nesterov else new)
-
-
 def _blocks(T: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
     """View of a stack (B, *stored) as its (out, in) matrices (B, out, in), or (B, k, out/k, in) blocks."""
     X = T if layout == "out_in" else T.mT
@@ -93,7 +79,7 @@ def muon_update(params: torch.Tensor, grads: torch.Tensor, bufs: torch.Tensor, *
         lr: step size (spectral-norm units: ‖ΔW‖₂ = lr·s per matrix, s the shape scale).
         momentum: β in [0, 1).
         nesterov: the Nesterov look-ahead.
-        momentum_form: ``"ema"`` or ``"sum"`` (``momentum_step``).
+        momentum_form: ``"ema"`` or ``"sum"`` (``functional.momentum_step``).
         weight_decay: decoupled decay coefficient: W ← W(1 − lr·wd) before the step.
         adjust_lr_fn: shape scale s (``functional.shape_scale``; None: ``"original"``).
         layout: ``"out_in"`` or ``"in_out"`` (the stored matrices are (in, out)).
