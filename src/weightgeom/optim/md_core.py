@@ -14,9 +14,10 @@ Per bucket two explicit choices, made by the caller from values it resolved once
 * ``adam``: the base step of the directions is computed here (torch's Adam/AdamW arithmetic, ``adam_base``, with the
   base's own state and hyperparameters), or the base's ``step()`` is called on the directions swapped in;
 * ``kernels``: the backend of the passes over each matrix — torch (stacked (B, m, n) tensors: a constant number of
-  operations per bucket), or the C kernels (``md_fused``: per matrix, CPU float32/float64, softplus/exp gains; over
-  Adam the whole step in two C passes, else the split and the finish around the base step). One equivalence test
-  holds the C backend to the torch reference (tests/test_md_fused.py).
+  operations per bucket; the eager CPU step keeps one matrix per bucket, as views written in place), or the C
+  kernels (``md_fused``: per matrix, CPU float32/float64, softplus/exp gains; over Adam the whole step in two C
+  passes, else the split and the finish around the base step). One equivalence test holds the C backend to the torch
+  backend (tests/test_md_fused.py).
 
 ``ok`` (a 0-dim bool or None) masks every write through ``torch.where``: a skipped step (``on_nonfinite="skip"``)
 leaves every tensor bitwise unchanged; the C backend runs only with ``ok`` None (the eager step refuses on the host).
