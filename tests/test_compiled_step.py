@@ -1,11 +1,12 @@
 """One compiled optimizer step: ``torch.compile(opt.step, fullgraph=True)`` traces Muon's plain and manifold groups
 whole (no graph break, no host read) and equals the eager step.
 
-Driven by ``CASES`` (tests as data): each row is a Muon configuration, the matrices' shapes and dtype, and the largest
-difference allowed between the compiled (or host-free) step and the eager one after ``STEPS`` steps, over every
-parameter and state tensor. The host-free path (``Muon.host_free``, ``optim/manifold_host_free.py``) is what a trace
-runs; it is checked eagerly for every row (fast) and through ``torch.compile(..., fullgraph=True,
-backend=COMPILED[row])`` for the rows in ``COMPILED`` (a graph break raises there).
+Driven by ``CASES`` (tests as data): each row is a Muon configuration (one parameter group, or several in one
+optimizer), the matrices' shapes and dtype, and the largest difference allowed between the compiled (or host-free)
+step and the eager one after ``STEPS`` steps, over every parameter and state tensor. The host-free path
+(``Muon.host_free``, ``optim/manifold_step.py``) is what a trace runs; it is checked eagerly for every row (fast)
+and through ``torch.compile(..., fullgraph=True, backend=COMPILED[row])`` for the rows in ``COMPILED`` (a graph break
+raises there).
 """
 
 from __future__ import annotations
@@ -50,19 +51,29 @@ CASES = {
     "stiefel-bf16-params": ({"manifold": "stiefel"}, _MIXED, torch.bfloat16, BF16_PARAM_TOL),
     "dgram-split-in_out": ({"manifold": "dgram", "split": 2, "layout": "in_out"}, [(32, 64), (32, 64)],
                            torch.float32, FP32_TOL),
+    # the three manifolds as three groups of one optimizer: one trace, each bucket stepping with its own state
+    "manifolds": ([{"manifold": "stiefel"}, {"manifold": "dgram"}, {"manifold": "oblique"}], _MIXED, torch.float32,
+                  FP32_TOL),
 }
-# compiled with fullgraph=True: one row per manifold through AOT autograd (``aot_eager``: what inductor traces), and
-# the paper preset and bf16 parameters, the Stiefel path again with other constants and dtypes, through dynamo alone
-# (``eager``). The first step (it creates the state) is traced by dynamo alone in every row, fullgraph (a graph break
-# raises): AOT autograd traces the steady step, the one compile_step and inductor run; tracing the first step through
-# AOT as well doubled a row's cost (measured, Stiefel row, 2-core EPYC: 49 CPU-s against 33).
+# compiled with fullgraph=True: plain Muon, and the three manifolds as groups of one optimizer (one compilation),
+# through AOT autograd (``aot_eager``: what inductor traces); the paper preset and bf16 parameters, the Stiefel path
+# again with other constants and dtypes, through dynamo alone (``eager``). One optimizer for the three manifolds traces
+# the same operations as three rows did, without three dynamo and AOT set-ups, and it is the configuration that once
+# replayed one bucket's traced step for the next with the first one's state (6e-3 off; C kernels then wrote through
+# stale buffers: heap corruption): buckets are built from the parameters and their state passed in. The first step
+# (it creates the state) is traced by dynamo alone in every row, fullgraph (a graph break raises): AOT autograd traces
+# the steady step, the one compile_step and inductor run; tracing the first step through AOT as well doubled a row's
+# cost (measured, Stiefel row, 2-core EPYC: 49 CPU-s against 33).
 # The compiled manifold rows trace two buckets, a same-shape square pair (DGram's m < 2n retraction) and a wide matrix
 # (its tall view 96×32: the m ≥ 2n near-manifold path), instead of the table's three: every traced bucket is unrolled
 # into the graph, so a third bucket of a branch already traced cost a third of the row's tracing; the host-free test
-# still runs every shape of the table.
+# still runs every shape of the table. In the "manifolds" row the Stiefel group traces the pair only: the two other
+# compiled rows trace Stiefel's wide matrix.
 TRACED_SHAPES = [(48, 48), (48, 48), (32, 96)]
-COMPILED = {"plain": "aot_eager", "stiefel": "aot_eager", "dgram": "aot_eager", "oblique": "aot_eager",
-            "stiefel-paper-fp32-msign": "eager", "stiefel-bf16-params": "eager"}
+TRACED_GROUP_SHAPES = {"manifolds": [TRACED_SHAPES[:2], TRACED_SHAPES, TRACED_SHAPES]}
+"""Per-group traced shapes of a row with several groups (one list per group; other rows: TRACED_SHAPES)."""
+COMPILED = {"plain": "aot_eager", "manifolds": "aot_eager", "stiefel-paper-fp32-msign": "eager",
+            "stiefel-bf16-params": "eager"}
 
 
 # one thread (the 2-core machine is shared; tiny ops with two threads wait on each other) and the msign
@@ -70,27 +81,49 @@ COMPILED = {"plain": "aot_eager", "stiefel": "aot_eager", "dgram": "aot_eager", 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "fixed_msign")
 
 
-def _run(case: str, mode: str, shapes: list[tuple[int, int]] | None = None
-         ) -> tuple[list[torch.Tensor], list[torch.Tensor], Muon]:
-    """STEPS steps of one CASES row (on ``shapes`` instead of its own when given): mode "eager", "host_free" (the
-    host-free path, eagerly) or "compiled"."""
+def _no_msign_lookup(monkeypatch) -> None:
+    """Fail the test if the per-device msign choice is looked up from now on (every weightgeom module that holds
+    ``weightgeom.linalg.msign_choice`` under that name gets one that fails)."""
+    import sys
+
+    from weightgeom.linalg import msign_choice
+
+    def looked_up(*a, **k):
+        pytest.fail("the per-device msign choice was looked up inside the step")
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("weightgeom") and getattr(mod, "msign_choice", None) is msign_choice:
+            monkeypatch.setattr(mod, "msign_choice", looked_up)
+
+
+def _run(case: str, mode: str, shapes: list | None = None, monkeypatch=None
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor], Muon, object]:
+    """STEPS steps of one CASES row (on ``shapes`` instead of its own when given, in each of its groups, or a list of
+    shapes per group): mode "eager", "host_free" (the host-free path, eagerly) or "compiled". Returns the
+    parameters, the state tensors, the optimizer and the step function of the later steps; with ``monkeypatch``, the
+    msign choice is not looked up once the optimizer exists."""
     keys, row_shapes, dtype, _ = CASES[case]
     shapes = shapes or row_shapes
     g = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter((0.02 * torch.randn(*s, generator=g)).to(dtype)) for s in shapes]
-    opt = Muon([{"params": ps, **keys}], lr=0.02, on_nonfinite="skip")
+    keys = keys if isinstance(keys, list) else [keys]
+    per_group = shapes if isinstance(shapes[0], list) else [shapes] * len(keys)
+    groups = [{"params": [torch.nn.Parameter((0.02 * torch.randn(*s, generator=g)).to(dtype)) for s in sh], **k}
+              for k, sh in zip(keys, per_group, strict=True)]
+    ps = [p for group in groups for p in group["params"]]
+    opt = Muon(groups, lr=0.02, on_nonfinite="skip")
+    if monkeypatch is not None:
+        _no_msign_lookup(monkeypatch)
     opt.host_free = {"eager": False, "host_free": True, "compiled": None}[mode]
     step = torch.compile(opt.step, fullgraph=True, backend=COMPILED[case]) if mode == "compiled" else opt.step
     first = torch.compile(opt.step, fullgraph=True, backend="eager") if mode == "compiled" else opt.step
     for k in range(STEPS):
-        opt.param_groups[0]["lr"] = 0.02 * (1 - k / 10)  # a schedule: still at most two graphs
+        for group in opt.param_groups:
+            group["lr"] = 0.02 * (1 - k / 10)  # a schedule: still at most two graphs
         for p in ps:
             p.grad = (1e-2 * torch.randn(p.shape, generator=g)).to(dtype)
         (first if k == 0 else step)()
     state = [v for p in ps for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
-    return [p.detach() for p in ps], state, opt
-
-
+    return [p.detach() for p in ps], state, opt, step
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -98,30 +131,54 @@ def test_host_free_step_equals_eager(case):
     """The host-free path (what a compiled step runs), eagerly: every parameter and state tensor within the row's
     tolerance of the eager step after STEPS steps; the same state keys; statistics for every matrix."""
     tol = CASES[case][3]
-    (pe, se, oe), (ph, sh, oh) = _run(case, "eager"), _run(case, "host_free")
+    (pe, se, oe, _), (ph, sh, oh, _) = _run(case, "eager"), _run(case, "host_free")
     assert max_diff(pe, ph) <= tol and max_diff(se, sh) <= max(tol, FP32_TOL)
     assert [sorted(oe.state[p]) for p in oe.state] == [sorted(oh.state[p]) for p in oh.state]
     assert oe.last_stats.keys() == oh.last_stats.keys()
 
 
 @pytest.mark.parametrize("case", list(COMPILED))
-def test_compiled_step_is_one_graph_and_equals_eager(case):
+def test_compiled_step_is_one_graph_and_equals_eager(case, monkeypatch):
     """torch.compile(opt.step, fullgraph=True): no graph break (it would raise) in the first step (it creates the
     state; dynamo alone) nor in the later ones (backend COMPILED[case]), two graphs in all under an lr that changes
-    every step, and STEPS steps within the row's tolerance of the eager step."""
+    every step, STEPS steps within the row's tolerance of the eager step, the per-device msign choice not looked up
+    inside the step; then a NaN gradient runs the same graph and changes no parameter or state tensor (the skip
+    counted)."""
     from torch._dynamo.utils import counters
 
     tol = CASES[case][3]
     torch._dynamo.reset()
     counters.clear()
     try:
-        shapes = TRACED_SHAPES if "manifold" in CASES[case][0] else None
-        pe, se, _ = _run(case, "eager", shapes)
-        pc, sc, _ = _run(case, "compiled", shapes)
+        shapes = TRACED_GROUP_SHAPES.get(case, TRACED_SHAPES) if "manifold" in str(CASES[case][0]) else None
+        pe, se, _, _ = _run(case, "eager", shapes)
+        pc, sc, opt, step = _run(case, "compiled", shapes, monkeypatch)
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+        assert max_diff(pe, pc) <= tol and max_diff(se, sc) <= max(tol, FP32_TOL)
+        before = [t.clone() for t in (*pc, *sc)]
+        ps = [p for group in opt.param_groups for p in group["params"]]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        ps[-1].grad[0, 0] = float("nan")
+        step()
+        assert all(torch.equal(a, b) for a, b in zip(before, (*pc, *sc))) and int(opt.skipped_steps) == 1
         assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
-    assert max_diff(pe, pc) <= tol and max_diff(se, sc) <= max(tol, FP32_TOL)
+
+
+def test_compiled_step_under_raise_equals_eager():
+    """on_nonfinite="raise" (the default): ``torch.compile(opt.step)`` (graph breaks allowed: the refusal reads the
+    gradients' finiteness on the host) of a DGram group, a same-shape tall pair (m ≥ 2n), equals the eager optimizer
+    within FP32_TOL over the first step (state created) and a later one. The manifolds' traced maths is the
+    "manifolds" row's; this row is the graph-broken step around it."""
+    from compiled_steps import assert_compiled_equals_eager
+
+    g = torch.Generator().manual_seed(2)
+    init = [0.02 * torch.randn(32, 16, generator=g) for _ in range(2)]
+    grads = [[1e-2 * torch.randn(32, 16, generator=g) for _ in init] for _ in range(2)]
+    assert_compiled_equals_eager(lambda ps: Muon([{"params": ps, "manifold": "dgram"}], lr=0.02), init, grads,
+                                 atol=FP32_TOL)
 
 
 def test_host_free_skip_changes_nothing_and_reads_nothing(monkeypatch):
