@@ -815,6 +815,36 @@ def test_batched_gain_maps_equal_one_call_per_gain(monkeypatch, gains, param):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("base", ["adamw", "sgd", "stiefel"])
+def test_eager_batched_buckets_equal_one_matrix_per_bucket(monkeypatch, base):
+    """Off the CPU the eager step batches same-shape matrices (``md_core._alone``: stacked, the base stepping rows of
+    the stack, the finish in place then written back); run that path on the CPU: 3 float64 steps over three same-shape
+    matrices and one other equal the CPU's one-matrix buckets to rounding, every state tensor included."""
+    from weightgeom.optim import Muon, md_core
+
+    out = {}
+    for batched in (False, True):
+        monkeypatch.setattr(md_core, "_alone", lambda p, eager, batched=batched: eager and not batched)
+        monkeypatch.setattr(md_core, "_per_tensor", lambda b, batched=batched: not batched)
+        g = torch.Generator().manual_seed(3)
+        ps = [nn.Parameter(torch.randn(8, 6, generator=g, dtype=torch.float64)) for _ in range(3)]
+        ps.append(nn.Parameter(torch.randn(5, 7, generator=g, dtype=torch.float64)))
+        if base == "adamw":
+            opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+        elif base == "sgd":
+            opt = torch.optim.SGD(ps, lr=1e-2, momentum=0.9, maximize=True)
+        else:
+            opt = Muon([{"params": ps, "manifold": "stiefel"}], lr=0.02, msign_dtype=torch.float64)
+        md = MagnitudeDirection(opt, params=ps, fused=False, gain_lr=3e-2)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            md.step()
+        out[batched] = [p.detach().clone() for p in ps] + [t.clone() for p in ps for t in md.state[p].values()]
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 def test_gains_of_a_matrix_without_gradient_do_not_move_on_a_stale_grad():
     """model.zero_grad() (not the optimizer's) clears the matrices' gradients but not the gains' θ.grad: a matrix with
     no gradient in a step must keep its gains (they moved by gain_lr on last step's θ.grad while W stayed put)."""

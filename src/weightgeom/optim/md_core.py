@@ -191,6 +191,12 @@ class Bucket:
         self.gains: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # γ of TH, once computed
 
 
+def _alone(p: torch.Tensor, eager: bool) -> bool:
+    """Whether p is a bucket of its own: in the eager step on the CPU (stacking would copy each matrix, where the
+    eager passes write in place; launches cost little there)."""
+    return eager and p.device.type == "cpu"
+
+
 def buckets(md: MagnitudeDirection, entries: list[tuple[torch.Tensor, dict[str, Any], bool, bool]],
             eager: bool) -> list[Bucket]:
     """``Bucket``s of (p, its base group, adam, kernels) entries, in order of first appearance (``eager``: built by
@@ -199,7 +205,7 @@ def buckets(md: MagnitudeDirection, entries: list[tuple[torch.Tensor, dict[str, 
     route: dict[tuple[Any, ...], tuple[dict[str, Any], bool, bool]] = {}
     for p, group, adam, kernels in entries:
         key = (tuple(p.shape), p.dtype, p.device, id(group), adam, kernels)
-        if eager and p.device.type == "cpu":  # no batching on the CPU: the stacks' copies would cost passes
+        if _alone(p, eager):
             key += (id(p),)
         keyed.setdefault(key, []).append(p)
         route[key] = (group, adam, kernels)
