@@ -168,13 +168,13 @@ def load_sweep(config: str, recipe: str = "continuity") -> tuple[str, CompressSw
 
 
 def resolve_model(spec: str) -> Path:
-    """The model path of ``spec``: a path, or ``pkg:<package>/<file>`` inside an installed package.
+    """The model path of ``spec``: a path (``~`` expanded), or ``pkg:<package>/<file>`` inside an installed package.
 
     Raises:
         FileNotFoundError: the package is not installed or has no such file (one line with the pip command).
     """
     if not spec.startswith("pkg:"):
-        return Path(spec)
+        return Path(spec).expanduser()
     pkg, _, rel = spec[4:].partition("/")
     found = importlib.util.find_spec(pkg)
     if found is None or not found.submodule_search_locations:
