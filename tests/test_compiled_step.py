@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from all_pairs import all_pairs
 from compiled_steps import eager_and_compiled, max_diff
 from weightgeom.optim import MagnitudeDirection, Muon
 from weightgeom.optim.config import PAPER_MUON
@@ -37,24 +38,33 @@ _PAPER32 = {**PAPER_MUON, "msign_dtype": torch.float32}
 _PAPER = {**PAPER_MUON, "msign_dtype": torch.bfloat16}
 
 CASES = {
-    # name: (group keys, shapes, parameter dtype, tolerance)
+    # name: (group keys, shapes, parameter dtype, tolerance): the rows compiled below (COMPILED), then the all-pairs
+    # table of the host-free path (FACTORS)
     "plain": ({}, [(32, 32), (32, 32), (32, 32), (64, 16), (16, 48)], torch.float32, FP32_TOL),
-    "stiefel": ({"manifold": "stiefel"}, _MIXED, torch.float32, FP32_TOL),
-    "dgram": ({"manifold": "dgram"}, _MIXED, torch.float32, FP32_TOL),
-    "oblique": ({"manifold": "oblique"}, _MIXED, torch.float32, FP32_TOL),
     "stiefel-paper-fp32-msign": ({**_PAPER32, "manifold": "stiefel"}, _MIXED[:3], torch.float32, FP32_TOL),
-    "dgram-paper-fp32-msign": ({**_PAPER32, "manifold": "dgram"}, _MIXED[:3], torch.float32, FP32_TOL),
-    "oblique-paper-fp32-msign": ({**_PAPER32, "manifold": "oblique"}, _MIXED[:3], torch.float32, FP32_TOL),
-    "stiefel-paper": ({**_PAPER, "manifold": "stiefel"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
-    "dgram-paper": ({**_PAPER, "manifold": "dgram"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
-    "oblique-paper": ({**_PAPER, "manifold": "oblique"}, _MIXED[:3], torch.float32, BF16_PAPER_TOL),
     "stiefel-bf16-params": ({"manifold": "stiefel"}, _MIXED, torch.bfloat16, BF16_PARAM_TOL),
-    "dgram-split-in_out": ({"manifold": "dgram", "split": 2, "layout": "in_out"}, [(32, 64), (32, 64)],
-                           torch.float32, FP32_TOL),
     # the three manifolds as three groups of one optimizer: one trace, each bucket stepping with its own state
     "manifolds": ([{"manifold": "stiefel"}, {"manifold": "dgram"}, {"manifold": "oblique"}], _MIXED, torch.float32,
                   FP32_TOL),
 }
+FACTORS = {"manifold": [None, "stiefel", "dgram", "oblique"], "dtype": [torch.float32, torch.bfloat16],
+           "msign": ["default", "paper-fp32-msign", "paper"], "layout": ["out_in", "split-in_out"]}
+"""The host-free path's all-pairs table (12 rows; the product is 48): manifold × parameter dtype × msign preset
+(Muon's defaults; the paper preset with a float32 or its bf16 msign) × layout (a DGram-style split of each matrix
+into 2 column blocks, stored in_out). The paper rows step three matrices, the split rows a same-shape pair."""
+
+
+def _all_pairs_row(manifold: str | None, dtype: torch.dtype, msign: str, layout: str) -> tuple:
+    keys = {**{"paper-fp32-msign": _PAPER32, "paper": _PAPER}.get(msign, {}), "manifold": manifold}
+    shapes = _MIXED[:3] if msign != "default" else _MIXED
+    if layout == "split-in_out":
+        keys, shapes = {**keys, "split": 2, "layout": "in_out"}, [(32, 64), (32, 64)]
+    tol = BF16_PAPER_TOL if msign == "paper" else BF16_PARAM_TOL if dtype == torch.bfloat16 else FP32_TOL
+    return keys, shapes, dtype, tol
+
+
+CASES.update({"-".join([str(r["manifold"]).lower(), str(r["dtype"]).replace("torch.", ""), r["msign"], r["layout"]]):
+              _all_pairs_row(**r) for r in all_pairs(FACTORS)})
 # compiled with fullgraph=True: plain Muon, and the three manifolds as groups of one optimizer (one compilation),
 # through AOT autograd (``aot_eager``: what inductor traces); the paper preset and bf16 parameters, the Stiefel path
 # again with other constants and dtypes, through dynamo alone (``eager``). One optimizer for the three manifolds traces
