@@ -312,6 +312,8 @@ class MagnitudeDirection(Optimizer):
         return self.__dict__.copy()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "kernels" not in state:  # pickled before the backend was resolved at construction: resolve it now
+            state["kernels"] = state.get("fused") is not False and md_fused.kernel_missing() is None
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
