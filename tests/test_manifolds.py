@@ -665,3 +665,31 @@ def test_custom_manifold_steps_host_free_only_with_retract_host_free():
     eager = run(_UnitColumns(), False)
     torch.testing.assert_close(run(_UnitColumnsHostFree(), True), eager, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.linalg.vector_norm(eager, dim=0), torch.ones(8), atol=1e-5, rtol=0)
+
+
+def test_custom_manifold_without_retract_host_free_refused_before_any_group_steps():
+    """A host-free step over a plain group and then a custom manifold without ``retract_host_free`` raises the one
+    TypeError line before any group steps (it used to raise after the plain group had stepped); ``compile_step``
+    refuses it when built, and accepts it with ``host_free=False`` (the group then steps eagerly)."""
+    import copy
+
+    from weightgeom.optim import Muon, compile_step
+
+    g = torch.Generator().manual_seed(0)
+    plain = torch.nn.Parameter(torch.randn(8, 4, generator=g))
+    custom = torch.nn.Parameter(torch.randn(24, 8, generator=g))
+    opt = Muon([{"params": [plain]}, {"params": [custom], "manifold": _UnitColumns()}], lr=0.05)
+    plain.grad, custom.grad = torch.randn(8, 4, generator=g), torch.randn(24, 8, generator=g)
+    opt.step()  # eager: both groups step, both have state
+    before = (plain.detach().clone(), custom.detach().clone(), copy.deepcopy(opt.state_dict()["state"]))
+    opt.host_free = True
+    with pytest.raises(TypeError, match=r"_UnitColumns\).*retract_host_free\(X, far\)") as err:
+        opt.step()
+    assert "\n" not in str(err.value)
+    assert torch.equal(plain, before[0]) and torch.equal(custom, before[1])
+    for k, st in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, before[2][k][n]) for n, v in st.items())
+    with pytest.raises(TypeError, match=r"retract_host_free\(X, far\)"):
+        compile_step(opt)
+    opt.host_free = False
+    compile_step(opt)  # builds (nothing compiled until it is called)

@@ -16,7 +16,7 @@ from weightgeom.optim.functional import (
     shape_scale,
 )
 from weightgeom.optim.magnitude_direction import MagnitudeDirection
-from weightgeom.optim.manifold_muon import manifold_direction, manifold_direction_reference
+from weightgeom.optim.manifold_muon import dual_ascent, manifold_direction, manifold_direction_reference
 from weightgeom.optim.muon import FarRetractionWarning, Muon
 from weightgeom.optim.param_groups import STRATEGIES, describe, param_groups
 
@@ -37,6 +37,7 @@ __all__ = [
     "FarRetractionWarning",
     "manifold_direction",
     "manifold_direction_reference",
+    "dual_ascent",
     "momentum_direction",
     "shape_scale",
     "apply_update",

@@ -107,6 +107,10 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
 
     Returns:
         A ``CompiledStep`` (callable; ``compile_seconds`` after its third call).
+
+    Raises:
+        TypeError: a Muon manifold group (of ``opt`` or its base) whose manifold class does not implement
+            ``retract_host_free`` (``Muon.check_host_free``), unless that Muon's ``host_free`` is False.
     """
 
     if mode == "default":
@@ -114,4 +118,7 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
     if fullgraph is None:
         fullgraph = (isinstance(opt, Muon) and opt.on_nonfinite == "skip") or (
             isinstance(opt, MagnitudeDirection) and md_core.one_graph(opt))
+    for o in (opt, getattr(opt, "base_optimizer", None)):  # a manifold without retract_host_free: refused now
+        if isinstance(o, Muon) and o.host_free is not False:
+            o.check_host_free()
     return CompiledStep(opt, mode, backend, fullgraph)

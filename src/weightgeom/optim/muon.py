@@ -20,13 +20,8 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import full_precision, msign_choice
 from weightgeom.linalg.numerics import NOT_RESOLVED, Numerics, resolve_numerics
-from weightgeom.optim import manifold_step, state_compat
-from weightgeom.optim.checks import (
-    check_new_group,
-    describe_state_dict,
-    is_bookkeeping_key,
-)
-from weightgeom.optim.dual import GROUP_KEYS as DUAL_GROUP_KEYS
+from weightgeom.optim import manifold_step, muon_summary, state_compat
+from weightgeom.optim.checks import check_new_group
 from weightgeom.optim.dual import DualAscent, legacy_message, resolve_dual, take_legacy
 from weightgeom.optim.functional import (
     NonFiniteGradientError,
@@ -43,8 +38,12 @@ from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
     INIT_MODES,
     FarRetractionWarning,
     StepChecks,
+    check_group_keys,
+    expand_dual,
     fresh_ratio,
     looks_fresh,
+    resolve_manifold,
+    uses_msign_choice,
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.muon_checks import validate_values as _validate_values
@@ -53,27 +52,12 @@ from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURA
 from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
 from weightgeom.optim.muon_layout import out_in as _out_in
 from weightgeom.optim.muon_layout import step_counter as _step_counter
-from weightgeom.optim.muon_layout import structural as _structural
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
 
 # ``on_nonfinite``: what a step does when a gradient holds NaN/Inf (see the class docstring).
 ON_NONFINITE = ("raise", "skip")
-
-
-def uses_msign_choice(group: dict[str, Any]) -> bool:
-    """Whether a param group's msign takes the per-device choice of ``msign_choice``: a Polar Express group (plain
-    Muon, or a manifold group whose direction is projected onto the tangent space, ``dual_project``) that leaves
-    ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold group without the projection that leaves
-    ``ns_steps`` unset (steps only: a dual ascent that must itself reach ``dual_tol`` computes in float32/float64);
-    the trainer records the choice in the run's meta."""
-    if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express" or group.get(
-            "ns_coefficients") is not None:
-        return False
-    if group.get("manifold") is not None and not group.get("dual_project", True):
-        return group.get("ns_steps") is None
-    return group.get("ns_steps") is None or group.get("msign_dtype") is None
 
 
 class Muon(StepChecks, torch.optim.Optimizer):
@@ -301,14 +285,8 @@ class Muon(StepChecks, torch.optim.Optimizer):
                                           self.defaults)
         if param_group.get("ns_coefficients") is not None and isinstance(param_group["ns_coefficients"], list):
             param_group["ns_coefficients"] = tuple(param_group["ns_coefficients"])
-        self._expand_dual(param_group)
-        unknown = sorted(k for k in set(param_group) - set(self.defaults) if not is_bookkeeping_key(k))
-        if unknown:
-            raise ValueError(
-                f"Muon: unknown param-group key(s) {unknown}; valid keys: "
-                f"{sorted({k for k in self.defaults if k not in DUAL_GROUP_KEYS} | {'dual'})} "
-                f"(plus 'params', 'names')"
-            )
+        expand_dual(param_group, len(self.param_groups), self.defaults)
+        check_group_keys(param_group, self.defaults)
         check_new_group("Muon", self.param_groups, param_group)
         algorithm = param_group.get("algorithm", self.defaults["algorithm"])
         if algorithm == "adamw" and "lr" not in param_group and self.defaults["adamw_lr"] is not None:
@@ -319,28 +297,6 @@ class Muon(StepChecks, torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
-
-    def _expand_dual(self, group: dict[str, Any]) -> None:
-        """A group's ``"dual"`` (a ``DualAscent``, a preset name or a dict of fields over the optimizer's value) as the
-        ``dual_<field>`` keys Muon keeps; hand-written ``dual_<field>`` keys (the older spelling) merged over it with
-        one DeprecationWarning. A group holding all of them (a copy of one of Muon's own groups) is taken as is. In
-        place; ValueError naming the group for a bad value."""
-        gi = len(self.param_groups)
-        if "dual" not in group and all(k in group for k in DUAL_GROUP_KEYS):
-            return
-        legacy = take_legacy(group, where=f"Muon group {gi}")
-        if "dual" not in group and not legacy:
-            return
-        try:
-            dual = resolve_dual(group.pop("dual", None), base=DualAscent.from_group(self.defaults))
-            if legacy:
-                written = {f"dual_{k}": v for k, v in legacy.items()}
-                warnings.warn(legacy_message(f"Muon group {gi}", written, new="the group key 'dual': "),
-                              DeprecationWarning, stacklevel=4)
-                dual = dual.replace(**legacy)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"Muon group {gi}: {e}") from None
-        group.update(dual.group_keys())
 
     def _check_group(self, group: dict[str, Any], gi: int) -> None:
         """Validate a group torch has just added (names, values, shapes) and resolve its per-device choices."""
@@ -359,23 +315,6 @@ class Muon(StepChecks, torch.optim.Optimizer):
                 if p.device.type != "meta" and not is_dtensor(p) and "momentum_buffer" not in self.state.get(p, {}):
                     self._refuse_pretrained(gi, group, i, p, "the optimizer was not built")
                     self._init_checked[id(p)] = (p.data_ptr(), p._version)
-
-    def _check_matrix(self, group: dict[str, Any], gi: int, i: int, p: torch.Tensor) -> None:
-        """Refuse a parameter of an ``algorithm="muon"`` group that is not a non-empty 2-D matrix whose output dim
-        ``split`` divides, naming it."""
-        if group["algorithm"] != "muon":
-            return
-        name = self._name(group, i, gi)
-        if p.ndim != 2:
-            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D "
-                             "matrices (put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)")
-        if p.numel() == 0:
-            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}: an empty matrix has no direction "
-                             "to orthogonalise (leave it out of the optimizer)")
-        k = group["split"]
-        out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
-        if k is not None and out_dim % int(k) != 0:
-            raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
 
     def _resolve_choices(self, group: dict[str, Any]) -> None:
         """Resolve a group's manifold and its devices' numerics (``resolve_numerics``: msign, constraint products,
@@ -425,19 +364,8 @@ class Muon(StepChecks, torch.optim.Optimizer):
     _name = staticmethod(param_name)
 
     def _manifold(self, group: dict[str, Any]) -> manifolds.Manifold:
-        name, retraction = group["manifold"], group["retraction"]
-        if isinstance(name, manifolds.Manifold):
-            return name
-        if not isinstance(name, str):
-            raise ValueError(f"Muon: manifold={name!r}: expected a manifold name or a weightgeom.manifolds.Manifold")
-        key = (name, retraction)
-        if key not in self._manifolds:
-            kwargs = {} if retraction is None else {"retraction": retraction}
-            try:
-                self._manifolds[key] = manifolds.get(name, **kwargs)
-            except (KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"Muon: manifold={name!r} (retraction={retraction!r}) is not available: {e}") from e
-        return self._manifolds[key]
+        """The group's manifold object (``muon_checks.resolve_manifold``, built once per name and retraction)."""
+        return resolve_manifold(group, self._manifolds)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def check_state_dict(self, state_dict: Any) -> list[dict[str, Any]]:
@@ -465,31 +393,11 @@ class Muon(StepChecks, torch.optim.Optimizer):
         Returns:
             group index → the manifold it had, for each group changed (give it to ``restore_manifolds`` to undo).
         """
-        if describe_state_dict(state_dict) != "a Muon state dict":
-            return {}
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
-            return {}
-        before: dict[int, Any] = {}
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            theirs = saved.get("manifold") if isinstance(saved, dict) else None
-            ours = group.get("manifold")
-            if (isinstance(theirs, str) and ours is not None and group.get("algorithm") == "muon"
-                    and theirs != _structural(ours)):
-                before[gi] = ours
-                group["manifold"] = theirs
-        try:
-            for gi in before:
-                self._resolve_choices(self.param_groups[gi])
-        except ValueError:
-            self.restore_manifolds(before)
-            return {}
-        return before
+        return state_compat.adopt_manifolds(self.param_groups, state_dict, self._resolve_choices)
 
     def restore_manifolds(self, before: dict[int, Any]) -> None:
         """Undo ``adopt_manifolds`` (its return value)."""
-        for gi, manifold in before.items():
-            self.param_groups[gi]["manifold"] = manifold
+        state_compat.restore_manifolds(self.param_groups, before)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a Muon with the same groups — all of it, after ``check_state_dict`` accepted
@@ -624,17 +532,6 @@ class Muon(StepChecks, torch.optim.Optimizer):
         if deferred:  # last: the graph break it makes resumes into nothing, so it guards on nothing
             self._refuse_masked(work, ok)
 
-    @torch.compiler.disable
-    def _refuse_masked(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]],
-                       ok: torch.Tensor) -> None:
-        """After a compiled ``on_nonfinite="raise"`` step (every write masked by ``ok``): one host read of ``ok``, and
-        where it is False the eager step's error, naming the parameter (nothing changed)."""
-        if bool(ok):
-            return
-        self._check_finite(work)  # names the gradient (or manifold weight) and raises
-        raise NonFiniteGradientError("Muon: a gradient's norm overflows (entries ≳ 1e19 in float32); step refused, "
-                                     "no parameter or optimizer state was changed")
-
     def _host_free(self) -> bool:
         """Whether manifold groups take the host-free step (``host_free``; by default inside a torch.compile trace)."""
         return bool(self.host_free) or (self.host_free is None and torch.compiler.is_compiling())
@@ -648,6 +545,8 @@ class Muon(StepChecks, torch.optim.Optimizer):
             if items:
                 self._check_step_group(gi, group, items)
                 work.append((gi, group, items))
+        if self._host_free():  # a manifold class without a host-free retraction: refused before any group steps
+            self.check_host_free([group for _, group, _ in work])
         for gi, group, items in work:  # init="auto": a matrix's first step only (no host read on later steps)
             if group["algorithm"] == "muon" and group["manifold"] is not None and group["init"] == "auto":
                 for i, p in items:
@@ -656,6 +555,15 @@ class Muon(StepChecks, torch.optim.Optimizer):
                         # a trace cannot read W: ``compile_step`` steps a first step eagerly, so this check runs
                         self._refuse_pretrained(gi, group, i, p, "step refused")
         return work
+
+    def check_host_free(self, groups: Iterable[dict[str, Any]] | None = None) -> None:
+        """Raise, changing nothing, the TypeError a host-free or compiled step raises for a manifold group whose
+        manifold class does not implement ``retract_host_free`` (``manifold_step.host_free_supported``), over
+        ``groups`` (None: all). ``compile_step`` calls it when it is built; a host-free step, for its groups with
+        gradients before any of them steps."""
+        for group in self.param_groups if groups is None else groups:
+            if group["algorithm"] == "muon" and group["manifold"] is not None:
+                manifold_step.host_free_supported(self._manifold(group))
 
     def _msign_settings(self, group: dict[str, Any], U: torch.Tensor) -> tuple[int | None, torch.dtype | None]:
         """(steps, dtype) of a plain-Muon msign: the group's ``ns_steps``/``msign_dtype`` where set; where unset (and
@@ -687,33 +595,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
     def summary(self) -> str:
         """One line per parameter group (algorithm, size, manifold, msign settings) plus, per device, the msign choice
         (``msign_auto``) and the numerics (``opt.numerics``), resolved when the groups were added."""
-        lines = []
-        for gi, group in enumerate(self.param_groups):
-            n = sum(p.numel() for p in group["params"])
-            if group["algorithm"] == "adamw":
-                lines.append(f"group {gi}: adamw, {len(group['params'])} params ({n:,} weights), lr {group['lr']:g}")
-                continue
-            dt = group["msign_dtype"]
-            ms = (f"msign {group['msign_method']}, steps {group['ns_steps'] or 'auto'}, dtype "
-                  f"{str(dt).replace('torch.', '') if dt is not None else 'auto'}")
-            if group["ns_coefficients"] is not None:
-                ms = (f"Newton–Schulz {tuple(group['ns_coefficients'])}, steps "
-                      f"{group['ns_steps'] or state_compat.TORCH_MUON['ns_steps']}, dtype "
-                      f"{str(dt or torch.bfloat16).replace('torch.', '')}, eps {group['eps']:g}")
-            where = f", manifold {group['manifold']}" if group["manifold"] is not None else ""
-            lines.append(f"group {gi}: muon, {len(group['params'])} matrices ({n:,} weights), lr {group['lr']:g}"
-                         f"{where}, {ms}")
-        for dev, n in self.__dict__.get("numerics", {}).items():
-            c = self.msign_auto.get(dev)
-            kind = None if n.products_source == NOT_RESOLVED else n.products
-            if c is not None:
-                products = "" if kind is None else f"; manifold constraint products {kind}"
-                lines.append(f"msign auto on {dev}: {c['dtype']}, {c['steps']} Polar Express steps ({c['source']})"
-                             f"{products}")
-            elif kind is not None:  # manifold groups with their msign set explicitly
-                lines.append(f"manifold constraint products on {dev}: {kind}")
-            lines.append(n.describe())
-        return "\n".join(lines)
+        return muon_summary.summary(self.param_groups, self.__dict__.get("numerics", {}), self.msign_auto)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> None:
         state = self.state[p]

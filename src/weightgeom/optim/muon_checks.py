@@ -4,6 +4,10 @@
   AdamW section's ε and betas and the docs' tables take them from here; tests/test_dual.py checks they agree).
 - ``validate_values``: every group key's allowed values, one ValueError line naming the key (at construction, in
   ``add_param_group``, before each step and for each group a state dict would install).
+- ``resolve_manifold``: a group's ``manifold`` key as a manifold object (an unknown name refused in one line).
+- ``uses_msign_choice``: whether a group leaves its msign to the per-device choice.
+- ``check_group_keys`` / ``expand_dual``: a new param group's keys (unknown ones refused) and its ``dual`` value as the
+  ``dual_<field>`` keys Muon keeps (``add_param_group``).
 - ``fresh_ratio`` / ``looks_fresh``: ``init="auto"``'s test that refuses pretrained weights a manifold's first
   retraction would move far (``FRESH_STABLE_RANK``, ``FAR_RETRACTION``).
 - ``StepChecks``: ``Muon``'s checks before a step changes anything (a base class of it): values set in a group since it
@@ -20,10 +24,25 @@ from typing import Any
 
 import torch
 
+from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS
 from weightgeom.manifolds.base import tall
-from weightgeom.optim.checks import check_fits_param, dtype_supported, param_label, unsupported_dtype
-from weightgeom.optim.dual import DUAL_FIELDS, DualAscent, dual_problem
+from weightgeom.optim.checks import (
+    check_fits_param,
+    dtype_supported,
+    is_bookkeeping_key,
+    param_label,
+    unsupported_dtype,
+)
+from weightgeom.optim.dual import (
+    DUAL_FIELDS,
+    GROUP_KEYS,
+    DualAscent,
+    dual_problem,
+    legacy_message,
+    resolve_dual,
+    take_legacy,
+)
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS, NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.manifold_muon import spectral_norm_estimate
 from weightgeom.optim.muon_layout import PARAM_LIKE_STATE
@@ -36,7 +55,7 @@ from weightgeom.optim.muon_layout import structural as _structural
 
 __all__ = ["MUON_DEFAULTS", "ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES",
            "FAR_RETRACTION", "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit",
-           "validate_values", "StepChecks"]
+           "validate_values", "check_group_keys", "expand_dual", "resolve_manifold", "uses_msign_choice", "StepChecks"]
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -198,10 +217,98 @@ def validate_values(group: dict[str, Any], where: str) -> None:
                                   "(a step ≈13% above lr); use 'polar_express' (or 'svd')")
 
 
+def resolve_manifold(group: dict[str, Any], cache: dict[tuple[Any, Any], manifolds.Manifold]) -> manifolds.Manifold:
+    """The manifold object of a group's ``manifold`` key: a ``Manifold`` as given, a registry name built once per
+    (name, ``retraction``) and kept in ``cache`` (``Muon._manifolds``).
+
+    Raises:
+        ValueError: neither a name nor a Manifold, or a name (or retraction) the registry does not have.
+    """
+    name, retraction = group["manifold"], group["retraction"]
+    if isinstance(name, manifolds.Manifold):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"Muon: manifold={name!r}: expected a manifold name or a weightgeom.manifolds.Manifold")
+    key = (name, retraction)
+    if key not in cache:
+        kwargs = {} if retraction is None else {"retraction": retraction}
+        try:
+            cache[key] = manifolds.get(name, **kwargs)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"Muon: manifold={name!r} (retraction={retraction!r}) is not available: {e}") from e
+    return cache[key]
+
+
+def uses_msign_choice(group: dict[str, Any]) -> bool:
+    """Whether a param group's msign takes the per-device choice of ``msign_choice``: a Polar Express group (plain
+    Muon, or a manifold group whose direction is projected onto the tangent space, ``dual_project``) that leaves
+    ``ns_steps`` or ``msign_dtype`` unset (dtype and steps), or a manifold group without the projection that leaves
+    ``ns_steps`` unset (steps only: a dual ascent that must itself reach ``dual_tol`` computes in float32/float64);
+    the trainer records the choice in the run's meta."""
+    if group.get("algorithm") != "muon" or group.get("msign_method") != "polar_express" or group.get(
+            "ns_coefficients") is not None:
+        return False
+    if group.get("manifold") is not None and not group.get("dual_project", True):
+        return group.get("ns_steps") is None
+    return group.get("ns_steps") is None or group.get("msign_dtype") is None
+
+
+def check_group_keys(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse a new param group (after ``expand_dual``) that holds a key ``Muon`` does not know, listing the valid
+    ones (``defaults``: the optimizer's, whose keys are the group keys)."""
+    unknown = sorted(k for k in set(group) - set(defaults) if not is_bookkeeping_key(k))
+    if unknown:
+        raise ValueError(
+            f"Muon: unknown param-group key(s) {unknown}; valid keys: "
+            f"{sorted({k for k in defaults if k not in GROUP_KEYS} | {'dual'})} "
+            f"(plus 'params', 'names')"
+        )
+
+
+def expand_dual(group: dict[str, Any], gi: int, defaults: dict[str, Any]) -> None:
+    """A new group's ``"dual"`` (a ``DualAscent``, a preset name or a dict of fields over the optimizer's value,
+    ``defaults``) as the ``dual_<field>`` keys Muon keeps; hand-written ``dual_<field>`` keys (the older spelling)
+    merged over it with one DeprecationWarning. A group holding all of them (a copy of one of Muon's own groups) is
+    taken as is. In place; ValueError naming the group (index ``gi``) for a bad value. Called by
+    ``Muon.add_param_group`` (the warning's stack level points at its caller)."""
+    if "dual" not in group and all(k in group for k in GROUP_KEYS):
+        return
+    legacy = take_legacy(group, where=f"Muon group {gi}")
+    if "dual" not in group and not legacy:
+        return
+    try:
+        dual = resolve_dual(group.pop("dual", None), base=DualAscent.from_group(defaults))
+        if legacy:
+            written = {f"dual_{k}": v for k, v in legacy.items()}
+            warnings.warn(legacy_message(f"Muon group {gi}", written, new="the group key 'dual': "),
+                          DeprecationWarning, stacklevel=4)
+            dual = dual.replace(**legacy)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"Muon group {gi}: {e}") from None
+    group.update(dual.group_keys())
+
+
 class StepChecks:
     """``Muon``'s refusals before a step changes anything (a base class of ``Muon``; its methods use Muon's
-    ``param_groups``, ``state``, ``_name``, ``_manifold`` and ``_check_matrix``). Each raises one ValueError line
-    naming the group or parameter; nothing was changed."""
+    ``param_groups``, ``state``, ``_name`` and ``_manifold``). Each raises one ValueError line naming the group or
+    parameter; nothing was changed."""
+
+    def _check_matrix(self, group: dict[str, Any], gi: int, i: int, p: torch.Tensor) -> None:
+        """Refuse a parameter of an ``algorithm="muon"`` group that is not a non-empty 2-D matrix whose output dim
+        ``split`` divides, naming it."""
+        if group["algorithm"] != "muon":
+            return
+        name = self._name(group, i, gi)
+        if p.ndim != 2:
+            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}; algorithm='muon' needs 2-D "
+                             "matrices (put it in an algorithm='adamw' group, e.g. via weightgeom.optim.param_groups)")
+        if p.numel() == 0:
+            raise ValueError(f"Muon: parameter {name!r} has shape {tuple(p.shape)}: an empty matrix has no direction "
+                             "to orthogonalise (leave it out of the optimizer)")
+        k = group["split"]
+        out_dim = p.shape[0] if group["layout"] == "out_in" else p.shape[1]
+        if k is not None and out_dim % int(k) != 0:
+            raise ValueError(f"Muon: parameter {name!r}: split={k} does not divide its output dim {out_dim}")
 
     def _checked_at_build(self, p: torch.Tensor) -> bool:
         """Whether ``_check_group`` checked p for ``init="auto"`` and p holds the same tensor, unmodified, since."""
@@ -321,6 +428,17 @@ class StepChecks:
         if bad is not None:
             gi, group, i, p = where[bad]
             raise NonFiniteGradientError.refused("Muon", self._name(group, i, gi), tuple(p.shape))
+
+    @torch.compiler.disable
+    def _refuse_masked(self, work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]],
+                       ok: torch.Tensor) -> None:
+        """After a compiled ``on_nonfinite="raise"`` step (every write masked by ``ok``): one host read of ``ok``, and
+        where it is False the eager step's error, naming the parameter (nothing changed)."""
+        if bool(ok):
+            return
+        self._check_finite(work)  # names the gradient (or manifold weight) and raises
+        raise NonFiniteGradientError("Muon: a gradient's norm overflows (entries ≳ 1e19 in float32); step refused, "
+                                     "no parameter or optimizer state was changed")
 
     def _warn_far_retraction(self) -> None:
         """One warning per optimizer when an explicit ``init="retract"`` first step moved a pretrained-looking matrix

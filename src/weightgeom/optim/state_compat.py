@@ -7,6 +7,8 @@
   (lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) taken as torch takes a loaded
   group's. A Muon checkpoint from before ``adamw_eps`` (its groups carry ``eps`` as the AdamW ε and no
   ``adamw_eps``) loads with its ``eps`` as ``adamw_eps`` and one ``DeprecationWarning``.
+- A run's own checkpoint whose groups moved between manifolds while it trained (``adopt_manifolds``, undone by
+  ``restore_manifolds``; ``Muon.adopt_manifolds`` calls them).
 - Saving for torch (``to_torch_muon``): a Muon state dict of plain EMA groups in the form torch.optim.Muon loads.
   A Muon group that sets ``ns_coefficients`` saves in that form already (``state_dict()`` loads into torch as it is).
 
@@ -19,7 +21,7 @@ saved group without ``algorithm`` is torch's, whose ``eps`` is the Newton–Schu
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +38,8 @@ from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype
 from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 __all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
-           "loadable_group", "check_state_dict", "restore_dual_dtype", "to_torch_muon"]
+           "loadable_group", "check_state_dict", "restore_dual_dtype", "adopt_manifolds", "restore_manifolds",
+           "to_torch_muon"]
 
 TORCH_MUON: dict[str, Any] = {
     "lr": 1e-3,
@@ -192,6 +195,44 @@ def restore_dual_dtype(state: Mapping[torch.Tensor, dict[str, Any]], param_group
                 t = saved.get(k, {}).get(key)
                 if torch.is_tensor(t):
                     state[p][key] = t.to(device=p.device, dtype=dual_dtype(p))
+
+
+def adopt_manifolds(param_groups: Sequence[dict[str, Any]], state_dict: Any,
+                    resolve: Callable[[dict[str, Any]], None]) -> dict[int, Any]:
+    """``Muon.adopt_manifolds``: put each of ``param_groups`` that is on a manifold onto the manifold its saved group
+    in ``state_dict`` names, where that is another one, then ``resolve`` each changed group (``Muon``'s manifold and
+    numerics resolution); a ValueError there undoes every change.
+
+    Returns:
+        group index → the manifold it had, for each group changed (empty when ``state_dict`` is not a Muon state dict
+        over as many groups, or a manifold did not resolve).
+    """
+    if describe_state_dict(state_dict) != "a Muon state dict":
+        return {}
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(param_groups):
+        return {}
+    before: dict[int, Any] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        theirs = saved.get("manifold") if isinstance(saved, dict) else None
+        ours = group.get("manifold")
+        if (isinstance(theirs, str) and ours is not None and group.get("algorithm") == "muon"
+                and theirs != structural(ours)):
+            before[gi] = ours
+            group["manifold"] = theirs
+    try:
+        for gi in before:
+            resolve(param_groups[gi])
+    except ValueError:
+        restore_manifolds(param_groups, before)
+        return {}
+    return before
+
+
+def restore_manifolds(param_groups: Sequence[dict[str, Any]], before: Mapping[int, Any]) -> None:
+    """Undo ``adopt_manifolds`` (its return value ``before``) on ``param_groups``."""
+    for gi, manifold in before.items():
+        param_groups[gi]["manifold"] = manifold
 
 
 def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:
