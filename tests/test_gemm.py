@@ -1,20 +1,18 @@
 """IEEE float32 products through oneDNN (``weightgeom.linalg.gemm``) and the constraint products' per-device choice.
 
-Tables of shapes and cases drive the checks: inside ``onednn_products()`` eligible products go to oneDNN and agree
+Tables of shapes and cases drive the checks: with ``onednn=True`` eligible products go to oneDNN and agree
 with float64 like an IEEE float32 product; everything else is bitwise ``torch.matmul`` / ``addmm``; the choice among
 ``ieee`` / ``ieee_onednn`` / ``split_bf16`` follows the probe's timings and the environment.
 """
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from weightgeom import manifolds
 from weightgeom.linalg import autotune, gemm
-from weightgeom.linalg.gemm import ONEDNN_MIN_DIM, ieee_addmm, ieee_mm, onednn_active, onednn_products
+from weightgeom.linalg.gemm import ONEDNN_MIN_DIM, ieee_addmm, ieee_mm
 from weightgeom.optim import Muon
 
 needs_onednn = pytest.mark.skipif(not gemm.onednn_available("cpu"),
@@ -68,8 +66,7 @@ ELIGIBLE = [
 @pytest.mark.parametrize("name,fa,fb", ELIGIBLE, ids=[c[0] for c in ELIGIBLE])
 def test_ieee_mm_through_onednn_is_an_ieee_product(name, fa, fb, calls):
     A, B = fa(), fb()
-    with onednn_products():
-        C = ieee_mm(A, B)
+    C = ieee_mm(A, B, onednn=True)
     assert calls, "not sent to oneDNN"
     assert C.shape == torch.matmul(A, B).shape and C.dtype == torch.float32 and C.is_contiguous()
     assert _rel_err(C, A, B) < IEEE_REL
@@ -78,18 +75,17 @@ def test_ieee_mm_through_onednn_is_an_ieee_product(name, fa, fb, calls):
 @needs_onednn
 def test_a_batch_gets_the_bits_of_its_matrices_alone(calls):
     A, B = _t((4, 50, 40), 20), _t((4, 40, 60), 21)
-    with onednn_products():
-        C = ieee_mm(A, B)
-        alone = [ieee_mm(A[i], B[i]) for i in range(4)]
-        D = ieee_addmm(_t((4, 50, 60), 22), A, B, alpha=-2.0)
-        alone_d = [ieee_addmm(_t((4, 50, 60), 22)[i], A[i], B[i], alpha=-2.0) for i in range(4)]
+    C = ieee_mm(A, B, onednn=True)
+    alone = [ieee_mm(A[i], B[i], onednn=True) for i in range(4)]
+    D = ieee_addmm(_t((4, 50, 60), 22), A, B, alpha=-2.0, onednn=True)
+    alone_d = [ieee_addmm(_t((4, 50, 60), 22)[i], A[i], B[i], alpha=-2.0, onednn=True) for i in range(4)]
     assert all(torch.equal(C[i], alone[i]) for i in range(4))
     assert all(torch.equal(D[i], alone_d[i]) for i in range(4))
 
 
-# (name, A, B, in the block?): each of these is torch's own product, bitwise
+# (name, A, B, onednn asked?): each of these is torch's own product, bitwise
 NOT_ELIGIBLE = [
-    ("outside the block", lambda: _t((64, 64), 30), lambda: _t((64, 64), 31), False),
+    ("not asked", lambda: _t((64, 64), 30), lambda: _t((64, 64), 31), False),
     ("matrix-vector", lambda: _t((64, 64), 32), lambda: _t((64, 1), 33), True),
     (f"inner dim < {ONEDNN_MIN_DIM}", lambda: _t((64, ONEDNN_MIN_DIM - 1), 34),
      lambda: _t((ONEDNN_MIN_DIM - 1, 64), 35), True),
@@ -112,12 +108,11 @@ def test_other_products_are_torchs_bitwise(name, fa, fb, inside, monkeypatch):
         real = gemm._op
         monkeypatch.setattr(gemm, "_op", lambda *a: seen.append(1) or real(*a))
     A, B = fa(), fb()
-    with onednn_products(inside):
-        C = ieee_mm(A, B)
-        if B.ndim == 2:
-            Cin = torch.randn(C.shape, generator=_gen(42)).to(C.dtype)
-            D = ieee_addmm(Cin, A, B, alpha=0.5)
-            assert torch.equal(D, torch.addmm(Cin, A, B, alpha=0.5))
+    C = ieee_mm(A, B, onednn=inside)
+    if B.ndim == 2:
+        Cin = torch.randn(C.shape, generator=_gen(42)).to(C.dtype)
+        D = ieee_addmm(Cin, A, B, alpha=0.5, onednn=inside)
+        assert torch.equal(D, torch.addmm(Cin, A, B, alpha=0.5))
     assert torch.equal(C, A @ B) and not seen
 
 
@@ -127,16 +122,15 @@ def test_forward_mode_tangents_are_kept():
     import torch.autograd.forward_ad as fwAD
 
     A, B, dA = _t((64, 48), 55), _t((48, 40), 56), _t((64, 48), 57)
-    with onednn_products():
-        _, tangent = torch.func.jvp(lambda a: ieee_mm(a, B), (A,), (dA,))
-        assert torch.allclose(tangent, dA @ B, rtol=1e-5, atol=1e-5)
-        with fwAD.dual_level():
-            C = fwAD.make_dual(_t((64, 40), 58), _t((64, 40), 59))
-            out = fwAD.unpack_dual(ieee_addmm(C, A, B, alpha=-1.0))
-            assert out.tangent is not None and torch.equal(out.tangent, fwAD.unpack_dual(C).tangent)
-        W = manifolds.get("stiefel").random_point(256, 64).float()
-        G, dW = _t((256, 64), 60), 1e-3 * _t((256, 64), 61)
-        _, t1 = torch.func.jvp(lambda w: manifolds.get("stiefel").proj_tangent(w, G), (W,), (dW,))
+    _, tangent = torch.func.jvp(lambda a: ieee_mm(a, B, onednn=True), (A,), (dA,))
+    assert torch.allclose(tangent, dA @ B, rtol=1e-5, atol=1e-5)
+    with fwAD.dual_level():
+        C = fwAD.make_dual(_t((64, 40), 58), _t((64, 40), 59))
+        out = fwAD.unpack_dual(ieee_addmm(C, A, B, alpha=-1.0, onednn=True))
+        assert out.tangent is not None and torch.equal(out.tangent, fwAD.unpack_dual(C).tangent)
+    W = manifolds.get("stiefel").random_point(256, 64).float()
+    G, dW = _t((256, 64), 60), 1e-3 * _t((256, 64), 61)
+    _, t1 = torch.func.jvp(lambda w: manifolds.get("stiefel").proj_tangent(w, G, "ieee_onednn"), (W,), (dW,))
     _, t0 = torch.func.jvp(lambda w: manifolds.get("stiefel").proj_tangent(w, G), (W,), (dW,))
     assert float(t0.norm()) > 0 and torch.allclose(t1, t0, rtol=1e-4, atol=1e-6)
 
@@ -144,8 +138,7 @@ def test_forward_mode_tangents_are_kept():
 def test_an_addmm_whose_c_autograd_tracks_is_torchs():
     A, B = _t((64, 48), 62), _t((48, 40), 63)
     C = _t((64, 40), 64).requires_grad_()
-    with onednn_products():
-        D = ieee_addmm(C, A, B, alpha=-1.0)
+    D = ieee_addmm(C, A, B, alpha=-1.0, onednn=True)
     assert torch.equal(D, torch.addmm(C, A, B, alpha=-1.0))
     D.sum().backward()
     assert torch.equal(C.grad, torch.ones(64, 40))
@@ -158,8 +151,7 @@ def test_alpha_zero_leaves_c_as_torch_does(calls):
     A[1, 1] = float("inf")
     for inplace in (False, True):
         C = Cin.clone()
-        with onednn_products():
-            D = ieee_addmm(C, A, B, alpha=0.0, inplace=inplace)
+        D = ieee_addmm(C, A, B, alpha=0.0, inplace=inplace, onednn=True)
         assert torch.equal(D, Cin) and (D is C) == inplace
     assert not calls
 
@@ -170,8 +162,7 @@ def test_inplace_writes_c_on_every_path(calls):
     for k in (ONEDNN_MIN_DIM + 16, ONEDNN_MIN_DIM // 2):
         A, B, Cin = _t((3, 40, k), 68), _t((3, k, 36), 69), _t((3, 40, 36), 70)
         C = Cin.clone()
-        with onednn_products():
-            D = ieee_addmm(C, A, B, alpha=-1.0, inplace=True)
+        D = ieee_addmm(C, A, B, alpha=-1.0, inplace=True, onednn=True)
         assert D is C and _rel_err(C, A, B, Cin, -1.0) < IEEE_REL
 
 
@@ -180,8 +171,7 @@ def test_results_stay_on_the_inputs_device_whatever_the_default(calls):
     A, B = _t((2, 40, 36), 71), _t((2, 36, 50), 72)
     torch.set_default_device("meta")
     try:
-        with onednn_products():
-            C = ieee_mm(A, B)
+        C = ieee_mm(A, B, onednn=True)
     finally:
         torch.set_default_device(None)
     assert C.device.type == "cpu" and calls and _rel_err(C, A, B) < IEEE_REL
@@ -201,16 +191,15 @@ def test_the_self_test_runs_on_the_cpu_whatever_the_default(monkeypatch):
 @needs_onednn
 def test_mkldnn_disabled_by_the_user_is_respected(calls):
     A, B = _t((64, 64), 73), _t((64, 64), 74)
-    with torch.backends.mkldnn.flags(enabled=False), onednn_products():
-        C = ieee_mm(A, B)
+    with torch.backends.mkldnn.flags(enabled=False):
+        C = ieee_mm(A, B, onednn=True)
     assert torch.equal(C, A @ B) and not calls
 
 
 def test_autograd_tracked_factors_keep_torchs_product_and_gradient():
     A = _t((64, 64), 50).requires_grad_()
     B = _t((64, 64), 51)
-    with onednn_products():
-        C = ieee_mm(A, B)
+    C = ieee_mm(A, B, onednn=True)
     assert torch.equal(C, A @ B)
     C.sum().backward()
     assert A.grad is not None and torch.equal(A.grad, torch.ones(64, 64) @ B.mT)
@@ -228,8 +217,7 @@ def test_ieee_addmm_through_onednn(alpha, inplace, calls):
     Cin = _t((300, 64), 62)
     C = Cin.clone()
     v = C._version
-    with onednn_products():
-        D = ieee_addmm(C, A, B, alpha=alpha, inplace=inplace)
+    D = ieee_addmm(C, A, B, alpha=alpha, inplace=inplace, onednn=True)
     assert calls
     assert _rel_err(D, A, B, Cin, alpha) < IEEE_REL
     if inplace:
@@ -241,8 +229,7 @@ def test_ieee_addmm_through_onednn(alpha, inplace, calls):
 @needs_onednn
 def test_ieee_addmm_with_a_broadcast_c_falls_back_to_torch(calls):
     A, B, c = _t((100, 64), 63), _t((64, 48), 64), _t((1, 48), 65)
-    with onednn_products():
-        D = ieee_addmm(c, A, B)
+    D = ieee_addmm(c, A, B, onednn=True)
     assert torch.equal(D, torch.addmm(c, A, B)) and not calls
 
 
@@ -254,26 +241,11 @@ def test_onednn_products_follow_full_precision_not_the_process_mode():
     before = torch.backends.mkldnn.matmul.fp32_precision
     try:
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"
-        with onednn_products():
-            C = ieee_mm(A, B)
+        C = ieee_mm(A, B, onednn=True)
         assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = before
     assert _rel_err(C, A, B) < IEEE_REL
-
-
-def test_the_block_is_this_threads_only_and_nests():
-    seen = {}
-    with onednn_products():
-        inner = onednn_active()
-        t = threading.Thread(target=lambda: seen.setdefault("other", onednn_active()))
-        t.start()
-        t.join()
-        with onednn_products(False):
-            off = onednn_active()
-        back = onednn_active()
-    assert inner == back == gemm.onednn_available() and not off and seen["other"] is False
-    assert not onednn_active()
 
 
 # ---- the per-device choice -------------------------------------------------------------------------------------
@@ -363,10 +335,9 @@ def test_a_gpu_never_takes_a_cpu_kind(monkeypatch):
     assert autotune.products_for("cuda:0") == "ieee"
 
 
-def test_constraint_products_refuses_an_unknown_kind():
-    with pytest.raises(ValueError, match="kind='fast'"):
-        with autotune.constraint_products("fast"):
-            pass
+def test_an_unknown_products_kind_is_refused():
+    with pytest.raises(ValueError, match="products='fast'"):
+        manifolds.get("stiefel").proj_tangent(torch.eye(4, 2), torch.ones(4, 2), products="fast")
 
 
 # ---- manifold Muon with its constraint products through oneDNN ---------------------------------------------------

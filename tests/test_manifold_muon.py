@@ -547,8 +547,7 @@ def test_projection_into_the_widened_msign_output_changes_nothing(name, split):
     """The dual ascent projects a bf16 msign output's float32 copy in place (its own tensor): the bits equal those of
     an msign_fn that hands back float32 itself, which the ascent does not claim — and that tensor, which the caller
     may keep, is left as msign_fn returned it."""
-    from weightgeom.linalg.split import split_products
-
+    kind = "split_bf16" if split else "ieee"
     man = manifolds.get(name)
     W, G = _point(name, 600, 280, dtype=torch.float32), _grad(600, 280, dtype=torch.float32)
     kept = []
@@ -560,15 +559,13 @@ def test_projection_into_the_widened_msign_output_changes_nothing(name, split):
         kept.append(bf16_msign(Z).float())
         return kept[-1]
 
-    with split_products(split):
-        A16, L16, r16, _ = manifold_direction(W, G, man, steps=2, msign_fn=bf16_msign, project=True,
-                                              feed_dtype=torch.bfloat16)
-        A32, L32, r32, _ = manifold_direction(W, G, man, steps=2, msign_fn=kept_fp32, project=True,
-                                              feed_dtype=torch.bfloat16)
+    A16, L16, r16, _ = manifold_direction(W, G, man, steps=2, msign_fn=bf16_msign, project=True,
+                                          feed_dtype=torch.bfloat16, products=kind)
+    A32, L32, r32, _ = manifold_direction(W, G, man, steps=2, msign_fn=kept_fp32, project=True,
+                                          feed_dtype=torch.bfloat16, products=kind)
     assert torch.equal(A16, A32) and torch.equal(L16, L32) and r16 == r32
     snapshot = [k.clone() for k in kept]
-    with split_products(split):
-        manifold_direction(W, G, man, steps=2, msign_fn=lambda Z: kept[len(snapshot) - 1], project=True)
+    manifold_direction(W, G, man, steps=2, msign_fn=lambda Z: kept[len(snapshot) - 1], project=True, products=kind)
     assert torch.equal(kept[-1], snapshot[-1])  # a caller's tensor is never the projection's output buffer
 
 

@@ -260,19 +260,17 @@ def test_batched_equals_looped(make, dtype):
 def test_proj_tangent_tall_overwrite_a_gives_the_same_values(manifold, dtype, split, shape):
     """``overwrite_a=True`` (the dual ascent's projection of its own A) gives the bits of the non-overwriting call,
     writes nothing but A, and whatever it returns — A's memory or a new tensor — holds the projection. S given or
-    not; split-bf16 products (inside ``split_products``, the CPU's default) or IEEE ones."""
-    from weightgeom.linalg.split import split_products
-
+    not; split-bf16 products (``products="split_bf16"``, the CPU's default) or IEEE ones."""
+    kind = "split_bf16" if split else "ieee"
     m = MAKE[manifold]()
     X = tall(point(m, shape, dtype))[0]
     A = rand(*X.shape, dtype=dtype, seed=3)
-    with split_products(split):
-        for S in (None, X.mT @ A):
-            ref = m.proj_tangent_tall(X, A, S)
-            X0, A1 = X.clone(), A.clone()
-            got = m.proj_tangent_tall(X, A1, S, overwrite_a=True)
-            assert torch.equal(got, ref) and torch.equal(X, X0)
-            assert got.data_ptr() == A1.data_ptr() or torch.equal(A1, A)  # in A, or A left as it was
+    for S in (None, X.mT @ A):
+        ref = m.proj_tangent_tall(X, A, S, products=kind)
+        X0, A1 = X.clone(), A.clone()
+        got = m.proj_tangent_tall(X, A1, S, overwrite_a=True, products=kind)
+        assert torch.equal(got, ref) and torch.equal(X, X0)
+        assert got.data_ptr() == A1.data_ptr() or torch.equal(A1, A)  # in A, or A left as it was
     # A that is X, a transposed view, a batch broadcast from one matrix: never written in place, same values
     Ab = rand(*X.shape[-2:], dtype=dtype, seed=4)
     views = [X, A.mT.contiguous().mT] + ([Ab.expand(*X.shape)] if X.ndim > 2 else [])
@@ -291,31 +289,26 @@ def test_retract_in_place_gives_retracts_bits(manifold, dtype, split, shape, dis
     """``retract_`` (the optimizer's in-place retraction; Stiefel and DGram write their last near-manifold update
     into a row-major W directly) returns W holding ``retract``'s bits, near the manifold or far from it, tall or wide,
     row- or column-major, batched, with split-bf16 or IEEE products."""
-    from weightgeom.linalg.split import split_products
-
+    kind = "split_bf16" if split else "ieee"
     m = MAKE[manifold]()
     W = (point(m, shape, dtype) + dist * rand(*shape, dtype=dtype, seed=5) / max(shape[-2:]) ** 0.5).contiguous()
     if layout == "col_major":
         W = W.mT.contiguous().mT
-    with split_products(split):
-        ref = m.retract(W.clone())
-        V = W.clone()
-        got = m.retract_(V)
+    ref = m.retract(W.clone(), kind)
+    V = W.clone()
+    got = m.retract_(V, kind)
     assert got is V and torch.equal(V, ref)
 
 
 def test_polar_near_in_place_leaves_x_untouched_when_it_gives_up(monkeypatch):
     """polar_near(inplace=True) writes X only in the update it knows to be its last: a call that runs out of
     iterations (returns None) leaves X as it was, and the retraction then falls back on the original point."""
-    from weightgeom.linalg.split import split_products
-
     X = point(Stiefel(), (300, 260), torch.float32) + 0.3 * rand(300, 260, dtype=torch.float32, seed=6) / 300**0.5
     X0 = X.clone()
     monkeypatch.setattr(stiefel_mod, "NEAR_MAX_ITERS", 1)
-    with split_products(True):
-        assert stiefel_mod.polar_near(X, inplace=True) is None
-        assert torch.equal(X, X0)
-        assert torch.equal(Stiefel().retract_(X), Stiefel().retract(X0))
+    assert stiefel_mod.polar_near(X, inplace=True, products="split_bf16") is None
+    assert torch.equal(X, X0)
+    assert torch.equal(Stiefel().retract_(X, "split_bf16"), Stiefel().retract(X0, "split_bf16"))
 
 
 @params_m
@@ -498,7 +491,7 @@ def test_stiefel_near_retraction_takes_the_lowest_sufficient_order(eta, dtype, m
     W = (X0 - eta * A).to(dtype)
     orders: list[int] = []
     real = stiefel_mod._near_correction
-    monkeypatch.setattr(stiefel_mod, "_near_correction", lambda E, k: orders.append(k) or real(E, k))
+    monkeypatch.setattr(stiefel_mod, "_near_correction", lambda E, k, *p: orders.append(k) or real(E, k, *p))
     R = stiefel_mod.polar_near(W)
     ref = Stiefel(method="svd").retract(W.to(torch.float64))
     assert R is not None and rel(R, ref) < TOL[dtype] and m.check(R, tol=TOL[dtype]).ok

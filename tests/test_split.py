@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +13,15 @@ import torch
 from weightgeom import kernels, manifolds
 from weightgeom.linalg import autotune, column_norms, layout, msign
 from weightgeom.linalg import split as S
-from weightgeom.manifolds.base import SPLIT_MIN_DIM, constraint_addmm, constraint_gram, constraint_mm, small_mm
+from weightgeom.manifolds.base import (
+    SPLIT_MIN_DIM,
+    Products,
+    constraint_addmm,
+    constraint_gram,
+    constraint_mm,
+    products_of,
+    small_mm,
+)
 from weightgeom.manifolds.dgram import dgram_retract_column_polar
 from weightgeom.manifolds.stiefel import polar_near
 from weightgeom.optim import Muon
@@ -105,26 +112,27 @@ def test_split_of_a_transposed_view_is_the_transposed_split():
     assert hi.shape == (300, 64) and torch.equal(hi, hi2.mT) and torch.equal(lo, lo2.mT)
 
 
-def test_split_memo_is_per_block_and_sees_in_place_changes():
+def test_split_memo_is_the_callers_and_sees_in_place_changes():
     X = torch.randn(50, 40, generator=_gen(3))
-    with S.split_products():
-        a = S.split_bf16(X)
-        assert S.split_bf16(X)[0] is a[0]  # remembered
-        X.add_(1.0)  # a new version: split again
-        b = S.split_bf16(X)
-        assert b[0] is not a[0] and torch.equal(b[0], X.bfloat16())
+    memo: dict = {}
+    a = S.split_bf16(X, memo=memo)
+    assert S.split_bf16(X, memo=memo)[0] is a[0]  # remembered
+    X.add_(1.0)  # a new version: split again
+    b = S.split_bf16(X, memo=memo)
+    assert b[0] is not a[0] and torch.equal(b[0], X.bfloat16())
     c = S.split_bf16(X)
-    assert c[0] is not b[0]  # outside the block nothing is remembered
+    assert c[0] is not b[0]  # without a memo nothing is remembered
 
 
-def test_split_products_is_thread_local():
-    seen = []
-    with S.split_products():
-        t = threading.Thread(target=lambda: seen.append(S.split_active()))
-        t.start()
-        t.join()
-        inside = S.split_active()
-    assert seen == [False] and inside == S.split_available() and not S.split_active()
+def test_constraint_products_are_a_value_with_a_memo_per_call():
+    """The products' kind is an argument, not a mode: a kind name gets a fresh ``Products`` (its own memo) per call,
+    a caller's ``Products`` passes through (its memo shared by its products), an unknown kind is refused."""
+    a, b = Products("split_bf16"), products_of("split_bf16")
+    assert a.memo == {} and b.memo == {} and a.memo is not b.memo and products_of(a) is a
+    assert Products("ieee").memo is None and not Products("ieee").split and products_of("ieee_onednn").onednn
+    assert a.split == S.split_available()
+    with pytest.raises(ValueError, match="products='fast'"):
+        Products("fast")
 
 
 # ---- split_matmul / bf16_gemm_ -----------------------------------------------------------------------------------
@@ -188,13 +196,13 @@ def test_constraint_products_split_only_large_cpu_float32_matrices():
     X, A = torch.randn(2 * n, n, generator=g) / n, torch.randn(2 * n, n, generator=g) / n
     L = torch.randn(n, n, generator=g) * 1e-3
     small_X = X[:, : n - 1]
-    with S.split_products():
-        S_split = constraint_mm(X.mT, A)
-        P_split = constraint_addmm(A, X, L, alpha=-1.0)
-        G_split = constraint_gram(X)
-        # below SPLIT_MIN_DIM, and in float64: exactly the IEEE products
-        assert torch.equal(constraint_mm(small_X.mT, A[:, : n - 1]), small_X.mT @ A[:, : n - 1])
-        assert torch.equal(constraint_gram(X.double()), X.double().mT @ X.double())
+    sp = "split_bf16"
+    S_split = constraint_mm(X.mT, A, products=sp)
+    P_split = constraint_addmm(A, X, L, alpha=-1.0, products=sp)
+    G_split = constraint_gram(X, products=sp)
+    # below SPLIT_MIN_DIM, and in float64: exactly the IEEE products
+    assert torch.equal(constraint_mm(small_X.mT, A[:, : n - 1], products=sp), small_X.mT @ A[:, : n - 1])
+    assert torch.equal(constraint_gram(X.double(), products=sp), X.double().mT @ X.double())
     assert not torch.equal(S_split, X.mT @ A)  # the split really ran
     assert _within_bound(S_split, X.mT, A)
     ref = A.double() - X.double() @ L.double()
@@ -211,10 +219,9 @@ def test_small_products_keep_the_identity_part_exact():
     X = torch.randn(2 * n, n, generator=g)
     F = 1e-4 * torch.randn(n, n, generator=g)
     F.diagonal().copy_(torch.linspace(-0.3, 0.3, n))
-    with S.split_products():
-        out = constraint_addmm(X, X, F, small=True)
-        E = 1e-3 * torch.randn(n, n, generator=g)
-        E2 = small_mm(E, E)
+    out = constraint_addmm(X, X, F, small=True, products="split_bf16")
+    E = 1e-3 * torch.randn(n, n, generator=g)
+    E2 = small_mm(E, E, "split_bf16")
     ref = X.double() + X.double() @ F.double()
     assert float((out.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
     assert float((E2.double() - E.double() @ E.double()).abs().max()) <= 1e-2 * float((E @ E).abs().max())
@@ -370,21 +377,21 @@ def test_scaled_polar_near_is_the_normalised_one():
 @needs_split
 @pytest.mark.parametrize("repoint", ["set_", "resize_", "data"])
 def test_memo_never_hands_out_another_tensors_pieces(repoint):
-    """A tensor re-pointed to other memory inside the block: its old address may be reused by a new tensor of the same
-    shape and version; the memo keys on the storage object (kept alive), so the new tensor is split afresh."""
+    """A tensor re-pointed to other memory while a memo is in use: its old address may be reused by a new tensor of the
+    same shape and version; the memo keys on the storage object (kept alive), so the new tensor is split afresh."""
     B = torch.randn(300, 300, generator=_gen(20))
-    with S.split_products():
-        for _ in range(10):
-            X = torch.randn(300, 300)
-            S.split_matmul(X, B)
-            if repoint == "set_":
-                X.set_(torch.empty(0))
-            elif repoint == "resize_":
-                X.resize_(1000, 1000)
-            else:
-                X.data = torch.empty(0)
-            Z = torch.randn(300, 300)
-            assert _within_bound(S.split_matmul(Z, B), Z, B)
+    memo: dict = {}
+    for _ in range(10):
+        X = torch.randn(300, 300)
+        S.split_matmul(X, B, memo=memo)
+        if repoint == "set_":
+            X.set_(torch.empty(0))
+        elif repoint == "resize_":
+            X.resize_(1000, 1000)
+        else:
+            X.data = torch.empty(0)
+        Z = torch.randn(300, 300)
+        assert _within_bound(S.split_matmul(Z, B, memo=memo), Z, B)
 
 
 @needs_split
@@ -420,14 +427,13 @@ def test_split_products_keep_extreme_values_finite_or_infinite_like_ieee():
 
 
 @needs_split
-def test_proj_tangent_broadcasts_inside_the_split_block():
+def test_proj_tangent_broadcasts_under_split_products():
     for name in ("stiefel", "dgram"):
         man = manifolds.get(name)
         X = man.retract(torch.randn(600, 300, generator=_gen(22)))
         A = torch.randn(3, 600, 300, generator=_gen(23))
         ref = man.proj_tangent_tall(X, A)
-        with S.split_products():
-            got = man.proj_tangent_tall(X, A)
+        got = man.proj_tangent_tall(X, A, products="split_bf16")
         assert float((got - ref).norm() / ref.norm()) <= 1e-5
 
 
@@ -677,11 +683,11 @@ def test_manifold_direction_narrows_the_scaled_gradient_in_the_kernel():
         return msign(Z, steps=5, dtype=torch.bfloat16)
 
     with _counting("scaled_bf16") as calls:
-        with S.split_products():
-            A1 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
+        A1 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16,
+                                products="split_bf16")[0]
         kernels.scaled_bf16 = lambda *a: None
-        with S.split_products():
-            A2 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16)[0]
+        A2 = manifold_direction(W, G, man, steps=1, msign_fn=ms, project=True, feed_dtype=torch.bfloat16,
+                                products="split_bf16")[0]
     assert calls and torch.equal(A1, A2)
 
 
@@ -700,18 +706,16 @@ def test_bf16_with_column_sumsq_is_the_copy_and_the_column_norms_in_one_pass():
     assert kernels.bf16_with_column_sumsq(X.mT) is None and kernels.bf16_with_column_sumsq(X.double()) is None
     A = torch.randn(1536, 512, generator=_gen(72))
     with _counting("bf16_with_column_sumsq") as calls:
-        with S.split_products():
-            fast = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
+        fast = spectral_norm_estimate(A, gram_dtype=torch.bfloat16, products="split_bf16")
         kernels.bf16_with_column_sumsq = lambda x: None
-        with S.split_products():
-            slow = spectral_norm_estimate(A, gram_dtype=torch.bfloat16)
+        slow = spectral_norm_estimate(A, gram_dtype=torch.bfloat16, products="split_bf16")
     assert calls and torch.equal(fast, slow)
 
 
 @needs_kernel
 @needs_split
 def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
-    """Inside split_products() a matrix's split also sums its columns' squares (one read pass: the pieces' and
+    """With a memo a matrix's split also sums its columns' squares (one read pass: the pieces' and
     column_sumsq's bits), and split_column_sumsq hands them out while the matrix is unchanged — the DGram projection's
     d and the split Gram's diagonal — so a manifold step reads no matrix again just for its column norms."""
     X = torch.randn(700, 300, generator=_gen(80))
@@ -719,13 +723,13 @@ def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
     assert torch.equal(hi, kernels.split_bf16_kernel(X)[0]) and torch.equal(sums, column_norms(X, squared=True))
     assert torch.equal(lo.view(torch.int16), kernels.split_bf16_kernel(X)[1].view(torch.int16))
     with _counting("column_sumsq") as calls:
-        with S.split_products():
-            S.split_bf16(X)
-            calls.clear()
-            got = S.split_column_sumsq(X)
-            assert not calls and torch.equal(got, sums)  # from the split's pass: no other
-            X.mul_(2.0)  # changed in place: summed again
-            torch.testing.assert_close(S.split_column_sumsq(X), 4 * sums, rtol=1e-6, atol=0)
+        memo: dict = {}
+        S.split_bf16(X, memo=memo)
+        calls.clear()
+        got = S.split_column_sumsq(X, memo)
+        assert not calls and torch.equal(got, sums)  # from the split's pass: no other
+        X.mul_(2.0)  # changed in place: summed again
+        torch.testing.assert_close(S.split_column_sumsq(X, memo), 4 * sums, rtol=1e-6, atol=0)
         _two_steps(calls, "dgram", 81)
     assert not calls  # the step's column norms all came from its split passes
 
@@ -733,14 +737,14 @@ def test_split_pass_sums_the_columns_the_constraint_arithmetic_needs():
 # ---- hostile trial 3 (each failed before its fix) ----------------------------------------------------------------
 def test_a_product_written_into_a_tensor_forgets_its_remembered_pieces():
     """MKL writes an overwritten A (the projection into A) behind torch's back: the write bumps A's version, so a
-    later product with A in the same split_products() block splits A again instead of reusing its old pieces."""
+    later product with A under the same ``Products`` (one memo) splits A again instead of reusing its old pieces."""
     man = manifolds.get("stiefel")
     X = man.retract(torch.randn(768, 256, generator=_gen(90)))
     A = torch.randn(768, 256, generator=_gen(91))
-    with S.split_products():
-        Sm = constraint_mm(X.mT, A)  # splits and remembers A
-        P = man.proj_tangent_tall(X, A, Sm, overwrite_a=True)
-        S2 = constraint_mm(X.mT, A)
+    pr = Products("split_bf16")
+    Sm = constraint_mm(X.mT, A, products=pr)  # splits and remembers A
+    P = man.proj_tangent_tall(X, A, Sm, overwrite_a=True, products=pr)
+    S2 = constraint_mm(X.mT, A, products=pr)
     ref = X.mT @ P
     assert float((S2 - ref).abs().max()) <= 1e-4 * float(ref.abs().max() + 1)
 
@@ -755,10 +759,9 @@ def test_overwrite_is_ignored_where_an_in_place_write_is_not_allowed():
     with torch.inference_mode():
         B = torch.randn(300, 100, generator=_gen(94))
     B0 = B.clone()
-    for split in (False, True):
-        with S.split_products(split):
-            got = man.proj_tangent_tall(X, B, overwrite_a=True)
-            assert torch.equal(B, B0) and torch.equal(got, man.proj_tangent_tall(X, B0))
+    for kind in ("ieee", "split_bf16"):
+        got = man.proj_tangent_tall(X, B, overwrite_a=True, products=kind)
+        assert torch.equal(B, B0) and torch.equal(got, man.proj_tangent_tall(X, B0, products=kind))
 
 
 @needs_kernel
@@ -767,12 +770,12 @@ def test_split_column_sums_are_column_norms_bits_at_every_size_and_a_fresh_tenso
     sums would differ in the last bits); what split_column_sumsq returns is the caller's own tensor."""
     for shape in ((300, 100), (700, 300)):
         X = torch.randn(*shape, generator=_gen(95))
-        with S.split_products():
-            S.split_bf16(X)
-            a = S.split_column_sumsq(X)
-            assert torch.equal(a, column_norms(X, squared=True))
-            a.zero_()
-            assert torch.equal(S.split_column_sumsq(X), column_norms(X, squared=True))
+        memo: dict = {}
+        S.split_bf16(X, memo=memo)
+        a = S.split_column_sumsq(X, memo)
+        assert torch.equal(a, column_norms(X, squared=True))
+        a.zero_()
+        assert torch.equal(S.split_column_sumsq(X, memo), column_norms(X, squared=True))
 
 
 @needs_kernel
@@ -790,11 +793,9 @@ def test_near_retraction_kernels_give_the_torch_expressions_bits(name, dist):
         X0 = X0 * torch.linspace(0.5, 2.0, 300)
     W = (X0 + dist * torch.randn(900, 300, generator=g) / 30.0).contiguous()
     with _counting("near_deviation") as calls:
-        with S.split_products():
-            fast = man.retract(W)
+        fast = man.retract(W, "split_bf16")
         kernels.near_deviation = lambda *a, **k: None
-        with S.split_products():
-            slow = man.retract(W)
+        slow = man.retract(W, "split_bf16")
     assert calls and torch.equal(fast, slow)
 
 
@@ -812,11 +813,11 @@ def test_sym_sum_into_out_bumps_its_version():
     sym_sum(S0, out=out)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
-    with S.split_products():
-        X = torch.randn(300, 300, generator=_gen(103))
-        hi0 = S.split_bf16(X)[0]
-        sym_sum(torch.randn(300, 300, generator=_gen(104)), out=X)
-        assert not torch.equal(S.split_bf16(X)[0], hi0)
+    memo: dict = {}
+    X = torch.randn(300, 300, generator=_gen(103))
+    hi0 = S.split_bf16(X, memo=memo)[0]
+    sym_sum(torch.randn(300, 300, generator=_gen(104)), out=X)
+    assert not torch.equal(S.split_bf16(X, memo=memo)[0], hi0)
 
 
 @needs_kernel

@@ -52,14 +52,14 @@ from weightgeom._cache import cache_root
 from weightgeom._files import write_atomic
 from weightgeom._numerics_env import MSIGN_VAR, PRODUCTS_VAR, SPLIT_VAR, msign_override, products_override
 from weightgeom._numerics_env import PRODUCTS as _KINDS
-from weightgeom.linalg.gemm import ieee_mm, onednn_available, onednn_products
+from weightgeom.linalg.gemm import ieee_mm, onednn_available
 from weightgeom.linalg.msign import MSIGN_PRESETS, default_dtype, msign
 from weightgeom.linalg.precision import with_full_precision
-from weightgeom.linalg.split import split_available, split_matmul, split_products
+from weightgeom.linalg.split import split_available, split_matmul
 
 __all__ = ["MsignChoice", "msign_choice", "orthogonality_error", "ENV_VAR", "clear_msign_choices", "adopt_msign_choice",
            "adopted_msign_choice", "forced_msign_choice", "forced_products", "split_products_for", "products_for",
-           "constraint_products", "PRODUCTS", "PRODUCTS_ENV_VAR", "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
+           "PRODUCTS", "PRODUCTS_ENV_VAR", "SPLIT_ENV_VAR", "SPLIT_WINS", "ONEDNN_WINS"]
 
 ENV_VAR = MSIGN_VAR
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -358,8 +358,7 @@ def _measure_products(device: torch.device) -> tuple[str, dict[str, float]]:
         return sorted(times)[2]
 
     def onednn() -> torch.Tensor:
-        with onednn_products():
-            return ieee_mm(X.mT, Af)
+        return ieee_mm(X.mT, Af, onednn=True)
 
     seconds = {"ieee": timed(lambda: X.mT @ Af)}
     if dnn:
@@ -435,16 +434,6 @@ def products_for(device: torch.device | str) -> str:
         products = _pick_products({k: v for k, v in seconds.items() if k != "split_bf16"}) if "ieee" in seconds \
             else "ieee"
     return products if _products_available(products, device) else "ieee"
-
-
-@contextlib.contextmanager
-def constraint_products(kind: str) -> Iterator[None]:
-    """Inside (this thread only): manifold Muon's constraint products as ``kind`` says (one of ``PRODUCTS``):
-    ``split_products()`` for ``"split_bf16"``, ``onednn_products()`` for ``"ieee_onednn"``, neither for ``"ieee"``."""
-    if kind not in PRODUCTS:
-        raise ValueError(f"constraint_products: kind={kind!r} is not one of {PRODUCTS}")
-    with split_products(kind == "split_bf16"), onednn_products(kind == "ieee_onednn"):
-        yield
 
 
 def split_products_for(device: torch.device | str) -> bool:

@@ -10,18 +10,15 @@ float64 on 3072×768×768 Gaussian factors). Neither library rounds the inputs i
 caller here runs in (oneDNN honours ``torch.backends.mkldnn.matmul.fp32_precision``, which it sets to IEEE).
 
 Which library a device's manifold Muon uses for its constraint products is measured at first use with the msign
-choice (``weightgeom.linalg.autotune``, ``MsignChoice.products == "ieee_onednn"``); the optimizer enters
-``onednn_products()`` only where oneDNN won. Inside it, ``ieee_mm`` and ``ieee_addmm`` send CPU float32 products of
-at least ``ONEDNN_MIN_DIM`` in every dimension that autograd does not track to oneDNN, one matrix at a time (a matrix
-of a batch gets the bits it gets alone); everything else, and everything outside the block, is ``torch.matmul`` /
-``addmm`` as before.
+choice (``weightgeom.linalg.autotune``, ``MsignChoice.products == "ieee_onednn"``); the optimizer passes
+``onednn=True`` only where oneDNN won. With it, ``ieee_mm`` and ``ieee_addmm`` send CPU float32 products of at least
+``ONEDNN_MIN_DIM`` in every dimension that autograd does not track to oneDNN, one matrix at a time (a matrix of a batch
+gets the bits it gets alone); everything else, and everything without it, is ``torch.matmul`` / ``addmm`` as before.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -29,7 +26,7 @@ from weightgeom.linalg.layout import matrix_layout
 from weightgeom.linalg.norms import plain
 from weightgeom.linalg.precision import full_precision
 
-__all__ = ["onednn_available", "onednn_products", "onednn_active", "ieee_mm", "ieee_addmm", "addmm_batched",
+__all__ = ["onednn_available", "ieee_mm", "ieee_addmm", "addmm_batched",
            "unavailable_reason", "ONEDNN_MIN_DIM"]
 
 # Products with a dimension below this stay with torch: a matrix-vector product gains nothing (768×768 @ 768×1: 0.033
@@ -40,7 +37,6 @@ ONEDNN_MIN_DIM = 32
 _lock = threading.Lock()
 _op: object | None = None  # torch.ops.mkldnn._linear_pointwise, False when unavailable, None before the first look
 _reason = ""
-_state = threading.local()
 
 
 def _load() -> object | None:
@@ -86,24 +82,6 @@ def onednn_available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and _load() is not None
 
 
-@contextlib.contextmanager
-def onednn_products(enabled: bool = True) -> Iterator[None]:
-    """Inside (this thread only): ``ieee_mm`` / ``ieee_addmm`` send eligible products to oneDNN. Nests;
-    ``enabled=False`` turns it off for the block."""
-    prev = getattr(_state, "on", False)
-    _state.on = bool(enabled) and _load() is not None
-    try:
-        yield
-    finally:
-        _state.on = prev
-
-
-def onednn_active() -> bool:
-    """Whether this thread is inside ``onednn_products()`` (and oneDNN is available); never inside a
-    ``torch.compile`` trace."""
-    return not torch.compiler.is_compiling() and getattr(_state, "on", False)
-
-
 def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """C + α·A@B as one fused multiply-add (``addmm``, or ``baddbmm`` over any number of leading dims), so a matrix
     gets bitwise the same result alone as inside a batch (an unfused C + α·(A@B) rounds the product first: in bf16
@@ -120,13 +98,14 @@ def addmm_batched(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: floa
     return out.reshape(*lead, m, n)
 
 
-def _eligible(A: torch.Tensor, B: torch.Tensor) -> bool:
-    """Whether A @ B goes to oneDNN: inside ``onednn_products()`` with oneDNN enabled (``torch.backends.mkldnn.flags``),
+def _eligible(A: torch.Tensor, B: torch.Tensor, onednn: bool) -> bool:
+    """Whether A @ B goes to oneDNN: ``onednn`` asked, oneDNN available and enabled (``torch.backends.mkldnn.flags``),
+    outside a ``torch.compile`` trace,
     CPU float32 factors of at least ``ONEDNN_MIN_DIM`` in every dimension, plain tensors no autograd mode tracks
     (``norms.plain``: the op has no derivative, backward or forward), row- or column-major matrices
     (``layout.matrix_layout``: oneDNN refuses a sliding-window or interleaved view — "could not construct a memory
     descriptor")."""
-    if not onednn_active() or not torch.backends.mkldnn.enabled:
+    if not onednn or torch.compiler.is_compiling() or not torch.backends.mkldnn.enabled or _load() is None:
         return False
     for T in (A, B):
         if T.device.type != "cpu" or T.dtype != torch.float32 or T.ndim < 2 or not plain(T) \
@@ -143,11 +122,11 @@ def _mm2(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         return _op(A, B.mT, None, "none", [], "")  # type: ignore[operator]  # A @ (Bᵀ)ᵀ, row-major float32
 
 
-def ieee_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """A @ B (``torch.matmul``'s batch broadcasting): through oneDNN inside ``onednn_products()`` for CPU float32
+def ieee_mm(A: torch.Tensor, B: torch.Tensor, onednn: bool = False) -> torch.Tensor:
+    """A @ B (``torch.matmul``'s batch broadcasting): with ``onednn`` through oneDNN for CPU float32
     factors of at least ``ONEDNN_MIN_DIM`` in every dimension that autograd does not track (each matrix of a batch
     alone), else ``A @ B``. Returns a new row-major tensor."""
-    if not _eligible(A, B):
+    if not _eligible(A, B, onednn):
         return A @ B
     if A.ndim == 2 and B.ndim == 2:
         return _mm2(A, B)
@@ -162,20 +141,20 @@ def ieee_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 
 def ieee_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
-               inplace: bool = False) -> torch.Tensor:
-    """C + α·A@B: inside ``onednn_products()``, for factors ``ieee_mm`` sends to oneDNN, a nonzero α and a plain float32
+               inplace: bool = False, onednn: bool = False) -> torch.Tensor:
+    """C + α·A@B: with ``onednn``, for factors ``ieee_mm`` sends to oneDNN, a nonzero α and a plain float32
     C of the result's shape, the product through oneDNN then one add (C + α·P, computed into P's memory, or into C's
     when ``inplace``); else ``addmm`` (``baddbmm`` for batches). ``inplace``: the result is written into C (returned)
     either way; it requires C writable and sharing no memory with A or B (the caller's check)."""
-    fits = alpha != 0 and _eligible(A, B) and C.dtype == torch.float32 and C.device.type == "cpu" and plain(C) and \
-        C.shape == torch.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
+    fits = alpha != 0 and _eligible(A, B, onednn) and C.dtype == torch.float32 and C.device.type == "cpu" \
+        and plain(C) and C.shape == torch.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
     if not fits:  # torch's fused multiply-add (α = 0 leaves C as it is, NaN in A·B or not)
         if not inplace:
             return addmm_batched(C, A, B, alpha=alpha)
         if C.ndim == 2 and A.ndim == 2 and B.ndim == 2:
             return C.addmm_(A, B, alpha=alpha)
         return C.copy_(addmm_batched(C, A, B, alpha=alpha))
-    P = ieee_mm(A, B)
+    P = ieee_mm(A, B, onednn=True)
     if inplace:
         return C.add_(P, alpha=alpha)
     return torch.add(C, P, alpha=alpha, out=P)

@@ -15,21 +15,19 @@ float32: ~1.5e-7; one bf16 product: ~8e-4); with an exactly-bf16 factor (two pro
 Speed (2-core Xeon with AMX, 3072×768 @ 768×768): IEEE float32 10.3–12.3 ms, one bf16→float32 product 2.1 ms, so
 three products 6.5 ms and two 4.3 ms. On a CPU without AMX a bf16 product is not 3× faster than float32 and the split
 loses: ``weightgeom.linalg.autotune`` times both at first use and records which one the device uses
-(``MsignChoice.products``); the optimizer enters ``split_products()`` only where the split won.
+(``MsignChoice.products``); the optimizer asks for ``"split_bf16"`` products only where the split won.
 
 Everything here is CPU-only and float32-only; ``split_matmul`` falls back to the IEEE product (``torch.matmul`` inside
 ``full_precision``) where the MKL routine is missing, for other devices or dtypes and for inputs autograd tracks; the
-``constraint_*`` helpers of ``weightgeom.manifolds.base`` take the split only inside ``split_products()``.
+``constraint_*`` helpers of ``weightgeom.manifolds.base`` take the split only when passed ``products="split_bf16"``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -38,7 +36,7 @@ from weightgeom.linalg.layout import matrix_layout
 from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, column_norms, plain
 from weightgeom.linalg.precision import full_precision
 
-__all__ = ["split_available", "split_bf16", "split_matmul", "split_products", "split_active", "bf16_gemm_",
+__all__ = ["split_available", "split_bf16", "split_matmul", "bf16_gemm_",
            "split_column_sumsq",
            "SPLIT_REL_ERROR", "BF16_MAX", "unavailable_reason"]
 
@@ -53,7 +51,10 @@ _L, _P, _F = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_float
 _lock = threading.Lock()
 _gemm: object | None = None  # the ctypes function, False when unavailable, None before the first look
 _reason = ""
-_state = threading.local()
+
+SplitMemo = dict
+"""The pieces of the tensors split during one call (``split_bf16``'s ``memo``): keyed by storage, view and in-place
+version; a new empty dict per call that owns it (a manifold method, the dual ascent)."""
 
 
 def _load() -> object | None:
@@ -101,27 +102,6 @@ def split_available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and _load() is not None
 
 
-@contextlib.contextmanager
-def split_products(enabled: bool = True) -> Iterator[None]:
-    """Inside (this thread only): the ``constraint_*`` products of ``weightgeom.manifolds.base`` on CPU float32
-    tensors use ``split_matmul``, and ``split_bf16`` remembers the pieces of the tensors it split (until the block
-    ends or the tensor is modified in place), so a matrix used in several products is split once. Nests;
-    ``enabled=False`` turns it off for the block."""
-    prev, prev_memo = getattr(_state, "on", False), getattr(_state, "memo", None)
-    _state.on = bool(enabled) and split_available()
-    _state.memo = {} if _state.on else None
-    try:
-        yield
-    finally:
-        _state.on, _state.memo = prev, prev_memo
-
-
-def split_active() -> bool:
-    """Whether this thread is inside ``split_products()`` (and the routine is available); never inside a
-    ``torch.compile`` trace (the routine is a ``ctypes`` call)."""
-    return not torch.compiler.is_compiling() and getattr(_state, "on", False)
-
-
 # bf16's largest finite value: hi pieces are clamped to it, so a float32 above it (which would round to inf) keeps a
 # finite hi and the rest in lo, and ±inf becomes ±this + ±inf (the sum stays ±inf).
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -138,16 +118,16 @@ def _memo_key(X: torch.Tensor) -> tuple[tuple, object] | None:
     return (st._cdata, st.data_ptr(), X.storage_offset(), tuple(X.shape), X.stride(), version, X.dtype), st
 
 
-def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_bf16(X: torch.Tensor, lo: bool = True,
+               memo: SplitMemo | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(X_hi, X_lo) in bf16 with X ≈ X_hi + X_lo to 2⁻¹⁷ relative per entry (float32 X; hi = bf16(X) clamped to
-    ±``BF16_MAX``, lo = bf16(X − hi)); ``lo=False``: (X_hi, None). Inside ``split_products()`` the pieces of a tensor
-    split before in the block (same storage, view and in-place version) are returned again instead of recomputed —
-    writes that bypass the version counter (through ``.data`` or a NumPy view) are not seen, so do not make them to
-    a tensor inside the block."""
+    ±``BF16_MAX``, lo = bf16(X − hi)); ``lo=False``: (X_hi, None). With a ``memo`` the pieces of a tensor split before
+    with it (same storage, view and in-place version) are returned again instead of recomputed — writes that bypass
+    the version counter (through ``.data`` or a NumPy view) are not seen, so do not make them to a tensor while its
+    memo is in use."""
     if X.ndim >= 2 and not X.is_contiguous() and X.mT.is_contiguous():  # a transposed view: split the row-major
-        hi, low = split_bf16(X.mT, lo)  # matrix (elementwise passes over a transposed view are ~4× slower), view back
+        hi, low = split_bf16(X.mT, lo, memo)  # matrix (elementwise passes over a transposed view are ~4× slower)
         return hi.mT, (low.mT if low is not None else None)
-    memo = getattr(_state, "memo", None)
     found = _memo_key(X) if memo is not None else None
     key = found[0] if found is not None else None
     hi = low = None
@@ -176,12 +156,11 @@ def split_bf16(X: torch.Tensor, lo: bool = True) -> tuple[torch.Tensor, torch.Te
     return hi, low
 
 
-def split_column_sumsq(X: torch.Tensor) -> torch.Tensor:
+def split_column_sumsq(X: torch.Tensor, memo: SplitMemo | None = None) -> torch.Tensor:
     """Σ_i X_ij² per column of a (batch of) matrices, (..., n), in X's dtype, a new tensor — ``column_norms(X,
-    squared=True)``'s bits: inside ``split_products()`` those of a matrix split in the block, summed in the split's
+    squared=True)``'s bits: with a ``memo`` those of a matrix split with it, summed in the split's
     pass (``kernels.split_with_column_sumsq``; matrices of at least ``COLUMN_KERNEL_MIN`` entries, where column_norms
     sums in double too), else column_norms itself (also for an X that autograd tracks)."""
-    memo = getattr(_state, "memo", None)
     found = _memo_key(X) if memo is not None and plain(X) else None
     if found is not None and found[0] in memo and memo[found[0]][3] is not None:
         return memo[found[0]][3].clone()  # the caller's own: an in-place edit of it cannot reach the memo
@@ -241,7 +220,7 @@ def _splittable(T: torch.Tensor | Pieces) -> bool:
 
 
 def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.Tensor | None = None,
-                 alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+                 alpha: float = 1.0, beta: float = 0.0, memo: SplitMemo | None = None) -> torch.Tensor:
     """α·A@B (+ β·out) in float32 from the split-bf16 pieces of A and B, with ``torch.matmul``'s batch broadcasting.
 
     Args:
@@ -250,6 +229,7 @@ def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.
         out: float32 (..., m, n) of the broadcast batch shape to accumulate into with β (written in place and
             returned); None: a new tensor (β unused).
         alpha, beta: scalars.
+        memo: ``split_bf16``'s, for the factors split here.
 
     Returns:
         The product in float32. The IEEE product (``torch.matmul`` in full precision, in the inputs' dtype) instead
@@ -263,8 +243,8 @@ def split_matmul(A: torch.Tensor | Pieces, B: torch.Tensor | Pieces, out: torch.
         if out is None:
             return prod * alpha if alpha != 1.0 else prod
         return out.mul_(beta).add_(prod, alpha=alpha) if beta != 0.0 else out.copy_(prod.mul_(alpha))
-    pa = A if isinstance(A, tuple) else split_bf16(A)
-    pb = B if isinstance(B, tuple) else split_bf16(B)
+    pa = A if isinstance(A, tuple) else split_bf16(A, memo=memo)
+    pb = B if isinstance(B, tuple) else split_bf16(B, memo=memo)
     if pa[0].ndim < 2 or pb[0].ndim < 2 or pa[0].shape[-1] != pb[0].shape[-2]:
         raise ValueError(f"split_matmul: shapes {tuple(pa[0].shape)} and {tuple(pb[0].shape)} cannot be multiplied")
     lead = torch.broadcast_shapes(pa[0].shape[:-2], pb[0].shape[:-2])

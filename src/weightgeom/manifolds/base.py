@@ -16,21 +16,24 @@ and never branch on the manifold's type.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from weightgeom.linalg.autotune import PRODUCTS
 from weightgeom.linalg.gemm import ieee_addmm, ieee_mm
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.msign import msign
 from weightgeom.linalg.precision import with_full_precision
-from weightgeom.linalg.split import Pieces, split_active, split_bf16, split_column_sumsq, split_matmul
+from weightgeom.linalg.split import Pieces, split_available, split_bf16, split_column_sumsq, split_matmul
 
-__all__ = ["Manifold", "CheckResult", "tall", "untall", "tall_pair", "compute_dtype", "polar", "gram_check",
-           "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "near_update", "split_here",
-           "SPLIT_MIN_DIM"]
+__all__ = ["Manifold", "CheckResult", "Products", "products_of", "tall", "untall", "tall_pair", "compute_dtype",
+           "polar", "gram_check", "constraint_mm", "constraint_addmm", "constraint_gram", "small_mm", "near_update",
+           "split_here", "SPLIT_MIN_DIM"]
 
 
 def tall(W: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -61,31 +64,70 @@ def tall_pair(W: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 SPLIT_MIN_DIM = 256
 
 
-def split_here(*ts: torch.Tensor | None) -> bool:
-    """Whether the constraint products of these tensors run as split-bf16 products: inside
-    ``weightgeom.linalg.split.split_products()``, on CPU float32 matrices of at least ``SPLIT_MIN_DIM`` rows and
-    columns."""
-    return split_active() and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+class Products:
+    """The constraint products of one call (a retraction, a projection, a dual ascent): ``kind``, one of
+    ``weightgeom.linalg.autotune.PRODUCTS`` — ``"ieee"`` (``torch.matmul``), ``"ieee_onednn"`` (the same IEEE float32
+    products through oneDNN, ``weightgeom.linalg.gemm``) or ``"split_bf16"`` (``weightgeom.linalg.split``) — and, for
+    the split, ``memo``: the pieces of the tensors split in this call, so a matrix used in several products is split
+    once. The split (a ``ctypes`` call) and oneDNN apply only outside a ``torch.compile`` trace and where available;
+    elsewhere the products are IEEE.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``PRODUCTS``.
+    """
+
+    __slots__ = ("kind", "memo")
+
+    def __init__(self, kind: str = "ieee") -> None:
+        if kind not in PRODUCTS:
+            raise ValueError(f"products={kind!r} is not one of {PRODUCTS}")
+        self.kind = kind
+        self.memo: dict | None = {} if kind == "split_bf16" else None
+
+    @property
+    def split(self) -> bool:
+        """Whether split-bf16 products run here (asked for, available, not inside a compile trace)."""
+        return self.kind == "split_bf16" and not torch.compiler.is_compiling() and split_available()
+
+    @property
+    def onednn(self) -> bool:
+        """Whether IEEE products go through oneDNN (``weightgeom.linalg.gemm`` checks availability and shapes)."""
+        return self.kind == "ieee_onednn"
+
+
+def products_of(products: str | Products) -> Products:
+    """``products`` as a ``Products``: a kind name gets a new one (its own memo), a ``Products`` is passed through."""
+    return products if isinstance(products, Products) else Products(products)
+
+
+def split_here(products: str | Products, *ts: torch.Tensor | None) -> bool:
+    """Whether the constraint products of these tensors run as split-bf16 products: ``products`` asks for the split
+    and it runs here (``Products.split``), on CPU float32 matrices of at least ``SPLIT_MIN_DIM`` rows and columns."""
+    return products_of(products).split and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
                                                 and not (t.requires_grad and torch.is_grad_enabled())
                                                 and min(t.shape[-2:]) >= SPLIT_MIN_DIM)
                                   for t in ts)
 
 
-def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = None) -> torch.Tensor:
-    """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype; through oneDNN inside
-    ``onednn_products()``, ``weightgeom.linalg.gemm``), or inside ``split_products()`` on the CPU the split-bf16 product
+def constraint_mm(A: torch.Tensor, B: torch.Tensor, b_pieces: Pieces | None = None,
+                  products: str | Products = "ieee") -> torch.Tensor:
+    """A@B for the constraint arithmetic (e.g. S = XᵀA): IEEE float32 (or A's dtype; through oneDNN for ``products``
+    ``"ieee_onednn"``, ``weightgeom.linalg.gemm``), or for ``"split_bf16"`` on the CPU the split-bf16 product
     (``weightgeom.linalg.split``; ~1e-6 relative instead of ~1e-7, 3–5× faster with AMX). ``b_pieces``: B's
-    ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16)."""
-    if not split_here(A, B):
-        return ieee_mm(A, B)
-    return split_matmul(A, b_pieces if b_pieces is not None else B)
+    ``(hi, lo)`` when the caller has them (lo None: B is exactly bf16). ``products``: a kind or the caller's
+    ``Products`` (its memo shared)."""
+    pr = products_of(products)
+    if not split_here(pr, A, B):
+        return ieee_mm(A, B, onednn=pr.onednn)
+    return split_matmul(A, b_pieces if b_pieces is not None else B, memo=pr.memo)
 
 
 def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float = 1.0,
-                     a_pieces: Pieces | None = None, small: bool = False, overwrite_c: bool = False) -> torch.Tensor:
-    """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched`` (inside
-    ``onednn_products()`` ``ieee_addmm``: oneDNN's product, then one add), or inside ``split_products()`` on the CPU the
-    split-bf16 product accumulated into a float32 copy of C (each matrix of a batch alone: the same bits as one call
+                     a_pieces: Pieces | None = None, small: bool = False, overwrite_c: bool = False,
+                     products: str | Products = "ieee") -> torch.Tensor:
+    """C + α·A@B for the constraint arithmetic (a projection Y − X·L, a retraction X + X·F): ``addmm_batched`` (for
+    ``products`` ``"ieee_onednn"`` ``ieee_addmm``: oneDNN's product, then one add), or for ``"split_bf16"`` on the CPU
+    the split-bf16 product accumulated into a float32 copy of C (each matrix of a batch alone: the same bits as one call
     per matrix).
 
     ``small``: B (square) is a small correction (its entries ≪ 1 against A's unit-scale columns, as the multiplier of a
@@ -96,12 +138,15 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
     ``overwrite_c``: the caller no longer needs C, so a row-major C of the result's shape and dtype accumulates the
     result in place (returned) instead of in a copy — with ``small`` when C is A (X + X·F, ``near_update``: X's bf16
     piece is taken before X is scaled), else when C shares no memory with A or B; otherwise ignored."""
+    pr = products_of(products)
+    memo = pr.memo
     if overwrite_c and not small and _writable_result(C, A, B):
-        if not split_here(C, A, B):
-            return ieee_addmm(C, A, B, alpha=alpha, inplace=C.ndim == 2)
-        return split_matmul(a_pieces if a_pieces is not None else split_bf16(A), B, out=C, alpha=alpha, beta=1.0)
-    if not split_here(C, A, B):
-        return ieee_addmm(C, A, B, alpha=alpha)
+        if not split_here(pr, C, A, B):
+            return ieee_addmm(C, A, B, alpha=alpha, inplace=C.ndim == 2, onednn=pr.onednn)
+        pa = a_pieces if a_pieces is not None else split_bf16(A, memo=memo)
+        return split_matmul(pa, B, out=C, alpha=alpha, beta=1.0, memo=memo)
+    if not split_here(pr, C, A, B):
+        return ieee_addmm(C, A, B, alpha=alpha, onednn=pr.onednn)
     same = C is A
     lead = torch.broadcast_shapes(C.shape[:-2], A.shape[:-2], B.shape[:-2])
     A, B = A.expand(*lead, *A.shape[-2:]), B.expand(*lead, *B.shape[-2:])
@@ -112,22 +157,23 @@ def constraint_addmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: f
         hi = a_pieces[0] if a_pieces is not None else None
         if C.shape == A.shape and C.data_ptr() == A.data_ptr() and C.stride() == A.stride():  # C is A (a view of)
             # X + X·diag(F) = X·(1 + diag(F)): one read of X, not two; into X itself when C is the tensor A
-            return near_update(A, d, Bo, alpha, overwrite=overwrite_c and same, hi=hi)
+            return near_update(A, d, Bo, alpha, overwrite=overwrite_c and same, hi=hi, memo=memo)
         out = torch.addcmul(C.expand(*lead, *C.shape[-2:]), A, d, value=alpha).contiguous()  # C + α·A·diag(B), new
-        hi = hi if hi is not None else split_bf16(A, lo=False)[0]
+        hi = hi if hi is not None else split_bf16(A, lo=False, memo=memo)[0]
         return split_matmul((hi, None), (Bo, None), out=out, alpha=alpha, beta=1.0)
     out = C.expand(*lead, *C.shape[-2:]).clone(memory_format=torch.contiguous_format)
-    pa = a_pieces if a_pieces is not None else split_bf16(A)
-    return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0)
+    pa = a_pieces if a_pieces is not None else split_bf16(A, memo=memo)
+    return split_matmul(pa, B, out=out, alpha=alpha, beta=1.0, memo=memo)
 
 
 def near_update(X: torch.Tensor, d: torch.Tensor, Bo: torch.Tensor, alpha: float = 1.0, overwrite: bool = False,
-                hi: torch.Tensor | None = None) -> torch.Tensor:
-    """X + α·(X·diag(d) + X_hi·Bo) for a CPU float32 X inside ``split_products()``: a near-manifold retraction's
+                hi: torch.Tensor | None = None, memo: dict | None = None) -> torch.Tensor:
+    """X + α·(X·diag(d) + X_hi·Bo) for a CPU float32 X under split-bf16 products: a near-manifold retraction's
     update X·(I + F) with F's diagonal d (..., 1, n) applied exactly and its bf16 off-diagonal part Bo as one product
     (``constraint_addmm(X, X, F, small=True)``; ``polar_near`` with F split by ``kernels.near_correction``).
-    ``overwrite``: into X itself when it is row-major and writable (X's bf16 piece ``hi`` is taken first)."""
-    hi = hi if hi is not None else split_bf16(X, lo=False)[0]
+    ``overwrite``: into X itself when it is row-major and writable (X's bf16 piece ``hi`` is taken first). ``memo``:
+    ``split_bf16``'s (the call's ``Products.memo``)."""
+    hi = hi if hi is not None else split_bf16(X, lo=False, memo=memo)[0]
     if overwrite and X.is_contiguous() and _writable_in_place(X):
         out = X.mul_(1.0 + alpha * d)
     else:
@@ -158,28 +204,46 @@ def _writable_result(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
     return all(t.untyped_storage().data_ptr() != mem for t in (A, B))
 
 
-def small_mm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def small_mm(A: torch.Tensor, B: torch.Tensor, products: str | Products = "ieee") -> torch.Tensor:
     """A@B of two small corrections (e.g. powers of a near-manifold Gram deviation E, ‖E‖ ≪ 1) added to unit-scale
-    terms: inside ``split_products()`` on the CPU one bf16 product accumulated in float32 — its error, 2⁻⁸ of a
+    terms: for ``products`` ``"split_bf16"`` on the CPU one bf16 product accumulated in float32 — its error, 2⁻⁸ of a
     product of two small factors, is far below float32 rounding of the terms it is added to; else ``ieee_mm``."""
-    if not split_here(A, B):
-        return ieee_mm(A, B)
-    return split_matmul(split_bf16(A, lo=False), split_bf16(B, lo=False))
+    pr = products_of(products)
+    if not split_here(pr, A, B):
+        return ieee_mm(A, B, onednn=pr.onednn)
+    return split_matmul(split_bf16(A, lo=False, memo=pr.memo), split_bf16(B, lo=False, memo=pr.memo))
 
 
-def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None) -> torch.Tensor:
-    """XᵀX for the constraint arithmetic: IEEE (``ieee_mm``), or inside ``split_products()`` X_hiᵀX_hi + T + Tᵀ with
-    T = X_hiᵀX_lo (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X itself
-    (the dropped X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
-    if not split_here(X):
-        return ieee_mm(X.mT, X)
-    hi, lo = pieces if pieces is not None else split_bf16(X)
+def constraint_gram(X: torch.Tensor, pieces: Pieces | None = None, products: str | Products = "ieee") -> torch.Tensor:
+    """XᵀX for the constraint arithmetic: IEEE (``ieee_mm``), or for ``products`` ``"split_bf16"`` X_hiᵀX_hi + T + Tᵀ
+    with T = X_hiᵀX_lo (two bf16 products) and the diagonal, the columns' squared norms, summed in float32 from X
+    itself (the dropped X_loᵀX_lo is 2⁻¹⁸ of it but all of one sign there)."""
+    pr = products_of(products)
+    if not split_here(pr, X):
+        return ieee_mm(X.mT, X, onednn=pr.onednn)
+    hi, lo = pieces if pieces is not None else split_bf16(X, memo=pr.memo)
     G = split_matmul((hi.mT, None), (hi, None))
     if lo is not None:
         T = split_matmul((hi.mT, None), (lo, None))
         sym_sum(T, out=G)  # G + T + Tᵀ
-    G.diagonal(dim1=-2, dim2=-1).copy_(split_column_sumsq(X))  # summed in X's split pass
+    G.diagonal(dim1=-2, dim2=-1).copy_(split_column_sumsq(X, pr.memo))  # summed in X's split pass
     return G
+
+
+def _takes_products(fn: object) -> bool:
+    """Whether a method accepts a ``products`` keyword (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "products" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _ignoring_products(fn: object) -> object:
+    """``fn`` accepting a ``products`` keyword that it ignores."""
+
+    @functools.wraps(fn)
+    def wrapped(self: object, *args: object, products: object = "ieee", **kwargs: object) -> object:
+        return fn(self, *args, **kwargs)
+
+    return wrapped
 
 
 def compute_dtype(W: torch.Tensor) -> torch.dtype:
@@ -295,8 +359,17 @@ class Manifold(ABC):
     FULL_PRECISION_METHODS = ("retract", "retract_", "proj_tangent", "proj_tangent_tall", "constraint_violation",
                               "tangent_residual", "check", "random_point")
 
+    # Methods that take the constraint products' kind (``products=``, by keyword from every caller here): a subclass
+    # whose override does not accept it (one written before the argument existed) gets it accepted and ignored — its
+    # own arithmetic is whatever it computes.
+    PRODUCTS_METHODS = ("retract", "retract_", "proj_tangent", "proj_tangent_tall")
+
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
+        for name in Manifold.PRODUCTS_METHODS:
+            fn = cls.__dict__.get(name)
+            if inspect.isfunction(fn) and not _takes_products(fn):
+                setattr(cls, name, _ignoring_products(fn))
         for name in Manifold.FULL_PRECISION_METHODS:
             fn = cls.__dict__.get(name)
             if isinstance(fn, (staticmethod, classmethod)):  # wrap the function inside, keep the descriptor
@@ -315,15 +388,17 @@ class Manifold(ABC):
 
     # ---- geometry ----------------------------------------------------------------------------------------------
     @abstractmethod
-    def retract(self, W: torch.Tensor) -> torch.Tensor:
-        """Map W (either orientation, batched) onto the manifold; idempotent on manifold points."""
+    def retract(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """Map W (either orientation, batched) onto the manifold; idempotent on manifold points. ``products``: the kind
+        of its constraint products (one of ``weightgeom.linalg.autotune.PRODUCTS``; ``Products``), for manifolds
+        whose retraction takes any (Stiefel, DGram); others ignore it."""
 
-    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+    def retract_(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """In place: W ← ``retract(W)``, returned (torch's trailing-underscore convention; W writable, float32 or
         float64). The default computes ``retract(W)`` and copies it in; Stiefel and DGram write their near-manifold
         retraction's last update into W directly — no m×n result allocated and copied (the optimizer retracts its
-        parameters this way every step). Same values as ``retract``."""
-        R = self.retract(W)
+        parameters this way every step). Same values as ``retract`` (with the same ``products``)."""
+        R = self.retract(W, products=products)
         if R is not W:
             W.copy_(R)
         return W
@@ -359,20 +434,22 @@ class Manifold(ABC):
         return self.retract(X).to(W.dtype)
 
     @abstractmethod
-    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """Euclidean-orthogonal projection of A onto the tangent space at the manifold point W."""
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """Euclidean-orthogonal projection of A onto the tangent space at the manifold point W; ``products`` as
+        ``retract``'s."""
 
     @with_full_precision
     def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
-                          overwrite_a: bool = False) -> torch.Tensor:
+                          overwrite_a: bool = False, products: str | Products = "ieee") -> torch.Tensor:
         """``proj_tangent`` on tall views X, A (m ≥ n), given S = XᵀA when the caller has computed it already (the dual
         ascent has: its residual is P(S + Sᵀ)). Manifolds whose projection is A − X·L(S) override this to skip that
         m×n×n product (and must accept ``overwrite_a``); the default ignores S.
 
         ``overwrite_a``: the caller no longer needs A, so the result may be written into A's memory (a projection
         A − X·L then accumulates into A instead of into a copy of it: one m×n pass fewer); the result may or may not
-        be A. X is never written. Same values either way."""
-        return self.proj_tangent(X, A)
+        be A. X is never written. Same values either way. ``products``: the kind of the constraint products, or the
+        caller's ``Products`` (its memo shared with the caller's other products)."""
+        return self.proj_tangent(X, A, products=products_of(products).kind)
 
     @with_full_precision
     def constraint_violation(self, W: torch.Tensor) -> torch.Tensor:

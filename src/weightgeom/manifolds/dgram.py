@@ -36,12 +36,14 @@ from weightgeom.linalg.split import split_column_sumsq
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
+    Products,
     compute_dtype,
     constraint_addmm,
     constraint_gram,
     constraint_mm,
     gram_check,
     polar,
+    products_of,
     split_here,
     tall,
     tall_pair,
@@ -70,51 +72,56 @@ def off(S: torch.Tensor) -> torch.Tensor:
 
 
 def dgram_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None,
-                       overwrite_y: bool = False) -> torch.Tensor:
+                       overwrite_y: bool = False, products: str | Products = "ieee") -> torch.Tensor:
     """Y − X·Λ, Λ_ij = (XᵀY + YᵀX)_ij / (d_i + d_j) off the diagonal, d = diag(XᵀX), on the tall view.
 
     Exact orthogonal projection when XᵀX is diagonal (a manifold point); otherwise the off-diagonal of XᵀX is
     ignored. Pairs of zero columns (d_i + d_j = 0) get Λ_ij = 0: the constraint between them is vacuous.
     ``S``: XᵀY when the caller has it (one m×n×n product fewer); d is the columns' squared norms (no product).
-    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``).
+    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``). ``products``: the
+    constraint products (``manifolds.base.Products``, or its kind).
     """
-    d = split_column_sumsq(X)  # column_norms(X, squared=True); inside split_products() from X's split pass
-    H = constraint_mm(X.mT, Y) if S is None else S
+    pr = products_of(products)
+    d = split_column_sumsq(X, pr.memo)  # column_norms(X, squared=True); under the split from X's split pass
+    H = constraint_mm(X.mT, Y, products=pr) if S is None else S
     den = d.unsqueeze(-1) + d.unsqueeze(-2)
     den.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))  # Λ's diagonal: H_ii / inf = 0 (Off), zeroed below too
     # d_i + d_j = 0 only for two zero columns, whose H_ij = x_iᵀy_j + y_iᵀx_j is exactly 0: 0 / tiny = 0
     lam = sym_sum(H).div_(den.clamp_min_(torch.finfo(den.dtype).tiny))
     lam.diagonal(dim1=-2, dim2=-1).zero_()  # also where H_ii overflowed (inf / inf)
-    return constraint_addmm(Y, X, lam, alpha=-1.0, overwrite_c=overwrite_y)
+    return constraint_addmm(Y, X, lam, alpha=-1.0, overwrite_c=overwrite_y, products=pr)
 
 
-def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None) -> torch.Tensor | None:
+def polar_near_columns(Z: torch.Tensor, norms: torch.Tensor, steps: int | None = None,
+                       products: str | Products = "ieee") -> torch.Tensor | None:
     """msign(Z) for a tall Z (m ≥ 2n) whose normalised columns are nearly orthonormal; None when that fails.
 
     Z = Z̃·diag(norms) and Z̃ = U₁P₁ (polar), so Z = U₁·(U₁ᵀZ) and msign(Z) = U₁·msign(U₁ᵀZ): U₁ by
     ``polar_near`` (a few m×n×n products), then a Polar Express iteration on the n×n matrix U₁ᵀZ, whose singular
     values are Z's (the column-norm spread). Exact up to rounding, like Polar Express on Z itself, at about half the
     cost for m = 3n (measured on 3072×768: 213 vs 428 ms). None (caller falls back) for a zero column, a far point,
-    or m < 2n, where the n×n iteration costs as much as the full one.
+    or m < 2n, where the n×n iteration costs as much as the full one. ``products``: ``polar_near``'s.
     """
     m, n = Z.shape[-2:]
     if m < 2 * n or not bool((norms > 0).all()):
         return None
-    U1 = polar_near(Z / norms)
+    U1 = polar_near(Z / norms, products=products)
     if U1 is None:
         return None
     return U1 @ polar(U1.mT @ Z, "polar_express", steps)
 
 
-def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: int | None = None) -> torch.Tensor:
-    """msign(X)·diag(‖x_j‖) on the tall view. A zero column stays zero (it is orthogonal to everything).
+def dgram_retract_polar(X: torch.Tensor, method: str = "polar_express", steps: int | None = None,
+                        products: str | Products = "ieee") -> torch.Tensor:
+    """msign(X)·diag(‖x_j‖) on the tall view. A zero column stays zero (it is orthogonal to everything). ``products``:
+    the constraint products of its near-manifold polar factor (``polar_near_columns``).
 
     Columns Polar Express cannot resolve (norm below ``SMALL_COLUMN``·‖X‖_F, or a polar column whose norm is off 1 by
     more than ``UNRESOLVED_TOL``) are completed exactly: ``complete_small_columns``.
     """
     Z = X.to(compute_dtype(X))
     norms = column_norms(Z, keepdim=True)
-    Q = polar_near_columns(Z, norms, steps) if method == "polar_express" else None
+    Q = polar_near_columns(Z, norms, steps, products) if method == "polar_express" else None
     if Q is None:
         Q = polar(Z, method, steps)
     if method == "polar_express":
@@ -154,18 +161,21 @@ def complete_small_columns(Z: torch.Tensor, Q: torch.Tensor, norms: torch.Tensor
 
 
 def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
-                               steps: int | None = None, inplace: bool = False) -> torch.Tensor:
+                               steps: int | None = None, inplace: bool = False,
+                               products: str | Products = "ieee") -> torch.Tensor:
     """polar(X·D⁻¹)·D on the tall view, D = diag(‖x_j‖); a zero column stays zero.
 
     The polar factor is ``stiefel.polar_near`` when the column-normalised X is near orthonormal (every column nonzero),
     else ``polar`` with ``method``; with Polar Express, columns it leaves unresolved (nearly parallel columns) are
     completed exactly (``complete_small_columns``). ``inplace``: the result is written into X (returned), the
-    near-manifold path's last update directly (X in the compute dtype), any other by a copy.
+    near-manifold path's last update directly (X in the compute dtype), any other by a copy. ``products``: the
+    constraint products (``manifolds.base.Products``, or its kind).
     """
     Z = X.to(compute_dtype(X))
     G = None
-    if split_here(Z):  # the split Gram's diagonal is the columns' squared norms summed from Z: one pass, not two
-        G = constraint_gram(Z)
+    pr = products_of(products)
+    if split_here(pr, Z):  # the split Gram's diagonal is the columns' squared norms summed from Z: one pass, not two
+        G = constraint_gram(Z, products=pr)
         norms = G.diagonal(dim1=-2, dim2=-1).sqrt().unsqueeze(-2)
     else:
         norms = column_norms(Z, keepdim=True)
@@ -177,12 +187,12 @@ def dgram_retract_column_polar(X: torch.Tensor, method: str = "polar_express",
     if method == "polar_express" and fi.tiny**0.25 <= low and high <= fi.max**0.25:
         # polar(Z·D⁻¹)·D directly, Z·D⁻¹ never formed: its Gram is ZᵀZ/(d_i·d_j), which keeps its digits while every
         # d_i·d_j and Gram entry stays far inside the dtype's normal range (norms in [tiny^¼, max^¼])
-        R = polar_near(Z, scale=norms, inplace=inplace, gram=G)  # G: the Gram polar_near would form first
+        R = polar_near(Z, scale=norms, inplace=inplace, gram=G, products=pr)  # G: the Gram polar_near would form first
         if R is not None:
             return X.copy_(R) if inplace and R is not X else R.to(X.dtype)
     Zn = Z / torch.where(nonzero, norms, torch.ones_like(norms))
     if method == "polar_express" and low > 0:
-        Q = polar_near(Zn)
+        Q = polar_near(Zn, products=pr)
     if Q is None:
         Q = polar(Zn, method, steps)
         if method == "polar_express":
@@ -237,24 +247,24 @@ class DGram(Manifold):
         """Off-diagonal part: only orthogonality between columns is constrained."""
         return off(S)
 
-    def retract(self, W: torch.Tensor) -> torch.Tensor:
+    def retract(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """``"column_polar"``: polar(W·D⁻¹)·D; ``"polar"``: msign(W)·diag(‖w_j‖); ``"paper"``: (U Vᵀ)·diag(σ
         descending). Tall view, W's dtype."""
         X, t = tall(W)
         if self.retraction == "paper":
             return untall(dgram_retract_paper(X), t)
         if self.retraction == "column_polar":
-            return untall(dgram_retract_column_polar(X, self.method, self.steps), t)
-        return untall(dgram_retract_polar(X, self.method, self.steps), t)
+            return untall(dgram_retract_column_polar(X, self.method, self.steps, products=products), t)
+        return untall(dgram_retract_polar(X, self.method, self.steps, products), t)
 
-    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+    def retract_(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """``retract`` in place (``Manifold.retract_``): the column-polar retraction of a near-manifold W takes its last
         update in place."""
         X, _ = tall(W)
         if self.retraction == "column_polar" and X.dtype == compute_dtype(X):
-            dgram_retract_column_polar(X, self.method, self.steps, inplace=True)
+            dgram_retract_column_polar(X, self.method, self.steps, inplace=True, products=products)
             return W
-        return super().retract_(W)
+        return super().retract_(W, products=products)
 
     def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
         """``Manifold.retract_host_free``: ``"column_polar"`` by ``polar_near_masked`` in the column-scaled coordinates
@@ -273,16 +283,16 @@ class DGram(Manifold):
         """The column-polar retraction by Polar Express, or the published one (others step eagerly)."""
         return self.retraction == "paper" or (self.retraction == "column_polar" and self.method == "polar_express")
 
-    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """A − W·Λ with Λ_ij = (WᵀA + AᵀW)_ij/(d_i + d_j) off-diagonal, d = diag(WᵀW) (tall view)."""
         X, Y, t = tall_pair(W, A)
-        return untall(dgram_proj_tangent(X, Y), t)
+        return untall(dgram_proj_tangent(X, Y, products=products), t)
 
     def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
-                          overwrite_a: bool = False) -> torch.Tensor:
-        """A − X·Λ(S) on tall views, S = XᵀA (computed when None); see ``dgram_proj_tangent``; ``overwrite_a`` as
-        ``Manifold``'s."""
-        return dgram_proj_tangent(X, A, S, overwrite_y=overwrite_a)
+                          overwrite_a: bool = False, products: str | Products = "ieee") -> torch.Tensor:
+        """A − X·Λ(S) on tall views, S = XᵀA (computed when None); see ``dgram_proj_tangent``; ``overwrite_a`` and
+        ``products`` as ``Manifold``'s."""
+        return dgram_proj_tangent(X, A, S, overwrite_y=overwrite_a, products=products)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """|cos θ_ij| ≤ tol between every pair of columns of the tall view; the reason names the worst pair."""

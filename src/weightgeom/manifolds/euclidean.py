@@ -21,8 +21,8 @@ class Euclidean(Manifold):
         """Zero: no Gram entry is constrained."""
         return torch.zeros_like(S)
 
-    def retract(self, W: torch.Tensor) -> torch.Tensor:
-        """Identity (returns W itself, not a copy)."""
+    def retract(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """Identity (returns W itself, not a copy; ``products`` is ignored)."""
         tall(W)  # validates the shape
         return W
 
@@ -30,8 +30,8 @@ class Euclidean(Manifold):
         """``Manifold.retract_host_free``: the identity, as ``retract``."""
         return X
 
-    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """Identity (returns A itself): every direction is tangent."""
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """Identity (returns A itself): every direction is tangent (``products`` is ignored)."""
         tall_pair(W, A)  # validates the shapes
         return A
 

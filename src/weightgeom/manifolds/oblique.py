@@ -70,8 +70,9 @@ class Oblique(Manifold):
         """Diagonal part: only the column norms are constrained."""
         return torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
 
-    def retract(self, W: torch.Tensor) -> torch.Tensor:
-        """Normalise each column of the tall view (zero column → e_j; ``"paper"``: ÷ max(‖w_j‖, 1e-8))."""
+    def retract(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """Normalise each column of the tall view (zero column → e_j; ``"paper"``: ÷ max(‖w_j‖, 1e-8)). No matrix
+        products: ``products`` is ignored."""
         X, t = tall(W)
         return untall(normalize_columns_paper(X) if self.retraction == "paper" else normalize_columns(X), t)
 
@@ -84,8 +85,9 @@ class Oblique(Manifold):
             R = f(R.to(compute_dtype(R))).to(R.dtype)
         return R
 
-    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """A − W·diag(diag(WᵀA)/diag(WᵀW)) on the tall view."""
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+        """A − W·diag(diag(WᵀA)/diag(WᵀW)) on the tall view (column sums, no matrix products: ``products`` is
+        ignored)."""
         X, Y, t = tall_pair(W, A)
         return untall(oblique_proj_tangent(X, Y), t)
 

@@ -19,6 +19,7 @@ from weightgeom.linalg.split import split_bf16, split_matmul
 from weightgeom.manifolds.base import (
     CheckResult,
     Manifold,
+    Products,
     compute_dtype,
     constraint_addmm,
     constraint_gram,
@@ -26,6 +27,7 @@ from weightgeom.manifolds.base import (
     gram_check,
     near_update,
     polar,
+    products_of,
     small_mm,
     split_here,
     tall,
@@ -63,9 +65,10 @@ def sym(M: torch.Tensor) -> torch.Tensor:
     return sym_sum(M, 0.5)
 
 
-def gram_deviation(X: torch.Tensor) -> torch.Tensor:
-    """E = XᵀX − I for a tall X, in ``compute_dtype(X)`` (float64 for float64 input, else float32)."""
-    return gram_deviation_of(constraint_gram(X.to(compute_dtype(X))), inplace=True)
+def gram_deviation(X: torch.Tensor, products: str | Products = "ieee") -> torch.Tensor:
+    """E = XᵀX − I for a tall X, in ``compute_dtype(X)`` (float64 for float64 input, else float32); ``products``: the
+    Gram's (``constraint_gram``)."""
+    return gram_deviation_of(constraint_gram(X.to(compute_dtype(X)), products=products), inplace=True)
 
 
 def gram_deviation_of(G: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -85,7 +88,7 @@ def scaled_gram_deviation(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
                scale: torch.Tensor | None = None, inplace: bool = False,
-               gram: torch.Tensor | None = None) -> torch.Tensor | None:
+               gram: torch.Tensor | None = None, products: str | Products = "ieee") -> torch.Tensor | None:
     """Polar factor of a tall X with ‖XᵀX − I‖_F ≤ ``NEAR_TOL``, by the iteration X ← X·p_k(E) (see the constants).
 
     Args:
@@ -98,8 +101,9 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         inplace: write the last update into X itself (returned) when X is already in the compute dtype — only the
             update the iteration knows to be its last: a call that returns None leaves X untouched.
         gram: X's Gram matrix XᵀX when the caller has it (instead of E; not written).
+        products: the constraint products (``manifolds.base.Products``, or its kind).
 
-    Inside ``split_products()`` a 2-D float32 CPU X takes the n×n arithmetic of a step in two C passes
+    Under split-bf16 products a 2-D float32 CPU X takes the n×n arithmetic of a step in two C passes
     (``kernels.near_deviation``, ``kernels.near_correction``: the bits of the torch expressions) and the update
     X + X·diag(F) + X_hi·bf16(F off its diagonal) directly — the same result but where ‖E‖ sits on a threshold of
     the series order (the kernel sums its norms in double, torch in float32; either order meets the tolerance).
@@ -120,12 +124,13 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         raise ValueError(f"polar_near: scale must have shape (..., 1, n) with n = {Xc.shape[-1]} columns, got "
                          f"{tuple(scale.shape)}")
     s = None if scale is None else scale.to(Xc.dtype)
-    fused = Xc.ndim == 2 and Xc.dtype == torch.float32 and split_here(Xc) and plain(Xc) \
+    pr = products_of(products)
+    fused = Xc.ndim == 2 and Xc.dtype == torch.float32 and split_here(pr, Xc) and plain(Xc) \
         and (s is None or (s.numel() == Xc.shape[-1] and plain(s))) and kernels.load_kernel("linalg") is not None
     for _ in range(NEAR_MAX_ITERS):
         got = None
         if E is None:
-            G = gram if gram is not None else constraint_gram(Xc)
+            G = gram if gram is not None else constraint_gram(Xc, products=pr)
             own = G is not gram  # this call's Gram may become E in place; the caller's is never written
             got = kernels.near_deviation(G, s, inplace=own) if fused else None
             if got is None:
@@ -144,16 +149,16 @@ def polar_near(X: torch.Tensor, E: torch.Tensor | None = None,
         if got is not None:  # the powers of E as small_mm forms them, then F, its diagonal and bf16 rest in one pass
             k = order or 3
             E2 = split_matmul((E_hi, None), (E_hi, None)) if k >= 2 else None
-            E3 = split_matmul(split_bf16(E2, lo=False), (E_hi, None)) if k == 3 else None
+            E3 = split_matmul(split_bf16(E2, lo=False, memo=pr.memo), (E_hi, None)) if k == 3 else None
             parts = kernels.near_correction(E, E2, E3, s)
         if parts is not None:
-            Xc = near_update(Xc, parts[1], parts[0], overwrite=inplace and last and Xc is X)
+            Xc = near_update(Xc, parts[1], parts[0], overwrite=inplace and last and Xc is X, memo=pr.memo)
         else:
-            F = _near_correction(E, order or 3)
+            F = _near_correction(E, order or 3, pr)
             if s is not None:
                 F = F * (s / s.mT)  # S⁻¹FS: F_ij·s_j/s_i
             # X·p(E) = X + X·(p(E) − I), fused; p(E) − I is a small correction (‖E‖_F ≤ NEAR_TOL)
-            Xc = constraint_addmm(Xc, Xc, F, small=True, overwrite_c=inplace and last and Xc is X)
+            Xc = constraint_addmm(Xc, Xc, F, small=True, overwrite_c=inplace and last and Xc is X, products=pr)
         if last:
             return Xc
         E = None
@@ -192,25 +197,28 @@ def polar_near_masked(X: torch.Tensor, scale: torch.Tensor | None = None) -> tor
     return Xc
 
 
-def _near_correction(E: torch.Tensor, order: int) -> torch.Tensor:
+def _near_correction(E: torch.Tensor, order: int, products: str | Products = "ieee") -> torch.Tensor:
     """p_order(E) − I = −E/2 (+ 3E²/8 (− 5E³/16)) for order 1, 2 or 3 (order − 1 n×n×n products, each of small
-    factors only — ``small_mm``, one bf16 product inside ``split_products()`` — added to the exact first-order term)."""
+    factors only — ``small_mm``, one bf16 product under split-bf16 ``products`` — added to the exact first-order
+    term)."""
     F = E * -0.5
     if order == 1:
         return F
-    E2 = small_mm(E, E)
+    E2 = small_mm(E, E, products)
     F.add_(E2, alpha=0.375)
     if order == 3:
-        F.add_(small_mm(E2, E), alpha=-0.3125)
+        F.add_(small_mm(E2, E, products), alpha=-0.3125)
     return F
 
 
 def stiefel_proj_tangent(X: torch.Tensor, Y: torch.Tensor, S: torch.Tensor | None = None,
-                         overwrite_y: bool = False) -> torch.Tensor:
+                         overwrite_y: bool = False, products: str | Products = "ieee") -> torch.Tensor:
     """Tangent projection on the tall view: Y − X·sym(XᵀY) (S: XᵀY when known). Exact (orthogonal) when XᵀX = I.
-    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``)."""
-    L = sym(constraint_mm(X.mT, Y) if S is None else S)
-    return constraint_addmm(Y, X, L, alpha=-1.0, overwrite_c=overwrite_y)
+    ``overwrite_y``: Y may be overwritten with the result (``constraint_addmm``'s ``overwrite_c``). ``products``: the
+    constraint products (``manifolds.base.Products``, or its kind)."""
+    pr = products_of(products)
+    L = sym(constraint_mm(X.mT, Y, products=pr) if S is None else S)
+    return constraint_addmm(Y, X, L, alpha=-1.0, overwrite_c=overwrite_y, products=pr)
 
 
 class Stiefel(Manifold):
@@ -250,32 +258,34 @@ class Stiefel(Manifold):
         """Identity: every Gram entry is constrained."""
         return S
 
-    def retract(self, W: torch.Tensor) -> torch.Tensor:
+    def retract(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """Polar factor msign(W) (U Vᵀ for W = U S Vᵀ), in W's dtype and orientation.
 
         With ``"polar_express"``, a W within ‖WᵀW − I‖_F ≤ ``NEAR_TOL`` of the manifold (every matrix of a batch) is
-        retracted by ``polar_near`` instead: same result to float32 rounding, a fraction of the cost.
+        retracted by ``polar_near`` instead (its products as ``products`` says): same result to float32 rounding, a
+        fraction of the cost.
         """
         X, t = tall(W)  # validates the shape
         if self.retraction == "paper":
             return msign(W, method="polar_express_paper").to(W.dtype)
         if self.method == "polar_express" and X.numel() > 0:
-            R = polar_near(X)
+            R = polar_near(X, products=products)
             if R is not None:
                 return untall(R, t).to(W.dtype)
         return polar(W, self.method, self.steps)
 
-    def retract_(self, W: torch.Tensor) -> torch.Tensor:
+    def retract_(self, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """``retract`` in place (``Manifold.retract_``): a near-manifold W takes its last polar update in place."""
         X, _ = tall(W)
         if self.retraction != "paper" and self.method == "polar_express" and X.numel() > 0 \
                 and X.dtype == compute_dtype(X):
-            R = polar_near(X, inplace=True)  # X itself where its last update ran in place, else a new tensor
+            # X itself where its last update ran in place, else a new tensor
+            R = polar_near(X, inplace=True, products=products)
             if R is not None:
                 if R is not X:
                     X.copy_(R)
                 return W
-        return super().retract_(W)
+        return super().retract_(W, products=products)
 
     def retract_host_free(self, X: torch.Tensor, far: bool = False) -> torch.Tensor:
         """``Manifold.retract_host_free``: ``polar_near_masked``; ``far``: Polar Express first (as ``retract`` does
@@ -290,15 +300,15 @@ class Stiefel(Manifold):
         """Polar Express or the published retraction (an SVD polar factor steps eagerly)."""
         return self.retraction == "paper" or self.method == "polar_express"
 
-    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    def proj_tangent(self, W: torch.Tensor, A: torch.Tensor, products: str = "ieee") -> torch.Tensor:
         """A − W·sym(WᵀA) on the tall view (orthogonal projection when W is on the manifold)."""
         X, Y, t = tall_pair(W, A)
-        return untall(stiefel_proj_tangent(X, Y), t)
+        return untall(stiefel_proj_tangent(X, Y, products=products), t)
 
     def proj_tangent_tall(self, X: torch.Tensor, A: torch.Tensor, S: torch.Tensor | None = None,
-                          overwrite_a: bool = False) -> torch.Tensor:
-        """A − X·sym(S) on tall views, S = XᵀA (computed when None); ``overwrite_a`` as ``Manifold``'s."""
-        return stiefel_proj_tangent(X, A, S, overwrite_y=overwrite_a)
+                          overwrite_a: bool = False, products: str | Products = "ieee") -> torch.Tensor:
+        """A − X·sym(S) on tall views, S = XᵀA (computed when None); ``overwrite_a``, ``products`` as ``Manifold``'s."""
+        return stiefel_proj_tangent(X, A, S, overwrite_y=overwrite_a, products=products)
 
     def check(self, W: torch.Tensor, tol: float = 1e-5) -> CheckResult:
         """Unit column norms and pairwise |cos| ≤ tol on the tall view; the reason names the worst column pair."""

@@ -34,8 +34,8 @@ from weightgeom.linalg import column_norms, graphs, msign, msign_reference, with
 from weightgeom.linalg.gemm import addmm_batched, ieee_addmm, ieee_mm
 from weightgeom.linalg.layout import sym_sum
 from weightgeom.linalg.norms import COLUMN_KERNEL_MIN, plain
-from weightgeom.linalg.split import split_active, split_bf16, split_matmul
-from weightgeom.manifolds.base import Manifold, constraint_mm, tall, untall
+from weightgeom.linalg.split import split_bf16, split_matmul
+from weightgeom.manifolds.base import Manifold, Products, constraint_mm, products_of, tall, untall
 
 __all__ = ["dual_ascent", "DualResult", "manifold_direction", "manifold_direction_reference", "initial_multiplier",
            "warm_multiplier", "spectral_norm_estimate", "lanczos_start", "top_eigenvalue_psd",
@@ -76,14 +76,17 @@ _NORM_EPS = 1e-30
 
 
 @with_full_precision
-def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold) -> torch.Tensor:
-    """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3)."""
+def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold,
+                       products: str | Products = "ieee") -> torch.Tensor:
+    """Cold start Λ₀ = −¼·P(WᵀG + GᵀW) on the tall views (exact for square Stiefel W; docs/muon.md §3); ``products``:
+    the kind of the product WᵀG (``manifolds.base.Products``)."""
     X, t = tall(W)
     Y = G.mT if t else G
-    if X.dtype == Y.dtype == torch.bfloat16 and split_active() and X.device.type == "cpu":
+    pr = products_of(products)
+    if X.dtype == Y.dtype == torch.bfloat16 and pr.split and X.device.type == "cpu":
         S = split_matmul((X.mT, None), (Y, None))  # bf16 factors, the product accumulated and returned in float32
     else:
-        S = ieee_mm(X.mT, Y)
+        S = ieee_mm(X.mT, Y, onednn=pr.onednn)
     return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same values (+0 where that gave −0)
 
 
@@ -128,6 +131,7 @@ def dual_ascent(
     msign_fn: Callable[[torch.Tensor], torch.Tensor] = msign, schedule: str = "linear", normalize: bool = True,
     project: bool = False, final_msign_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     final_continues: bool = False, keep: str = "best", feed_dtype: torch.dtype | None = None, eager: bool = False,
+    products: str = "ieee",
 ) -> DualResult:
     """The manifold-Muon direction of a batch of tall matrices: the one implementation of the dual ascent.
 
@@ -141,7 +145,13 @@ def dual_ascent(
     read per iteration), the zero-gradient mask is applied only where some G is zero, and the norm estimate of
     ``project`` takes ``eigvalsh`` and its C/CUDA-graph backends (``spectral_norm_estimate``). The same arithmetic:
     only the discarded iterations and the top eigenvalue's solver (≤ ~1e-13 relative) differ.
+
+    ``products``: the kind of the constraint products (one of ``weightgeom.linalg.autotune.PRODUCTS``: ``"ieee"``,
+    ``"ieee_onednn"``, ``"split_bf16"``; ``manifolds.base.Products``) — XᵀĜ, the shifted Ĝ + 2X·P(Λ), XᵀA and the
+    projection; the split pieces of X are taken once for the whole call. Inside a ``torch.compile`` trace the split
+    and oneDNN do not run (IEEE products there, whatever the kind).
     """
+    pr = Products(products)
     lead = X.shape[:-2]
     n = X.shape[-1]
     gnorm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
@@ -149,22 +159,22 @@ def dual_ascent(
     if feed_dtype is not None and feed_dtype != X.dtype:  # only the narrow copies are used: scale while narrowing
         # the bf16 copy is X's split piece X_hi: under split-bf16 products X is split into both pieces here, in one
         # pass, and the constraint products (XᵀA, the projection) reuse them
-        Xf = split_bf16(X)[0] if feed_dtype == torch.bfloat16 and split_active() else X.to(feed_dtype)
+        Xf = split_bf16(X, memo=pr.memo)[0] if feed_dtype == torch.bfloat16 and pr.split else X.to(feed_dtype)
         Yf = _narrow_scaled(G, scale, feed_dtype)
     else:
         Xf = X
         Yf = G if scale is None else G * scale
-    cold = initial_multiplier(Xf, Yf, manifold).to(X.dtype)
+    cold = initial_multiplier(Xf, Yf, manifold, pr).to(X.dtype)
     Lam = warm_multiplier(cold, Lambda0, cold0)
     last = keep == "last"
     active = torch.ones(lead, dtype=torch.bool, device=X.device)
     shrink = torch.ones(*lead, 1, 1, dtype=torch.float64, device=X.device)
     iters = torch.zeros(lead, dtype=torch.int64, device=X.device)
     for k in range(steps):
-        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype), pr))
         exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
         A, owned = _widened(A, X.dtype)
-        S, H, rv = _residual(X, A, manifold, exact)
+        S, H, rv = _residual(X, A, manifold, exact, pr)
         iters = iters + active
         if k == 0:  # the first iterate is the best so far (also a non-finite one: reported as such)
             best_r, best_A, best_L, best_S, best_owned, prev = rv, A, Lam, S, owned, rv
@@ -188,20 +198,20 @@ def dual_ascent(
             break
     A, Lam, S, rv, owned = best_A, best_L, best_S, best_r, best_owned
     if final_msign_fn is not None:
-        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype)))
+        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype), pr))
         exact = (A, None) if A.dtype == torch.bfloat16 else None
         A, owned = _widened(A, X.dtype)
-        S, _, rv = _residual(X, A, manifold, exact)
+        S, _, rv = _residual(X, A, manifold, exact, pr)
     dual, norm = rv, None
     if project:
-        Ap = manifold.proj_tangent_tall(X, A, S, overwrite_a=owned)
-        norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype, host_free=not eager)
+        Ap = manifold.proj_tangent_tall(X, A, S, overwrite_a=owned, products=pr)
+        norm = spectral_norm_estimate(Ap, gram_dtype=feed_dtype, host_free=not eager, products=pr)
         # to unit spectral norm, up or down: the constrained optimum has ‖A‖₂ = 1, and a projection that removed a
         # large normal part (DGram after one dual step: ‖A‖₂ ≈ 0.15–0.9) would otherwise shorten the step
         inv = torch.where(norm == 0, 0.0, 1.0 / norm)  # a zero direction stays zero; NaN stays NaN
         # in place only on a tensor of this call's own: the projection's, or A's copy it may have written into
         A = Ap.mul_(inv) if Ap is not X and (owned or Ap is not A) else Ap * inv
-        rv = _sampled_residuals(X, A, manifold)
+        rv = _sampled_residuals(X, A, manifold, products=pr)
     if not eager or not bool((gnorm > 0).all()):  # zero gradient → zero step (the multiplier alone must not move W)
         A = torch.where(gnorm > 0, A, 0.0)
     return DualResult(A, Lam, cold, rv, dual, iters, shrink, norm)
@@ -225,6 +235,7 @@ def manifold_direction(
     final_continues: bool = False,
     keep: str = "best",
     feed_dtype: torch.dtype | None = None,
+    products: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Steepest unit-spectral-norm direction tangent to ``manifold`` at W, by dual ascent on Λ (eager: ``dual_ascent``
     with host reads — the loop ends once every matrix has stopped, the residual comes back as a float).
@@ -278,6 +289,7 @@ def manifold_direction(
             Ĝ + 2X·P(Λ) — when ``msign_fn`` computes in a narrower dtype anyway (bfloat16: its input is rounded to
             bfloat16 first, so fp32 products there buy nothing). None: X's dtype. The residual, the projection and Λ
             stay in X's dtype.
+        products: the kind of the constraint products (``dual_ascent``'s).
 
     Returns:
         (A, Lambda, residual, iters): A in W's orientation and dtype with ‖A‖₂ ≈ 1 (0 where G = 0); the multiplier
@@ -294,7 +306,7 @@ def manifold_direction(
     out = dual_ascent(X, G.mT if t else G, manifold, Lambda0, cold0, steps=max(1, int(steps)), lr=lr, tol=tol,
                       msign_fn=msign_fn, schedule=schedule, normalize=normalize, project=project,
                       final_msign_fn=final_msign_fn, final_continues=final_continues, keep=keep,
-                      feed_dtype=feed_dtype, eager=True)
+                      feed_dtype=feed_dtype, eager=True, products=products)
     residual = float(out.residuals.max())
     if stats is not None:
         stats["dual_residual"] = float(out.dual_residuals.max())
@@ -323,8 +335,9 @@ def sampled_tangent_residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifol
 
 
 def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
-                       columns: int = RESIDUAL_SAMPLE_COLUMNS) -> torch.Tensor:
-    """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape); no host read."""
+                       columns: int = RESIDUAL_SAMPLE_COLUMNS, products: str | Products = "ieee") -> torch.Tensor:
+    """``sampled_tangent_residual`` per matrix of the batch (a tensor of the batch shape); no host read. ``products``:
+    through oneDNN for ``"ieee_onednn"`` (its two thin products; IEEE either way)."""
     if int(columns) < 1:
         raise ValueError(f"sampled_tangent_residual: columns must be ≥ 1, got {columns!r}")
     if X.shape != A.shape or X.shape[-2] < X.shape[-1]:
@@ -337,7 +350,8 @@ def _sampled_residuals(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
     J = slice(j0, j0 + columns)
     # rows J of XᵀA + AᵀX (its columns J transposed: the same entries), as A_JᵀX + X_JᵀA with row-major copies of
     # the thin m×|J| factors: 0.67 against 0.95 ms per product for 3072×768 (AMX), where Xᵀ·A[:, J] reads both strided
-    block = ieee_mm(A[..., J].contiguous().mT, X) + ieee_mm(X[..., J].contiguous().mT, A)  # (..., |J|, n)
+    dnn = products_of(products).onednn
+    block = ieee_mm(A[..., J].contiguous().mT, X, dnn) + ieee_mm(X[..., J].contiguous().mT, A, dnn)  # (..., |J|, n)
     # P acts entrywise: its selection of rows J (where, not a product: inf or NaN in a discarded entry stays out)
     H = torch.where(_rows_of_P(manifold, n, J, X.device), block, 0.0)
     return torch.linalg.matrix_norm(H) * ((n / columns) ** 0.5 / n)
@@ -389,7 +403,8 @@ def top_eigenvalue_psd(T: torch.Tensor) -> torch.Tensor:
 
 @with_full_precision
 def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
-                           gram_dtype: torch.dtype | None = None, host_free: bool = False) -> torch.Tensor:
+                           gram_dtype: torch.dtype | None = None, host_free: bool = False,
+                           products: str | Products = "ieee") -> torch.Tensor:
     """‖A‖₂ of each matrix of a batch (..., m, n), (..., 1, 1): ``iters`` Lanczos steps on AᵀA from a fixed start.
 
     The largest Ritz value is a lower bound on ‖A‖₂² that converges much faster than power iteration when the
@@ -414,7 +429,12 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     vector orthogonal to it and the rest one exact cluster is estimated at the cluster; in float32 a top gap below
     ~1e-4 at n ≥ 512 is not resolved (error ≤ the gap); a bf16 Gram of a constant-entry matrix, whose rounding errors
     all have one sign, is off by up to 4e-3.
+
+    ``products``: the Gram's on a CPU (``manifolds.base.Products``): a bf16 ``gram_dtype`` under ``"split_bf16"`` is
+    one bf16 product accumulated in float32 (also for a near-square A); ``"ieee_onednn"``: a float32 Gram through
+    oneDNN.
     """
+    pr = products_of(products)
     if A.shape[-2] < A.shape[-1]:
         A = A.mT  # the same singular values; the smaller Gram
     n = A.shape[-1]
@@ -431,11 +451,12 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     elif not host_free and A.device.type == "cpu" and A.ndim > 2 and A.shape[:-2].numel() > 1:
         # one matrix at a time on a CPU: a batched matrix-vector product (bmm) is 2–3× slower there than one mm per
         # matrix (768² Grams: 183 µs against 2 × 40 µs, AMX), and the recurrence is those products
-        parts = [_lanczos_coefficients(a, v, k=k, gram_dtype=gram_dtype) for a in A.reshape(-1, *A.shape[-2:])]
+        parts = [_lanczos_coefficients(a, v, k=k, gram_dtype=gram_dtype, products=pr)
+                 for a in A.reshape(-1, *A.shape[-2:])]
         coef = torch.stack([c for c, _ in parts]).reshape(*lead, -1)
         unit = torch.stack([u for _, u in parts]).reshape(*lead, 1, 1)
     else:
-        coef, unit = _lanczos_coefficients(A, v, k=k, gram_dtype=gram_dtype)
+        coef, unit = _lanczos_coefficients(A, v, k=k, gram_dtype=gram_dtype, products=pr)
     finite = torch.isfinite(coef).all(dim=-1)
     coef = torch.where(finite[..., None], coef, 0.0)
     diag, off = coef[..., :k], coef[..., k:2 * k - 1]
@@ -445,16 +466,17 @@ def spectral_norm_estimate(A: torch.Tensor, iters: int = PROJECT_NORM_ITERS,
     return (top.clamp_min(0).sqrt().reshape(*lead, 1, 1) * unit.to(torch.float64).sqrt()).to(A.dtype)
 
 
-def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: torch.dtype | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: torch.dtype | None,
+                          products: Products | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``spectral_norm_estimate``'s recurrence on a tall, non-empty A from the unit start vector v (n, 1): the
     Lanczos coefficients (..., 2k) in float64 (α₁…α_k, β₁…β_{k−1}, 0) of AᵀA / unit, and unit (..., 1, 1), AᵀA's
     largest diagonal entry (or 1). No host synchronisation and no host-to-device copy: capturable as a CUDA graph."""
     n = A.shape[-1]
     lead = A.shape[:-2]
-    # inside split_products() a bf16 Gram is one bf16 product accumulated in float32, cheaper than the 2·k m×n
+    # under split-bf16 products a bf16 Gram is one bf16 product accumulated in float32, cheaper than the 2·k m×n
     # matrix-vector products even for a square A (768²: 0.6 ms against ~4 ms, AMX)
-    split_gram = gram_dtype == torch.bfloat16 and split_active() and A.device.type == "cpu" \
+    pr = products if products is not None else Products()
+    split_gram = gram_dtype == torch.bfloat16 and pr.split and A.device.type == "cpu" \
         and A.dtype == torch.float32
     if A.shape[-2] >= 2 * n or split_gram:  # tall: form the Gram once, each step is an n×n product
         if gram_dtype is not None and gram_dtype != A.dtype:
@@ -465,7 +487,7 @@ def _lanczos_coefficients(A: torch.Tensor, v: torch.Tensor, k: int, gram_dtype: 
             G = split_matmul((An.mT, None), (An, None)) if split_gram else (An.mT @ An).to(A.dtype)
             G.diagonal(dim1=-2, dim2=-1).copy_(column_norms(A, squared=True) if diag is None else diag)
         else:
-            G = ieee_mm(A.mT, A)
+            G = ieee_mm(A.mT, A, onednn=pr.onednn)
         top_diag = G.diagonal(dim1=-2, dim2=-1).amax(dim=-1, keepdim=True).unsqueeze(-1)
     else:  # near-square: forming AᵀA costs more than the steps' products with A itself
         G = None
@@ -531,17 +553,17 @@ def _widened(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     return W, W is not A
 
 
-def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor) -> torch.Tensor:
-    """Y + 2·X·P(Λ): one fused multiply-add, or inside ``onednn_products()`` oneDNN's product and one add (either way
-    the same bits for a matrix alone or in a batch)."""
-    return ieee_addmm(Y, X, PL, alpha=2.0)
+def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor, products: Products) -> torch.Tensor:
+    """Y + 2·X·P(Λ): one fused multiply-add, or for ``"ieee_onednn"`` products oneDNN's product and one add (either
+    way the same bits for a matrix alone or in a batch)."""
+    return ieee_addmm(Y, X, PL, alpha=2.0, onednn=products.onednn)
 
 
-def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold,
-              a_pieces: tuple[torch.Tensor, None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold, a_pieces: tuple[torch.Tensor, None] | None,
+              products: Products) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(S, H, r) on tall views: S = XᵀA, the residual matrix H = P(S + Sᵀ) and its size ‖H‖_F/n per matrix.
     ``a_pieces``: (A in bf16, None) when A is exactly bf16 (``constraint_mm``'s split then takes two products)."""
-    S = constraint_mm(X.mT, A, a_pieces)
+    S = constraint_mm(X.mT, A, a_pieces, products=products)
     H = manifold.P(sym_sum(S))
     return S, H, torch.linalg.matrix_norm(H) / X.shape[-1]
 

@@ -24,7 +24,6 @@ import torch
 
 from weightgeom.linalg import MSIGN_PRESETS, msign
 from weightgeom.linalg import layout as linalg_layout
-from weightgeom.linalg.autotune import constraint_products
 from weightgeom.manifolds import Manifold
 from weightgeom.optim.functional import apply_update, shape_scale
 from weightgeom.optim.manifold_muon import dual_ascent
@@ -155,21 +154,25 @@ def bucket_step(opt: Any, group: dict[str, Any], manifold: Manifold, entries: En
     def stacked(key: str) -> torch.Tensor | None:
         return torch.stack([st[key] for st in states]).reshape(*X.shape[:-2], n, n) if key in states[0] else None
 
+    # the constraint products' kind (split-bf16 or through oneDNN where that is faster); the host-free step keeps IEEE
+    # products: the split is a ctypes call and oneDNN is not taken inside a compile trace, and an eager host-free step
+    # must give the compiled one's bits
     products = "ieee" if host_free else opt._products_for(X32)
-    with constraint_products(products):  # split-bf16 or through oneDNN where that is faster
-        out = dual_ascent(
-            X32, G.to(X32.dtype), manifold, stacked("dual_multiplier") if warm else None,
-            stacked("dual_cold") if warm else None, steps=max(1, int(group["dual_steps"])), lr=group["dual_lr"],
-            tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], normalize=group["dual_normalize"],
-            project=group["dual_project"], final_msign_fn=final, final_continues=continues, keep=group["dual_keep"],
-            feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None, eager=not host_free)
-        scale = shape_scale(matrices(ps[0], layout, split).shape, group["adjust_lr_fn"] or "none")
-        apply_update(X, out.direction, float(group["lr"]), scale, group["weight_decay"])
-        R = X
-        if retracts and host_free:
-            R = manifold.retract_host_free(X)
-        elif retracts:
-            R = manifold.retract_(X) if X.dtype in (torch.float32, torch.float64) else retract(manifold, X)
+    out = dual_ascent(
+        X32, G.to(X32.dtype), manifold, stacked("dual_multiplier") if warm else None,
+        stacked("dual_cold") if warm else None, steps=max(1, int(group["dual_steps"])), lr=group["dual_lr"],
+        tol=group["dual_tol"], msign_fn=inner, schedule=group["dual_schedule"], normalize=group["dual_normalize"],
+        project=group["dual_project"], final_msign_fn=final, final_continues=continues, keep=group["dual_keep"],
+        feed_dtype=dtype if dtype.itemsize < X32.dtype.itemsize else None, eager=not host_free,
+        products=products)
+    scale = shape_scale(matrices(ps[0], layout, split).shape, group["adjust_lr_fn"] or "none")
+    apply_update(X, out.direction, float(group["lr"]), scale, group["weight_decay"])
+    R = X
+    if retracts and host_free:
+        R = manifold.retract_host_free(X)
+    elif retracts:
+        R = manifold.retract_(X, products=products) if X.dtype in (torch.float32, torch.float64) \
+            else retract(manifold, X, products)
     if host_free:
         new = from_tall(R.reshape(V.shape), layout, split, flip)
         torch._foreach_copy_(ps, list((new if ok is None else torch.where(ok, new, P)).unbind(0)))

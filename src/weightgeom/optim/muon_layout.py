@@ -120,7 +120,7 @@ def retraction_distance(V: torch.Tensor, R: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(R - V) / torch.linalg.vector_norm(V).clamp_min(1e-30))
 
 
-def retract(manifold, W: torch.Tensor) -> torch.Tensor:
-    """Retraction computed in at least float32, returned in W's dtype."""
+def retract(manifold, W: torch.Tensor, products: str = "ieee") -> torch.Tensor:
+    """Retraction computed in at least float32, returned in W's dtype; ``products``: its constraint products' kind."""
     X = W.float() if W.dtype in (torch.float16, torch.bfloat16) else W
-    return manifold.retract(X).to(W.dtype)
+    return manifold.retract(X, products=products).to(W.dtype)
