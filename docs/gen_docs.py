@@ -203,7 +203,7 @@ def _plots_from(source: str) -> str:
     """Where an unrecorded sweep's command draws its plots: its default sweep directory."""
     recipe, label = source.split()[2:4]
     out = f"runs/sweeps/{recipe}-{label}"
-    if (recipe, label) == ("continuity", "compress"):  # the compress sweep draws its own plot, without a report
+    if recipe == "continuity" and label.startswith("compress"):  # the compress sweeps draw their own plot, no report
         return f"`{source}` writes `{out}/compress.png`"
     return f"`{source}` writes `{out}/report.md` and its PNGs (`weightgeom report {out}` redraws them)"
 
