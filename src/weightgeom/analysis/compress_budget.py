@@ -26,8 +26,10 @@ from collections.abc import Mapping
 
 import torch
 
+from weightgeom.analysis.api import as_computable
 from weightgeom.analysis.compress import BUDGETS, rank_for_savings
 from weightgeom.analysis.compress_fit import output_energy, whitening
+from weightgeom.analysis.loaders import materialize
 from weightgeom.analysis.roles import RoleWeight
 
 __all__ = ["BUDGETS", "STEP", "MAX_SAVINGS", "layer_loss_curve", "role_curves", "allocate"]
@@ -62,9 +64,6 @@ def role_curves(by_role: Mapping[str, list[RoleWeight]], grams, *, progress: boo
     :data:`MAX_SAVINGS` that some rank reaches. The parameters saved are nominal (level × the role's dense count:
     every space then saves at least that much); the cost is the sum of the matrices' relative output errors (see the
     module docstring), scored on the held-out Grams when ``grams`` holds a part apart, fitted on the rest."""
-    from weightgeom.analysis.api import as_computable
-    from weightgeom.analysis.loaders import materialize
-
     held = grams.held if getattr(grams, "held", None) and grams.held_tokens > 0 else None
     fit = grams.fit_part() if held is not None else grams
     levels = [round(i * STEP, 6) for i in range(int(round(MAX_SAVINGS / STEP)) + 1)]

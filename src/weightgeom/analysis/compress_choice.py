@@ -39,6 +39,7 @@ from weightgeom.analysis.compress import (
 from weightgeom.analysis.compress_budget import allocate, role_curves
 from weightgeom.analysis.compress_fit import output_energy, output_error
 from weightgeom.analysis.loaders import Loaded, materialize
+from weightgeom.analysis.perplexity import perplexity_of_ids
 from weightgeom.analysis.roles import RoleWeight, assign_roles
 
 __all__ = ["role_losses", "choose_by_loss", "format_choice_table", "compress_calibrated"]
@@ -147,8 +148,6 @@ class _NllJudge:
     itself on text the fits did not see."""
 
     def __init__(self, lm, grams):
-        from weightgeom.analysis.perplexity import perplexity_of_ids
-
         self.lm, self.ids, self.ctx = lm, grams.held_ids, grams.context or None
         self._ppl = perplexity_of_ids
         self.model_roles = assign_roles(lm.model.state_dict())
