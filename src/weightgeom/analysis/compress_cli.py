@@ -8,9 +8,11 @@ library is imported at module level (``--help`` needs no torch).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from weightgeom._cli_args import positive_int
@@ -20,37 +22,31 @@ __all__ = ["add_compress_arguments", "run_compress", "add_eval_arguments", "run_
 ROLE_NAMES = ("Q", "K", "V", "O", "Gate", "Up", "Down", "MLP")
 
 
-def _fraction(text: str) -> float:
-    """argparse type: a number strictly between 0 and 1."""
+def _number(text: str, ok: Callable[[float], bool], expected: str) -> float:
+    """argparse type body: ``text`` as a float for which ``ok`` holds, else one line naming what was expected
+    (a word, or NaN, never passes: every comparison with NaN is false)."""
     try:
         v = float(text)
     except ValueError:
-        v = -1.0
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction strictly between 0 and 1, got {text!r}")
+        v = math.nan
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return v
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    return _number(text, lambda v: 0 < v < 1, "a fraction strictly between 0 and 1")
 
 
 def _holdout(text: str) -> float:
     """argparse type: a fraction in [0, 1) (``--calibration-holdout``)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 up to (not including) 1, got {text!r}")
-    return v
+    return _number(text, lambda v: 0 <= v < 1, "a fraction from 0 up to (not including) 1")
 
 
 def _above_one(text: str) -> float:
     """argparse type: a number greater than 1 (``--max-ratio``)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not v > 1:
-        raise argparse.ArgumentTypeError(f"expected a ratio greater than 1, got {text!r}")
-    return v
+    return _number(text, lambda v: v > 1, "a ratio greater than 1")
 
 
 def _fail(cmd: str, msg: str) -> int:
