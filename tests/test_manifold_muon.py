@@ -10,7 +10,7 @@ import torch
 
 from weightgeom import manifolds
 from weightgeom.linalg import msign, msign_reference
-from weightgeom.optim import Muon, manifold_direction, manifold_direction_reference
+from weightgeom.optim import DualAscent, Muon, manifold_direction, manifold_direction_reference
 from weightgeom.optim.manifold_muon import PROJECT_NORM_TOL
 
 MANIFOLDS = ["stiefel", "dgram", "oblique", "euclidean"]
@@ -142,7 +142,7 @@ def _train(name: str, steps: int = 200, lr: float = 0.05):
     # target with spread column norms: DGram must be free to follow them
     target = torch.randn(24, 12, generator=g) * torch.linspace(0.3, 3.0, 12)
     X = torch.randn(48, 24, generator=g)
-    opt = Muon([W], manifold=name, lr=lr, dual_steps=4)
+    opt = Muon([W], manifold=name, lr=lr, dual=DualAscent(steps=4))
     worst = 0.0
     for _ in range(steps):
         opt.zero_grad()
@@ -182,7 +182,7 @@ def test_oblique_unit_columns_200_steps():
 
 def test_bf16_parameter_on_manifold():
     W = torch.nn.Parameter(torch.randn(32, 16).bfloat16())
-    opt = Muon([W], manifold="stiefel", lr=0.02, dual_steps=2)
+    opt = Muon([W], manifold="stiefel", lr=0.02, dual=DualAscent(steps=2))
     for _ in range(3):
         W.grad = torch.randn(32, 16).bfloat16()
         opt.step()
@@ -196,7 +196,7 @@ def test_predicted_warm_start_tracks_square_stiefel_exactly():
     float64: in float32 the msign of skew(WᵀG) (small singular values) alone leaves residuals ~2e-5.
     """
     W = torch.nn.Parameter(torch.randn(12, 12, dtype=torch.float64))
-    opt = Muon([{"params": [W], "names": ["w"]}], manifold="stiefel", lr=0.05, dual_tol=1e-10)
+    opt = Muon([{"params": [W], "names": ["w"]}], manifold="stiefel", lr=0.05, dual=DualAscent(tol=1e-10))
     for _ in range(5):
         W.grad = torch.randn(12, 12, dtype=torch.float64)
         opt.step()
@@ -205,7 +205,7 @@ def test_predicted_warm_start_tracks_square_stiefel_exactly():
 
 @pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
 def test_final_msign_continuing_the_inner_one_changes_nothing(name):
-    """Muon's dual_ns_steps path: a 10-step final msign continued from the 5-step inner iterate (5 steps instead of
+    """Muon's dual.ns_steps path: a 10-step final msign continued from the 5-step inner iterate (5 steps instead of
     10) returns exactly the direction of a fresh 10-step final msign."""
     W, G = _point(name, 48, 16, dtype=torch.float32), _grad(48, 16, dtype=torch.float32)
     m = manifolds.get(name)
@@ -228,7 +228,7 @@ def _decaying(m: int, n: int, seed: int, d: float = 1.0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["stiefel", "dgram", "oblique"])
 def test_projected_direction_stays_in_the_unit_ball(name):
-    """dual_project: a 2-step dual ascent leaves a large residual, so the projection alone used to give ‖A‖₂ ≈ 1.1–1.25;
+    """dual.project: a 2-step dual ascent leaves a large residual, so the projection alone used to give ‖A‖₂ ≈ 1.1–1.25;
     the rescaled direction has ‖A‖₂ ≤ 1 + PROJECT_NORM_TOL and is still exactly tangent."""
     man = manifolds.get(name)
     worst_unscaled = 0.0
@@ -389,7 +389,7 @@ def test_square_stiefel_steps_have_spectral_norm_lr(kw):
 def test_zero_gradient_gives_zero_step(name, project):
     W0 = _point(name, 20, 8, seed=2, dtype=torch.float32)
     p = torch.nn.Parameter(W0.clone())
-    opt = Muon([{"params": [p], "manifold": name}], lr=0.05, dual_project=project)
+    opt = Muon([{"params": [p], "manifold": name}], lr=0.05, dual=DualAscent(project=project))
     for seed in range(3):  # a few real steps build a warm-start multiplier
         p.grad = _grad(20, 8, seed=seed, dtype=torch.float32)
         opt.step()
@@ -494,7 +494,7 @@ def _record_msign_dtypes(monkeypatch) -> list:
 
 @pytest.mark.parametrize("name", ["stiefel", "dgram"])
 def test_projected_manifold_groups_take_the_per_device_msign_choice(name, monkeypatch):
-    """With dual_project (default) the dual msign runs in the per-device choice (forced to bf16 here): the direction
+    """With dual.project (default) the dual msign runs in the per-device choice (forced to bf16 here): the direction
     is still exactly tangent (fp32 projection) and in the unit ball; without the projection the dual ascent stays
     fp32; an explicit msign_dtype wins."""
     import weightgeom.linalg.autotune as autotune
@@ -504,7 +504,7 @@ def test_projected_manifold_groups_take_the_per_device_msign_choice(name, monkey
     man = manifolds.get(name)
     seen = _record_msign_dtypes(monkeypatch)
     try:
-        for kw, want in (({}, torch.bfloat16), ({"dual_project": False}, torch.float32),
+        for kw, want in (({}, torch.bfloat16), ({"dual": DualAscent(project=False)}, torch.float32),
                          ({"msign_dtype": torch.float32}, torch.float32)):
             seen.clear()
             W = torch.nn.Parameter(_point(name, 96, 32, dtype=torch.float32))
@@ -514,7 +514,7 @@ def test_projected_manifold_groups_take_the_per_device_msign_choice(name, monkey
                 W.grad = _grad(96, 32, seed=10 + s, dtype=torch.float32)
                 opt.step()
                 assert man.check(W.detach(), tol=1e-5), man.check(W.detach(), tol=1e-5).reason
-                if kw.get("dual_project", True):
+                if kw.get("dual", DualAscent()).project:
                     D = (W0 - W.detach()) / 0.02  # retraction moves W by O(lr²): D ≈ the direction
                     assert torch.linalg.matrix_norm(D, ord=2) <= 1 + 2 * PROJECT_NORM_TOL + 0.05
                     # fp32 rounding of a unit-norm direction, columns of norm 0.5–2 (DGram): ~1e-6 (bf16 would be ~1e-4)
@@ -620,8 +620,8 @@ def test_same_shape_manifold_matrices_batched_equal_one_at_a_time(name, kw, dtyp
                                                                    rel=1e-3 if dtype == "float32" else 0.5, abs=1e-9)
         assert opt.last_stats[n]["tangent_residual"] < 1e-5
     single = [torch.nn.Parameter(p.detach().clone()) for p in batched]
-    opt2 = Muon([{"params": batched, "names": names}], lr=0.05, manifold=name, dual_steps=3, **kw)
-    opts = [Muon([{"params": [p], "names": [n]}], lr=0.05, manifold=name, dual_steps=3, **kw)
+    opt2 = Muon([{"params": batched, "names": names}], lr=0.05, manifold=name, dual=DualAscent(steps=3), **kw)
+    opts = [Muon([{"params": [p], "names": [n]}], lr=0.05, manifold=name, dual=DualAscent(steps=3), **kw)
             for p, n in zip(single, names)]
     for step in range(2):
         calls.clear()

@@ -15,7 +15,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 from hostile_cases.optim import assert_unchanged
-from weightgeom.optim import Muon, shape_scale
+from weightgeom.optim import DualAscent, Muon, shape_scale
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite, momentum_direction
 
 # (id, Muon kwargs). Manifold rows use the manifold-assignment paper's dual settings (linear schedule,
@@ -26,10 +26,10 @@ CONFIGS = [
     ("muon-preset-nonesterov", dict(lr=0.1, msign_method="muon", nesterov=False)),
     ("muon-wd", dict(lr=0.1, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")),
     ("adamw", dict(lr=0.05, algorithm="adamw")),
-    ("stiefel", dict(lr=0.1, manifold="stiefel", dual_steps=5)),
-    ("dgram", dict(lr=0.1, manifold="dgram", dual_steps=5)),
-    ("oblique", dict(lr=0.1, manifold="oblique", dual_steps=5)),
-    ("stiefel-projected", dict(lr=0.1, manifold="stiefel", dual_steps=3, dual_ns_steps=5, dual_project=True)),
+    ("stiefel", dict(lr=0.1, manifold="stiefel", dual=DualAscent(steps=5))),
+    ("dgram", dict(lr=0.1, manifold="dgram", dual=DualAscent(steps=5))),
+    ("oblique", dict(lr=0.1, manifold="oblique", dual=DualAscent(steps=5))),
+    ("stiefel-projected", dict(lr=0.1, manifold="stiefel", dual=DualAscent(steps=3, ns_steps=5, project=True))),
 ]
 IDS = [c[0] for c in CONFIGS]
 
@@ -211,7 +211,7 @@ def test_last_stats_for_manifold_params():
     W = torch.nn.Parameter(torch.randn(16, 8))
     V = torch.nn.Parameter(torch.randn(16, 8))
     opt = Muon([{"params": [W], "names": ["w"], "manifold": "stiefel"}, {"params": [V], "names": ["v"]}],
-               dual_steps=4)
+               dual=DualAscent(steps=4))
     W.grad, V.grad = torch.randn(16, 8), torch.randn(16, 8)
     opt.step()
     assert set(opt.last_stats) == {"w"}
@@ -248,9 +248,9 @@ def test_split_equals_separate_matrices(manifold, layout):
     fused = torch.cat(blocks, 0)
     fp = torch.nn.Parameter(fused.clone() if layout == "out_in" else fused.T.clone())
     sep = [torch.nn.Parameter(b.clone()) for b in blocks]
-    # dual_steps=1: the early stop and step-halving act on the worst block of a split matrix, so only the
+    # dual.steps=1: the early stop and step-halving act on the worst block of a split matrix, so only the
     # first dual iterate is comparable block by block.
-    kw = dict(lr=0.03, manifold=manifold, dual_steps=1)
+    kw = dict(lr=0.03, manifold=manifold, dual=DualAscent(steps=1))
     o_f = Muon([fp], split=3, layout=layout, **kw)
     o_s = Muon(sep, **kw)
     for gs in grads:
@@ -281,7 +281,7 @@ def test_non_matrix_param_in_muon_group_names_it():
     ({"msign_method": "qr"}, "msign_method"),
     ({"momentum": 1.5}, "momentum=1.5"),
     ({"lr": -1.0}, "lr=-1.0"),
-    ({"dual_steps": 0}, "dual_steps"),
+    ({"dual": {"steps": 0}}, "DualAscent: steps=0"),
     ({"layout": "row_major"}, "layout"),
     ({"split": 5}, "split=5 does not divide"),
     ({"algorithm": "adamw", "manifold": "stiefel"}, "manifold"),
@@ -321,7 +321,7 @@ def _three_group_muon(last: str, seed: int = 0):
     params = {"a": torch.nn.Parameter(torch.randn(12, 8)), "b": torch.nn.Parameter(torch.randn(8, 8)),
               "c": torch.nn.Parameter(torch.randn(10, 6)), "v": torch.nn.Parameter(torch.randn(7))}
     groups = {"muon": {"params": [params["a"], params["b"]], "names": ["a", "b"]},
-              "manifold": {"params": [params["c"]], "names": ["c"], "manifold": "stiefel", "dual_steps": 3},
+              "manifold": {"params": [params["c"]], "names": ["c"], "manifold": "stiefel", "dual": DualAscent(steps=3)},
               "adamw": {"params": [params["v"]], "names": ["v"], "algorithm": "adamw", "lr": 1e-2}}
     order = [k for k in groups if k != last] + [last]
     return Muon([groups[k] for k in order], lr=0.05), params, groups[last]["names"][-1]
@@ -479,8 +479,8 @@ def test_init_keep_never_retracts_and_holds_the_gram_to_first_order(manifold):
     torch.manual_seed(0)
     W0 = 0.2 * torch.randn(64, 32)  # off the manifold (a stand-in for pretrained weights)
     p = torch.nn.Parameter(W0.clone())
-    opt = Muon([{"params": [p], "names": ["w"]}], lr=1e-2, manifold=manifold, init="keep", dual_steps=40,
-               dual_tol=1e-7)
+    opt = Muon([{"params": [p], "names": ["w"]}], lr=1e-2, manifold=manifold, init="keep",
+               dual=DualAscent(steps=40, tol=1e-7))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "keep" never warns about a far retraction
         for _ in range(3):
@@ -517,7 +517,7 @@ def test_far_first_retraction_warns_once_naming_the_farthest_matrix():
     farther = torch.nn.Parameter(_trained_like(16, 8, 30.0))
     fresh = torch.nn.Parameter(30 * torch.randn(16, 8))  # far, but a fresh random start: no warning
     opt = Muon([{"params": [near, far, farther, fresh], "names": ["near", "far", "farther", "fresh"]}],
-               manifold="stiefel", lr=1e-3, dual_steps=2, init="retract")
+               manifold="stiefel", lr=1e-3, dual=DualAscent(steps=2), init="retract")
     for p in (near, far, farther, fresh):
         p.grad = torch.randn(16, 8)
     with pytest.warns(UserWarning, match=r"moved 2 matrix\(es\).*largest: 'farther'.*init='keep'") as rec:
@@ -536,7 +536,7 @@ def test_far_first_retraction_warns_once_naming_the_farthest_matrix():
 def test_default_init_retracts_a_fresh_start_silently_and_refuses_a_pretrained_one(manifold):
     torch.manual_seed(1)
     fresh = torch.nn.Parameter(torch.randn(24, 12) * 0.02)  # nanoGPT-style init: far from every manifold
-    opt = Muon([fresh], manifold=manifold, lr=1e-3, dual_steps=2)
+    opt = Muon([fresh], manifold=manifold, lr=1e-3, dual=DualAscent(steps=2))
     fresh.grad = torch.randn(24, 12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # from scratch: no warning at all
@@ -548,14 +548,14 @@ def test_default_init_retracts_a_fresh_start_silently_and_refuses_a_pretrained_o
     other = torch.nn.Parameter(torch.randn(24, 12) * 0.02)
     groups = [{"params": [other], "names": ["other"]}, {"params": [pre], "names": ["h.0.attn.weight"]}]
     with pytest.raises(ValueError) as e:  # refused when the optimizer is built, before any forward/backward
-        Muon(groups, manifold=manifold, lr=1e-3, dual_steps=2)
+        Muon(groups, manifold=manifold, lr=1e-3, dual=DualAscent(steps=2))
     msg = str(e.value)
     assert "\n" not in msg and "'h.0.attn.weight' (24, 12) does not look like a fresh initialisation" in msg
     assert "init='keep'" in msg and "init='retract'" in msg and "the optimizer was not built" in msg
     # built over a fresh matrix that is overwritten with pretrained values before its first step: refused there
     late = torch.nn.Parameter(torch.randn(24, 12) * 0.02)
     opt = Muon([{"params": [other], "names": ["other"]}, {"params": [late], "names": ["h.0.attn.weight"]}],
-               manifold=manifold, lr=1e-3, dual_steps=2)
+               manifold=manifold, lr=1e-3, dual=DualAscent(steps=2))
     with torch.no_grad():
         late.copy_(pre)
     before = [p.detach().clone() for p in (other, late)]
@@ -569,9 +569,9 @@ def test_default_init_retracts_a_fresh_start_silently_and_refuses_a_pretrained_o
     # a meta-device parameter (deferred initialisation) is built and checked at its first step
     with torch.device("meta"):
         deferred = torch.nn.Parameter(torch.empty(24, 12))
-    Muon([{"params": [deferred], "names": ["h.0.attn.weight"]}], manifold=manifold, lr=1e-3, dual_steps=2)
+    Muon([{"params": [deferred], "names": ["h.0.attn.weight"]}], manifold=manifold, lr=1e-3, dual=DualAscent(steps=2))
     for init in ("keep", "retract"):  # either choice steps
-        opt = Muon([pre], manifold=manifold, lr=1e-3, dual_steps=2, init=init)
+        opt = Muon([pre], manifold=manifold, lr=1e-3, dual=DualAscent(steps=2), init=init)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt.step()
@@ -627,7 +627,7 @@ def test_finetuning_pretrained_minilm(minilm, init):
     model = copy.deepcopy(base)
     with torch.no_grad():
         e0 = _sentence_embeddings(model, batch)
-    groups = param_groups(model, "hetero", lr=1e-6, adamw_lr=1e-6, dual_steps=1, ns_steps=5, init=init,
+    groups = param_groups(model, "hetero", lr=1e-6, adamw_lr=1e-6, dual=DualAscent(steps=1), ns_steps=5, init=init,
                           verbose=False)
     assert sum(len(g["params"]) for g in groups if g["manifold"]) == 6  # 4 attention Stiefel + 2 MLP DGram
     opt = Muon(groups)
@@ -768,12 +768,12 @@ def test_same_shape_matrices_batched_equal_one_at_a_time(kw, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, key", [({"split": 2.5}, "split"), ({"split": "3"}, "split"), ({"split": True}, "split"),
-                                     ({"dual_project": "no"}, "dual_project"),
+                                     ({"dual": {"project": "no"}}, "project"),
                                      ({"msign_dtype": torch.complex64}, "msign_dtype"),
                                      ({"msign_dtype": torch.int32}, "msign_dtype"),
                                      ({"weight_decay": float("inf")}, "weight_decay")])
 def test_group_values_that_slipped_through_are_refused_by_name(kw, key):
-    """Hostile trial: these were accepted (split 2.5 used as 2, a truthy string for dual_project, complex/int
+    """Hostile trial: these were accepted (split 2.5 used as 2, a truthy string for dual.project, complex/int
     dtypes and an infinite decay failing only inside step)."""
     with pytest.raises(ValueError, match=rf"{key}=.* is invalid"):
         Muon([torch.nn.Parameter(torch.randn(8, 4))], lr=0.02, **kw)
@@ -819,7 +819,7 @@ def test_half_precision_manifold_round_trip_keeps_float32_dual_state(dtype, mani
     bitwise (before: they were rounded to the parameter's dtype and the runs drifted apart by 1e-3)."""
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
-    opt = Muon([{"params": [W], "manifold": manifold, "dual_steps": 4}], lr=0.02)
+    opt = Muon([{"params": [W], "manifold": manifold, "dual": DualAscent(steps=4)}], lr=0.02)
     grads = [torch.randn(64, 32).to(dtype) for _ in range(5)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -827,7 +827,7 @@ def test_half_precision_manifold_round_trip_keeps_float32_dual_state(dtype, mani
             W.grad = g.clone()
             opt.step()
         W2 = torch.nn.Parameter(W.detach().clone())
-        opt2 = Muon([{"params": [W2], "manifold": manifold, "dual_steps": 4}], lr=0.02)
+        opt2 = Muon([{"params": [W2], "manifold": manifold, "dual": DualAscent(steps=4)}], lr=0.02)
         opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
         assert {k: opt2.state[W2][k].dtype for k in ("dual_multiplier", "dual_cold")} == dict.fromkeys(
             ("dual_multiplier", "dual_cold"), torch.float32)

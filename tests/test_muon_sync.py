@@ -139,7 +139,7 @@ def test_skip_with_a_manifold_group_decides_on_the_host_and_changes_nothing(monk
     torch.manual_seed(0)
     model = _model()
     mats = [p for p in model.parameters() if p.ndim == 2]
-    opt = Muon([{"params": mats[:2], "manifold": "stiefel", "dual_steps": 3},
+    opt = Muon([{"params": mats[:2], "manifold": "stiefel", "dual": {"steps": 3}},
                 {"params": mats[2:]},
                 {"params": [p for p in model.parameters() if p.ndim != 2], "algorithm": "adamw"}],
                on_nonfinite="skip")

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from weightgeom.models import build_model
-from weightgeom.optim import STRATEGIES, Muon, param_groups
+from weightgeom.optim import STRATEGIES, DualAscent, Muon, param_groups
 
 
 def _hf_gpt2():
@@ -94,7 +94,7 @@ def test_every_param_claimed_once_and_roles(model_name, strategy):
 def test_optimizer_steps_every_model(model_name):
     model = MODELS[model_name]()
     opt = Muon(param_groups(model, "hetero", split_qkv=True, verbose=False, adamw_hparams={"lr": 1e-3}),
-               dual_steps=2)
+               dual=DualAscent(steps=2))
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-2
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -112,7 +112,7 @@ def test_hf_gpt2_conv1d_layout_and_split_along_out_dim():
     assert g["layout"] == "in_out" and g["split"] == 3
     assert by_name["transformer.h.0.mlp.c_fc.weight"]["layout"] == "in_out"
     assert "split" not in by_name["transformer.h.0.mlp.c_fc.weight"]
-    opt = Muon(groups, dual_steps=2)
+    opt = Muon(groups, dual=DualAscent(steps=2))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -125,7 +125,7 @@ def test_hf_gpt2_conv1d_layout_and_split_along_out_dim():
 
 def test_our_gpt_split_qkv_rows():
     model = MODELS["ours-gpt"]()
-    opt = Muon(param_groups(model, "all-dgram", split_qkv=True, verbose=False), dual_steps=2)
+    opt = Muon(param_groups(model, "all-dgram", split_qkv=True, verbose=False), dual=DualAscent(steps=2))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -180,14 +180,15 @@ def test_unknown_model_is_an_error_and_table_prints(capsys):
 # ---- hyperparameter routing: each keyword goes to the groups that read it; a key nobody reads is an error ----------
 def test_readme_snippet_routes_adamw_lr_to_adamw_groups():
     model = MODELS["ours-gpt"]()
-    groups = param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3, dual_steps=5, verbose=False)
+    groups = param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3, dual=DualAscent(steps=5), verbose=False)
     by_name = _assignment(groups)
     adamw = [g for g in groups if g["algorithm"] == "adamw"]
     muon = [g for g in groups if g["algorithm"] == "muon"]
     assert adamw and muon
-    assert all(g["lr"] == 3e-3 and "dual_steps" not in g for g in adamw)
-    assert all(g["lr"] == 0.02 and g["dual_steps"] == 5 and "adamw_lr" not in g for g in muon)
+    assert all(g["lr"] == 3e-3 and "dual" not in g for g in adamw)
+    assert all(g["lr"] == 0.02 and g["dual"] == DualAscent(steps=5) and "adamw_lr" not in g for g in muon)
     opt = Muon(groups)  # the optimizer sees the same lrs (no optimizer-level default overrides them)
+    assert all(g["dual_steps"] == 5 for g in opt.param_groups if g["algorithm"] == "muon")
     lrs = {n: g["lr"] for g in opt.param_groups for n in g["names"]}
     assert lrs["transformer.wte.weight"] == 3e-3 and lrs["transformer.h.0.mlp.c_fc.weight"] == 0.02
     assert by_name["transformer.ln_f.weight"]["weight_decay"] == 0.0

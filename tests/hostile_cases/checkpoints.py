@@ -177,7 +177,7 @@ def _stale_tmp_removed(tmp: Path) -> None:
 
 
 _OPTIMS = ({"name": "adamw"}, {"name": "adamw-md"}, {"name": "muon"},
-           {"name": "muon-md", "strategy": "hetero", "muon": {"dual_steps": 2}})  # manifold state too
+           {"name": "muon-md", "strategy": "hetero", "muon": {"dual": {"steps": 2}}})  # manifold state too
 
 
 def _every_optimizer_safe(tmp: Path) -> None:

@@ -81,7 +81,8 @@ def _muon(model: _Net, last: str):
 
     groups = {
         "muon": {"params": [model.fc1.weight, model.head.weight], "names": ["fc1.weight", "head.weight"]},
-        "manifold": {"params": [model.fc2.weight], "names": ["fc2.weight"], "manifold": "stiefel", "dual_steps": 3},
+        "manifold": {"params": [model.fc2.weight], "names": ["fc2.weight"], "manifold": "stiefel",
+                     "dual": {"steps": 3}},
         "adamw": {"params": [model.fc1.bias, model.fc2.bias], "names": ["fc1.bias", "fc2.bias"],
                   "algorithm": "adamw", "lr": 1e-2},
     }
@@ -597,9 +598,11 @@ def _muon_load_structure(tmp_path: Path) -> None:
                              ("algorithm", "adamw", "muon")]:
         kw = {"manifold": "stiefel"} if key == "dual_normalize" else {}
         model = _mlp()
-        donor = _muon_for(model, **{**kw, key: value})
+        # a state dict's groups hold dual.normalize as the flattened key dual_normalize (what the refusal names)
+        donor_kw, ours_kw = ({"dual": {"normalize": v}} if key == "dual_normalize" else {key: v} for v in (value, ours))
+        donor = _muon_for(model, **kw, **donor_kw)
         _train(donor, model, 2)
-        opt = _muon_for(model, **{**kw, key: ours})
+        opt = _muon_for(model, **kw, **ours_kw)
         _train(opt, model, 1)
         _refused_load(opt, model, copy.deepcopy(donor.state_dict()), "group 0", f"{key}={value!r}", f"{key}={ours!r}")
 
