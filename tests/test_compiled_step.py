@@ -17,6 +17,8 @@ import torch._dynamo
 
 from all_pairs import all_pairs
 from compiled_steps import eager_and_compiled, max_diff
+from weightgeom.linalg.split import split_available
+from weightgeom.manifolds.base import SPLIT_MIN_DIM
 from weightgeom.optim import MagnitudeDirection, Muon
 from weightgeom.optim.config import PAPER_MUON
 
@@ -32,6 +34,11 @@ BF16_PAPER_TOL = 1.6e-2
 # bf16 parameters: the weights are rounded to bf16 at every step, so a float32-rounding difference in the update
 # flips a bf16 rounding now and then: one ulp of a weight ~0.2 is 2⁻¹⁰.
 BF16_PARAM_TOL = 2.0**-9
+# Split-bf16 constraint products (forced by ROW_ENV: the autotuner takes them only where they win) run in the eager
+# CPU step on float32 matrices of at least SPLIT_MIN_DIM rows and columns; the host-free and compiled steps keep IEEE
+# products. Each split product is within 2⁻¹⁵ of (|A|·|B|)ᵢⱼ of the IEEE one. Measured (2-core EPYC, one 256×256
+# Stiefel matrix, weights ~1/16): 8.5e-7 compiled and host-free against eager after 5 steps (IEEE products: 0.0).
+SPLIT_TOL = 4e-6
 
 _MIXED = [(64, 32), (64, 32), (32, 96), (48, 48)]
 _PAPER32 = {**PAPER_MUON, "msign_dtype": torch.float32}
@@ -46,7 +53,11 @@ CASES = {
     # the three manifolds as three groups of one optimizer: one trace, each bucket stepping with its own state
     "manifolds": ([{"manifold": "stiefel"}, {"manifold": "dgram"}, {"manifold": "oblique"}], _MIXED, torch.float32,
                   FP32_TOL),
+    # the smallest matrix across the split-bf16 threshold (SPLIT_MIN_DIM in both dimensions), its products forced
+    "stiefel-split-bf16": ({"manifold": "stiefel"}, [(SPLIT_MIN_DIM, SPLIT_MIN_DIM)], torch.float32, SPLIT_TOL),
 }
+ROW_ENV = {"stiefel-split-bf16": {"WEIGHTGEOM_PRODUCTS": "split_bf16"}}
+"""Environment of a row's optimizers (set before they are built: the numerics are resolved then)."""
 FACTORS = {"manifold": [None, "stiefel", "dgram", "oblique"], "dtype": [torch.float32, torch.bfloat16],
            "msign": ["default", "paper-fp32-msign", "paper"], "layout": ["out_in", "split-in_out"]}
 """The host-free path's all-pairs table (12 rows; the product is 48): manifold × parameter dtype × msign preset
@@ -83,10 +94,11 @@ CASES.update({"-".join([str(r["manifold"]).lower(), str(r["dtype"]).replace("tor
 # DGram's, traced). ~830 of a manifold bucket's ~1,200 traced operations are its Lanczos spectral-norm estimate.
 TRACED_SHAPES = [(48, 48), (48, 48), (32, 96)]
 TRACED_GROUP_SHAPES = {"manifolds": [TRACED_SHAPES[:2], TRACED_SHAPES, TRACED_SHAPES[:2]],
-                       "stiefel-paper-fp32-msign": [TRACED_SHAPES[:2]]}
+                       "stiefel-paper-fp32-msign": [TRACED_SHAPES[:2]],
+                       "stiefel-split-bf16": [CASES["stiefel-split-bf16"][1]]}
 """Per-group traced shapes of a row with several groups (one list per group; other rows: TRACED_SHAPES)."""
 COMPILED = {"plain": "aot_eager", "manifolds": "aot_eager", "stiefel-paper-fp32-msign": "eager",
-            "stiefel-bf16-params": "eager"}
+            "stiefel-bf16-params": "eager", "stiefel-split-bf16": "eager"}
 
 
 # one thread (the 2-core machine is shared; tiny ops with two threads wait on each other) and the msign
@@ -109,12 +121,19 @@ def _no_msign_lookup(monkeypatch) -> None:
             monkeypatch.setattr(mod, "msign_choice", looked_up)
 
 
+def _row_env(case: str, monkeypatch) -> None:
+    """Set the row's ROW_ENV variables (undone after the test)."""
+    for var, value in ROW_ENV.get(case, {}).items():
+        monkeypatch.setenv(var, value)
+
+
 def _run(case: str, mode: str, shapes: list | None = None, monkeypatch=None
          ) -> tuple[list[torch.Tensor], list[torch.Tensor], Muon, object]:
     """STEPS steps of one CASES row (on ``shapes`` instead of its own when given, in each of its groups, or a list of
     shapes per group): mode "eager", "host_free" (the host-free path, eagerly) or "compiled". Returns the
     parameters, the state tensors, the optimizer and the step function of the later steps; with ``monkeypatch``, the
-    msign choice is not looked up once the optimizer exists."""
+    msign choice is not looked up once the optimizer exists. The split row's eager optimizer is checked to take the
+    split (where this CPU has it) on matrices across its threshold."""
     keys, row_shapes, dtype, _ = CASES[case]
     shapes = shapes or row_shapes
     g = torch.Generator().manual_seed(0)
@@ -124,6 +143,8 @@ def _run(case: str, mode: str, shapes: list | None = None, monkeypatch=None
               for k, sh in zip(keys, per_group, strict=True)]
     ps = [p for group in groups for p in group["params"]]
     opt = Muon(groups, lr=0.02, on_nonfinite="skip")
+    if ROW_ENV.get(case, {}).get("WEIGHTGEOM_PRODUCTS") == "split_bf16" and split_available():
+        assert opt.numerics["cpu"].products == "split_bf16" and min(min(p.shape) for p in ps) >= SPLIT_MIN_DIM
     if monkeypatch is not None:
         _no_msign_lookup(monkeypatch)
     opt.host_free = {"eager": False, "host_free": True, "compiled": None}[mode]
@@ -140,9 +161,10 @@ def _run(case: str, mode: str, shapes: list | None = None, monkeypatch=None
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_host_free_step_equals_eager(case):
+def test_host_free_step_equals_eager(case, monkeypatch):
     """The host-free path (what a compiled step runs), eagerly: every parameter and state tensor within the row's
     tolerance of the eager step after STEPS steps; the same state keys; statistics for every matrix."""
+    _row_env(case, monkeypatch)
     tol = CASES[case][3]
     (pe, se, oe, _), (ph, sh, oh, _) = _run(case, "eager"), _run(case, "host_free")
     assert max_diff(pe, ph) <= tol and max_diff(se, sh) <= max(tol, FP32_TOL)
@@ -159,6 +181,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(case, monkeypatch):
     counted)."""
     from torch._dynamo.utils import counters
 
+    _row_env(case, monkeypatch)
     tol = CASES[case][3]
     torch._dynamo.reset()
     counters.clear()
