@@ -95,7 +95,8 @@ USER_BATCH, USER_T, USER_VOCAB = 4, 16, 32
 # ascent and the retractions the parameters differ by ≤ 6e-6 (measured, plain Muon; ≤ 1.4e-6 with manifolds/MD);
 # a wrong shard, owner or skipped step moves them by ≥ 1e-3.
 USER_ATOL = 3e-5
-USER_CASES = ("muon", "hetero", "md", "resume", "dcp")
+USER_CASES = ("muon", "hetero", "md", "resume", "dcp", "dcp-hetero", "dcp-md")
+DCP_OF = {"dcp": "muon", "dcp-hetero": "hetero", "dcp-md": "md"}  # each DCP case resumes this case's run
 
 
 def _user_model():
@@ -108,8 +109,9 @@ def _user_model():
 def _user_optimizer(case: str, model):
     from weightgeom.optim import MagnitudeDirection, Muon, param_groups
 
-    strategy = "unconstrained" if case in ("muon", "dcp") else "hetero"
-    opt = Muon(param_groups(model, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual_steps=5, verbose=False))
+    case = DCP_OF.get(case, case)
+    strategy = "unconstrained" if case == "muon" else "hetero"
+    opt = Muon(param_groups(model, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual={"steps": 5}, verbose=False))
     return MagnitudeDirection(opt, model=model, gain_lr=1e-2) if case in ("md", "resume") else opt
 
 
@@ -119,10 +121,13 @@ def _user_batch(step: int):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _user_train(case: str, model, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+def _user_train(case: str, model, rank: int = 0, world: int = 1, ckpt: str | None = None
+                ) -> dict[str, torch.Tensor]:
     """USER_STEPS steps on rank's slice of the same global batches; "resume" (MagnitudeDirection around Muon-hetero)
     saves the optimizer after 2 steps and continues with a fresh one loaded from it (torch.load weights_only=True);
-    "dcp" (plain Muon) does the same through torch.distributed.checkpoint's get_optimizer_state_dict /
+    the "dcp" cases (``DCP_OF``: plain Muon, Muon-hetero, MD around Muon-hetero) do the same through
+    torch.distributed.checkpoint as its docs show: ``dcp.save`` of get_optimizer_state_dict into the directory
+    ``ckpt``, then into a fresh optimizer ``dcp.load`` into its own get_optimizer_state_dict and
     set_optimizer_state_dict (parameter names as keys). Returns the full parameters."""
     opt = _user_optimizer(case, model)
     rows = USER_BATCH // world
@@ -133,18 +138,21 @@ def _user_train(case: str, model, rank: int = 0, world: int = 1) -> dict[str, to
             buf.seek(0)
             opt = _user_optimizer(case, model)
             opt.load_state_dict(torch.load(buf, weights_only=True))
-        if case == "dcp" and s == 2:
+        if case in DCP_OF and s == 2:
+            import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_optimizer_state_dict,
                 set_optimizer_state_dict,
             )
 
-            osd = get_optimizer_state_dict(model, opt)
+            dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
             opt = _user_optimizer(case, model)
-            # strict=False: each Muon matrix's momentum lives on its owner rank only, so a rank's dict has no entry
-            # for the matrices another rank owns (docs/training.md, "Your own FSDP2 loop")
-            set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(strict=False))
+            osd = {"optim": get_optimizer_state_dict(model, opt)}  # the fresh optimizer's layout, filled by the load
+            dcp.load(osd, checkpoint_id=ckpt)
+            # strict=False: each Muon matrix's momentum (and an MD matrix's gains) lives on its owner rank only, so
+            # a rank's dict has no entry for the matrices another rank owns (docs/training.md, "Your own FSDP2 loop")
+            set_optimizer_state_dict(model, opt, osd["optim"], options=StateDictOptions(strict=False))
         x, y = _user_batch(s)
         _, loss = model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
         loss.backward()
@@ -212,7 +220,7 @@ def _user_loop_worker(out_dir: str) -> None:
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
-        params = _user_train(case, model, rank, world)
+        params = _user_train(case, model, rank, world, ckpt=os.path.join(out_dir, f"ckpt-{case}"))
         if rank == 0:
             torch.save(params, os.path.join(out_dir, f"{case}.pt"))
     results["nan"] = _user_nan_case(rank)
@@ -258,7 +266,7 @@ def test_user_fsdp2_loop_matches_one_process(user_loop, case, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add contention
     try:
-        ref = _user_train("md" if case == "resume" else case, _user_model())
+        ref = _user_train({"resume": "md", **DCP_OF}.get(case, case), _user_model())
     finally:
         torch.set_num_threads(threads)
     got = torch.load(user_loop / f"{case}.pt", weights_only=True)
@@ -270,12 +278,14 @@ def test_user_fsdp2_loop_matches_one_process(user_loop, case, monkeypatch):
     assert moved == len(ref)  # every parameter was updated (no matrix silently skipped)
 
 
-def test_user_fsdp2_dcp_round_trip_continues_bit_identically(user_loop):
-    """Muon's state through torch.distributed.checkpoint's optimizer helpers under FSDP2 (2 gloo ranks): saved with
-    get_optimizer_state_dict after 2 steps, set into a fresh Muon with set_optimizer_state_dict, the run ends bit for
-    bit where the uninterrupted run on the same ranks ends (momentum carried over on each matrix's owner rank)."""
-    got = torch.load(user_loop / "dcp.pt", weights_only=True)
-    ref = torch.load(user_loop / "muon.pt", weights_only=True)
+@pytest.mark.parametrize("case", sorted(DCP_OF))
+def test_user_fsdp2_dcp_round_trip_continues_bit_identically(user_loop, case):
+    """Muon (plain; Stiefel/DGram groups) and MagnitudeDirection around Muon through torch.distributed.checkpoint
+    under FSDP2 (2 gloo ranks): saved with dcp.save after 2 steps, loaded into a fresh optimizer, the run ends bit for
+    bit where the uninterrupted run on the same ranks ends (momentum, dual state, MD's direction, radius and gains
+    carried over on each matrix's owner rank; DCP's state-creating zero step changes no parameter)."""
+    got = torch.load(user_loop / f"{case}.pt", weights_only=True)
+    ref = torch.load(user_loop / f"{DCP_OF[case]}.pt", weights_only=True)
     assert got.keys() == ref.keys()
     for n in ref:
         assert torch.equal(got[n], ref[n]), n

@@ -274,16 +274,21 @@ def test_checkpoint_round_trip_continues_identically(model_first):
 def test_state_dict_contents_and_mismatch():
     model, md, _ = _make()
     sd = md.state_dict()
-    assert set(sd) == {"state", "param_groups", "md"}  # torch's layout, MD's part beside it
-    assert sd["param_groups"] == md.base_optimizer.state_dict()["param_groups"]
-    entry = sd["md"]["state"][0]
-    assert {"direction", "radius", "gain_row", "gain_col"} <= set(entry)
-    assert sd["md"]["options"]["gains"] == "row+col"
+    assert set(sd) == {"state", "param_groups"}  # torch's layout: MD's state in it
+    *base_groups, gains = sd["param_groups"]
+    assert base_groups == md.base_optimizer.state_dict()["param_groups"]
+    assert gains["params"] == [] and gains["md_role"] == "gains" and gains["md_options"]["gains"] == "row+col"
+    ids = [i for g in base_groups for i in g["params"]]
+    decoupled = [i for i, q in zip(ids, (q for g in md.base_optimizer.param_groups for q in g["params"]))
+                 if any(q is p for p in md._decoupled)]
+    assert decoupled and all({"md.direction", "md.radius", "md.gain_row", "md.gain_col"} <= set(sd["state"][i])
+                             for i in decoupled)
+    assert not any(k.startswith("md.") for i in set(ids) - set(decoupled) for k in sd["state"].get(i, {}))
     other = MagnitudeDirection(torch.optim.AdamW(_mlp(torch.float32).parameters()), gains="row")
     with pytest.raises(ValueError, match="gains"):
         other.load_state_dict(sd)
     with pytest.raises(ValueError, match="expected a MagnitudeDirection.state_dict"):
-        md.load_state_dict({k: sd[k] for k in ("state", "param_groups")})
+        md.load_state_dict(md.base_optimizer.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------- every option trains
@@ -374,14 +379,16 @@ def test_param_groups_schedulers_and_zero_grad():
     groups = md.param_groups
     assert groups[-1]["md_role"] == "gains" and groups[-1]["lr"] == 3e-2
     assert all(g is h for g, h in zip(groups, md.base_optimizer.param_groups))
-    assert len(groups[-1]["params"]) == 6  # 3 matrices × (row, col)
+    assert groups[-1]["params"] == []  # the gains θ are not model parameters: they live in ``state``
+    thetas = [md.state[p][k] for p in md._decoupled for k in ("gain_row", "gain_col")]
+    assert len(thetas) == 6  # 3 matrices × (row, col)
     sched = torch.optim.lr_scheduler.LambdaLR(md, [lambda s: 0.5] * (len(groups) - 1) + [lambda s: 0.1])
     x, y = _batch(torch.float32)
     _loss(model, x, y).backward()
     md.step()
     sched.step()
     assert [g["lr"] for g in md.param_groups] == pytest.approx([5e-3] * (len(groups) - 1) + [3e-3])
-    assert all(t.grad is not None for t in md.param_groups[-1]["params"])
+    assert all(t.grad is not None for t in thetas)  # ∂L/∂θ of the step, for inspection
     md.zero_grad()
     assert all(p.grad is None for g in md.param_groups for p in g["params"])
     # the groups stay live after the base optimizer replaces its group dicts (load_state_dict)
@@ -597,18 +604,17 @@ def test_load_state_dict_refuses_what_cannot_give_a_finite_w():
     other_model, other = _md32(False, seed=4)
     _steps(other_model, other, 1)
     nonfinite = "holds 1 NaN/Inf value\\(s\\) of \\d+;.*"
-    for path, value, msg in [(("gain_col",), float("nan"), f"state 'gain_col' {nonfinite}"),
-                             (("gain_row",), float("-inf"), f"state 'gain_row' {nonfinite}"),
-                             (("direction",), float("inf"), f"state 'direction' {nonfinite}"),
-                             (("gain_row_adam", "exp_avg"), float("nan"), f"state 'gain_row_adam/exp_avg' {nonfinite}"),
-                             (("gain_col_adam", "exp_avg_sq"), float("inf"),
-                              f"state 'gain_col_adam/exp_avg_sq' {nonfinite}"),
-                             (("radius",), 0.0, "radius must be > 0; ")]:
+    pids = [i for g in good["param_groups"][:-1] for i in g["params"]]
+    second = pids[next(i for i, q in enumerate(q for g in md.base_optimizer.param_groups for q in g["params"])
+                       if q is md._decoupled[1])]
+    for key, value, msg in [("md.gain_col", float("nan"), f"state 'md.gain_col' {nonfinite}"),
+                            ("md.gain_row", float("-inf"), f"state 'md.gain_row' {nonfinite}"),
+                            ("md.direction", float("inf"), f"state 'md.direction' {nonfinite}"),
+                            ("md.gain_row.exp_avg", float("nan"), f"state 'md.gain_row.exp_avg' {nonfinite}"),
+                            ("md.gain_col.exp_avg_sq", float("inf"), f"state 'md.gain_col.exp_avg_sq' {nonfinite}"),
+                            ("md.radius", 0.0, "radius must be > 0; ")]:
         bad = copy.deepcopy(good)
-        entry = bad["md"]["state"][1]
-        for k in path[:-1]:
-            entry = entry[k]
-        entry[path[-1]].view(-1)[0] = value
+        bad["state"][second][key].view(-1)[0] = value
         before = snapshot(other, other_model)
         with pytest.raises(ValueError, match=rf"checkpoint entry '2\.weight'.? {msg}nothing was loaded"):
             other.load_state_dict(bad)

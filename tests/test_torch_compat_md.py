@@ -113,11 +113,29 @@ def test_state_dict_layout_load_and_determinism(kind, inp):
     _same(opt.state_dict(), opt2.state_dict())
 
 
+def _older_md_part(md) -> dict:
+    """MD's own part as the older layouts saved it under "md": options, names, per decoupled matrix (by position)
+    its tensors and the gains' Adam state as ``gain_row_adam``/``gain_col_adam``, the gains group without params."""
+    state = {}
+    for i, p in enumerate(md._decoupled):
+        st = md.state[p]
+        entry = {k: st[k] for k in ("direction", "radius", "gain_row", "gain_col") if k in st}
+        for key in ("gain_row", "gain_col"):
+            if key in st and md.state.get(st[key]):
+                entry[f"{key}_adam"] = dict(md.state[st[key]])
+        state[i] = entry
+    return {"options": {"gains": md.gains, "parameterization": md.parameterization, "sphere": md.sphere,
+                        "embeddings": md.embeddings, "embedding_radius": md.embedding_radius},
+            "names": md.decoupled_names, "unit_rows": md.unit_row_names, "state": state,
+            "gain_group": {k: v for k, v in md.param_groups[-1].items() if k != "params"}}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("inp", INPUTS[:1] + INPUTS[3:4], ids=_ids(INPUTS[:1] + INPUTS[3:4]))
 def test_older_state_dicts_load(kind, inp):
     """Groups saved before ``maximize``/``foreach``/``differentiable`` existed, a ``step`` saved as a number, and
-    (MD) the older nested ``{"base", "md"}`` layout: each loads and the optimizer continues as the original."""
+    (MD) the two older layouts (MD's part under "md", beside the base's or nested with it): each loads and the
+    optimizer continues as the original."""
     model, opt = _primed(kind, inp.kwargs)
     sd = copy.deepcopy(opt.state_dict())
     for group in sd["param_groups"]:
@@ -126,12 +144,12 @@ def test_older_state_dicts_load(kind, inp):
     for st in sd["state"].values():
         st["step"] = float(st["step"])
     variants = [sd]
-    if kind == "md":
-        nested = copy.deepcopy(opt.state_dict())
-        variants.append({"base": {k: nested[k] for k in ("state", "param_groups")}, "md": nested["md"]})
+    if kind == "md":  # the two layouts MD's state_dict() wrote before its state moved into torch's "state"
+        base, own = copy.deepcopy((opt.base_optimizer.state_dict(), _older_md_part(opt)))
+        variants += [{**base, "md": own}, {"base": base, "md": own}]
     for variant in variants:
         model2, opt2 = _fresh_copy(kind, model, inp.kwargs)
-        opt2.load_state_dict(variant)
+        opt2.load_state_dict(copy.deepcopy(variant))  # as torch's, the loaded state may share the dict's tensors
         m1, o1 = copy.deepcopy((model, opt))
         _train(o1, m1, 2)
         _train(opt2, model2, 2)
@@ -322,20 +340,3 @@ def test_built_over_meta_parameters(kind):
     _train(opt, model, 3)
     _train(ref_opt, ref, 3)
     _params_equal(model, ref)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_distributed_checkpoint_reads_the_state_dict(kind):
-    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` reads the optimizer's ``state`` and
-    ``param_groups`` by parameter name (MD: the base's — the direction's moments; MD's own part is not carried there,
-    docs/md.md "Known limits")."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    model, opt = _primed(kind, {"lr": 0.01}, steps=2)
-    sd = get_optimizer_state_dict(model, opt)
-    names = [n for n, _ in model.named_parameters()]
-    assert set(sd) == {"state", "param_groups"} and sorted(sd["state"]) == sorted(names)
-    assert sorted(n for g in sd["param_groups"] for n in g["params"]) == sorted(names)  # MD may split a group
-    base = opt if kind == "adamw" else opt.base_optimizer
-    for n, p in model.named_parameters():
-        assert torch.equal(sd["state"][n]["exp_avg"], base.state[p]["exp_avg"]), n

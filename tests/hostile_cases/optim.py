@@ -785,6 +785,13 @@ def _md_over(model: torch.nn.Module, base: str):
     return MagnitudeDirection(b, model=model, gain_lr=1e-2)
 
 
+def _md_keys(md, sd: dict) -> list:
+    """The state-dict keys of ``md``'s decoupled matrices, in order (their entries hold MD's ``md.*`` state)."""
+    keys = [k for g in sd["param_groups"][:-1] for k in g["params"]]
+    live = [q for g in md.base_optimizer.param_groups for q in g["params"]]
+    return [keys[next(i for i, q in enumerate(live) if q is p)] for p in md._decoupled]
+
+
 def _md_load_bad_over(base: str) -> None:
     """MD over ``base`` refuses foreign and misshapen state dicts, unchanged; its own resumes bitwise."""
     model = _mlp()
@@ -795,13 +802,14 @@ def _md_load_bad_over(base: str) -> None:
     _refused_load(md, model, other.state_dict(), "expected a MagnitudeDirection.state_dict()",
                   "Muon state dict" if base == "adamw" else "torch.optim.AdamW state dict")
     moment = "exp_avg" if base == "adamw" else "momentum_buffer"
+    k0, k1 = _md_keys(md, good)
     edits = [
-        (("md", "state", 0, "gain_row"), torch.zeros(1), ("'0.weight'", "'gain_row'", "(16,)")),
-        (("md", "state", 1, "gain_col_adam", "exp_avg"), torch.zeros(3), ("'1.weight'", "'exp_avg'")),
-        (("md", "state", 1, "radius"), torch.ones(16, 1), ("'radius'",)),
-        (("md", "state", 0, "extra"), torch.ones(1), ("'extra'",)),
-        (("state", 0, moment), torch.zeros(2, 2), ("base", "(2, 2)")),
-        (("param_groups",), other.state_dict()["param_groups"], ("base",)),
+        (("state", k0, "md.gain_row"), torch.zeros(1), ("'0.weight'", "'gain_row'", "(16,)")),
+        (("state", k1, "md.gain_col.exp_avg"), torch.zeros(3), ("'1.weight'", "'exp_avg'")),
+        (("state", k1, "md.radius"), torch.ones(16, 1), ("'radius'",)),
+        (("state", k0, "md.extra"), torch.ones(1), ("'extra'",)),
+        (("state", k0, moment), torch.zeros(2, 2), ("base", "(2, 2)")),
+        (("param_groups", slice(None, -1)), other.state_dict()["param_groups"], ("base",)),
     ]
     for path, value, must in edits:
         sd = copy.deepcopy(good)
@@ -825,12 +833,13 @@ def _md_load_nonfinite_state(tmp_path: Path) -> None:
         md = _md_over(model, base)
         _train(md, model, 2)
         good = copy.deepcopy(md.state_dict())
-        edits = [(("md", "state", 0, "gain_row"), "'0.weight'", "'gain_row'"),
-                 (("md", "state", 1, "gain_col_adam", "exp_avg"), "'1.weight'", "'gain_col_adam/exp_avg'"),
-                 (("md", "state", 0, "gain_row_adam", "exp_avg_sq"), "'0.weight'", "'gain_row_adam/exp_avg_sq'"),
-                 (("md", "state", 1, "gain_row_adam", "step"), "'1.weight'", "'gain_row_adam/step'"),
-                 (("md", "state", 1, "direction"), "'1.weight'", "'direction'"),
-                 (("state", 0, "exp_avg" if base == "adamw" else "momentum_buffer"), "base", "NaN/Inf")]
+        k0, k1 = _md_keys(md, good)
+        edits = [(("state", k0, "md.gain_row"), "'0.weight'", "'md.gain_row'"),
+                 (("state", k1, "md.gain_col.exp_avg"), "'1.weight'", "'md.gain_col.exp_avg'"),
+                 (("state", k0, "md.gain_row.exp_avg_sq"), "'0.weight'", "'md.gain_row.exp_avg_sq'"),
+                 (("state", k1, "md.gain_row.step"), "'1.weight'", "'md.gain_row.step'"),
+                 (("state", k1, "md.direction"), "'1.weight'", "'md.direction'"),
+                 (("state", k0, "exp_avg" if base == "adamw" else "momentum_buffer"), "base", "NaN/Inf")]
         for path, *must in edits:
             for bad in (NAN, INF):
                 sd = copy.deepcopy(good)

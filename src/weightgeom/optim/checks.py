@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from weightgeom.optim.sharded import is_dtensor
 from weightgeom.optim.state_checks import check_state_finite, state_entries
 
-__all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "dtype_supported", "param_label",
-           "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer", "torch_state_shapes",
-           "check_group_kinds", "describe_state_dict", "check_torch_layout", "check_param_state", "check_torch_state"]
+__all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "held_shape", "dtype_supported",
+           "param_label", "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer",
+           "torch_state_shapes", "check_group_kinds", "describe_state_dict", "check_torch_layout",
+           "check_param_state", "check_torch_state"]
 
 # The parameter dtypes every step path handles (msign, the manifold step, AdamW, MD's passes). Not complex (msign,
 # retractions and sphere norms are real), integer or bool (no gradients), nor float8 (no norm, isfinite or promotion).
@@ -194,6 +196,8 @@ def describe_state_dict(sd: Any) -> str:
     groups = sd.get("param_groups")
     if "state" not in sd or not isinstance(groups, (list, tuple)):
         return f"a dict with keys {sorted(map(str, sd))[:6]}"
+    if groups and isinstance(groups[-1], Mapping) and groups[-1].get("md_role") == "gains":
+        return "a MagnitudeDirection state dict"
     keys: set[str] = set()
     for g in groups:
         if isinstance(g, Mapping):
@@ -304,9 +308,15 @@ def check_param_state(who: str, label: str, state: Mapping[str, Any],
             if not _is_count(value):
                 raise ValueError(f"{where}: {label}: state {key!r} is {_shown(value)}, expected a step count (a "
                                  f"number ≥ 0 or a 0-dim tensor); {_NOTHING}")
-        elif not (torch.is_tensor(value) and value.is_floating_point() and tuple(value.shape) == tuple(shape)):
+        elif not (torch.is_tensor(value) and value.is_floating_point() and held_shape(value) == tuple(shape)):
             raise ValueError(f"{where}: {label}: state {key!r} is {_shown(value)}, this optimizer keeps a floating "
                              f"tensor of shape {tuple(shape)} there; {_NOTHING}")
+
+
+def held_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape a rank holds of a state tensor: a DTensor's local shard's (the state of an elementwise FSDP2
+    parameter, sharded like it), else the tensor's."""
+    return tuple((t.to_local() if is_dtensor(t) else t).shape)
 
 
 def is_torch_optimizer(opt: torch.optim.Optimizer) -> bool:

@@ -94,13 +94,15 @@ class MagnitudeDirection(Optimizer):
     optimizer steps the direction Ŵ (kept on a sphere of its initial norm), the gains γ = φ(θ) are trained by a
     separate Adam at ``gain_lr``. The model keeps its one fused tensor; the forward is unchanged at construction.
 
-    ``param_groups`` is the base optimizer's groups followed by one gains group (keys ``lr`` = ``gain_lr``,
-    ``betas``, ``eps``, ``weight_decay`` = 0, ``md_role`` = ``"gains"``, ``names``): LR schedulers built on the wrapper
-    schedule both. ``state`` holds the MD state (per matrix: ``direction``, ``radius``, ``gain_row``, ``gain_col``; per
-    gain tensor: its Adam moments); the base optimizer's own state stays in ``base_optimizer.state``. ``state_dict``
-    has torch's layout: the base's ``state`` and ``param_groups``, MD's part beside them under ``"md"``
-    (``md_state``). Step hooks, state-dict hooks and ``maximize`` behave as for torch's optimizers, and parameters on
-    the meta device get their MD state at the first step (``md_torch``).
+    ``param_groups`` is the base optimizer's groups followed by one gains group without parameters (keys ``lr`` =
+    ``gain_lr``, ``betas``, ``eps``, ``weight_decay`` = 0, ``md_role`` = ``"gains"``): LR schedulers built on the
+    wrapper schedule both; the gains θ are not model parameters and are held in ``state``. ``state`` holds the MD
+    state (per matrix: ``direction``, ``radius``, ``gain_row``, ``gain_col``; per gain tensor: its Adam moments); the
+    base optimizer's own state stays in ``base_optimizer.state``. ``state_dict`` has torch's layout: each decoupled
+    matrix's entry holds the base's state and MD's (``md.*`` keys), the gains group comes last (``md_state``), so
+    ``torch.distributed.checkpoint``'s optimizer helpers round-trip it. Step hooks, state-dict hooks and ``maximize``
+    behave as for torch's optimizers, and parameters on the meta device get their MD state at the first step
+    (``md_torch``).
 
     Weight decay: decoupled (and unit-row) params never get weight decay — the sphere already fixes their norm. Base
     groups with ``weight_decay`` ≠ 0 are edited at construction: if every param of the group is MD-handled its
@@ -241,19 +243,14 @@ class MagnitudeDirection(Optimizer):
         defaults = {k: v for k, v in gain_group.items() if k not in ("params", "names")}
         # torch's Optimizer machinery (hooks, profiling, state); param_groups is a property (see below).
         super().__init__([gain_group], defaults)
+        self.state = md_torch.MDState()  # false until the first step or load, as torch's (``md_torch``)
 
         self._versions: dict[torch.Tensor, int | None] = {}
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         # how each matrix was stepped last: "fused", "eager-C (why)" or "eager (why)"
         self._path: dict[torch.Tensor, str] = {}
-        group = self._gain_groups[0]
         for p in decoupled:  # meta-device parameters: meta state, made from their values at the first step
-            st = self.state[p]
-            st.update(md_torch.init_state(self, p))
-            for key in ("gain_row", "gain_col"):
-                if key in st:
-                    group["params"].append(st[key])
-                    group["names"].append(f"{names[p]}.{key}")
+            self.state[p].update(md_torch.init_state(self, p))
             self._versions[p] = p._version
         self._deferred = any(md_torch.on_meta(p) for p in decoupled)
         for p in decoupled:
@@ -390,11 +387,11 @@ class MagnitudeDirection(Optimizer):
                 loss = closure()
         if self._deferred:  # built over meta-device parameters: their MD state from their values now
             md_torch.materialize(self)
+        undo = md_torch.dcp_init_step(self)  # DCP's zero step on a fresh wrapper: nothing but state changes
         try:
             if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
-                handled = {id(q) for q in (*self._decoupled, *self._unit_rows)}
                 step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
-                               whole=lambda g, q: id(q) in handled or g.get("algorithm") == "muon",
+                               whole=self.whole_matrix,
                                name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
                                merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
             elif self._host_free():  # inside a torch.compile trace, or host_free=True
@@ -405,6 +402,10 @@ class MagnitudeDirection(Optimizer):
             if self.on_nonfinite == "raise":
                 raise
             self._skipped += 1
+            return loss
+        if undo is not None:
+            undo()
+        self.state.live = True
         return loss
 
     # Never traced by torch.compile: a trace runs ``md_core`` instead (buckets keyed by the parameters,
@@ -503,6 +504,11 @@ class MagnitudeDirection(Optimizer):
         """
         md_checks.check_groups(self)
 
+    def whole_matrix(self, group: dict[str, Any], q: torch.Tensor) -> bool:
+        """Whether parameter ``q`` of ``group`` is stepped whole on one owner rank under FSDP2 (a decoupled matrix, a
+        unit-row embedding, a Muon base matrix: ``sharded.step_on_owners``)."""
+        return any(q is r for r in (*self._decoupled, *self._unit_rows)) or group.get("algorithm") == "muon"
+
     def _check_metadata(self, params: list[torch.Tensor]) -> None:
         """``md_checks.check_metadata``: dtypes, fits, sparse gradients (no tensor is read)."""
         md_checks.check_metadata(self, params)
@@ -513,9 +519,10 @@ class MagnitudeDirection(Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """torch's layout: the base optimizer's ``state`` and ``param_groups`` at the top, MD's own part beside them
-        under ``"md"`` — options, names, per decoupled matrix its direction, radius, raw gains θ and their Adam state,
-        and the gains group's hyperparameters (incl. scheduler keys); ``md_state`` has the layout. The hooks
+        """torch's layout: ``state`` (per parameter the base's state; a decoupled matrix's entry also holds its
+        direction, radius, raw gains θ and their Adam state under ``md.*`` keys) and ``param_groups`` (the base's, then
+        the gains group without parameters: its hyperparameters, scheduler keys included, and MD's options);
+        ``md_state`` has the layout. The hooks
         registered with ``register_state_dict_pre_hook``/``post_hook`` run as torch runs them (a post-hook may return
         a replacement).
 
@@ -533,8 +540,8 @@ class MagnitudeDirection(Optimizer):
     def check_state_dict(self, state_dict: Any) -> None:
         """Validate a ``state_dict()`` for this optimizer without loading anything (``load_state_dict`` runs it first).
 
-        Checked (``md_state.check``): the layout — torch's with MD's ``"md"`` part, or the older nested ``{"base",
-        "md"}`` (another optimizer's state dict, or the base's own, is named as such); the options that decide what
+        Checked (``md_state.check``): the layout — torch's with MD's ``md.*`` entries and gains group, or an older one
+        (another optimizer's state dict, or the base's own, is named as such); the options that decide what
         the MD state means (gains, parameterization, sphere, embeddings); one entry per decoupled matrix holding
         exactly the tensors this optimizer keeps for it, each of the same shape (the gains' Adam state too), every
         one finite (direction, radius, θ, the gains' moments: ``state_checks.check_state_finite``), radius > 0; the
@@ -547,8 +554,8 @@ class MagnitudeDirection(Optimizer):
         md_state.check(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a ``state_dict()`` (either layout) — all of it, after ``check_state_dict`` accepted all of it, or
-        nothing. Hooks registered with ``register_load_state_dict_pre_hook`` (which may return a replacement) run
+        """Restore a ``state_dict()`` (any layout it has had) — all of it, after ``check_state_dict`` accepted all of
+        it, or nothing. Hooks registered with ``register_load_state_dict_pre_hook`` (which may return a replacement) run
         before the checks, ``..._post_hook`` after the load, as torch runs them. The model's weights are not written;
         at the next step each W is checked against γ_r Ŵ γ_c (exact equality, as after loading the same checkpoint
         into the model) and, if it differs, the direction is re-derived from W so that the model's weights win.
@@ -566,6 +573,7 @@ class MagnitudeDirection(Optimizer):
                 state_dict = result
         base_sd, own = md_state.check(self, state_dict)
         md_state.load(self, base_sd, own)
+        self.state.live = True
         for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             hook(self)
 

@@ -1,16 +1,22 @@
-"""``MagnitudeDirection``'s checkpoints: the state dict's layout, the older layout it still loads, and every check a
+"""``MagnitudeDirection``'s checkpoints: the state dict's layout, the older layouts it still loads, and every check a
 state dict passes before anything is loaded (docs/md.md, "torch.optim citizenship").
 
-Layout (torch's, so that whatever reads ``sd["state"]`` / ``sd["param_groups"]`` works on it)::
+Layout (torch's, so that whatever reads ``sd["state"]`` / ``sd["param_groups"]`` works on it — among them
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` / ``set_optimizer_state_dict``, which keep only
+those two keys and re-key parameters by name)::
 
-    {"state": {...}, "param_groups": [...],     # the base optimizer's state_dict(), as the base saves it
-     "md": {"options": {...}, "names": [...], "unit_rows": [...],
-            "state": {i: {"direction", "radius", "gain_row", "gain_col", "gain_row_adam", "gain_col_adam"}},
-            "gain_group": {...}}}               # MD's own state: per decoupled matrix i (in order), the gains group
+    {"state": {i: {<the base's state of parameter i>,
+                   "md.direction", "md.radius", "md.gain_row", "md.gain_col",      # decoupled matrix i: MD's state
+                   "md.gain_row.step", "md.gain_row.exp_avg", ...}},               # the gains' Adam state
+     "param_groups": [<the base's groups>...,
+                      {"params": [], "md_role": "gains", "lr", "betas", "eps", "weight_decay", "names": [],
+                       "md_options": {"gains", "parameterization", "sphere", "embeddings", "embedding_radius"}}]}
 
-The gains group is not among ``param_groups`` (its θ are not model parameters, so ids there would name nothing a
-consumer of a torch state dict could map). The older nested layout ``{"base": <base state_dict>, "md": {...}}`` loads
-unchanged (``split``), silently: it holds the same information; the next ``state_dict()`` writes the current layout.
+The gains group is the last group and has no parameters (its θ are not model parameters: they live in the decoupled
+matrices' entries), so a consumer that maps parameters by position or by name finds only the model's; its
+hyperparameters (``lr`` = ``gain_lr``, scheduled like any group's) travel with it. Two older layouts load unchanged
+(``split``), silently — they hold the same information; the next ``state_dict()`` writes the current one: the base's
+state dict with MD's part beside it under ``"md"``, and the nested ``{"base": <base state_dict>, "md": {...}}``.
 """
 
 from __future__ import annotations
@@ -21,16 +27,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightgeom.optim.checks import check_param_state, check_torch_state, describe_state_dict, is_bookkeeping_key
+from weightgeom.optim.checks import (
+    check_param_state,
+    check_torch_state,
+    describe_state_dict,
+    held_shape,
+    is_bookkeeping_key,
+)
 from weightgeom.optim.md_functional import _ZERO_NORM
+from weightgeom.optim.sharded import is_dtensor, owned_here
 from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
-__all__ = ["MD_KEY", "GAIN_KEYS", "invalid_gain_key", "split", "state_dict", "check", "load"]
+__all__ = ["MD_KEY", "GAIN_KEYS", "invalid_gain_key", "is_gains_group", "split", "state_dict", "check", "load"]
 
-MD_KEY = "md"  # the key of MD's own part, beside torch's "state" and "param_groups"
+MD_KEY = "md"  # the key of MD's own part in the older layouts
+_PREFIX = "md."  # MD's per-matrix keys in a decoupled matrix's state entry
 GAIN_KEYS = ("gain_row", "gain_col")
 _WHERE = "MagnitudeDirection.load_state_dict"
 _NOTHING = "nothing was loaded"
@@ -55,8 +69,16 @@ def invalid_gain_key(group: Mapping[str, Any]) -> str | None:
     return next((key for key, ok in _GAIN_GROUP_VALUES.items() if key in group and not ok(group[key])), None)
 
 
-def split(sd: Any) -> tuple[Any, Any]:
-    """(the base optimizer's part, MD's part) of a MagnitudeDirection state dict in either layout (module docstring).
+def is_gains_group(group: Any) -> bool:
+    """Whether a saved param group is MD's gains group (``md_role`` = ``"gains"``)."""
+    return isinstance(group, Mapping) and group.get("md_role") == "gains"
+
+
+def split(md: MagnitudeDirection, sd: Any) -> tuple[Any, Any]:
+    """(the base optimizer's part, MD's part as the older layouts hold it) of a MagnitudeDirection state dict in any
+    layout (module docstring). The current layout's per-matrix ``md.*`` entries are found by position: the base
+    groups' saved parameter keys (ids, or names after ``torch.distributed.checkpoint``) pair with this optimizer's
+    parameters in order.
 
     Raises:
         ValueError: not a MagnitudeDirection state dict (e.g. the base's own, or another optimizer's), naming what it
@@ -64,34 +86,76 @@ def split(sd: Any) -> tuple[Any, Any]:
     """
     if isinstance(sd, Mapping) and set(sd) == {"base", MD_KEY}:  # the older nested layout
         return sd["base"], sd[MD_KEY]
-    if isinstance(sd, Mapping) and MD_KEY in sd and {"state", "param_groups"} <= set(sd):
+    if isinstance(sd, Mapping) and MD_KEY in sd and {"state", "param_groups"} <= set(sd):  # "md" beside torch's
         return {k: v for k, v in sd.items() if k != MD_KEY}, sd[MD_KEY]
-    raise ValueError(f"{_WHERE}: expected a MagnitudeDirection.state_dict() ({{'state': ..., 'param_groups': [...], "
-                     f"'md': {{...}}}}), got {describe_state_dict(sd)} without MD's 'md' part; {_NOTHING}")
+    groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+    if not (isinstance(groups, (list, tuple)) and groups and is_gains_group(groups[-1])
+            and isinstance(sd.get("state"), Mapping)):
+        raise ValueError(f"{_WHERE}: expected a MagnitudeDirection.state_dict() (torch's 'state' and "
+                         f"'param_groups' with MD's gains group last), got {describe_state_dict(sd)}; {_NOTHING}")
+    *base_groups, gains = groups
+    saved_keys = [k for g in base_groups if isinstance(g, Mapping) for k in g.get("params", ())]
+    live = [q for g in md.base_optimizer.param_groups for q in g["params"]]
+    key_of = {id(q): k for q, k in zip(live, saved_keys)}
+    base_state: dict[Any, Any] = {}
+    for k, entry in sd["state"].items():
+        rest = {n: v for n, v in entry.items() if not str(n).startswith(_PREFIX)} if isinstance(entry, Mapping) \
+            else entry
+        if rest or not isinstance(entry, Mapping):
+            base_state[k] = rest
+    entries: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(md._decoupled):
+        entry = sd["state"].get(key_of.get(id(p)), {})
+        own_entry: dict[str, Any] = {}
+        for n, v in (entry.items() if isinstance(entry, Mapping) else ()):
+            name = str(n)
+            if not name.startswith(_PREFIX):
+                continue
+            key, _, sub = name[len(_PREFIX):].partition(".")
+            if sub and key in GAIN_KEYS:  # the gains' Adam state: "md.gain_row.exp_avg"
+                own_entry.setdefault(f"{key}_adam", {})[sub] = v
+            else:
+                own_entry[name[len(_PREFIX):]] = v
+        if own_entry:
+            entries[i] = own_entry
+    stray = sorted(str(k) for k, entry in sd["state"].items() if isinstance(entry, Mapping)
+                   and k not in {key_of.get(id(p)) for p in md._decoupled}
+                   and any(str(n).startswith(_PREFIX) for n in entry))
+    if stray:
+        raise ValueError(f"{_WHERE}: checkpoint entry {stray[0]!r} holds MD state ('md.*'), but this optimizer does "
+                         f"not decouple that parameter; {_NOTHING}")
+    own = {"options": gains.get("md_options"), "names": md.decoupled_names, "state": entries,
+           "gain_group": {k: v for k, v in gains.items() if k not in ("params", "md_options")}}
+    return {"state": base_state, "param_groups": list(base_groups)}, own
 
 
 def state_dict(md: MagnitudeDirection) -> dict[str, Any]:
     """The state dict of ``md`` (module docstring); tensors are references, as in torch's ``state_dict``."""
-    entries = {}
-    for i, p in enumerate(md._decoupled):
+    base = md.base_optimizer.state_dict()
+    pid = {id(q): i for i, q in enumerate(q for g in md.base_optimizer.param_groups for q in g["params"])}
+    state = dict(base["state"])
+    # FSDP2: a matrix's direction is sharded like it (a DTensor, saved by every rank); its radius, gains and their
+    # Adam state are whole and current on its owner rank only, which alone saves them (one writer in a DCP save)
+    mine = owned_here(md.param_groups, md.whole_matrix)
+    for p in md._decoupled:
         st = md.state[p]
-        entry = {"direction": st["direction"], "radius": st["radius"]}
+        if mine is not None and id(p) not in mine:
+            if is_dtensor(st["direction"]):
+                state[pid[id(p)]] = {**state.get(pid[id(p)], {}), _PREFIX + "direction": st["direction"]}
+            continue
+        entry = dict(state.get(pid[id(p)], {}))  # a copy: the base's entry is its live state
+        entry[_PREFIX + "direction"] = st["direction"]
+        entry[_PREFIX + "radius"] = st["radius"]
         for key in GAIN_KEYS:
             if key in st:
-                entry[key] = st[key]
-                if md.state.get(st[key]):
-                    entry[key + "_adam"] = dict(md.state[st[key]])
-        entries[i] = entry
-    base = md.base_optimizer.state_dict()
-    own = {
-        "options": {"gains": md.gains, "parameterization": md.parameterization, "sphere": md.sphere,
-                    "embeddings": md.embeddings, "embedding_radius": md.embedding_radius},
-        "names": md.decoupled_names,
-        "unit_rows": md.unit_row_names,
-        "state": entries,
-        "gain_group": {k: v for k, v in md._gain_groups[0].items() if k != "params"},
-    }
-    return {**base, MD_KEY: own}
+                entry[_PREFIX + key] = st[key]
+                for sub, v in md.state.get(st[key], {}).items():
+                    entry[f"{_PREFIX}{key}.{sub}"] = v
+        state[pid[id(p)]] = entry
+    gains = {k: v for k, v in md._gain_groups[0].items() if k != "params"}
+    gains["md_options"] = {"gains": md.gains, "parameterization": md.parameterization, "sphere": md.sphere,
+                           "embeddings": md.embeddings, "embedding_radius": md.embedding_radius}
+    return {"state": state, "param_groups": [*base["param_groups"], {"params": [], **gains}]}
 
 
 def check(md: MagnitudeDirection, sd: Any) -> tuple[Any, Mapping[str, Any]]:
@@ -103,7 +167,7 @@ def check(md: MagnitudeDirection, sd: Any) -> tuple[Any, Mapping[str, Any]]:
     Raises:
         ValueError: one line naming what does not fit; nothing loaded.
     """
-    base_sd, own = split(sd)
+    base_sd, own = split(md, sd)
     parts = {"options": Mapping, "names": (list, tuple), "state": Mapping, "gain_group": Mapping}
     for key, kind in parts.items():
         if not isinstance(own, Mapping) or not isinstance(own.get(key), kind):
@@ -114,21 +178,26 @@ def check(md: MagnitudeDirection, sd: Any) -> tuple[Any, Mapping[str, Any]]:
         if saved != getattr(md, key):
             raise ValueError(f"{_WHERE}: checkpoint has {key}={saved!r}, this optimizer has {getattr(md, key)!r}; "
                              f"build it with {key}={saved!r} to resume this checkpoint; {_NOTHING}")
-    if len(own["state"]) != len(md._decoupled) or len(own["names"]) != len(own["state"]):
+    if len(own["state"]) > len(md._decoupled) or len(own["names"]) != len(md._decoupled):
         raise ValueError(f"{_WHERE}: checkpoint decouples {len(own['state'])} matrices ({list(own['names'][:3])}...), "
                          f"this optimizer {len(md._decoupled)}; {_NOTHING}")
     finite = []
+    mine = owned_here(md.param_groups, md.whole_matrix)
     for i, p in enumerate(md._decoupled):
         saved = own["state"].get(i)
+        if mine is not None and id(p) not in mine:
+            continue  # FSDP2: another rank owns this matrix and saved its MD state (``load`` takes the direction)
         if not isinstance(saved, Mapping):
-            raise ValueError(f"{_WHERE}: checkpoint has no entry {i} for {md._name[p]!r}; {_NOTHING}")
+            raise ValueError(f"{_WHERE}: checkpoint has no MD state for {md._name[p]!r} (decoupled matrix {i}); "
+                             f"{_NOTHING}")
         name = str(own["names"][i])
         _check_shapes(md, p, name, saved)
-        finite += state_entries(f"checkpoint entry {name!r}", dict(saved))
+        finite += state_entries(f"checkpoint entry {name!r}", _flat(saved))
     # direction, radius, θ and the gains' Adam moments: a NaN there would make W (or the gains) NaN for good
     check_state_finite("MagnitudeDirection", finite)
     for i in range(len(md._decoupled)):
-        if not bool((own["state"][i]["radius"] > _ZERO_NORM).all()):
+        radius = own["state"].get(i, {}).get("radius")
+        if radius is not None and not bool((radius > _ZERO_NORM).all()):
             raise ValueError(f"{_WHERE}: checkpoint entry {str(own['names'][i])!r}: radius must be > 0; {_NOTHING}")
     _check_gain_group(md, own["gain_group"])
     base = md.base_optimizer
@@ -142,6 +211,18 @@ def check(md: MagnitudeDirection, sd: Any) -> tuple[Any, Mapping[str, Any]]:
     return base_sd, own
 
 
+def _flat(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry of MD's part under the names the current layout gives its tensors (``md.gain_row.exp_avg``), for
+    messages."""
+    out = {}
+    for key, value in saved.items():
+        if str(key).endswith("_adam") and isinstance(value, Mapping):
+            out.update({f"{_PREFIX}{str(key)[:-5]}.{sub}": v for sub, v in value.items()})
+        else:
+            out[f"{_PREFIX}{key}"] = value
+    return out
+
+
 def _restored(key: str, value: Any, theta: torch.Tensor) -> torch.Tensor:
     """A saved gain-Adam entry as MD keeps it: ``step`` a float32 CPU scalar tensor (a number in older checkpoints),
     the moments θ's dtype and device."""
@@ -153,9 +234,15 @@ def _restored(key: str, value: Any, theta: torch.Tensor) -> torch.Tensor:
 def load(md: MagnitudeDirection, base_sd: Any, own: Mapping[str, Any]) -> None:
     """Load what ``check`` accepted: the base's part into the base, MD's part into ``md.state`` and its gains group."""
     md.base_optimizer.load_state_dict(base_sd)
+    mine = owned_here(md.param_groups, md.whole_matrix)
     for i, p in enumerate(md._decoupled):
-        saved = own["state"][i]
+        saved = own["state"].get(i, {})
         st = md.state[p]
+        md._versions[p] = None  # check W against the restored state at the next step
+        if mine is not None and id(p) not in mine:  # FSDP2, owned elsewhere: this rank's shard of the direction
+            if "direction" in saved:
+                st["direction"].copy_(saved["direction"])
+            continue
         st["direction"].copy_(saved["direction"])
         st["radius"].copy_(saved["radius"])
         for key in GAIN_KEYS:
@@ -166,7 +253,6 @@ def load(md: MagnitudeDirection, base_sd: Any, own: Mapping[str, Any]) -> None:
                 md.state.pop(theta, None)
                 if adam:
                     md.state[theta] = {k: _restored(k, v, theta) for k, v in adam.items()}
-        md._versions[p] = None  # check W against the restored state at the next step
     group = md._gain_groups[0]
     for k, v in own["gain_group"].items():
         if k != "names":
@@ -192,7 +278,7 @@ def _check_shapes(md: MagnitudeDirection, p: torch.Tensor, name: str, saved: Map
         raise ValueError(f"{_WHERE}: {md._name[p]!r} has shape {tuple(p.shape)}, checkpoint entry {name!r} has "
                          f"{shape}; {_NOTHING}")
     check_param_state("MagnitudeDirection", f"checkpoint entry {name!r}", saved,
-                      {k: tuple(t.shape) for k, t in ours.items()}, strict=False)
+                      {k: held_shape(t) for k, t in ours.items()}, strict=False)
     for key in GAIN_KEYS:
         adam = saved.get(f"{key}_adam")
         if adam is None or key not in ours:

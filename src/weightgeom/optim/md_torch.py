@@ -6,6 +6,10 @@ firing a second time, and a base group's ``maximize`` reaching the gains (docs/m
   meta-device parameter (deferred initialisation: ``torch.device("meta")``, FSDP2 before ``to_empty``) the state is
   made on the meta device and nothing is read; ``materialize`` redoes it from the real values at the first step
   (``validate_matrix`` then refuses, naming the parameter, what the constructor would have refused).
+- ``MDState`` and ``dcp_init_step``: ``state`` is falsy until the wrapper has stepped or loaded (as a torch
+  optimizer's is empty until then, although MD keeps each matrix's direction and gains from construction), so
+  ``torch.distributed.checkpoint`` creates the base's state by its zero step, which then changes no parameter and no
+  MD state.
 - ``step_base``: the base's ``step()`` with the hooks registered on the base itself (``base.register_step_pre_hook``)
   but not the global ones (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``post_hook``): those fire
   around the MD step, once, as they do for any optimizer.
@@ -13,17 +17,21 @@ firing a second time, and a base group's ``maximize`` reaching the gains (docs/m
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightgeom.optim.md_functional import _ZERO_NORM, gain_init, normalize_rows_, sphere_norm
 from weightgeom.optim.sharded import is_dtensor
+from weightgeom.optim.state_checks import is_zero_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
-__all__ = ["GAIN_SHAPES", "on_meta", "validate_matrix", "init_state", "materialize", "ascends", "step_base"]
+__all__ = ["GAIN_SHAPES", "MDState", "dcp_init_step", "on_meta", "validate_matrix", "init_state", "materialize",
+           "ascends", "step_base"]
 
 # the gains each option keeps for an m×n matrix: (γ_r's shape, γ_c's shape), None where absent
 GAIN_SHAPES = {"row+col": lambda m, n: ((m,), (n,)), "row": lambda m, n: ((m,), None),
@@ -78,7 +86,7 @@ def init_state(md: MagnitudeDirection, p: torch.Tensor) -> dict[str, torch.Tenso
 
 def materialize(md: MagnitudeDirection) -> None:
     """Make the MD state of matrices built on the meta device from their values now (``init_state``), at the first
-    step; the gains group lists the new θ in place of the meta ones.
+    step.
 
     Raises:
         ValueError: a parameter is still on the meta device (give it values first: ``model.to_empty(device=...)``
@@ -93,16 +101,12 @@ def materialize(md: MagnitudeDirection) -> None:
                              "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the parameter "
                              "objects the optimizer holds, then initialise it); step refused, nothing was changed")
         validate_matrix(p, md._name[p], md.sphere)
-    group = md._gain_groups[0]
     for p in todo:
         st = md.state[p]
-        new = init_state(md, p)
-        for key, theta in new.items():
-            old = st.get(key)
-            if key in ("gain_row", "gain_col") and old is not None:
-                group["params"] = [theta if q is old else q for q in group["params"]]
-                md.state.pop(old, None)
-            st[key] = theta
+        for key, value in init_state(md, p).items():
+            if key in ("gain_row", "gain_col") and key in st:
+                md.state.pop(st[key], None)  # the meta θ's Adam state (none before a step)
+            st[key] = value
         md._versions[p] = p._version
     for p in md._unit_rows:  # the constructor's projection, skipped on the meta device
         with torch.no_grad():
@@ -138,3 +142,48 @@ def step_base(base: torch.optim.Optimizer) -> Any:
     if "step" in vars(base):  # an LR scheduler built on the base wraps its step to note the call: note it too
         base._opt_called = True
     return out
+
+
+class MDState(defaultdict):
+    """``MagnitudeDirection.state``: torch's ``defaultdict(dict)`` of per-tensor state, false in a boolean test until
+    the wrapper has stepped or loaded a state dict (``live``), as a torch optimizer's state is empty until its first
+    step. ``torch.distributed.checkpoint`` tests ``if optimizer.state`` to decide whether to create the state by one
+    zero step (``dcp_init_step``); MD's own entries exist from construction."""
+
+    def __init__(self, live: bool = False, items: Any = ()) -> None:
+        super().__init__(dict, items)
+        self.live = live
+
+    def __bool__(self) -> bool:
+        return self.live and len(self) > 0
+
+    def __missing__(self, key: Any) -> dict:  # defaultdict's, in Python: torch.compile traces it
+        value: dict = {}
+        self[key] = value
+        return value
+
+    def __reduce__(self) -> tuple:  # pickle and deepcopy keep ``live``
+        return (type(self), (self.live, list(self.items())))
+
+
+def dcp_init_step(md: MagnitudeDirection) -> Callable[[], None] | None:
+    """The undo of ``torch.distributed.checkpoint``'s state initialisation on ``md``, or None when this step is not
+    one (``md.state`` not live, every lr — the gains' included — 0, every gradient zero: ``state_checks.is_zero_step``).
+
+    Such a step still re-projects each direction and recomposes W (rounding), and a Muon base retracts; the decoupled
+    matrices, the unit-row embeddings and MD's per-matrix tensors are copied first, and the returned function writes
+    them back after the step, so only the base's and the gains' Adam state are created (and replaced by the load).
+    """
+    if torch.compiler.is_compiling() or md.state or not is_zero_step(md.param_groups):
+        return None
+    kept = [(p, p.detach().clone()) for p in (*md._decoupled, *md._unit_rows)]
+    kept += [(t, t.clone()) for p in md._decoupled for t in md.state[p].values() if torch.is_tensor(t)]
+
+    def undo() -> None:
+        with torch.no_grad():
+            for t, v in kept:
+                t.copy_(v)
+        for p in md._decoupled:
+            md._versions[p] = p._version  # W equals γ_r Ŵ γ_c again
+
+    return undo

@@ -453,6 +453,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        undo = state_compat.dcp_init_step(self.param_groups, self.state)  # DCP's zero step: parameters kept
         if holds_dtensors(self.param_groups):  # FSDP2: Muon matrices whole on owner ranks, AdamW on local shards
             try:  # a NaN/Inf shard on any rank raises on every rank before anything changed
                 step_on_owners(self, self._update, whole=lambda g, p: g["algorithm"] == "muon",
@@ -463,6 +464,8 @@ class Muon(StepChecks, torch.optim.Optimizer):
                 self._skipped += 1
         else:
             self._update()
+        if undo is not None:
+            undo()
         return loss
 
     def check_step(self) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
 
-__all__ = ["is_dtensor", "holds_dtensors", "assign_owners", "local_part", "broadcast_from_owners",
+__all__ = ["is_dtensor", "holds_dtensors", "assign_owners", "owned_here", "local_part", "broadcast_from_owners",
            "agreed_first_nonfinite", "step_on_owners"]
 
 
@@ -160,6 +160,43 @@ def _swap_params(groups: Sequence[dict[str, Any]], states: Sequence[dict], mappi
     return undo
 
 
+def _shard_state(shards: Sequence[tuple[torch.Tensor, torch.Tensor]], states: Sequence[dict]) -> None:
+    """Give the state of elementwise DTensor parameters (AdamW moments, stepped on the local shards) the parameter's
+    sharding again: each entry shaped like the local shard becomes a DTensor over it (no copy, no communication), as
+    torch's optimizers keep their state under FSDP2 — so a ``torch.distributed.checkpoint`` save writes each rank's
+    shard rather than one rank's shard for all."""
+    from torch.distributed.tensor import DTensor
+
+    for p, loc in shards:
+        for st in states:
+            entry = st.get(p) if p in st else None
+            for k, v in list((entry or {}).items()):
+                if torch.is_tensor(v) and not is_dtensor(v) and v.dim() > 0 and v.shape == loc.shape:
+                    entry[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                  stride=p.stride())
+
+
+def owned_here(groups: Sequence[dict[str, Any]], whole: Callable[[dict[str, Any], torch.Tensor], bool]
+               ) -> set[int] | None:
+    """The ids of the whole-matrix DTensor parameters this rank owns in ``step_on_owners`` (the same assignment), or
+    None when ``groups`` hold no DTensor or no process group is initialised (a single process owns everything).
+    State kept whole on the owner only (Muon's momentum, MD's gains) is saved by the owner alone, so that a
+    ``torch.distributed.checkpoint`` save has one writer for it.
+
+    Args:
+        groups: the optimizer's param groups, as ``step_on_owners`` sees them.
+        whole: (group, parameter) → does the parameter's update need the whole matrix (as given to
+            ``step_on_owners``).
+    """
+    if not holds_dtensors(groups) or not dist.is_initialized():
+        return None
+    wholes = [(f"{gi}.{i}", p) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])
+              if is_dtensor(p) and whole(g, p)]
+    owner = assign_owners([(k, p.numel()) for k, p in wholes], dist.get_world_size())
+    rank = dist.get_rank()
+    return {id(p) for k, p in wholes if owner[k] == rank}
+
+
 def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None], *,
                    whole: Callable[[dict[str, Any], torch.Tensor], bool], name: Callable[[int, dict, int], str],
                    who: str, states: Sequence[dict] = (), swap: Callable[[dict[int, Any]], Callable[[], None]] | None
@@ -222,7 +259,7 @@ def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None],
         raise NonFiniteGradientError.refused(who, name(gi, g, i), tuple(p.shape))
 
     wholes = [(f"{gi}.{i}", p) for gi, g, i, p in entries if is_dtensor(p) and whole(g, p)]
-    owner = assign_owners([(k, p.numel()) for k, p in wholes], world)
+    owner = assign_owners([(k, p.numel()) for k, p in wholes], world)  # as ``owned_here`` computes it
     mapping: dict[int, torch.Tensor | None] = {}
     back: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (owner, parameter, stand-in on the owner)
     # DTensor entries of a whole matrix's state (made from the DTensor parameter at construction, e.g. MD's direction)
@@ -256,12 +293,18 @@ def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None],
                         if mine:
                             entry[k] = full
             del G, W
+        shards = []  # elementwise parameters, stepped on their local shards (their state too)
         for p in dtensors:
             if id(p) not in mapping:
                 loc = p.to_local()
                 q = loc.view_as(loc)  # writes go through to the shard
                 q.grad = None if p.grad is None else p.grad.to_local()
                 mapping[id(p)] = q
+                shards.append((p, loc))
+                for st in all_states:
+                    for k, v in (st.get(p) or {}).items() if p in st else ():
+                        if is_dtensor(v):
+                            st[p][k] = v.to_local()  # the same storage: the step's in-place writes reach it
 
     err: BaseException | None = None
     undo = _swap_params(groups, [optimizer.state, *states], mapping, name)
@@ -276,6 +319,7 @@ def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None],
         if undo_extra is not None:
             undo_extra()
         undo()
+        _shard_state(shards, all_states)
     failed = torch.tensor([1 if err is not None else 0], dtype=torch.int64, device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if int(failed.item()):

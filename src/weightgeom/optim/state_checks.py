@@ -7,6 +7,9 @@
   ``load_state_dict``: ``weightgeom train --resume``, HF Trainer's ``resume_from_checkpoint``, Lightning's
   ``ckpt_path``, ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict``.
 
+- ``is_zero_step``: whether a step is ``torch.distributed.checkpoint``'s state initialisation (every lr 0, every
+  gradient zero), which Muon and MagnitudeDirection keep from changing any parameter.
+
 The check is one fused reduction per device and dtype over every tensor (``functional.first_nonfinite``) and one host
 read; only when it fails are the tensors scanned one by one to name the first bad one. A DTensor entry is checked
 through its local shard (each rank checks what it holds; every rank loads the same dict); meta tensors hold no
@@ -23,7 +26,7 @@ import torch
 from weightgeom.optim.functional import first_nonfinite
 from weightgeom.optim.sharded import is_dtensor
 
-__all__ = ["StateEntry", "state_entries", "check_state_finite"]
+__all__ = ["StateEntry", "state_entries", "check_state_finite", "is_zero_step"]
 
 StateEntry = tuple[str, str, torch.Tensor]
 """(parameter label, state key, tensor): one floating state tensor to check, labelled for the refusal."""
@@ -75,3 +78,19 @@ def check_state_finite(who: str, entries: Sequence[StateEntry]) -> None:
     raise ValueError(f"{who}.load_state_dict: {label}: state {key!r} holds {count} NaN/Inf value(s) of {t.numel()}; "
                      "loaded, the parameter would never move again: resume from an earlier checkpoint, or start the "
                      "optimizer fresh (build it again, without load_state_dict); nothing was loaded")
+
+
+def is_zero_step(param_groups: Sequence[dict[str, Any]]) -> bool:
+    """Whether a step over ``param_groups`` cannot move anything: every group's lr is 0 and every gradient is zero or
+    absent — ``torch.distributed.checkpoint``'s state initialisation (``_init_optim_state``: one ``step()`` on an
+    optimizer without state, gradients zeroed, lrs set to 0). Eager only; the lrs are read first, so a step with a
+    non-zero lr reads nothing more; the gradients cost one host read each, with DTensor gradients (FSDP2) judged
+    through their local shards and agreed over the ranks (one ``all_reduce``), so every rank decides alike.
+    """
+    if torch.compiler.is_compiling() or any(float(g["lr"]) != 0.0 for g in param_groups if "lr" in g):
+        return False
+    grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
+    zero = torch.tensor(float(all(not bool(_values(t).any()) for t in grads)))
+    if any(is_dtensor(t) for t in grads) and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(zero, op=torch.distributed.ReduceOp.MIN)
+    return bool(zero)

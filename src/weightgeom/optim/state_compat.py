@@ -9,6 +9,9 @@
   ``adamw_eps``) loads with its ``eps`` as ``adamw_eps`` and one ``DeprecationWarning``.
 - A run's own checkpoint whose groups moved between manifolds while it trained (``adopt_manifolds``, undone by
   ``restore_manifolds``; ``Muon.adopt_manifolds`` calls them).
+- ``torch.distributed.checkpoint``'s state initialisation (``dcp_init_step``): its zero-lr, zero-gradient step on a
+  fresh optimizer leaves every parameter bitwise as it was, manifold groups included (their retraction would move
+  them by rounding), so that training continues bit-identically after ``set_optimizer_state_dict``.
 - Saving for torch (``to_torch_muon``): a Muon state dict of plain EMA groups in the form torch.optim.Muon loads.
   A Muon group that sets ``ns_coefficients`` saves in that form already (``state_dict()`` loads into torch as it is).
 
@@ -35,11 +38,11 @@ from weightgeom.optim.checks import (
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS, validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
-from weightgeom.optim.state_checks import check_state_finite, state_entries
+from weightgeom.optim.state_checks import check_state_finite, is_zero_step, state_entries
 
 __all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
            "loadable_group", "check_state_dict", "restore_dual_dtype", "adopt_manifolds", "restore_manifolds",
-           "to_torch_muon"]
+           "to_torch_muon", "dcp_init_step"]
 
 TORCH_MUON: dict[str, Any] = {
     "lr": 1e-3,
@@ -268,3 +271,29 @@ def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     state = {k: {"momentum_buffer": st["momentum_buffer"]} for k, st in state_dict["state"].items()
              if "momentum_buffer" in st}
     return {"state": state, "param_groups": groups}
+
+
+def dcp_init_step(param_groups: Sequence[dict[str, Any]], state: Mapping[Any, Any]) -> Callable[[], None] | None:
+    """The undo of ``torch.distributed.checkpoint``'s state initialisation, or None when this step is not one.
+
+    ``set_optimizer_state_dict`` / ``get_optimizer_state_dict`` create the state of an optimizer that has none by one
+    ``step()`` with every gradient zero and every group's lr 0 (``state_checks.is_zero_step``); the state is then
+    replaced by the loaded one. torch's optimizers leave parameters untouched then; a manifold group would still
+    retract its matrices, moving them by rounding, so the resumed run would not continue bit for bit. On such a step
+    (no state yet, a manifold group present) the manifold groups' parameters are copied first and the returned
+    function writes them back after the step.
+
+    Args:
+        param_groups: the optimizer's groups (a group with ``manifold`` set is a manifold group).
+        state: the optimizer's state (empty before its first step).
+    """
+    if state or not any(g.get("manifold") for g in param_groups) or not is_zero_step(param_groups):
+        return None
+    kept = [(p, p.detach().clone()) for g in param_groups if g.get("manifold") for p in g["params"]]
+
+    def undo() -> None:
+        with torch.no_grad():
+            for p, v in kept:
+                p.copy_(v)
+
+    return undo
