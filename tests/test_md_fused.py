@@ -19,6 +19,7 @@ from weightgeom.optim.md_functional import (
     gain_grad_limit,
     gain_value,
     project_to_sphere_,
+    split,
     split_gradient_log,
 )
 
@@ -711,6 +712,34 @@ def test_frobenius_sphere_norm_of_float16_is_computed_in_float32(std):
     got = sphere_norm(D, "frobenius")
     assert got.dtype == torch.float16
     assert abs(float(got) / float(D.double().norm()) - 1) < 2e-3
+
+
+def test_torch_backend_splits_into_a_kept_buffer_and_the_models_storage():
+    """The eager torch backend (fused=False) of a one-matrix bucket writes Ĝ into the matrix's kept buffer — what the
+    base steps with, the same storage at every step — and the products Ŵ ⊙ Ĝ into W's storage (recomposed after),
+    as the C backend does, instead of allocating them; ``split`` with those buffers equals ``split`` without, bitwise
+    (log-gain and plain forms, float32 and bfloat16)."""
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.extend(p.grad.data_ptr() for g in self.param_groups for p in g["params"])
+            return super().step(closure)
+
+    w = torch.nn.Parameter(torch.randn(12, 8, generator=torch.Generator().manual_seed(0)))
+    md = MagnitudeDirection(Recording([w], lr=0.1), fused=False, gain_lr=1e-2)
+    for k in range(3):
+        w.grad = torch.randn(12, 8, generator=torch.Generator().manual_seed(k))
+        md.step()
+    assert md._path[w] == "eager (fused=False)" and seen == [md._buffers[w].data_ptr()] * 3
+    assert torch.equal(compose(md.direction(w), *md.gain_values(w)), w.detach())
+    g = torch.Generator().manual_seed(1)
+    for dtype, log in itertools.product((torch.float32, torch.bfloat16), (True, False)):
+        G, D = (torch.randn(2, 24, 16, generator=g).to(dtype) for _ in range(2))
+        gr, gc = torch.rand(2, 24, 1, generator=g) + 0.5, torch.rand(2, 1, 16, generator=g) + 0.5
+        want = split(G, D, gr, gc, log)
+        got = split(G, D, gr, gc, log, out=torch.empty_like(G), scratch=torch.empty_like(G))
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), (dtype, log)
 
 
 @needs_kernel

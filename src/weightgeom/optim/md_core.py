@@ -129,13 +129,14 @@ def _write(ok: torch.Tensor | None, dst: list[torch.Tensor], new: torch.Tensor, 
     torch._foreach_copy_(dst, list(new.unbind(0)))
 
 
-def _count(ok: torch.Tensor | None, counters: list[torch.Tensor]) -> torch.Tensor:
-    """Advance step counters (by 1, or by ``ok``) with one foreach op; returns their new values stacked."""
+def _count(ok: torch.Tensor | None, counters: list[torch.Tensor], view: bool = False) -> torch.Tensor:
+    """Advance step counters (by 1, or by ``ok``) with one foreach op; returns their new values stacked (``view``:
+    one counter as a view of itself, as ``_stack``)."""
     if ok is None:
         torch._foreach_add_(counters, 1.0)
     else:  # a list of 0-dim tensors: the Tensor-scalar overload would read its scalar on the host
         torch._foreach_add_(counters, [ok.to(counters[0].dtype).to(counters[0].device)] * len(counters))
-    return _stack(counters)
+    return _stack(counters, view)
 
 
 def _to_device(state: dict[str, Any], key: str, device: torch.device) -> torch.Tensor:
@@ -155,9 +156,10 @@ def _per_tensor(b: Bucket) -> bool:
 
 
 def _each(b: Bucket, fn, ts: list[torch.Tensor], stacked: torch.Tensor | None = None) -> torch.Tensor:
-    """An elementwise ``fn`` of stacked tensors: per tensor then stacked, or on the stack (``_per_tensor``)."""
+    """An elementwise ``fn`` of stacked tensors: per tensor then stacked (one result as a view of itself), or on the
+    stack (``_per_tensor``)."""
     if _per_tensor(b):
-        return _stack([fn(t) for t in ts])
+        return _stack([fn(t) for t in ts], True)
     return fn(_stack(ts) if stacked is None else stacked)
 
 
@@ -294,16 +296,22 @@ def gain_grads(md: MagnitudeDirection, b: Bucket, s: dict[str, Any]) -> None:
         sk, TH = s[k], b.TH[k]
         if isinstance(sk, list) or _per_tensor(b):
             g = _stack([chain(t, x.reshape(t.shape).to(t.dtype), md.parameterization)
-                        for t, x in zip(b.thetas[k], sk if isinstance(sk, list) else sk.unbind(0))])
+                        for t, x in zip(b.thetas[k], sk if isinstance(sk, list) else sk.unbind(0))], True)
         else:
             g = chain(TH, sk.reshape(TH.shape).to(TH.dtype), md.parameterization)
         b.gains_grad[k] = g.neg() if up else g
 
 
 def _split(md: MagnitudeDirection, b: Bucket) -> None:
-    """Torch backend of step 2: Ĝ and the gains' gradients of a bucket; the base's target Q and its gradient."""
+    """Torch backend of step 2: Ĝ and the gains' gradients of a bucket; the base's target Q and its gradient. The
+    eager step's one-matrix bucket writes Ĝ into a kept buffer and the products into the model's W (scratch until
+    ``_finish`` recomposes it), as the C backend does, where W, G and Ŵ are contiguous (the same bits)."""
     gr, gc = b.gains if b.gains is not None else _gains(md, b, b.thetas, b.TH)
-    s_r, s_c, Gd = split(b.G, b.D, gr, gc, md.parameterization != "direct")
+    out = scratch = None
+    if b.eager and len(b.ps) == 1 and (gr is not None or gc is not None) and all(
+            t.is_contiguous() for t in (b.W, b.G, b.D)):
+        out, scratch = _kept_buffer(md, b.ps[0], b.G[0]).unsqueeze(0), b.W
+    s_r, s_c, Gd = split(b.G, b.D, gr, gc, md.parameterization != "direct", out=out, scratch=scratch)
     gain_grads(md, b, {"gain_row": s_r, "gain_col": s_c})
     target = b.D
     if b.scale is not None:  # norm-fixing manifold: the base steps Q = Ŵ/s with ∂L/∂Q = s·Ĝ
@@ -311,6 +319,14 @@ def _split(md: MagnitudeDirection, b: Bucket) -> None:
         target = b.D / b.sv.to(b.D.dtype)
         Gd = Gd * b.sv.to(Gd.dtype)
     b.target, b.Gd = target, Gd
+
+
+def _kept_buffer(md: MagnitudeDirection, p: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """p's kept Ĝ buffer (``md._buffers``, shared with the C backend): contiguous, shaped like G, made at first use."""
+    buf = md._buffers.get(p)
+    if buf is None or buf.shape != G.shape or buf.dtype != G.dtype or buf.device != G.device:
+        buf = md._buffers[p] = torch.empty(G.shape, dtype=G.dtype, device=G.device)
+    return buf
 
 
 def _adam_others(md: MagnitudeDirection, bs: list[Bucket], others: list[torch.Tensor], ok: torch.Tensor | None
@@ -384,13 +400,15 @@ def _base_step(md: MagnitudeDirection, bs: list[Bucket], ok: torch.Tensor | None
 
 def _adam_gains(md: MagnitudeDirection, b: Bucket, gain_group: dict[str, Any], ok: torch.Tensor | None
                 ) -> dict[str, torch.Tensor]:
-    """Step 5: the gains' Adam of a bucket (θ.grad left as the gradient stepped with); returns θ new, stacked."""
+    """Step 5: the gains' Adam of a bucket (θ.grad left as the gradient stepped with); returns θ new, stacked. The
+    eager step's one-matrix bucket reads its counter and moments through views (nothing is written before they are
+    read: ``adam_gains`` is out of place)."""
     TH = dict(b.TH)
     for k in b.keys:
         gsts = [md.state[t] for t in b.thetas[k]]
-        steps = _count(ok, [g["step"] for g in gsts])
+        steps = _count(ok, [g["step"] for g in gsts], b.eager)
         ms, vs = [g["exp_avg"] for g in gsts], [g["exp_avg_sq"] for g in gsts]
-        M0, V0 = _stack(ms), _stack(vs)
+        M0, V0 = _stack(ms, b.eager), _stack(vs, b.eager)
         th, grad, M, V = adam_gains(b.TH[k], b.gains_grad[k], M0, V0, steps, gain_group)
         _write(ok, ms, M, M0)
         _write(ok, vs, V, V0)

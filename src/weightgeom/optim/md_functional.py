@@ -106,7 +106,8 @@ def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: 
     raise AssertionError("unreachable")
 
 
-def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None, log: bool
+def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None, log: bool,
+          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The split of ∂L/∂W on a batch (B, m, n), gains (B, m, 1)/(B, 1, n) (a scalar gain (B, 1, 1)): the one
     definition (``split_gradient``/``split_gradient_log`` are its one-matrix forms; the C kernels follow its order).
@@ -117,20 +118,25 @@ def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.T
     γ_c ⊙ ∂L/∂γ_c (the gradients w.r.t. log γ), turned into ∂L/∂θ by ``gain_chain_log`` without dividing by γ, so
     exact for softplus and exp even where γ underflows. Sums of low-precision products accumulate in float32.
 
+    ``out`` (for Ĝ) and ``scratch`` (for the products Ŵ ⊙ Ĝ or G ⊙ Ŵ, overwritten): contiguous tensors shaped like G,
+    aliasing neither G nor Ŵ, written in place instead of allocating (on a CPU each fresh MB-sized result is one more
+    pass of memory traffic). The same operations: bitwise the same values when G and Ŵ are contiguous too.
+
     Returns:
-        (s_r (B, m) or (B, 1), s_c (B, n), Ĝ); Ĝ is G itself without gains.
+        (s_r (B, m) or (B, 1), s_c (B, n), Ĝ); Ĝ is G itself without gains (``out`` then unused).
     """
     if gr is None and gc is None:
         return None, None, G
-    Gd = G * (gr if gr is not None else gc).to(G.dtype)
+    first = (gr if gr is not None else gc).to(G.dtype)
+    Gd = G * first if out is None else torch.mul(G, first, out=out)
     if gr is not None and gc is not None:
-        Gd = Gd * gc.to(G.dtype)
+        Gd = Gd * gc.to(G.dtype) if out is None else Gd.mul_(gc.to(G.dtype))
     big = torch.finfo(G.dtype).max
-    Gd = Gd.clamp(-big, big)
+    Gd = Gd.clamp(-big, big) if out is None else Gd.clamp_(-big, big)
     m, n = G.shape[-2:]
     scalar = gr is not None and gr.shape[-2] != m
     if not log:  # H = G ⊙ Ŵ, contracted with the other gain
-        H = G * D
+        H = G * D if scratch is None else torch.mul(G, D, out=scratch)
         H = H.float() if H.dtype in (torch.float16, torch.bfloat16) else H
         s_r = s_c = None
         if gr is not None:
@@ -144,7 +150,7 @@ def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.T
             else:
                 s_c = (gr.mT.to(H.dtype) @ H)[..., 0, :]
         return s_r, s_c, Gd
-    P = D * Gd
+    P = D * Gd if scratch is None else torch.mul(D, Gd, out=scratch)
     P = P.float() if P.dtype in (torch.float16, torch.bfloat16) else P
     # no partial sum of finite products may overflow (huge products of both signs would give inf − inf = NaN): they
     # are summed scaled by 2^-e, 2^e ≥ the longest sum's length, and the sums scaled back (an overflow there is a clean
@@ -152,7 +158,7 @@ def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.T
     # sums for any gradient whose products stay above ~1e-34. Products themselves past the range (|Ŵ| > 1 times a
     # saturated Ĝ) can still make a NaN sum, which the gains' update counts as 0, as the C kernels do
     e = math.ceil(math.log2(max(2, m * n if scalar else max(m, n))))
-    P = P * 2.0**-e
+    P = P * 2.0**-e if scratch is None else P.mul_(2.0**-e)  # in place: scratch, or its float32 copy
     s_r = None if gr is None else (P.sum(dim=(-2, -1))[..., None] if scalar else P.sum(dim=-1)) * 2.0**e
     s_c = None if gc is None else P.sum(dim=-2) * 2.0**e
     return s_r, s_c, Gd
