@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection, Mapping, Sequence
+import operator
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from weightgeom.optim.state_checks import check_state_finite, state_entries
 __all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "held_shape", "dtype_supported",
            "param_label", "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer",
            "torch_state_shapes", "check_group_kinds", "describe_state_dict", "check_torch_layout",
-           "check_param_state", "check_torch_state"]
+           "check_param_state", "check_saved_state", "check_torch_state", "as_number"]
 
 # The parameter dtypes every step path handles (msign, the manifold step, AdamW, MD's passes). Not complex (msign,
 # retractions and sphere norms are real), integer or bool (no gradients), nor float8 (no norm, isfinite or promotion).
@@ -50,6 +51,17 @@ def is_bookkeeping_key(key: Any) -> bool:
     """Whether a param-group key is bookkeeping (params, names, an LR scheduler's ``initial_*``), not a
     hyperparameter."""
     return key in _BOOKKEEPING_KEYS or (isinstance(key, str) and key.startswith("initial_"))
+
+
+def as_number(value: Any, integer: bool = False) -> float | int | None:
+    """``value`` as a float (with ``integer``, an int by ``operator.index``), or None for a bool, a string or anything
+    that does not convert (a tensor of several entries): how group values and ``DualAscent`` fields are read."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return operator.index(value) if integer else float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def dtype_supported(p: torch.Tensor) -> bool:
@@ -313,6 +325,23 @@ def check_param_state(who: str, label: str, state: Mapping[str, Any],
                              f"tensor of shape {tuple(shape)} there; {_NOTHING}")
 
 
+def check_saved_state(who: str, groups: Sequence[Mapping[str, Any]], sd: Mapping[str, Any],
+                      ids: Mapping[Any, tuple[int, int]],
+                      expect: Callable[[int, int, torch.Tensor], tuple[str, Mapping[str, tuple[int, ...] | None]]],
+                      strict: bool = True) -> None:
+    """Refuse the per-parameter state of ``sd`` (its ids mapped to (group, position) by ``check_torch_layout``)
+    unless each parameter's entries are what ``expect(gi, i, p)`` → (label, expected) says (``check_param_state``)
+    and every floating state tensor is finite (``state_checks.check_state_finite``: one fused reduction, one host
+    read): a NaN momentum, moment or dual state, loaded, would freeze its parameter silently."""
+    entries = []
+    for k, st in sd["state"].items():
+        gi, i = ids[k]
+        label, expected = expect(gi, i, groups[gi]["params"][i])
+        check_param_state(who, label, st, expected, strict)
+        entries += state_entries(label, st)
+    check_state_finite(who, entries)
+
+
 def held_shape(t: torch.Tensor) -> tuple[int, ...]:
     """The shape a rank holds of a state tensor: a DTensor's local shard's (the state of an elementwise FSDP2
     parameter, sharded like it), else the tensor's."""
@@ -410,11 +439,5 @@ def check_torch_state(who: str, opt: torch.optim.Optimizer, sd: Any) -> None:
         if is_torch_optimizer(opt):
             check_group_kinds(f"{who}.load_state_dict", opt, gi, saved,
                               f"the state dict's value is refused; {_NOTHING}")
-    entries = []
-    for k, st in sd["state"].items():
-        gi, i = ids[k]
-        p = opt.param_groups[gi]["params"][i]
-        label = param_label(None, gi, i, p)
-        check_param_state(who, label, st, torch_state_shapes(p), strict=False)
-        entries += state_entries(label, st)
-    check_state_finite(who, entries)
+    check_saved_state(who, opt.param_groups, sd, ids,
+                      lambda gi, i, p: (param_label(None, gi, i, p), torch_state_shapes(p)), strict=False)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from weightgeom.optim.checks import (
-    check_param_state,
+    check_saved_state,
     check_torch_layout,
     describe_state_dict,
     is_bookkeeping_key,
@@ -38,7 +38,7 @@ from weightgeom.optim.checks import (
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS, validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
-from weightgeom.optim.state_checks import check_state_finite, is_zero_step, state_entries
+from weightgeom.optim.state_checks import is_zero_step
 
 __all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
            "loadable_group", "check_state_dict", "restore_dual_dtype", "adopt_manifolds", "restore_manifolds",
@@ -145,14 +145,8 @@ def check_state_dict(param_groups: Sequence[dict[str, Any]], defaults: Mapping[s
     ids = check_torch_layout("Muon", param_groups, state_dict, what)
     groups = [_loaded_group(defaults, gi, saved, group)
               for gi, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups))]
-    entries = []
-    for k, st in state_dict["state"].items():
-        gi, i = ids[k]
-        p = param_groups[gi]["params"][i]
-        label = param_label(param_name(groups[gi], i, gi), gi, i, p)
-        check_param_state("Muon", label, st, state_shapes(groups[gi], p))
-        entries += state_entries(label, st)
-    check_state_finite("Muon", entries)  # a NaN momentum or dual state would freeze its matrix silently
+    check_saved_state("Muon", param_groups, state_dict, ids, lambda gi, i, p: (
+        param_label(param_name(groups[gi], i, gi), gi, i, p), state_shapes(groups[gi], p)))
     return groups
 
 
