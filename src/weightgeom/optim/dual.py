@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from weightgeom.optim.checks import as_number
 from weightgeom.optim.manifold_muon import DUAL_KEEP, DUAL_SCHEDULES
 from weightgeom.schema import ConfigError, Section, setting, suggest
 
@@ -123,17 +124,11 @@ def dual_problem(field: str, value: Any) -> str:
     if field in ("steps", "ns_steps"):
         if value is None and field == "ns_steps":
             return ""
-        try:
-            ok = not isinstance(value, (bool, str, bytes)) and operator.index(value) >= 1
-        except TypeError:
-            ok = False
+        ok = (as_number(value, integer=True) or 0) >= 1
         return "" if ok else ("must be an int ≥ 1" + (" or None" if field == "ns_steps" else ""))
     if field in ("lr", "tol"):
-        try:
-            x = float(value) if not isinstance(value, (bool, str, bytes)) else math.nan
-        except (TypeError, ValueError, RuntimeError):
-            x = math.nan
-        good = math.isfinite(x) and (x > 0.0 if field == "lr" else x >= 0.0)
+        x = as_number(value)
+        good = x is not None and math.isfinite(x) and (x > 0.0 if field == "lr" else x >= 0.0)
         return "" if good else f"must be a finite number {'> 0' if field == 'lr' else '≥ 0'}"
     if field in ("project", "normalize", "warm_start"):
         return "" if isinstance(value, bool) else "must be True or False"

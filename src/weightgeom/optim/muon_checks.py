@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from typing import Any
 
@@ -28,6 +27,7 @@ from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS
 from weightgeom.manifolds.base import tall
 from weightgeom.optim.checks import (
+    as_number,
     check_fits_param,
     dtype_supported,
     is_bookkeeping_key,
@@ -131,10 +131,7 @@ MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def in_unit(x: Any) -> bool:
     """Whether x is a number in [0, 1) (not a bool or a string)."""
-    try:
-        return not isinstance(x, (bool, str, bytes)) and 0.0 <= float(x) < 1.0
-    except (TypeError, ValueError, RuntimeError):
-        return False
+    return (v := as_number(x)) is not None and 0.0 <= v < 1.0
 
 
 def validate_values(group: dict[str, Any], where: str) -> None:
@@ -143,15 +140,11 @@ def validate_values(group: dict[str, Any], where: str) -> None:
     def bad(key: str, why: str) -> ValueError:
         return ValueError(f"{where}: {key}={group[key]!r} is invalid: {why}")
 
-    def num(key: str, kind: type = float) -> float:
+    def num(key: str, integer: bool = False) -> float:
         """The key's value as a number (a bool, a string or a tensor of several entries is refused naming it)."""
-        value = group[key]
-        try:
-            if isinstance(value, (bool, str, bytes)):
-                raise TypeError
-            return kind(value) if kind is float else operator.index(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise bad(key, f"must be {'a number' if kind is float else 'an int'}") from None
+        if (value := as_number(group[key], integer)) is None:
+            raise bad(key, "must be an int" if integer else "must be a number")
+        return value
 
     choices = {
         "algorithm": ALGORITHMS,
@@ -165,34 +158,30 @@ def validate_values(group: dict[str, Any], where: str) -> None:
             raise bad(key, f"choose one of {list(allowed)}")
     if "adjust_lr_fn" in group and group["adjust_lr_fn"] not in (None, *ADJUST_LR_FNS):
         raise bad("adjust_lr_fn", f"choose one of {[None, *ADJUST_LR_FNS]}")
-    if "lr" in group and not (num("lr") >= 0.0 and math.isfinite(num("lr"))):
-        raise bad("lr", "must be a finite number ≥ 0")
+    for key, positive in (("lr", False), ("weight_decay", False), ("eps", True), ("adamw_eps", True)):
+        if key in group and not (math.isfinite(x := num(key)) and (x > 0.0 if positive else x >= 0.0)):
+            raise bad(key, f"must be a finite number {'> 0' if positive else '≥ 0'}")
     if "adamw_lr" in group and group["adamw_lr"] is not None and not num("adamw_lr") >= 0.0:
         raise bad("adamw_lr", "must be ≥ 0 or None")
     if "momentum" in group and not 0.0 <= num("momentum") < 1.0:
         raise bad("momentum", "must be in [0, 1)")
-    if "weight_decay" in group and not (num("weight_decay") >= 0.0 and math.isfinite(num("weight_decay"))):
-        raise bad("weight_decay", "must be a finite number ≥ 0")
     if "nesterov" in group and not isinstance(group["nesterov"], bool):
         raise bad("nesterov", "must be True or False")
     if "betas" in group:
         b = group["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(in_unit(x) for x in b)):
             raise bad("betas", "must be two numbers in [0, 1)")
-    for key in ("eps", "adamw_eps"):
-        if key in group and not (num(key) > 0.0 and math.isfinite(num(key))):
-            raise bad(key, "must be a finite number > 0")
+    on_manifold = group.get("manifold") is not None and group.get("algorithm", "muon") == "muon"
     if group.get("ns_coefficients") is not None:
         c = group["ns_coefficients"]
         if not (isinstance(c, (tuple, list)) and len(c) == 3 and all(
-                not isinstance(x, (bool, str, bytes)) and isinstance(x, (int, float)) and math.isfinite(x)
-                for x in c)):
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in c)):
             raise bad("ns_coefficients", "must be None or three finite numbers (a, b, c)")
-        if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon":
+        if on_manifold:
             raise bad("ns_coefficients", f"a manifold group (manifold={group['manifold']!r}) needs an msign whose "
                                          "singular values converge to 1, which a fixed quintic does not give; leave "
                                          "it None (msign_method='polar_express')")
-    if "ns_steps" in group and group["ns_steps"] is not None and num("ns_steps", int) < 1:
+    if "ns_steps" in group and group["ns_steps"] is not None and num("ns_steps", integer=True) < 1:
         raise bad("ns_steps", "must be ≥ 1 or None")
     if "dual" in group:  # added groups hold it as the dual_* keys (Muon.add_param_group expands it)
         raise ValueError(f"{where}: the key 'dual' was set on a group already added, where it is not read; write "
@@ -204,14 +193,11 @@ def validate_values(group: dict[str, Any], where: str) -> None:
             raise bad(key, why)
     if "msign_dtype" in group and group["msign_dtype"] is not None and group["msign_dtype"] not in MSIGN_DTYPES:
         raise bad("msign_dtype", f"must be None or one of {[str(d).replace('torch.', '') for d in MSIGN_DTYPES]}")
-    if "split" in group and group["split"] is not None and (
-            isinstance(group["split"], bool) or not hasattr(group["split"], "__index__")
-            or operator.index(group["split"]) < 1):
+    if group.get("split") is not None and not (as_number(group["split"], integer=True) or 0) >= 1:
         raise bad("split", "must be None or an int ≥ 1")
     if group.get("algorithm") == "adamw" and group.get("manifold") is not None:
         raise bad("manifold", "manifold constraints need algorithm='muon'")
-    if group.get("manifold") is not None and group.get("algorithm", "muon") == "muon" and (
-            group.get("msign_method") in LOOSE_MSIGN):
+    if on_manifold and group.get("msign_method") in LOOSE_MSIGN:
         raise bad("msign_method", f"a manifold group (manifold={group['manifold']!r}) needs a direction inside the "
                                   "unit spectral ball, but the Muon quintic leaves singular values up to ≈1.13 "
                                   "(a step ≈13% above lr); use 'polar_express' (or 'svd')")
