@@ -25,11 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from weightgeom.linalg.msign import MSIGN_PRESETS
 from weightgeom.manifolds import retraction_names
 from weightgeom.optim.dual import DUAL_FIELDS, DUAL_PRESETS, GROUP_KEYS, DualAscent, legacy_message, resolve_dual
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
+from weightgeom.optim.muon import ON_NONFINITE
+from weightgeom.optim.muon_checks import INIT_MODES, MSIGN_METHODS
 from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.schema import (
@@ -49,10 +50,10 @@ __all__ = ["MuonConfig", "AdamWConfig", "MDConfig", "OptimConfig", "OPTIMIZER_NA
 
 OPTIMIZER_NAMES = ("adamw", "muon", "adamw-md", "muon-md")
 PRESETS = ("ours", "paper")
-MSIGN_METHODS = (*MSIGN_PRESETS, "svd")
 MSIGN_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 MsignDtype = Literal[MSIGN_DTYPES]  # type: ignore[valid-type]
+MsignMethod = Literal[MSIGN_METHODS]  # type: ignore[valid-type]
 AdjustLr = Literal[ADJUST_LR_FNS]  # type: ignore[valid-type]
 MomentumForm = Literal[MOMENTUM_FORMS]  # type: ignore[valid-type]
 Preset = Literal[PRESETS]  # type: ignore[valid-type]
@@ -61,8 +62,10 @@ Parameterization = Literal[PARAMETERIZATIONS]  # type: ignore[valid-type]
 Sphere = Literal[SPHERES]  # type: ignore[valid-type]
 Embeddings = Literal[EMBEDDINGS]  # type: ignore[valid-type]
 OptimizerName = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
-Init = Literal["auto", "retract", "keep"]
-OnNonfinite = Literal["raise", "skip"]
+Init = Literal[INIT_MODES]  # type: ignore[valid-type]
+OnNonfinite = Literal[ON_NONFINITE]  # type: ignore[valid-type]
+_ON_NONFINITE_DOC = ("a NaN/Inf gradient: raise (naming the parameter; one host sync per step) | skip (the whole step "
+                     "becomes a no-op on the device, counted in skipped_steps; no host sync)")
 
 
 class _Unset:
@@ -97,7 +100,7 @@ class MuonConfig(Section):
                                "torch's default [3.4445, -4.775, 2.0315])")
     eps: float = setting(_D["eps"], "torch.optim.Muon's ε: lower bound of the norm the ns_coefficients iteration "
                                     "divides by (the AdamW ε is optim.adamw.eps)", gt=0)
-    msign_method: str = setting(_D["msign_method"], "msign polynomial: polar_express | muon | svd")
+    msign_method: MsignMethod = setting(_D["msign_method"], "msign polynomial: polar_express | muon | svd")
     msign_dtype: MsignDtype | None = setting(_D["msign_dtype"], "msign compute dtype (unset: chosen per device by a "
                                                                 "cached micro-benchmark, bf16 only where faster; "
                                                                 "manifold groups too with dual.project, else fp32)")
@@ -116,10 +119,7 @@ class MuonConfig(Section):
                                      "silently; refuse a pretrained-looking matrix far from the manifold, naming "
                                      "retract and keep) | retract (onto the manifold) | keep (the given, e.g. "
                                      "pretrained, weights)")
-    on_nonfinite: OnNonfinite = setting(_D["on_nonfinite"], "a NaN/Inf gradient: raise (naming the parameter; one "
-                                                            "host sync per step) | skip (the whole step becomes a "
-                                                            "no-op on the device, counted in skipped_steps; no host "
-                                                            "sync)")
+    on_nonfinite: OnNonfinite = setting(_D["on_nonfinite"], _ON_NONFINITE_DOC)
     # the older spelling of ``dual``'s fields (keyword arguments only: never fields, never written out)
     dual_steps: dataclasses.InitVar[Any] = _UNSET
     dual_lr: dataclasses.InitVar[Any] = _UNSET
@@ -174,9 +174,6 @@ class MuonConfig(Section):
         return out
 
     def check(self) -> None:
-        if self.msign_method not in MSIGN_METHODS:
-            raise ConfigError(f"config key optim.muon.msign_method={self.msign_method!r}: must be one of "
-                              f"{', '.join(MSIGN_METHODS)}{suggest(self.msign_method, MSIGN_METHODS)}")
         names = retraction_names()
         if self.retraction is not None and self.retraction not in names:
             raise ConfigError(f"config key optim.muon.retraction={self.retraction!r}: must be one of "
@@ -238,9 +235,7 @@ class MDConfig(Section):
     embeddings: Embeddings = setting("exclude", "embeddings: exclude | unit_rows | decouple")
     embedding_radius: float = setting(1.0, "row norm of unit_rows embeddings", gt=0)
     fused: bool | None = setting(None, "use the fused C kernel (unset: when it is built and faster)")
-    on_nonfinite: OnNonfinite = setting("raise", "a NaN/Inf gradient: raise (naming the parameter; one host sync per "
-                                        "step) | skip (the whole step skipped on the device, no host sync; counted "
-                                        "in skipped_steps)")
+    on_nonfinite: OnNonfinite = setting("raise", _ON_NONFINITE_DOC)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`weightgeom.optim.MagnitudeDirection` (unset ``params`` left out)."""
