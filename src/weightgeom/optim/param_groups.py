@@ -42,8 +42,6 @@ own momentum direction, Gram constraint and multiplier.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 import re
 from collections.abc import Iterable, Mapping
@@ -54,6 +52,8 @@ import torch.nn as nn
 from weightgeom import manifolds
 from weightgeom.optim.dual import GROUP_KEYS as DUAL_GROUP_KEYS
 from weightgeom.optim.muon import Muon
+from weightgeom.optim.muon_checks import MUON_DEFAULTS
+from weightgeom.schema import suggest
 
 __all__ = ["param_groups", "describe", "STRATEGIES", "ROLE_PATTERNS", "ADAMW_GROUP_KEYS", "format_table", "classify",
            "muon_group_keys"]
@@ -97,17 +97,11 @@ _OWN_KEYWORDS = ("strategy", "rules", "split_qkv", "verbose", "adamw_hparams")
 
 
 def muon_group_keys() -> tuple[str, ...]:
-    """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (its defaults) except
-    ``params``, the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``)."""
-    skip = {"self", "params", *_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr", "adamw_eps"}
-    params = inspect.signature(Muon.__init__).parameters
+    """The hyperparameter keys a Muon group accepts: ``weightgeom.optim.Muon``'s keywords (``MUON_DEFAULTS``) except
+    the placement keys param_groups sets and the AdamW-path keys (``betas``, ``eps``, ``adamw_lr``, ``adamw_eps``)."""
+    skip = {*_PLACEMENT_KEYS, *_ADAMW_ONLY, "adamw_lr", "adamw_eps"}
     # plus the older dual_<field> spelling of ``dual``, passed on to Muon, which warns and takes it
-    return (*(k for k, p in params.items() if k not in skip and p.kind is not p.VAR_KEYWORD), *DUAL_GROUP_KEYS)
-
-
-def _did_you_mean(key: str, options: Iterable[str]) -> str:
-    m = difflib.get_close_matches(str(key), list(options), n=2, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
+    return (*(k for k in MUON_DEFAULTS if k not in skip), *DUAL_GROUP_KEYS)
 
 
 def _route(hparams: Mapping[str, Any], adamw_hparams: Mapping[str, Any] | None) -> tuple[dict, dict]:
@@ -125,7 +119,7 @@ def _route(hparams: Mapping[str, Any], adamw_hparams: Mapping[str, Any] | None) 
     for k, v in dict(adamw_hparams or {}).items():
         if k not in ADAMW_GROUP_KEYS:
             raise ValueError(f"param_groups: adamw_hparams key {k!r} is not read by AdamW groups (they read "
-                             f"{', '.join(ADAMW_GROUP_KEYS)}){_did_you_mean(k, ADAMW_GROUP_KEYS)}")
+                             f"{', '.join(ADAMW_GROUP_KEYS)}){suggest(k, ADAMW_GROUP_KEYS)}")
         adamw_hp[k], source[k] = v, f"adamw_hparams[{k!r}]"
     for k, v in hparams.items():
         if k in adamw_kw or k in _ADAMW_ONLY:
@@ -141,7 +135,7 @@ def _route(hparams: Mapping[str, Any], adamw_hparams: Mapping[str, Any] | None) 
         else:
             options = (*muon_keys, *adamw_kw, *_ADAMW_ONLY, *_OWN_KEYWORDS)
             raise ValueError(f"param_groups: unknown keyword {k!r} (not a Muon group key, not an AdamW one)"
-                             f"{_did_you_mean(k, options)}")
+                             f"{suggest(k, options)}")
     return muon_hp, adamw_hp
 
 
@@ -156,7 +150,7 @@ def _check_rule_keys(spec: Mapping[str, Any], where: str) -> None:
     for k in spec:
         if k not in allowed:
             raise ValueError(f"param_groups: rule {where}: key {k!r} is not read by {kind} groups"
-                             f"{_did_you_mean(k, allowed)}")
+                             f"{suggest(k, allowed)}")
 
 
 def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, str, str]]:
@@ -234,13 +228,10 @@ def param_groups(
         split_qkv: give fused QKV weights (``attn.c_attn.weight``) ``split=3`` so Q, K, V are separate matrices.
         verbose: print the assignment table (one line per parameter). Quiet by default: the table is logged at INFO
             on the ``weightgeom.optim.param_groups`` logger, and :func:`describe` gives it for any optimizer.
-        adamw_hparams: AdamW group keys (``lr``, ``weight_decay``, ``betas``, ``eps``), e.g. ``{"lr": 6e-4,
-            "weight_decay": 0.1}``; the same as the keywords ``adamw_lr=6e-4, adamw_weight_decay=0.1``. Weight
-            decay applies to ≥2-D tensors only (1-D: 0).
-        **hparams: routed by name (module docstring): ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas`` /
-            ``betas``, ``adamw_eps`` / ``eps`` → AdamW groups; every other key must be a Muon group key (``lr``
-            in spectral-norm units per step, ``weight_decay``, ``momentum``, ``dual``, ``init``, ...) and goes
-            to the Muon groups. E.g. ``param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3)``.
+        adamw_hparams: AdamW group keys, e.g. ``{"lr": 6e-4, "weight_decay": 0.1}``, the same as the keywords
+            ``adamw_lr=6e-4, adamw_weight_decay=0.1``. Weight decay applies to ≥2-D tensors only (1-D: 0).
+        **hparams: routed by name as the module docstring says (``lr`` is Muon's, in spectral-norm units per step),
+            e.g. ``param_groups(model, "hetero", lr=0.02, adamw_lr=3e-3)``.
 
     Returns:
         List of groups, each with ``params``, ``names``, ``algorithm``, ``manifold`` plus the hyperparameters (and
@@ -253,7 +244,7 @@ def param_groups(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"param_groups: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}"
-                         f"{_did_you_mean(strategy, STRATEGIES)}")
+                         f"{suggest(strategy, STRATEGIES)}")
     role_map = STRATEGIES[strategy]
     rule_list = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
     compiled = []
