@@ -26,6 +26,7 @@ import torch
 from weightgeom import manifolds
 from weightgeom.linalg import MSIGN_PRESETS
 from weightgeom.manifolds.base import tall
+from weightgeom.optim import muon_layout
 from weightgeom.optim.checks import (
     as_number,
     check_fits_param,
@@ -45,13 +46,6 @@ from weightgeom.optim.dual import (
 )
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS, NonFiniteGradientError, first_nonfinite
 from weightgeom.optim.manifold_muon import spectral_norm_estimate
-from weightgeom.optim.muon_layout import PARAM_LIKE_STATE
-from weightgeom.optim.muon_layout import foreign_key as _foreign_key
-from weightgeom.optim.muon_layout import matrices as _matrices
-from weightgeom.optim.muon_layout import retract as _retract
-from weightgeom.optim.muon_layout import retraction_distance as _retraction_distance
-from weightgeom.optim.muon_layout import state_shapes as _state_shapes
-from weightgeom.optim.muon_layout import structural as _structural
 
 __all__ = ["MUON_DEFAULTS", "ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES",
            "FAR_RETRACTION", "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit",
@@ -309,13 +303,13 @@ class StepChecks:
         its first step for a matrix not checked then (a meta-device parameter, deferred) or changed since ("step
         refused"). Reads the matrix on the host (DTensor shards are not checked: a rank holds only part of the
         matrix)."""
-        W = _matrices(p.detach(), group["layout"], group["split"])
+        W = muon_layout.matrices(p.detach(), group["layout"], group["split"])
         ratio = fresh_ratio(W)
         if ratio >= FRESH_STABLE_RANK:
             return
         manifold = self._manifold(group)
         V = tall(W)[0]
-        dist = _retraction_distance(V, _retract(manifold, V))
+        dist = muon_layout.retraction_distance(V, muon_layout.retract(manifold, V))
         if dist > FAR_RETRACTION:
             raise ValueError(
                 f"Muon: parameter {self._name(group, i, gi)!r} {tuple(p.shape)} does not look like a fresh "
@@ -326,12 +320,11 @@ class StepChecks:
 
     def check_groups(self) -> None:
         """Refuse, naming it, what every eager step refuses before it changes anything, short of a NaN/Inf (that is
-        ``on_nonfinite``'s): a hyperparameter value set in a group since it was added that the constructor refuses (a
-        scheduler's NaN lr, an ``eps`` of 0), and per parameter with a gradient an unsupported dtype, a sparse
-        gradient, or a gradient or state that no longer fits it (``_check_step_group``: ``p.data = p.data.double()``,
-        another shape). Metadata only: no host synchronisation. ``compile_step`` calls it on the host before each
-        compiled step, whose trace cannot check values it sees as symbols and fails on what it cannot trace (a sparse
-        gradient, a changed shape), so that the compiled step refuses with the eager step's line.
+        ``on_nonfinite``'s): ``_check_step_group`` for each group with gradients, and a value the constructor refuses
+        (a scheduler's NaN lr, an ``eps`` of 0) in the others. Metadata only: no host synchronisation.
+        ``compile_step`` calls it on the host before each compiled step, whose trace cannot check values it sees as
+        symbols and fails on what it cannot trace (a sparse gradient, a changed shape), so that the compiled step
+        refuses with the eager step's line.
 
         Raises:
             ValueError: one line naming the group, key or parameter; nothing was changed.
@@ -348,11 +341,11 @@ class StepChecks:
 
     def _check_step_group(self, gi: int, group: dict[str, Any], items: list[tuple[int, torch.Tensor]]) -> None:
         """Refuse, naming it, what would make this group's step raise after other groups had stepped: a value set in
-        the group since it was added that the constructor refuses (``_validate_values``, the manifold, the matrices'
+        the group since it was added that the constructor refuses (``validate_values``, the manifold, the matrices'
         shapes), and per parameter with a gradient an unsupported dtype, a sparse gradient, a gradient or state that
-        no longer fits it (``checks.check_fits_param``: ``p.data = ...`` or ``model.half()`` after a step) or state
-        its group does not keep (its ``algorithm`` or ``manifold`` changed after a step). Metadata only: no host
-        synchronisation.
+        no longer fits it (``checks.check_fits_param``: ``p.data = p.data.double()`` or ``model.half()`` after a
+        step) or state its group does not keep (its ``algorithm`` or ``manifold`` changed after a step). Metadata
+        only: no host synchronisation.
 
         Raises:
             ValueError: one line naming the group or parameter; nothing was changed.
@@ -373,14 +366,14 @@ class StepChecks:
             if p.grad.is_sparse:
                 raise ValueError(f"Muon: parameter {self._name(group, i, gi)!r} has a sparse gradient "
                                  "(unsupported); step refused, nothing was changed")
-            state, shapes = self.state.get(p, {}), _state_shapes(group, p)
-            check_fits_param("Muon", label, p, state, shapes, PARAM_LIKE_STATE)
-            extra = _foreign_key(state, shapes)
+            state, shapes = self.state.get(p, {}), muon_layout.state_shapes(group, p)
+            check_fits_param("Muon", label, p, state, shapes, muon_layout.PARAM_LIKE_STATE)
+            extra = muon_layout.foreign_key(state, shapes)
             if extra is not None:
-                raise ValueError(f"Muon: {label} holds optimizer state {extra!r}, which a group of "
-                                 f"algorithm={group['algorithm']!r}, manifold={_structural(group['manifold'])!r} does "
-                                 f"not keep: group {gi}'s algorithm or manifold was changed after a step; set it back, "
-                                 "or build the optimizer again; step refused, nothing was changed")
+                raise ValueError(f"Muon: {label} holds optimizer state {extra!r}, which a group of algorithm="
+                                 f"{group['algorithm']!r}, manifold={muon_layout.structural(group['manifold'])!r} "
+                                 f"does not keep: group {gi}'s algorithm or manifold was changed after a step; set it "
+                                 "back, or build the optimizer again; step refused, nothing was changed")
 
     @staticmethod
     def _manifold_items(work: list[tuple[int, dict[str, Any], list[tuple[int, torch.Tensor]]]]
