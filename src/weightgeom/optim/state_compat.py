@@ -9,9 +9,8 @@
   ``adamw_eps``) loads with its ``eps`` as ``adamw_eps`` and one ``DeprecationWarning``.
 - A run's own checkpoint whose groups moved between manifolds while it trained (``adopt_manifolds``, undone by
   ``restore_manifolds``; ``Muon.adopt_manifolds`` calls them).
-- ``torch.distributed.checkpoint``'s state initialisation (``dcp_init_step``): its zero-lr, zero-gradient step on a
-  fresh optimizer leaves every parameter bitwise as it was, manifold groups included (their retraction would move
-  them by rounding), so that training continues bit-identically after ``set_optimizer_state_dict``.
+- ``torch.distributed.checkpoint``'s state initialisation step leaves manifold groups bitwise as they were
+  (``dcp_init_step``), so that training continues bit-identically after ``set_optimizer_state_dict``.
 - Saving for torch (``to_torch_muon``): a Muon state dict of plain EMA groups in the form torch.optim.Muon loads.
   A Muon group that sets ``ns_coefficients`` saves in that form already (``state_dict()`` loads into torch as it is).
 
@@ -40,7 +39,7 @@ from weightgeom.optim.muon_checks import MUON_DEFAULTS, validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
 from weightgeom.optim.state_checks import is_zero_step
 
-__all__ = ["TORCH_MUON", "TORCH_GROUP_KEYS", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
+__all__ = ["TORCH_MUON", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
            "loadable_group", "check_state_dict", "restore_dual_dtype", "adopt_manifolds", "restore_manifolds",
            "to_torch_muon", "dcp_init_step"]
 
@@ -54,9 +53,8 @@ TORCH_MUON: dict[str, Any] = {
     "ns_steps": 5,
     "adjust_lr_fn": "original",
 }
-"""torch.optim.Muon's defaults (torch 2.9+; ``adjust_lr_fn=None`` there means ``"original"``) as Muon keywords."""
-TORCH_GROUP_KEYS = tuple(TORCH_MUON)
-"""The hyperparameter keys of a torch.optim.Muon param group."""
+"""torch.optim.Muon's defaults (torch 2.9+; ``adjust_lr_fn=None`` there means ``"original"``) as Muon keywords; its
+keys are the hyperparameter keys of a torch.optim.Muon param group."""
 ADAMW_EPS = MUON_DEFAULTS["adamw_eps"]
 """Muon's default AdamW-group ε (``adamw_eps``; torch.optim.AdamW's)."""
 _OLD_EPS = ("Muon: the param group key 'eps' of an algorithm='adamw' group is the old spelling of 'adamw_eps' (the "
@@ -250,7 +248,7 @@ def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:
                              f"{g.get('manifold')!r}, momentum_form={g.get('momentum_form')!r}; torch.optim.Muon "
                              "holds only plain Muon groups with EMA momentum (save those in an optimizer of their "
                              "own)")
-        out = {k: g.get(k, TORCH_MUON[k]) for k in TORCH_GROUP_KEYS}
+        out = {k: g.get(k, default) for k, default in TORCH_MUON.items()}
         if out["ns_coefficients"] is None:
             out["ns_coefficients"], out["ns_steps"] = TORCH_MUON["ns_coefficients"], TORCH_MUON["ns_steps"]
         out["ns_steps"] = out["ns_steps"] or TORCH_MUON["ns_steps"]
@@ -258,9 +256,8 @@ def to_torch_muon(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"to_torch_muon: group {gi} has adjust_lr_fn='none', which torch.optim.Muon does not "
                              "offer (it has 'original' and 'match_rms_adamw')")
         out["params"] = list(g["params"])
-        for key in ("param_names",):
-            if key in g:
-                out[key] = g[key]
+        if "param_names" in g:
+            out["param_names"] = g["param_names"]
         groups.append(out)
     state = {k: {"momentum_buffer": st["momentum_buffer"]} for k, st in state_dict["state"].items()
              if "momentum_buffer" in st}
