@@ -20,6 +20,7 @@ import torch
 
 from weightgeom.linalg import msign
 from weightgeom.optim.functional import decoupled_step, momentum_step, newton_schulz, shape_scale
+from weightgeom.optim.muon_layout import blocks, stored
 
 __all__ = ["Orthogonaliser", "muon_update"]
 
@@ -54,18 +55,6 @@ class Orthogonaliser:
                      cuda_graphs_max_mb=self.cuda_graphs_max_mb)
 
 
-def _blocks(T: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
-    """View of a stack (B, *stored) as its (out, in) matrices (B, out, in), or (B, k, out/k, in) blocks."""
-    X = T if layout == "out_in" else T.mT
-    return X.unflatten(1, (int(split), -1)) if split else X
-
-
-def _stored(X: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
-    """The inverse view of ``_blocks``."""
-    X = X.flatten(1, 2) if split else X
-    return X if layout == "out_in" else X.mT
-
-
 def muon_update(params: torch.Tensor, grads: torch.Tensor, bufs: torch.Tensor, *, lr: float, momentum: float,
                 nesterov: bool, momentum_form: str, weight_decay: float, adjust_lr_fn: str | None,
                 layout: str, split: int | None, orthogonalise: Orthogonaliser,
@@ -92,11 +81,10 @@ def muon_update(params: torch.Tensor, grads: torch.Tensor, bufs: torch.Tensor, *
         (new weights, new momentum buffers), each (B, *stored), new tensors.
     """
     new_m, U = momentum_step(bufs, grads, momentum, nesterov, momentum_form)
-    X = _blocks(U, layout, split)
+    X = blocks(U, layout, split)
     D = orthogonalise(X[0]).unsqueeze(0) if X.shape[0] == 1 else orthogonalise(X)  # B = 1: the 2-D path
-    W = _blocks(params, layout, split)
-    new = _stored(decoupled_step(W, D, lr, shape_scale(W.shape, adjust_lr_fn or "original"), weight_decay),
-                  layout, split)
+    W = blocks(params, layout, split)
+    new = stored(decoupled_step(W, D, lr, shape_scale(W.shape, adjust_lr_fn), weight_decay), layout, split)
     if ok is not None:
         new, new_m = torch.where(ok, new, params), torch.where(ok, new_m, bufs)
     return new, new_m

@@ -15,8 +15,8 @@ import torch
 from weightgeom import manifolds
 from weightgeom.optim.sharded import is_dtensor
 
-__all__ = ["STRUCTURAL_KEYS", "PARAM_LIKE_STATE", "DUAL_STATE", "param_name", "tall_batch", "from_tall", "dual_shape",
-           "step_counter", "structural", "state_shapes", "foreign_key", "dual_dtype",
+__all__ = ["STRUCTURAL_KEYS", "PARAM_LIKE_STATE", "DUAL_STATE", "param_name", "blocks", "stored", "tall_batch",
+           "from_tall", "dual_shape", "step_counter", "structural", "state_shapes", "foreign_key", "dual_dtype",
            "out_in", "matrices", "retraction_distance", "retract"]
 
 # Group keys that decide what a parameter's optimizer state means (which buffers exist, their shape and units): a state
@@ -35,22 +35,28 @@ def param_name(group: dict[str, Any], i: int, gi: int) -> str:
     return names[i] if names is not None else f"group{gi}.param{i}"
 
 
-def tall_batch(T: torch.Tensor, layout: str, split: int | None) -> tuple[torch.Tensor, bool]:
-    """(view of a stack (B, *stored) of weights as tall (B, [k,] m, n) matrices, whether the (out, in) blocks were
-    transposed to get there)."""
+def blocks(T: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
+    """View of a stack (B, *stored) of weights as its (out, in) matrices (B, out, in), or (B, k, out/k, in) blocks."""
     X = T if layout == "out_in" else T.mT
-    if split:
-        X = X.unflatten(1, (int(split), -1))
+    return X.unflatten(1, (int(split), -1)) if split else X
+
+
+def stored(X: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
+    """The inverse view of ``blocks``."""
+    X = X.flatten(1, 2) if split else X
+    return X if layout == "out_in" else X.mT
+
+
+def tall_batch(T: torch.Tensor, layout: str, split: int | None) -> tuple[torch.Tensor, bool]:
+    """(``blocks`` of a stack as tall (B, [k,] m, n) matrices, whether they were transposed to get there)."""
+    X = blocks(T, layout, split)
     flip = X.shape[-2] < X.shape[-1]
     return (X.mT if flip else X), flip
 
 
 def from_tall(X: torch.Tensor, layout: str, split: int | None, flip: bool) -> torch.Tensor:
     """The inverse view of ``tall_batch``: tall (B, [k,] m, n) matrices as the stored (B, *stored) weights."""
-    Y = X.mT if flip else X
-    if split:
-        Y = Y.flatten(1, 2)
-    return Y if layout == "out_in" else Y.mT
+    return stored(X.mT if flip else X, layout, split)
 
 
 def dual_shape(group: dict[str, Any], p: torch.Tensor) -> tuple[int, ...]:
