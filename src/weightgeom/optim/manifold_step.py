@@ -1,4 +1,4 @@
-"""A manifold-Muon parameter group's step, eager and host-free alike (docs/muon.md §6, "One compiled step").
+"""A manifold-Muon parameter group's step, eager and host-free alike (docs/muon.md §6).
 
 ``group_step`` sorts a group's matrices into buckets (same stored shape, dtype, device and state keys: a bucket is
 one stacked batch whose state is passed in and written back, so a trace serves exactly the parameters it was traced
@@ -35,7 +35,6 @@ from weightgeom.optim.muon_layout import (
     matrices,
     retract,
     retraction_distance,
-    step_counter,
     tall_batch,
 )
 
@@ -190,11 +189,7 @@ def bucket_step(opt: Any, group: dict[str, Any], manifold: Manifold, entries: En
                 st[key] = v.clone()  # its own storage: state must not hold views of the batch
         else:
             torch._foreach_copy_([st[key] for st in states], list(value.unbind(0)))
-    counters = [step_counter(st, p) for st, p in zip(states, ps)]
-    if ok is None:
-        torch._foreach_add_(counters, 1.0)
-    else:  # a list of 0-dim tensors: the Tensor-scalar overload reads its scalar on the host
-        torch._foreach_add_(counters, [ok.to(torch.float32)] * len(counters))
+    opt._count_steps(ps, ok)
     # per-matrix statistics (worst block of a split matrix); host-free: device tensors, read (a sync) only when needed
     worst: Any = [t.reshape(b, -1).amax(dim=1) for t in (out.residuals, out.iters, out.dual_residuals)]
     if not host_free:  # one host read for the bucket

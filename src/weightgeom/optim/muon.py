@@ -31,27 +31,19 @@ from weightgeom.optim.functional import (
     momentum_step,
 )
 from weightgeom.optim.manifold_muon import lanczos_start
-from weightgeom.optim.muon_checks import (  # noqa: F401  (re-exported)
+from weightgeom.optim.muon_checks import (
     ALGORITHMS,
-    FAR_RETRACTION,
-    FRESH_STABLE_RANK,
-    INIT_MODES,
     FarRetractionWarning,
     StepChecks,
     check_group_keys,
     expand_dual,
-    fresh_ratio,
-    looks_fresh,
     resolve_manifold,
     uses_msign_choice,
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.muon_checks import validate_values as _validate_values
 from weightgeom.optim.muon_core import Orthogonaliser, muon_update
-from weightgeom.optim.muon_layout import DUAL_STATE, PARAM_LIKE_STATE, STRUCTURAL_KEYS, param_name  # noqa: F401  (re-exported)
-from weightgeom.optim.muon_layout import dual_dtype as _dual_dtype
-from weightgeom.optim.muon_layout import out_in as _out_in
-from weightgeom.optim.muon_layout import step_counter as _step_counter
+from weightgeom.optim.muon_layout import dual_dtype, dual_shape, param_name, step_counter
 from weightgeom.optim.sharded import holds_dtensors, is_dtensor, step_on_owners
 
 __all__ = ["Muon", "ALGORITHMS", "ON_NONFINITE", "FarRetractionWarning"]
@@ -140,22 +132,15 @@ class Muon(StepChecks, torch.optim.Optimizer):
             anything changed). ``"retract"``: retracted onto the manifold at its
             first step and after every step, whatever it holds; a pretrained-looking matrix moved that far gets one
             warning per optimizer (``FarRetractionWarning``). ``"keep"`` (fine-tuning pretrained weights): the
-            matrix is never retracted.
-            The direction is the same dual ascent at the current W, whose constraint P(WᵀA + AᵀW) = 0 is the
-            tangent space of the level set {V : P(VᵀV) = P(W₀ᵀW₀)} through the starting point W₀ (the manifold
-            itself when W₀ is on it). So "keep" holds P(WᵀW) at its pretrained value to first order: each step
-            changes it by lr²·P(AᵀA) plus lr times the dual residual, and weight decay scales it by (1 − lr·wd)²;
-            nothing pulls it back. ``dual.project=True`` uses the manifold's closed-form projection, exact only on
-            the manifold. Details: docs/manifolds.md, "Fine-tuning a pretrained model".
+            matrix is never retracted; the same dual ascent at the current W then holds P(WᵀW) at its pretrained
+            value to first order only (docs/manifolds.md, "What init="keep" trains on"), and ``dual.project=True``
+            uses the manifold's closed-form projection, exact only on the manifold.
         on_nonfinite: what ``step`` does when a gradient holds NaN/Inf (optimizer-wide, not a group key).
-            ``"raise"`` (default): raise ``NonFiniteGradientError`` naming the parameter, nothing changed; the check
-            costs one fused reduction and one host sync per device. ``"skip"``: the check is one fused reduction
-            whose 0/1 result stays on the device, and the whole step becomes a no-op when it fails — parameters,
-            momentum buffers, AdamW moments and step counters bitwise unchanged (``torch.where``, so NaN never
-            leaks) — counted in ``skipped_steps``. Plain-Muon and AdamW groups then step with no host
-            synchronisation at all, and ``torch.compile(opt.step, fullgraph=True)`` traces without graph breaks.
-            When a manifold group has a gradient, the skip decision is read on the host (one sync; the dual
-            ascent syncs anyway, see ``step``).
+            ``"raise"`` (default): raise ``NonFiniteGradientError`` naming the parameter, nothing changed.
+            ``"skip"``: the check's 0/1 result stays on the device, and the whole step becomes a no-op when it
+            fails — parameters, momentum buffers, AdamW moments and step counters bitwise unchanged
+            (``torch.where``, so NaN never leaks) — counted in ``skipped_steps``. What each costs in host
+            synchronisation: ``step``.
 
     Attributes:
         msign_auto: {device: the per-device msign choice (``MsignChoice.as_dict()``: dtype, steps, source, measured
@@ -170,9 +155,12 @@ class Muon(StepChecks, torch.optim.Optimizer):
         skipped_steps: 0-dim int64 tensor on the parameters' device: the steps ``on_nonfinite="skip"`` skipped.
             Reading it (``int(opt.skipped_steps)``) is a host sync on a GPU: do it when you need the number. Not
             part of ``state_dict()``.
+        host_free: manifold groups' host-free step (``manifold_step``): None (default) inside a torch.compile trace
+            only, True also eagerly (the path a compiled step runs, e.g. to count its operations), False never.
         last_stats: after each ``step``, {param name: {"tangent_residual": float, "dual_iters": int,
             "dual_residual": float}} for every manifold-constrained parameter that had a gradient (tangent_residual
-            is that of the direction actually used; dual_residual the dual ascent's before any projection).
+            is that of the direction actually used; dual_residual the dual ascent's before any projection; 0-dim
+            device tensors on the host-free path).
 
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group, a parameter whose dtype is
@@ -241,11 +229,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"Muon(): on_nonfinite={on_nonfinite!r} is invalid: choose one of {list(ON_NONFINITE)}")
         self.on_nonfinite = on_nonfinite
-        # the numerics per device (``resolve_numerics``), resolved when a group is added, so the step only looks them
-        # up: no benchmark, lock or environment read inside a compiled step
         self.numerics: dict[str, Numerics] = {}
-        # manifold groups' host-free step (``manifold_step``): None = inside a torch.compile trace only, True =
-        # also eagerly (the path a compiled step runs, e.g. to count its operations), False = never
         self.host_free: bool | None = None
         _validate_values(defaults, where="Muon()")
         super().__init__(params, defaults)
@@ -283,7 +267,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
             raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
         state_compat.rename_old_adamw_eps(param_group, param_group.get("algorithm", self.defaults["algorithm"]),
                                           self.defaults)
-        if param_group.get("ns_coefficients") is not None and isinstance(param_group["ns_coefficients"], list):
+        if isinstance(param_group.get("ns_coefficients"), list):
             param_group["ns_coefficients"] = tuple(param_group["ns_coefficients"])
         expand_dual(param_group, len(self.param_groups), self.defaults)
         check_group_keys(param_group, self.defaults)
@@ -323,8 +307,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
             self._manifold(group)  # resolve now so an unknown name fails at construction
             for p in group["params"]:
                 if p.ndim == 2:  # the norm estimate's start vector, made here: a compiled step cannot run a Generator
-                    k, (rows, cols) = group["split"], _out_in(p.shape, group["layout"])
-                    lanczos_start(min(rows // int(k) if k else rows, cols), _dual_dtype(p), p.device)
+                    lanczos_start(dual_shape(group, p)[-1], dual_dtype(p), p.device)
         if group["algorithm"] == "muon":
             for p in group["params"]:  # the constraint products' choice may measure, or reject the env var
                 self._numerics_for(p.device, products=group["manifold"] is not None and p.dtype != torch.float64)
@@ -356,10 +339,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         environment; anything else ``"ieee"``."""
         if X.dtype != torch.float32 or X.device.type != "cpu":
             return "ieee"
-        return self._products_device(X.device)
-
-    def _products_device(self, device: torch.device) -> str:
-        return self._numerics_for(device, products=True).products
+        return self._numerics_for(X.device, products=True).products
 
     _name = staticmethod(param_name)
 
@@ -432,13 +412,12 @@ class Muon(StepChecks, torch.optim.Optimizer):
         All or nothing: every gradient of every group is checked before any parameter or state changes
         (``on_nonfinite``: raise, or skip the whole step on the device).
 
-        Host synchronisation: with ``on_nonfinite="skip"``, plain-Muon and AdamW groups step without any (no
-        ``.item()``, no tensor-to-bool, step counters and AdamW bias corrections kept as device tensors), so a GPU
-        step is queued without waiting and ``torch.compile(opt.step, fullgraph=True)`` traces it whole; with
-        ``"raise"`` the check costs one sync per device. Manifold groups sync: the first step's retraction distance
-        (``init="retract"``), the dual ascent's early stop and step halving (its residual, read every iteration) and
-        ``last_stats`` are host numbers, and with ``"skip"`` the skip decision is read once when such a group has
-        a gradient.
+        Host synchronisation (docs/muon.md §6): the finite check is one fused reduction; with ``"raise"`` it costs one
+        sync per device. With ``"skip"``, plain-Muon and AdamW groups step without any (step counters and AdamW bias
+        corrections kept as device tensors), so a GPU step is queued without waiting and ``torch.compile(opt.step,
+        fullgraph=True)`` traces it whole. Manifold groups read host numbers eagerly (the first retraction's
+        distance, the dual ascent's early stop, ``last_stats``; with ``"skip"`` the flag, once) and none on the
+        host-free path (``host_free``).
 
         DTensor parameters (FSDP2 ``fully_shard``; every rank calls ``step``): each Muon matrix is gathered whole onto
         one owner rank, stepped there by this same code and scattered back; AdamW groups are stepped on each rank's
@@ -471,9 +450,9 @@ class Muon(StepChecks, torch.optim.Optimizer):
     def check_step(self) -> None:
         """Raise what ``step`` would refuse other than a NaN/Inf gradient — a sparse gradient, a parameter of an
         unsupported dtype, a gradient or state that no longer fits its parameter, a manifold-constrained matrix
-        holding NaN/Inf — changing nothing. A wrapper that changes
-        its own state before calling ``step`` (``MagnitudeDirection``, which checks the gradients itself) calls it
-        first, so that the whole step stays all or nothing.
+        holding NaN/Inf — changing nothing. A wrapper that changes its own state before calling ``step``
+        (``MagnitudeDirection``, which checks the gradients itself) calls it first, so that the whole step stays all
+        or nothing.
 
         Raises:
             ValueError: naming the parameter.
@@ -526,11 +505,13 @@ class Muon(StepChecks, torch.optim.Optimizer):
                     self._adamw_step(group, p, ok)
             elif group["manifold"] is None:
                 self._muon_group_batched(group, [p for _, p in items], ok)
-            elif self._host_free():  # inside a trace: full precision is set around it (``compile_step``)
-                self._manifold_group_host_free(group, [(self._name(group, i, gi), p) for i, p in items], ok)
-            else:
-                with full_precision():  # the constraint arithmetic in IEEE float32 whatever the process's mode
-                    self._manifold_group(group, [(self._name(group, i, gi), p) for i, p in items])
+            else:  # host-free (``manifold_step``; ``ok`` masks every write) where the manifold, as configured, has a
+                # host-free retraction; inside a trace full precision is set around it (``compile_step``)
+                entries = [(self._name(group, i, gi), p) for i, p in items]
+                if self._host_free() and manifold_step.host_free_supported(self._manifold(group)):
+                    manifold_step.group_step(self, group, entries, ok, host_free=True)
+                else:
+                    self._manifold_group(group, entries)
         self._warn_far_retraction()
         if deferred:  # last: the graph break it makes resumes into nothing, so it guards on nothing
             self._refuse_masked(work, ok)
@@ -605,7 +586,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
         if not state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step = _step_counter(state, p)
+        step = step_counter(state, p)
         step.add_(1 if ok is None else ok)
         adamw_update(
             p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, float(group["lr"]),
@@ -642,7 +623,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
 
     def _count_steps(self, ps: list[torch.Tensor], ok: torch.Tensor | None) -> None:
         """Advance the parameters' step counters by one (by ``ok`` under ``on_nonfinite="skip"``), one foreach op."""
-        counters = [_step_counter(self.state[p], p) for p in ps]
+        counters = [step_counter(self.state[p], p) for p in ps]
         if ok is None:
             torch._foreach_add_(counters, 1.0)
         else:  # a list of 0-dim tensors: the Tensor-scalar overload reads its scalar on the host
@@ -659,13 +640,10 @@ class Muon(StepChecks, torch.optim.Optimizer):
         torch._foreach_copy_(bufs, list((new if ok is None else torch.where(ok, new, M)).unbind(0)))
         return U
 
-    def _momentum(self, group: dict[str, Any], p: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
+    def _momentum(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         """Update p's momentum buffer (created at the first step) with its gradient; return the direction input U."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return momentum_direction(state["momentum_buffer"], p.grad, group["momentum"], group["nesterov"],
-                                  group["momentum_form"], ok=ok)
+        return momentum_direction(self._momentum_buffers([p])[0], p.grad, group["momentum"], group["nesterov"],
+                                  group["momentum_form"])
 
     # Never traced by torch.compile: a compiled `opt.step` runs an eager manifold step eagerly (one graph break). Its
     # buckets are lists built during the step, and dynamo guarded a traced bucket on its tensors' shapes, not on which
@@ -675,20 +653,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
     # trace takes the host-free step (``_manifold_group_host_free``), whose buckets are keyed by what they hold.
     @torch.compiler.disable
     def _manifold_group(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
-        """A manifold group's eager step (``manifold_step.group_step``)."""
-        manifold_step.group_step(self, group, entries)
-
-    @torch.compiler.disable
-    def _manifold_group_eager(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
-        """``_manifold_group`` at full precision, never traced (a manifold without a host-free retraction)."""
+        """A manifold group's eager step (``manifold_step.group_step``), the constraint arithmetic in IEEE float32
+        whatever the process's matmul precision."""
         with full_precision():
             manifold_step.group_step(self, group, entries)
-
-    def _manifold_group_host_free(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
-                                  ok: torch.Tensor | None) -> None:
-        """A manifold group's step without host reads (``manifold_step.group_step(host_free=True)``); ``ok``
-        (``on_nonfinite="skip"``) masks every write. A manifold without a host-free retraction steps eagerly."""
-        if not manifold_step.host_free_supported(self._manifold(group)):
-            self._manifold_group_eager(group, entries)
-            return
-        manifold_step.group_step(self, group, entries, ok, host_free=True)
