@@ -11,12 +11,9 @@ Names (case-insensitive; ``_``, ``+`` and a missing dash are accepted, e.g. ``"M
   inside MD (docs/md.md, "Manifold groups").
 
 Every setting is a field of :class:`weightgeom.optim.config.OptimConfig` (``[optim]`` in a config file), whose
-defaults are the one set of defaults for Python, files and the CLI. The keyword arguments are shorthands onto that
-config: ``lr`` is the step size of the optimizer the name runs (Muon's for Muon names, AdamW's for AdamW names
-unless ``adamw_lr`` is given); ``adamw_lr``, ``adamw_weight_decay``, ``betas`` and ``eps`` set AdamW's; ``weight_decay``
-is Muon's decoupled decay for Muon names and AdamW's for AdamW names (unless ``adamw_weight_decay`` is given); any other
-keyword is a :class:`~weightgeom.optim.config.MuonConfig` field (ignored by the AdamW names, so one call can drive every
-name) or ``split_qkv`` / ``rules``.
+defaults are the one set of defaults for Python, files and the CLI; :func:`build_optimizer`'s keyword arguments are
+shorthands onto that config (its Args say which field each sets; the :class:`~weightgeom.optim.config.MuonConfig`
+fields are ignored by the AdamW names, so one call can drive every name).
 """
 
 from __future__ import annotations
