@@ -7,7 +7,8 @@ dual ascent"). Its nine settings travel together: ``Muon(params, dual=DualAscent
 
 - ``"default"``: one warm-started dual step, projected onto the tangent space (``DualAscent()``).
 - ``"published"``: the published dual ascent of the manifold-assignment paper (K. Yoshihara, arXiv:2606.13276): 20
-  cold-started steps of α = 0.1 decaying linearly, no normalisation or projection, stop below 1e-6, the last iterate.
+  cold-started steps of α = 0.1·(1 − k/20), no normalisation or projection, early stop below 1e-6, the last iterate;
+  what ``optim.preset = "paper"`` uses.
 
 Inside ``Muon`` a group keeps the value flattened as ``dual_<field>`` keys (``group_keys``: ``dual_steps``,
 ``dual_lr``, …), so ``state_dict()``'s param groups and older checkpoints keep their layout. Those keys, written by
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -80,7 +80,8 @@ class DualAscent(Section):
             why = dual_problem(f.name, value)
             if why:
                 raise ConfigError(f"DualAscent: {f.name}={value!r} is invalid: {why}")
-            object.__setattr__(self, f.name, _normalised(f.name, value))
+            if f.name in ("steps", "ns_steps", "lr", "tol") and value is not None:  # a plain int / float
+                object.__setattr__(self, f.name, as_number(value, integer=f.name in ("steps", "ns_steps")))
 
     @classmethod
     def preset(cls, name: str) -> DualAscent:
@@ -138,23 +139,12 @@ def dual_problem(field: str, value: Any) -> str:
     raise KeyError(field)
 
 
-def _normalised(field: str, value: Any) -> Any:
-    """A valid field value as a plain Python scalar (a numpy or 0-dim tensor integer → int, a number → float)."""
-    if field in ("steps", "ns_steps") and value is not None:
-        return operator.index(value)
-    if field in ("lr", "tol"):
-        return float(value)
-    return value
-
-
 DUAL_PRESETS: dict[str, DualAscent] = {
     "default": DualAscent(),
     "published": DualAscent(steps=20, lr=0.1, tol=1e-6, schedule="linear", ns_steps=None, project=False,
                             normalize=False, warm_start=False, keep="last"),
 }
-"""Named values: ``"default"`` (``DualAscent()``) and ``"published"`` (the manifold-assignment paper's published dual
-ascent, K. Yoshihara, arXiv:2606.13276: 20 cold-started steps of α = 0.1·(1 − k/20), no normalisation or projection,
-early stop below 1e-6, the last iterate; what ``optim.preset = "paper"`` uses)."""
+"""The named values ``"default"`` and ``"published"`` (module docstring)."""
 
 
 def resolve_dual(value: DualAscent | str | Mapping[str, Any] | None, base: DualAscent | None = None) -> DualAscent:
