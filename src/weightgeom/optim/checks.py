@@ -382,15 +382,6 @@ def _numbers_in(default: Any) -> int | None:
     return None
 
 
-def _fits_default(value: Any, n: int | None) -> bool:
-    """Whether ``value`` is what ``_numbers_in`` says its default holds (a number, or a sequence of n numbers)."""
-    if n is None:
-        return True
-    if n == 0:
-        return _real(value)
-    return isinstance(value, (tuple, list)) and len(value) == n and all(_real(v) for v in value)
-
-
 def check_group_kinds(who: str, opt: torch.optim.Optimizer, gi: int, group: Mapping[str, Any], when: str) -> None:
     """Refuse a param group of one of torch's optimizers whose numeric hyperparameter is not of its default's kind (a
     number that is not NaN, or a tuple of as many: ``lr="fast"``, ``betas=(0.9,)``, ``eps=None``) — torch checks
@@ -411,7 +402,8 @@ def check_group_kinds(who: str, opt: torch.optim.Optimizer, gi: int, group: Mapp
             continue
         default = opt.defaults[key]
         n = _numbers_in(default)
-        if not _fits_default(value, n):
+        if not (n is None or (_real(value) if n == 0 else isinstance(value, (tuple, list)) and len(value) == n
+                              and all(_real(v) for v in value))):
             kind = "a number" if n == 0 else f"{n} numbers"
             raise ValueError(f"{who}: group {gi} of {type(opt).__name__} has {key}={value!r}, which must be {kind} "
                              f"(its default is {default!r}); {when}")

@@ -48,7 +48,7 @@ from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS, NonFinite
 from weightgeom.optim.manifold_muon import spectral_norm_estimate
 
 __all__ = ["MUON_DEFAULTS", "ALGORITHMS", "INIT_MODES", "MSIGN_METHODS", "LOOSE_MSIGN", "MSIGN_DTYPES",
-           "FAR_RETRACTION", "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh", "in_unit",
+           "FAR_RETRACTION", "FRESH_STABLE_RANK", "FarRetractionWarning", "fresh_ratio", "looks_fresh",
            "validate_values", "check_group_keys", "expand_dual", "resolve_manifold", "uses_msign_choice", "StepChecks"]
 
 MUON_DEFAULTS: dict[str, Any] = {
@@ -123,11 +123,6 @@ def looks_fresh(W: torch.Tensor) -> bool:
 MSIGN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def in_unit(x: Any) -> bool:
-    """Whether x is a number in [0, 1) (not a bool or a string)."""
-    return (v := as_number(x)) is not None and 0.0 <= v < 1.0
-
-
 def validate_values(group: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the key for an out-of-range or unknown hyperparameter value."""
 
@@ -163,7 +158,8 @@ def validate_values(group: dict[str, Any], where: str) -> None:
         raise bad("nesterov", "must be True or False")
     if "betas" in group:
         b = group["betas"]
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(in_unit(x) for x in b)):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2
+                and all((x := as_number(v)) is not None and 0.0 <= x < 1.0 for v in b)):
             raise bad("betas", "must be two numbers in [0, 1)")
     on_manifold = group.get("manifold") is not None and group.get("algorithm", "muon") == "muon"
     if group.get("ns_coefficients") is not None:
