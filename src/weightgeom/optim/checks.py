@@ -12,8 +12,9 @@ changes.
   constructor.
 - State dicts (``load_state_dict``): torch's layout (``check_torch_layout``: ``{"state", "param_groups"}``, as many
   groups and parameters per group as this optimizer, state only for listed parameters), and per-parameter state
-  entries of the shape and kind this optimizer would create (``check_param_state``); ``describe_state_dict`` says
-  what a refused dict looks like instead (another optimizer's, MD's).
+  entries of the shape and kind this optimizer would create (``check_param_state``; over a whole dict with the
+  finiteness check, ``check_saved_state``); ``describe_state_dict`` says what a refused dict looks like instead
+  (another optimizer's, MD's).
 """
 
 from __future__ import annotations
@@ -332,7 +333,11 @@ def check_saved_state(who: str, groups: Sequence[Mapping[str, Any]], sd: Mapping
     """Refuse the per-parameter state of ``sd`` (its ids mapped to (group, position) by ``check_torch_layout``)
     unless each parameter's entries are what ``expect(gi, i, p)`` → (label, expected) says (``check_param_state``)
     and every floating state tensor is finite (``state_checks.check_state_finite``: one fused reduction, one host
-    read): a NaN momentum, moment or dual state, loaded, would freeze its parameter silently."""
+    read): a NaN momentum, moment or dual state, loaded, would freeze its parameter silently.
+
+    Raises:
+        ValueError: one line naming the parameter and the state entry; nothing loaded.
+    """
     entries = []
     for k, st in sd["state"].items():
         gi, i = ids[k]
