@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightgeom import kernels
-from weightgeom.optim.md_functional import gain_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
@@ -119,47 +118,6 @@ def gain_adam_state(state: dict, theta: torch.Tensor) -> dict:
     return gst
 
 
-def _step(base: torch.optim.Optimizer, group: dict, p: torch.Tensor, G: torch.Tensor, md_state: dict,
-         gain_state: dict, gain_group: dict, parameterization: str, sphere: str) -> None:
-    """The whole MD step of one matrix on the fused path (module docstring): Ŵ, its base Adam state, the gains and
-    their Adam state, and the model's W, all updated in place; both step counters advanced.
-
-    Args:
-        base, group: the base optimizer and p's group in it (its ``lr``, ``betas``, ``eps``, ``weight_decay``).
-        p: the model's W; G: its gradient.
-        md_state: the wrapper's ``state[p]`` (``direction``, ``radius``, ``gain_row``/``gain_col``).
-        gain_state: the wrapper's ``state`` (per gain θ: its Adam moments); gain_group: the gains' param group.
-        parameterization, sphere: the wrapper's options.
-    """
-    st = adam_state(base, group, p)
-    st["step"] += 1
-    t = _f(st["step"])
-    lr, eps, wd = _f(group["lr"]), _f(group["eps"]), _f(group.get("weight_decay", 0.0))
-    b1, b2 = (_f(b) for b in group["betas"])
-    decoupled = isinstance(base, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
-    gains = []
-    for key in ("gain_row", "gain_col"):
-        theta = md_state.get(key)
-        if theta is None:
-            gains.append(None)
-            continue
-        gst = gain_adam_state(gain_state, theta)
-        gst["step"] += 1
-        if theta.grad is None or theta.grad.shape != theta.shape or not theta.grad.is_contiguous():
-            theta.grad = torch.empty_like(theta)  # ∂L/∂θ, written by the kernel (as the eager path leaves it)
-        gains.append((theta, gst["exp_avg"], gst["exp_avg_sq"], _f(gst["step"]), theta.grad))
-    gb1, gb2 = (_f(b) for b in gain_group["betas"])
-    kernels.md_adam_step(
-        G, md_state["direction"], p.detach(), st["exp_avg"], st["exp_avg_sq"], beta1=b1, beta2=b2,
-        step_size=lr / (1 - b1**t), bc2_sqrt=(1 - b2**t) ** 0.5, eps=eps,
-        decay=1 - lr * wd if decoupled else 1.0, l2=0.0 if decoupled else wd,
-        gain_row=gains[0], gain_col=gains[1], parameterization=parameterization, gain_lr=_f(gain_group["lr"]),
-        gain_betas=(gb1, gb2), gain_eps=_f(gain_group["eps"]), sphere=sphere, radius=md_state["radius"])
-    # the C code wrote W through its pointer: bump its version as an in-place torch op would, so that autograd still
-    # refuses a backward through a graph that saved the old W
-    torch.autograd.graph.increment_version(p)
-
-
 def vector(gain: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor | None:
     """A gain γ as a contiguous vector of k entries in ``dtype`` (a scalar gain repeated), as the kernels take it."""
     if gain is None:
@@ -182,17 +140,49 @@ def kernel_passes(md: MagnitudeDirection, p: torch.Tensor, G: torch.Tensor) -> b
                for t in ts) and D.dtype in (torch.float32, torch.float64) and D.ndim == 2 and D.numel() > 0
 
 
-def _gains_of(md: MagnitudeDirection, st: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(γ_r, γ_c) of one matrix's state, as vectors; None where absent."""
-    return tuple(None if st.get(k) is None else gain_value(st[k], md.parameterization)
-                 for k in ("gain_row", "gain_col"))  # type: ignore[return-value]
-
-
 def adam_pass(md: MagnitudeDirection, b: Bucket) -> None:
-    """C backend of the whole step over torch's Adam/AdamW: per matrix two C passes (``md_adam_step``) update Ŵ and
-    its base Adam state, the gains and their Adam state, and W."""
-    for p, G, st in zip(b.ps, b.grads, b.states):
-        _step(md.base_optimizer, b.group, p, G, st, md.state, md._gain_groups[0], md.parameterization, md.sphere)
+    """C backend of the whole step over torch's Adam/AdamW (module docstring): per matrix two C passes
+    (``md_adam_step``) update, in place, Ŵ and its base Adam state (``adam_state``; the group's ``lr``, ``betas``,
+    ``eps``, ``weight_decay``), the gains θ and their Adam state (``gain_adam_state``; the gains group's
+    hyperparameters; θ.grad left as ∂L/∂θ) and the model's W; both step counters advanced."""
+    base, group, gain_group = md.base_optimizer, b.group, md._gain_groups[0]
+    lr, eps, wd = _f(group["lr"]), _f(group["eps"]), _f(group.get("weight_decay", 0.0))
+    b1, b2 = (_f(x) for x in group["betas"])
+    gb1, gb2 = (_f(x) for x in gain_group["betas"])
+    decoupled = isinstance(base, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+    for p, G, md_state in zip(b.ps, b.grads, b.states):
+        st = adam_state(base, group, p)
+        st["step"] += 1
+        t = _f(st["step"])
+        gains = []
+        for key in ("gain_row", "gain_col"):
+            theta = md_state.get(key)
+            if theta is None:
+                gains.append(None)
+                continue
+            gst = gain_adam_state(md.state, theta)
+            gst["step"] += 1
+            if theta.grad is None or theta.grad.shape != theta.shape or not theta.grad.is_contiguous():
+                theta.grad = torch.empty_like(theta)  # ∂L/∂θ, written by the kernel (as the eager path leaves it)
+            gains.append((theta, gst["exp_avg"], gst["exp_avg_sq"], _f(gst["step"]), theta.grad))
+        kernels.md_adam_step(
+            G, md_state["direction"], p.detach(), st["exp_avg"], st["exp_avg_sq"], beta1=b1, beta2=b2,
+            step_size=lr / (1 - b1**t), bc2_sqrt=(1 - b2**t) ** 0.5, eps=eps,
+            decay=1 - lr * wd if decoupled else 1.0, l2=0.0 if decoupled else wd,
+            gain_row=gains[0], gain_col=gains[1], parameterization=md.parameterization, gain_lr=_f(gain_group["lr"]),
+            gain_betas=(gb1, gb2), gain_eps=_f(gain_group["eps"]), sphere=md.sphere, radius=md_state["radius"])
+        # the C code wrote W through its pointer: bump its version as an in-place torch op would, so that autograd
+        # still refuses a backward through a graph that saved the old W
+        torch.autograd.graph.increment_version(p)
+
+
+def kept_buffer(md: MagnitudeDirection, p: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """p's kept Ĝ buffer (``md._buffers``, shared by both backends): row-major whatever G's layout (a later step's G
+    may differ), shaped like G, made at first use and again when G's shape, dtype or device changes."""
+    buf = md._buffers.get(p)
+    if buf is None or buf.shape != G.shape or buf.dtype != G.dtype or buf.device != G.device:
+        buf = md._buffers[p] = torch.empty(G.shape, dtype=G.dtype, device=G.device)
+    return buf
 
 
 def split_pass(md: MagnitudeDirection, b: Bucket) -> dict[str, list[torch.Tensor]]:
@@ -203,12 +193,10 @@ def split_pass(md: MagnitudeDirection, b: Bucket) -> dict[str, list[torch.Tensor
     b.target, b.Gd = [], []
     for p, G, st in zip(b.ps, b.grads, b.states):
         D = st["direction"]
-        gr, gc = _gains_of(md, st)
+        gr, gc = md.gain_values(p)
         Gd = G
         if gr is not None or gc is not None:
-            buf = md._buffers.get(p)
-            if buf is None:  # row-major whatever G's layout: a later step's G may differ
-                buf = md._buffers[p] = torch.empty_like(G, memory_format=torch.contiguous_format)
+            buf = kept_buffer(md, p, G)
             m, n = D.shape
             s_r, s_c = kernels.md_split(G, D, vector(gr, m, D.dtype), vector(gc, n, D.dtype), buf,
                                         gr is not None, gc is not None)
@@ -231,6 +219,6 @@ def finish_pass(md: MagnitudeDirection, b: Bucket) -> None:
         if new.data_ptr() != D.data_ptr():
             D.copy_(new)
         m, n = D.shape
-        gr, gc = _gains_of(md, st)
+        gr, gc = md.gain_values(p)
         kernels.md_finish(D, p.detach(), md.sphere, st["radius"], vector(gr, m, D.dtype), vector(gc, n, D.dtype))
         torch.autograd.graph.increment_version(p)  # written through a pointer: as an in-place op would
