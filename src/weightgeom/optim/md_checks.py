@@ -5,6 +5,7 @@ line naming the parameter (docs/md.md, "Bad input").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
 __all__ = ["RESYNC_ULPS", "SPARSE_BASES", "resync", "check_groups", "check_gradients", "check_metadata",
-           "check_fits", "with_gradients", "cpu_scan", "param_label", "rederive"]
+           "check_fits", "refuse_nonfinite", "with_gradients", "cpu_scan", "param_label", "rederive"]
 
 
 # W counts as still γ_r Ŵ γ_c (no re-derivation of Ŵ) when every entry agrees to this many units in the last place:
@@ -74,7 +75,14 @@ def check_gradients(md: MagnitudeDirection) -> None:
     ``first_nonfinite``)."""
     params = [q for g in md.base_optimizer.param_groups for q in g["params"] if q.grad is not None]
     check_metadata(md, params)
-    bad = first_nonfinite([q.grad for q in params], cpu_scan=cpu_scan(md))
+    refuse_nonfinite(md, params, cpu_scan(md))
+
+
+def refuse_nonfinite(md: MagnitudeDirection, params: list[torch.Tensor],
+                     scan: Callable[[torch.Tensor], bool] | None = None) -> None:
+    """Raise ``NonFiniteGradientError`` naming the first of ``params`` whose gradient holds NaN/Inf
+    (``first_nonfinite``, with the C ``scan`` where given; one host sync)."""
+    bad = first_nonfinite([q.grad for q in params], cpu_scan=scan)
     if bad is not None:
         q = params[bad]
         raise NonFiniteGradientError.refused("MagnitudeDirection", param_label(md, q), tuple(q.shape))
@@ -133,9 +141,7 @@ def with_gradients(md: MagnitudeDirection) -> list[tuple[torch.Tensor, dict]]:
 def cpu_scan(md: MagnitudeDirection):
     """The C finiteness scan where this optimizer uses its kernels anyway (``fused`` not False: the fused Adam
     step or the C passes around any other base) and they load; None otherwise (a torch norm is used)."""
-    if not md.kernels:
-        return None
-    return kernels.any_nonfinite
+    return kernels.any_nonfinite if md.kernels else None
 
 
 def param_label(md: MagnitudeDirection, q: torch.Tensor) -> str:
