@@ -87,11 +87,9 @@ def gain_value(theta: torch.Tensor, parameterization: str = "softplus") -> torch
         return F.softplus(theta).clamp(GAIN_MIN, GAIN_MAX)
     if parameterization == "exp":
         return torch.exp(theta).clamp(GAIN_MIN, GAIN_MAX)
-    if parameterization == "direct":
-        magnitude = theta.abs().clamp(GAIN_MIN, GAIN_MAX)
-        return torch.where(theta < 0, -magnitude, magnitude)
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)  # "direct" from here
+    magnitude = theta.abs().clamp(GAIN_MIN, GAIN_MAX)
+    return torch.where(theta < 0, -magnitude, magnitude)
 
 
 def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: str = "softplus") -> torch.Tensor:
@@ -100,10 +98,8 @@ def gain_chain(theta: torch.Tensor, grad_gamma: torch.Tensor, parameterization: 
         return grad_gamma * torch.sigmoid(theta)
     if parameterization == "exp":
         return grad_gamma * torch.exp(theta)
-    if parameterization == "direct":
-        return grad_gamma.clone()
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)  # "direct" from here
+    return grad_gamma.clone()
 
 
 def split(G: torch.Tensor, D: torch.Tensor, gr: torch.Tensor | None, gc: torch.Tensor | None, log: bool,
@@ -207,10 +203,8 @@ def gain_chain_log(theta: torch.Tensor, s: torch.Tensor, parameterization: str =
         ratio = torch.where(sp > 0, torch.sigmoid(theta) / sp.clamp_min(torch.finfo(sp.dtype).tiny),
                             torch.ones_like(sp))
         return s * ratio
-    if parameterization == "direct":
-        return s / theta
-    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)
-    raise AssertionError("unreachable")
+    _check_choice("parameterization", parameterization, PARAMETERIZATIONS)  # "direct" from here
+    return s / theta
 
 
 def sphere_norm(D: torch.Tensor, sphere: str = "frobenius") -> torch.Tensor:
