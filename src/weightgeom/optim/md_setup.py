@@ -20,15 +20,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["manifold_kind", "param_names", "select", "override_weight_decay", "scale_divisor"]
 
 
-# How a base group's manifold interacts with the sphere: "free" (no manifold, or a constraint invariant under
-# scaling, e.g. DGram: off-diagonal Gram = 0) → project Ŵ on the sphere directly; "fixed" (Stiefel, Oblique: the
-# manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)). Decided from the
-# manifold's target Gram P(I) (_kind_uncached), so a registered manifold needs no entry here.
-
-
 def manifold_kind(manifold: Any, k: int) -> str:
-    """How a base group's manifold meets MD's sphere for a k-wide block: "free" or "fixed" (comment above); cached
-    per (name, k)."""
+    """How a base group's manifold meets MD's sphere for a k-wide block: "free" (no manifold, or a constraint invariant
+    under scaling, e.g. DGram: off-diagonal Gram = 0) → Ŵ is projected on the sphere directly; "fixed" (Stiefel,
+    Oblique: the manifold fixes ‖Ŵ‖_F = sqrt(min(m, n))) → the base steps Q = Ŵ/s with s = radius/sqrt(min(m, n)).
+    Decided from the manifold's target Gram P(I) (``_kind_uncached``), so a registered manifold needs no entry here;
+    cached per (name, k) in a dict, which a trace reads (dynamo traces through ``functools.lru_cache``: P(I)'s host
+    read would break a ``fullgraph`` trace)."""
     if not (manifold is None or isinstance(manifold, str)):
         return _kind_uncached(manifold, k)
     key = (manifold, k)
