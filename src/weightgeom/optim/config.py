@@ -30,7 +30,7 @@ from weightgeom.optim.dual import DUAL_FIELDS, DUAL_PRESETS, GROUP_KEYS, DualAsc
 from weightgeom.optim.functional import ADJUST_LR_FNS, MOMENTUM_FORMS
 from weightgeom.optim.md_functional import EMBEDDINGS, GAINS, PARAMETERIZATIONS, SPHERES
 from weightgeom.optim.muon import ON_NONFINITE
-from weightgeom.optim.muon_checks import INIT_MODES, MSIGN_METHODS
+from weightgeom.optim.muon_checks import INIT_MODES, LOOSE_MSIGN, MSIGN_METHODS
 from weightgeom.optim.muon_checks import MUON_DEFAULTS as _D
 from weightgeom.optim.param_groups import STRATEGIES
 from weightgeom.schema import (
@@ -390,10 +390,11 @@ class OptimConfig(Section):
         if self.name.startswith("adamw") and self.strategy != "unconstrained":
             raise ConfigError(f"config key optim.strategy={self.strategy!r}: needs a Muon name (manifold groups are "
                               f"Muon groups); optim.name={self.name!r} supports only 'unconstrained'")
-        if self.strategy not in ("unconstrained", "adamw") and self.muon.msign_method == "muon":
-            raise ConfigError(f"config key optim.muon.msign_method='muon': strategy {self.strategy!r} has manifold "
-                              f"groups, which need a direction inside the unit spectral ball, but the Muon quintic "
-                              f"leaves singular values up to ≈1.13; use 'polar_express'")
+        if self.strategy not in ("unconstrained", "adamw") and self.muon.msign_method in LOOSE_MSIGN:
+            raise ConfigError(f"config key optim.muon.msign_method={self.muon.msign_method!r}: strategy "
+                              f"{self.strategy!r} has manifold groups, which need a direction inside the unit "
+                              "spectral ball, but the Muon quintic leaves singular values up to ≈1.13; use "
+                              "'polar_express'")
 
     def preset_overrides(self) -> dict[str, tuple[Any, Any]]:
         """{key: (value used, the preset's value)} for every [optim.muon] key the preset sets but the config overrides
