@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightgeom import kernels
+from weightgeom.optim.md_state import GAIN_KEYS
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
@@ -155,7 +156,7 @@ def adam_pass(md: MagnitudeDirection, b: Bucket) -> None:
         st["step"] += 1
         t = _f(st["step"])
         gains = []
-        for key in ("gain_row", "gain_col"):
+        for key in GAIN_KEYS:
             theta = md_state.get(key)
             if theta is None:
                 gains.append(None)
