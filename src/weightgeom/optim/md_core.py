@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightgeom.optim import md_fused, md_torch
-from weightgeom.optim.functional import NonFiniteGradientError, all_finite, first_nonfinite
-from weightgeom.optim.md_checks import resync, with_gradients
+from weightgeom.optim import md_checks, md_fused, md_setup, md_torch
+from weightgeom.optim.functional import all_finite
 from weightgeom.optim.md_functional import (
     _ZERO_NORM,
     _wide,
@@ -44,15 +43,15 @@ from weightgeom.optim.md_functional import (
     project_to_sphere_,
     split,
 )
+from weightgeom.optim.md_state import GAIN_KEYS
 from weightgeom.optim.muon import Muon
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
 
-__all__ = ["GAIN_KEYS", "Bucket", "buckets", "own_adam", "one_graph", "prepare", "run", "step_host_free",
-           "gain_grads", "split", "adam_base", "adam_gains", "resync", "project"]
+__all__ = ["Bucket", "buckets", "own_adam", "one_graph", "prepare", "run", "step_host_free", "gain_grads",
+           "adam_base"]
 
-GAIN_KEYS = ("gain_row", "gain_col")
 # group flags whose arithmetic ``adam_base`` lacks ("capturable" only moves the step counter to the device, as this
 # step does anyway; dynamo's view of a torch optimizer's groups shows it True inside a trace)
 _ADAM_FLAGS = ("amsgrad", "maximize", "differentiable")
@@ -121,12 +120,9 @@ def _masked(ok: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> to
     return new if ok is None else torch.where(ok, new, old)
 
 
-def _write(ok: torch.Tensor | None, dst: list[torch.Tensor], new: torch.Tensor, old: torch.Tensor | None = None
-           ) -> None:
-    """One ``_foreach_copy_`` of a stacked result into its tensors (masked by ``ok``; ``old``: their stack)."""
-    if ok is not None:
-        new = torch.where(ok, new, _stack(dst) if old is None else old)
-    torch._foreach_copy_(dst, list(new.unbind(0)))
+def _write(ok: torch.Tensor | None, dst: list[torch.Tensor], new: torch.Tensor, old: torch.Tensor | None) -> None:
+    """One ``_foreach_copy_`` of a stacked result into its tensors, ``_masked`` by ``ok`` (``old``: their stack)."""
+    torch._foreach_copy_(dst, list(_masked(ok, new, old).unbind(0)))
 
 
 def _count(ok: torch.Tensor | None, counters: list[torch.Tensor], view: bool = False) -> torch.Tensor:
@@ -172,7 +168,7 @@ class Bucket:
         adam: the base step is computed here (``adam_base``, or the fused C pass); else ``base.step()`` runs it.
         kernels: the C backend (per matrix, nothing stacked but the gains); else the torch backend.
         eager: built by the eager step (``_per_tensor``).
-        keys, thetas, TH: the gains kept (``GAIN_KEYS``), their θ per key, and θ stacked (B, k).
+        keys, thetas, TH: the gains kept (``md_state.GAIN_KEYS``), their θ per key, and θ stacked (B, k).
         W, G, D0, R0: the stacks of W, G, Ŵ and the radii (torch backend only).
     """
 
@@ -214,7 +210,7 @@ def buckets(md: MagnitudeDirection, entries: list[tuple[torch.Tensor, dict[str, 
     out = []
     for key, ps in keyed.items():
         group, adam, kernels = route[key]
-        b = Bucket(md, group, ps, md._scale_divisor(ps[0], group), adam, kernels, eager)
+        b = Bucket(md, group, ps, md_setup.scale_divisor(md, ps[0], group), adam, kernels, eager)
         for k in b.keys:
             for theta in b.thetas[k]:
                 _to_device(md_fused.gain_adam_state(md.state, theta), "step", theta.device)
@@ -239,7 +235,7 @@ def prepare(md: MagnitudeDirection, bs: list[Bucket]) -> torch.Tensor | None:
     bad_any = None
     for b in bs:
         b.gains = _gains(md, b, b.thetas, b.TH)
-        b.D, b.R, same, valid = resync(b.D0, b.W, b.R0, *b.gains, md.sphere)
+        b.D, b.R, same, valid = md_checks.resync(b.D0, b.W, b.R0, *b.gains, md.sphere)
         bad = ~same & ~valid
         bad_any = bad.any() if bad_any is None else bad_any | bad.any()
     return bad_any
@@ -310,7 +306,7 @@ def _split(md: MagnitudeDirection, b: Bucket) -> None:
     out = scratch = None
     if b.eager and len(b.ps) == 1 and (gr is not None or gc is not None) and all(
             t.is_contiguous() for t in (b.W, b.G, b.D)):
-        out, scratch = _kept_buffer(md, b.ps[0], b.G[0]).unsqueeze(0), b.W
+        out, scratch = md_fused.kept_buffer(md, b.ps[0], b.G[0]).unsqueeze(0), b.W
     s_r, s_c, Gd = split(b.G, b.D, gr, gc, md.parameterization != "direct", out=out, scratch=scratch)
     gain_grads(md, b, {"gain_row": s_r, "gain_col": s_c})
     target = b.D
@@ -319,14 +315,6 @@ def _split(md: MagnitudeDirection, b: Bucket) -> None:
         target = b.D / b.sv.to(b.D.dtype)
         Gd = Gd * b.sv.to(Gd.dtype)
     b.target, b.Gd = target, Gd
-
-
-def _kept_buffer(md: MagnitudeDirection, p: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """p's kept Ĝ buffer (``md._buffers``, shared with the C backend): contiguous, shaped like G, made at first use."""
-    buf = md._buffers.get(p)
-    if buf is None or buf.shape != G.shape or buf.dtype != G.dtype or buf.device != G.device:
-        buf = md._buffers[p] = torch.empty(G.shape, dtype=G.dtype, device=G.device)
-    return buf
 
 
 def _adam_others(md: MagnitudeDirection, bs: list[Bucket], others: list[torch.Tensor], ok: torch.Tensor | None
@@ -432,8 +420,8 @@ def _finish(md: MagnitudeDirection, b: Bucket, TH: dict[str, torch.Tensor], ok: 
         project_to_sphere_(D, b.R, md.sphere)
         compose(D, gr, gc, out=b.W)
         if len(b.ps) > 1:
-            _write(None, [st["direction"] for st in b.states], D)
-            _write(None, b.ps, b.W)
+            _write(None, [st["direction"] for st in b.states], D, None)
+            _write(None, b.ps, b.W, None)
         return
     if b.scale is not None:
         new = new * b.sv.to(new.dtype)
@@ -458,7 +446,7 @@ def step_host_free(md: MagnitudeDirection) -> None:
         md.check_groups()
     base = md.base_optimizer
     params = [q for g in base.param_groups for q in g["params"] if q.grad is not None]
-    md._check_metadata(params)
+    md_checks.check_metadata(md, params)
     ok = None
     if md.on_nonfinite == "skip":
         device = params[0].device if params else md._skipped.device
@@ -466,15 +454,12 @@ def step_host_free(md: MagnitudeDirection) -> None:
             md._skipped = md._skipped.to(device)
         ok = all_finite([q.grad for q in params], device=device)
     else:
-        bad = first_nonfinite([q.grad for q in params])
-        if bad is not None:
-            q = params[bad]
-            raise NonFiniteGradientError.refused("MagnitudeDirection", md._param_label(q), tuple(q.shape))
+        md_checks.refuse_nonfinite(md, params)
         check_step = getattr(base, "check_step", None)
         if check_step is not None:
             check_step()
     adam = own_adam(base)
-    bs = buckets(md, [(p, group, adam, False) for p, group in with_gradients(md)], eager=False)
+    bs = buckets(md, [(p, group, adam, False) for p, group in md_checks.with_gradients(md)], eager=False)
     bad_any = prepare(md, bs)
     if bad_any is not None:
         if ok is not None:
@@ -482,7 +467,7 @@ def step_host_free(md: MagnitudeDirection) -> None:
         elif bool(bad_any):  # "raise" reads anyway: name the matrix and refuse as the eager step does
             for b in bs:
                 for p in b.ps:
-                    md._rederive(p)
+                    md_checks.rederive(md, p)
     if ok is not None:
         md._skipped.add_(~ok)
         if not one_graph(md):  # this base cannot mask its own step: read the flag once (a graph break in a trace)
