@@ -13,12 +13,10 @@ concave with (super)gradient −H, H = P(WᵀA + AᵀW), so dual ascent is Λ �
 under scaling G and Λ together, so G is first normalised to unit RMS singular value (‖G‖_F/sqrt(n)): α then has fixed
 units and Λ can be warm-started across steps whatever the gradient scale.
 
-``dual_ascent`` is the one implementation, on batches of tall matrices: every per-matrix decision (early stop,
-step halving, the best iterate) is a device-side mask, so a compiled step traces it with a fixed number of iterations
-and no host reads (docs/muon.md §6, "One compiled step"). ``manifold_direction`` is its eager form (either
-orientation; the loop ends once every matrix has stopped; the residual as a float). Both are pure functions; the
+``dual_ascent`` is the one implementation, on batches of tall matrices, with no host reads (docs/muon.md §6);
+``manifold_direction`` is its eager form (either orientation, the residual as a float). Both are pure functions; the
 optimizer keeps Λ between steps as a warm start. ``manifold_direction_reference`` is the slow float64 SVD version for
-tests. Derivation: ``docs/muon.md``.
+tests.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from weightgeom.linalg.split import split_bf16, split_matmul
 from weightgeom.manifolds.base import Manifold, Products, constraint_mm, products_of, tall, untall
 
 __all__ = ["dual_ascent", "DualResult", "manifold_direction", "manifold_direction_reference", "initial_multiplier",
-           "warm_multiplier", "spectral_norm_estimate", "lanczos_start", "top_eigenvalue_psd",
+           "spectral_norm_estimate", "lanczos_start", "top_eigenvalue_psd",
            "sampled_tangent_residual", "DUAL_SCHEDULES", "DUAL_KEEP", "PROJECT_NORM_ITERS", "PROJECT_NORM_TOL",
            "LANCZOS_BREAKDOWN", "RESIDUAL_SAMPLE_COLUMNS", "SQUARINGS"]
 
@@ -88,17 +86,6 @@ def initial_multiplier(W: torch.Tensor, G: torch.Tensor, manifold: Manifold,
     else:
         S = ieee_mm(X.mT, Y, onednn=pr.onednn)
     return manifold.P(sym_sum(S, -0.25))  # P is entrywise: −¼·P(S + Sᵀ), the same values (+0 where that gave −0)
-
-
-@with_full_precision
-def warm_multiplier(cold: torch.Tensor, Lambda0: torch.Tensor | None, cold0: torch.Tensor | None) -> torch.Tensor:
-    """The dual ascent's starting multiplier: this step's cold start, or the previous step's multiplier Λ₀ moved by
-    how much the cold start moved since (when the previous cold start is kept), or Λ₀ itself; in ``cold``'s dtype."""
-    if Lambda0 is None:
-        return cold
-    if cold0 is not None:
-        return Lambda0.to(cold.dtype) + (cold - cold0.to(cold.dtype))
-    return Lambda0.to(cold.dtype)
 
 
 class DualResult(NamedTuple):
@@ -165,13 +152,22 @@ def dual_ascent(
         Xf = X
         Yf = G if scale is None else G * scale
     cold = initial_multiplier(Xf, Yf, manifold, pr).to(X.dtype)
-    Lam = warm_multiplier(cold, Lambda0, cold0)
+    # the start: the cold start, or the previous Λ₀ moved by how much the cold start moved since (``cold0``), or Λ₀
+    Lam = cold
+    if Lambda0 is not None:
+        Lam = Lambda0.to(cold.dtype) + (cold - cold0.to(cold.dtype)) if cold0 is not None else Lambda0.to(cold.dtype)
+
+    def shifted(L: torch.Tensor) -> torch.Tensor:
+        """Ĝ + 2X·P(Λ): one fused multiply-add, or for ``"ieee_onednn"`` products oneDNN's product and one add
+        (either way the same bits for a matrix alone or in a batch)."""
+        return ieee_addmm(Yf, Xf, manifold.P(L).to(Xf.dtype), alpha=2.0, onednn=pr.onednn)
+
     last = keep == "last"
     active = torch.ones(lead, dtype=torch.bool, device=X.device)
     shrink = torch.ones(*lead, 1, 1, dtype=torch.float64, device=X.device)
     iters = torch.zeros(lead, dtype=torch.int64, device=X.device)
     for k in range(steps):
-        A = msign_fn(_shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype), pr))
+        A = msign_fn(shifted(Lam))
         exact = (A, None) if A.dtype == torch.bfloat16 else None  # a bf16 A is its own split: XᵀA in two products
         A, owned = _widened(A, X.dtype)
         S, H, rv = _residual(X, A, manifold, exact, pr)
@@ -198,7 +194,7 @@ def dual_ascent(
             break
     A, Lam, S, rv, owned = best_A, best_L, best_S, best_r, best_owned
     if final_msign_fn is not None:
-        A = final_msign_fn(A if final_continues else _shifted(Xf, Yf, manifold.P(Lam).to(Xf.dtype), pr))
+        A = final_msign_fn(A if final_continues else shifted(Lam))
         exact = (A, None) if A.dtype == torch.bfloat16 else None
         A, owned = _widened(A, X.dtype)
         S, _, rv = _residual(X, A, manifold, exact, pr)
@@ -551,12 +547,6 @@ def _widened(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     claimed: a caller's ``msign_fn`` may hand back memory it keeps."""
     W = A.to(dtype)
     return W, W is not A
-
-
-def _shifted(X: torch.Tensor, Y: torch.Tensor, PL: torch.Tensor, products: Products) -> torch.Tensor:
-    """Y + 2·X·P(Λ): one fused multiply-add, or for ``"ieee_onednn"`` products oneDNN's product and one add (either
-    way the same bits for a matrix alone or in a batch)."""
-    return ieee_addmm(Y, X, PL, alpha=2.0, onednn=products.onednn)
 
 
 def _residual(X: torch.Tensor, A: torch.Tensor, manifold: Manifold, a_pieces: tuple[torch.Tensor, None] | None,
