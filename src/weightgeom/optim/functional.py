@@ -61,8 +61,8 @@ class NonFiniteGradientError(ValueError):
 
 
 def _finite_flags(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """{device: 0-dim bool tensor on that device, True iff the norms of all of its tensors are finite}: one fused norm
-    reduction per (device, dtype) bucket (``torch._foreach_norm``), no host sync. Empty tensors are left out."""
+    """{device: 0-dim bool tensor, True iff the norms of all of its tensors are finite} (``all_finite``'s reduction,
+    no host sync). Empty tensors are left out."""
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
@@ -104,12 +104,10 @@ def first_nonfinite(tensors: Sequence[torch.Tensor],
     """Index of a tensor holding a NaN or Inf — the first one, except that a tensor ``cpu_scan`` finds bad is returned
     at once, before earlier unscanned ones are looked at — or None when all are finite.
 
-    The common case (all finite) costs one fused norm reduction per (device, dtype) bucket — one
-    ``torch._foreach_norm`` call over all tensors when they share device and dtype — and one host sync per device
-    (``all_finite`` is the same reduction without the sync).
-    Only when a norm is not finite are the tensors scanned one by one to find the culprit (a huge but finite tensor can
-    overflow its norm; the scan then finds nothing and None is returned). Sparse tensors are checked through their
-    stored values; float16/bfloat16 norms are accumulated and returned in float32 so they do not overflow early.
+    The common case (all finite) costs ``all_finite``'s reduction (one ``torch._foreach_norm`` call over all tensors
+    when they share device and dtype; sparse tensors through their stored values, float16/bfloat16 norms in float32)
+    and one host sync per device. Only when a norm is not finite are the tensors scanned one by one to find the
+    culprit (a huge but finite tensor can overflow its norm; the scan then finds nothing and None is returned).
 
     Args:
         tensors: gradients (any floating dtype, any devices).
@@ -125,7 +123,8 @@ def first_nonfinite(tensors: Sequence[torch.Tensor],
     for i, t in enumerate(dense):
         if not t.numel():
             continue
-        if cpu_scan is not None and _scannable(t):
+        if cpu_scan is not None and t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) \
+                and t.is_contiguous() and type(t) is torch.Tensor:
             if cpu_scan(t):
                 return i
             continue
@@ -136,11 +135,6 @@ def first_nonfinite(tensors: Sequence[torch.Tensor],
         if t.numel() and not bool(torch.isfinite(t).all()):
             return i
     return None
-
-
-def _scannable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous() and (
-        type(t) is torch.Tensor)
 
 
 def momentum_step(M: torch.Tensor, G: torch.Tensor, beta: float, nesterov: bool = True, form: str = "ema"
