@@ -1,15 +1,14 @@
-"""``compile_step``: an optimizer's step through ``torch.compile`` — the one switch (docs/muon.md §6, "One compiled
-step"; config key ``train.compile_optimizer``).
+"""``compile_step``: an optimizer's step through ``torch.compile`` — the one switch (docs/muon.md §6; config key
+``train.compile_optimizer``).
 
 The first step runs eagerly: it creates the optimizer state and runs the checks a trace cannot (Muon's refusal of a
 pretrained-looking matrix at ``init="auto"``, the far-retraction warning), and on a GPU it captures nothing. Later
 steps run ``torch.compile(opt.step, fullgraph=...)`` inside ``full_precision()`` (a trace cannot switch the matmul
 precision itself), so Muon's plain, manifold (host-free path) and AdamW groups are one graph, and so is a
 MagnitudeDirection step over torch's Adam/AdamW or Muon (its host-free path, ``md_core``; docs/md.md, "On a
-GPU"); on CUDA with
-``mode="reduce-overhead"`` (CUDA graphs) by default. Inductor keeps its compiled kernels in its on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``, on by default), so a second run of the same configuration skips most of the compilation;
-the one-off cost of this run is ``CompiledStep.compile_seconds``.
+GPU"); on CUDA with ``mode="reduce-overhead"`` (CUDA graphs) by default. Inductor keeps its compiled kernels in its
+on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, on by default), so a second run of the same configuration skips most of
+the compilation; the one-off cost of this run is ``CompiledStep.compile_seconds``.
 """
 
 from __future__ import annotations
@@ -62,12 +61,7 @@ class CompiledStep:
     def __init__(self, opt: torch.optim.Optimizer, mode: str | None, backend: str | None, fullgraph: bool) -> None:
         self.opt = opt
         self.fullgraph = fullgraph
-        kwargs: dict[str, Any] = {"fullgraph": fullgraph}
-        if backend is not None:
-            kwargs["backend"] = backend
-        if mode is not None:
-            kwargs["mode"] = mode
-        self.compiled = torch.compile(opt.step, **kwargs)
+        self.compiled = torch.compile(opt.step, fullgraph=fullgraph, backend=backend, mode=mode)
         self.compile_seconds: float | None = None
         self._calls = 0
         self._eager_s = 0.0
