@@ -385,3 +385,24 @@ def test_trainer_compiled_muon_logs_its_cost_and_follows_its_lr_schedule_in_two_
     assert compiled.default_mode(Muon([torch.nn.Parameter(torch.ones(2, 2))])) is None
     with pytest.raises(ValueError, match="compile_optimizer"):
         load_config(None, ["train.compile_optimizer=maybe"])
+
+
+def test_host_free_skip_also_skips_a_manifold_without_a_host_free_retraction():
+    """A host-free step under on_nonfinite="skip" whose manifold group, as configured, has no host-free retraction
+    (Stiefel with an SVD polar factor: that group steps eagerly) and a NaN gradient: the whole step is skipped, that
+    group included — its weights, momentum and step counter bitwise unchanged (it used to step on the NaN)."""
+    from weightgeom.manifolds.stiefel import Stiefel
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(16, 8, generator=g) / 4) for _ in range(2))
+    opt = Muon([{"params": [a]}, {"params": [b], "manifold": Stiefel(method="svd")}], lr=0.02,
+               on_nonfinite="skip", init="retract")
+    opt.host_free = True
+    for nan in (False, True):
+        a.grad, b.grad = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+        if nan:
+            b.grad[0, 0] = float("nan")
+            before = [t.clone() for p in (a, b) for t in (p.detach(), *opt.state[p].values())]
+        opt.step()
+    after = [t for p in (a, b) for t in (p.detach(), *opt.state[p].values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True)) and int(opt.skipped_steps) == 1

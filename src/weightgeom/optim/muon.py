@@ -83,17 +83,13 @@ class Muon(StepChecks, torch.optim.Optimizer):
             torch.optim.Muon uses; refused for manifold groups, whose step must stay in the unit spectral ball),
             ``"polar_express_paper"`` (Polar Express in the published bf16 arithmetic and evaluation order, as the
             manifold-assignment paper's code runs it) or ``"svd"`` (exact, slow).
-        msign_dtype: msign compute dtype. None (plain Muon, Polar Express): chosen per device when the group is
-            added (so the step only looks it up) by a sub-second micro-benchmark cached on disk
-            (``weightgeom.linalg.msign_choice``): bf16 only where it is faster than fp32, with the fewest Polar
-            Express steps (when ``ns_steps`` is None too) whose direction is at least as orthogonal as
-            torch.optim.Muon's; the choice is in ``msign_auto`` and ``summary()``;
-            ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold
-            groups with ``dual.project`` (the default) take the same choice for the dual ascent's msign — the
-            projection, residual, multiplier and retraction stay float32 (float64 for float64 params), so the
-            direction is exactly tangent whatever the msign dtype; without ``dual.project`` they use float32 because
-            the dual ascent itself must reach ``dual.tol``. An explicit dtype always wins (with the preset's steps
-            unless ``ns_steps`` is set).
+        msign_dtype: msign compute dtype; an explicit dtype always wins (with the preset's steps unless ``ns_steps``
+            is set). None (Polar Express): the per-device choice of ``weightgeom.linalg.msign_choice``, made when the
+            group is added — bf16 only where it is faster than fp32, with the fewest steps (when ``ns_steps`` is None
+            too) at least as orthogonal as torch.optim.Muon's; in ``msign_auto`` and ``summary()``;
+            ``WEIGHTGEOM_MSIGN=float32`` (or ``bfloat16[:steps]``) forces it. fp64 params keep fp64. Manifold groups
+            take the choice for the dual msign with ``dual.project`` (the default; the rest of the step stays
+            float32), float32 without it (docs/muon.md, "The direction's dtype and step count").
         adjust_lr_fn: shape scale s: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
             0.2·sqrt(max(rows, cols)), ``"none"`` 1. None: ``"original"`` without a manifold, ``"none"`` with one
             (the manifold-assignment paper steps W − lr·A with ‖A‖₂ = 1).
@@ -164,11 +160,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
 
     Raises:
         ValueError: unknown group key or value, a non-2-D parameter in a Muon group, a parameter whose dtype is
-            not float16, bfloat16, float32 or float64, or one listed twice (naming it), and, in ``step``, a sparse
-            gradient, a gradient or state that no longer fits its parameter (changed after a step: ``p.data = ...``,
-            ``model.half()``) or (``NonFiniteGradientError``, with ``on_nonfinite="raise"``) a NaN/Inf gradient,
-            naming the parameter. ``step`` is all or nothing: every group's gradients are checked before any
-            parameter or state changes.
+            not float16, bfloat16, float32 or float64, or one listed twice (naming it); what ``step`` refuses: there.
     """
 
     def __init__(
@@ -425,8 +417,10 @@ class Muon(StepChecks, torch.optim.Optimizer):
         (``weightgeom.optim.sharded.step_on_owners``; ``state_dict()`` is then per rank).
 
         Raises:
-            NonFiniteGradientError: (a ValueError) a gradient holds NaN/Inf, naming the parameter; nothing changed.
-            ValueError: a sparse gradient, naming the parameter; nothing changed.
+            NonFiniteGradientError: (a ValueError; ``on_nonfinite="raise"``) a gradient holds NaN/Inf, naming the
+                parameter; nothing changed.
+            ValueError: a sparse gradient, or a gradient or state that no longer fits its parameter (changed after a
+                step: ``p.data = ...``, ``model.half()``), naming the parameter; nothing changed.
         """
         loss = None
         if closure is not None:
@@ -483,17 +477,16 @@ class Muon(StepChecks, torch.optim.Optimizer):
             weights = self._manifold_items(work)
             if weights and self._host_free():  # NaN/Inf manifold weights cannot be named without a read: skipped
                 ok = ok & all_finite([p.detach() for *_, p in weights], device=device)
-                self._skipped.add_(~ok)
             elif weights:  # manifold groups read their dual ascent on the host anyway: one sync here, for both checks
                 grads_ok, weights_ok = torch.stack([ok, all_finite([p.detach() for *_, p in weights],
                                                                    device=device)]).tolist()
                 if not weights_ok:
                     self._check_manifold_weights(work)  # finds and names the matrix; raises
-                self._skipped.add_(~ok)
                 if not grads_ok:
+                    self._skipped += 1
                     return
                 ok = None
-            else:
+            if ok is not None:
                 self._skipped.add_(~ok)
         if torch.compiler.is_compiling():  # torch 2.11's dynamo cannot rebind an optimizer's attribute in a step
             self.last_stats.clear()
@@ -511,7 +504,7 @@ class Muon(StepChecks, torch.optim.Optimizer):
                 if self._host_free() and manifold_step.host_free_supported(self._manifold(group)):
                     manifold_step.group_step(self, group, entries, ok, host_free=True)
                 else:
-                    self._manifold_group(group, entries)
+                    self._manifold_group(group, entries, ok)
         self._warn_far_retraction()
         if deferred:  # last: the graph break it makes resumes into nothing, so it guards on nothing
             self._refuse_masked(work, ok)
@@ -650,10 +643,14 @@ class Muon(StepChecks, torch.optim.Optimizer):
     # parameter they are: the bucket of one 256×64 matrix replayed for the next one with the first one's optimizer
     # state (its momentum updated twice, the other's never: 6e-3 off the eager step), and C kernels wrote through the
     # stale buffers (heap corruption). The eager step reads its dual ascent on the host anyway, so nothing is lost; a
-    # trace takes the host-free step (``_manifold_group_host_free``), whose buckets are keyed by what they hold.
+    # trace takes the host-free step (``group_step(host_free=True)``), whose buckets are keyed by what they hold.
     @torch.compiler.disable
-    def _manifold_group(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]]) -> None:
+    def _manifold_group(self, group: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
+                        ok: torch.Tensor | None = None) -> None:
         """A manifold group's eager step (``manifold_step.group_step``), the constraint arithmetic in IEEE float32
-        whatever the process's matmul precision."""
+        whatever the process's matmul precision. ``ok``: the skip flag of a host-free step whose manifold has no
+        host-free retraction, read here; False steps nothing (the rest of that step is masked by it)."""
+        if ok is not None and not bool(ok):
+            return
         with full_precision():
             manifold_step.group_step(self, group, entries)
