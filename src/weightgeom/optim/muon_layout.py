@@ -117,8 +117,7 @@ def out_in(shape: torch.Size, layout: str) -> tuple[int, int]:
 
 def matrices(t: torch.Tensor, layout: str, split: int | None) -> torch.Tensor:
     """View of a stored 2-D weight as (out, in), or as (k, out/k, in) blocks when split = k (writes go through)."""
-    X = t if layout == "out_in" else t.mT
-    return X if not split else X.unflatten(0, (int(split), -1))
+    return blocks(t[None], layout, split)[0]
 
 
 def retraction_distance(V: torch.Tensor, R: torch.Tensor) -> float:
