@@ -392,7 +392,7 @@ class MagnitudeDirection(Optimizer):
             if holds_dtensors(self.base_optimizer.param_groups):  # FSDP2: each matrix whole on its owner rank
                 step_on_owners(self, self._update, who="MagnitudeDirection", states=[self.base_optimizer.state],
                                whole=self.whole_matrix,
-                               name=lambda gi, g, i: self._param_label(g["params"][i]), swap=self._standins,
+                               name=lambda gi, g, i: md_checks.param_label(self, g["params"][i]), swap=self._standins,
                                merge_stats=[self.base_optimizer] if isinstance(self.base_optimizer, Muon) else [])
             elif self._host_free():  # inside a torch.compile trace, or host_free=True
                 md_core.step_host_free(self)
@@ -438,7 +438,7 @@ class MagnitudeDirection(Optimizer):
     def _standins(self, mapping: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
         """For ``step_on_owners``: point the per-matrix bookkeeping at the stand-ins (id(param) → (param, its whole
         matrix or local shard on this rank, or None: not stepped here)) and return the undo. A stand-in is new at
-        every step, so W is compared with γ_r Ŵ γ_c (``_rederive``) at every step."""
+        every step, so W is compared with γ_r Ŵ γ_c (``md_checks.rederive``) at every step."""
         saved = (self._decoupled, self._unit_rows)
         pairs = [(p, q) for p, q in mapping.values() if q is not None]
 
@@ -487,7 +487,7 @@ class MagnitudeDirection(Optimizer):
             if why is not None and self.fused:
                 raise ValueError(f"MagnitudeDirection(fused=True): {self._name[p]!r} cannot take the fused path: "
                                  f"{why}; step refused, nothing was changed")
-            resync = self._rederive(p) if self._versions.get(p) != p._version else None
+            resync = md_checks.rederive(self, p) if self._versions.get(p) != p._version else None
             plan.append((p, G, group, why, resync))
         check_step = getattr(self.base_optimizer, "check_step", None)
         if check_step is not None:  # what the base (Muon) would refuse, before MD's passes change anything
@@ -508,14 +508,6 @@ class MagnitudeDirection(Optimizer):
         """Whether parameter ``q`` of ``group`` is stepped whole on one owner rank under FSDP2 (a decoupled matrix, a
         unit-row embedding, a Muon base matrix: ``sharded.step_on_owners``)."""
         return any(q is r for r in (*self._decoupled, *self._unit_rows)) or group.get("algorithm") == "muon"
-
-    def _check_metadata(self, params: list[torch.Tensor]) -> None:
-        """``md_checks.check_metadata``: dtypes, fits, sparse gradients (no tensor is read)."""
-        md_checks.check_metadata(self, params)
-
-    def _param_label(self, q: torch.Tensor) -> str:
-        """q's name; for a param added to the base after construction, its position in the base's groups."""
-        return md_checks.param_label(self, q)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -588,25 +580,16 @@ class MagnitudeDirection(Optimizer):
 
     def _scale_for(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
         """None for a free / scale-invariant group; else s = radius/κ, κ = the manifold's fixed ‖Q‖_F."""
-        kappa = self._scale_divisor(p, group)
+        kappa = md_setup.scale_divisor(self, p, group)
         return None if kappa is None else self.state[p]["radius"].reshape(()) / kappa
-
-    def _scale_divisor(self, p: torch.Tensor, group: dict[str, Any]) -> float | None:
-        """κ = the fixed ‖Q‖_F of p's group's norm-fixing manifold, or None for a free group (``md_setup``)."""
-        return md_setup.scale_divisor(self, p, group)
 
     def _resync(self, p: torch.Tensor) -> None:
         """W was changed outside this optimizer: keep W, re-derive Ŵ = W / γ_r / γ_c and re-measure the radius
-        (``_rederive``, then ``_adopt``; raises naming p, with nothing changed, where W has no direction)."""
-        self._adopt(p, self._rederive(p))
-
-    def _rederive(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The direction and radius W implies with the current gains, or None if W still equals γ_r Ŵ γ_c
-        (``md_checks.rederive``; raises naming p where W has no direction). Changes nothing."""
-        return md_checks.rederive(self, p)
+        (``md_checks.rederive``, then ``_adopt``; raises naming p, with nothing changed, where W has no direction)."""
+        self._adopt(p, md_checks.rederive(self, p))
 
     def _adopt(self, p: torch.Tensor, rederived: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Commit a ``_rederive`` result (None: keep Ŵ) and record W's version as in sync."""
+        """Commit a ``md_checks.rederive`` result (None: keep Ŵ) and record W's version as in sync."""
         if rederived is not None:
             st = self.state[p]
             st["direction"].copy_(rederived[0])

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightgeom.optim.md_functional import _ZERO_NORM, gain_init, normalize_rows_, sphere_norm
+from weightgeom.optim.md_state import GAIN_KEYS
 from weightgeom.optim.sharded import is_dtensor
 from weightgeom.optim.state_checks import is_zero_step
 
@@ -78,7 +79,7 @@ def init_state(md: MagnitudeDirection, p: torch.Tensor) -> dict[str, torch.Tenso
         radius = sphere_norm(D, md.sphere).to(gdtype)
         radius = radius.full_tensor() if is_dtensor(radius) else radius  # DTensor p: whole
     st = {"direction": D, "radius": radius}
-    for key, shape in zip(("gain_row", "gain_col"), GAIN_SHAPES[md.gains](*p.shape)):
+    for key, shape in zip(GAIN_KEYS, GAIN_SHAPES[md.gains](*p.shape)):
         if shape is not None:
             st[key] = gain_init(shape, md.parameterization, dtype=gdtype, device=p.device)
     return st
@@ -104,7 +105,7 @@ def materialize(md: MagnitudeDirection) -> None:
     for p in todo:
         st = md.state[p]
         for key, value in init_state(md, p).items():
-            if key in ("gain_row", "gain_col") and key in st:
+            if key in GAIN_KEYS and key in st:
                 md.state.pop(st[key], None)  # the meta θ's Adam state (none before a step)
             st[key] = value
         md._versions[p] = p._version
