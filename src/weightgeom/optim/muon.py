@@ -159,8 +159,9 @@ class Muon(StepChecks, torch.optim.Optimizer):
             device tensors on the host-free path).
 
     Raises:
-        ValueError: unknown group key or value, a non-2-D parameter in a Muon group, a parameter whose dtype is
-            not float16, bfloat16, float32 or float64, or one listed twice (naming it); what ``step`` refuses: there.
+        ValueError: (when built or a group is added) unknown group key or value, a non-2-D parameter in a Muon
+            group, a parameter whose dtype is not float16, bfloat16, float32 or float64, or one listed twice (naming
+            it). What a step refuses: ``step``.
     """
 
     def __init__(
