@@ -88,17 +88,15 @@ def msign_fns(opt: Any, group: dict[str, Any], X32: torch.Tensor) -> tuple[Any, 
     steps, dtype = opt._msign_settings(group, X32)  # the per-device choice where the group leaves it
     if dtype is None or not group["dual_project"] and group["msign_dtype"] is None:
         dtype = torch.float64 if X32.dtype == torch.float64 else torch.float32
-    ms = partial(msign, method=group["msign_method"], steps=steps, dtype=dtype)
-    inner, final, continues = ms, None, False
+    ms = partial(msign, method=group["msign_method"], dtype=dtype)
+    inner, final, continues = partial(ms, steps=steps), None, False
     if group["dual_ns_steps"] is not None:
         k = int(group["dual_ns_steps"])
-        inner = partial(msign, method=group["msign_method"], steps=k, dtype=dtype)
-        final = ms
+        inner, final = partial(ms, steps=k), inner
         preset = MSIGN_PRESETS.get(group["msign_method"])
         n_final = steps if steps is not None else (preset.steps if preset else 0)
         if preset is not None and k < n_final:  # the accurate msign continues the inner one from step k
-            final = partial(msign, method=group["msign_method"], steps=n_final, dtype=dtype, start_step=k)
-            continues = True
+            final, continues = partial(ms, steps=n_final, start_step=k), True
     return inner, final, continues, dtype
 
 
