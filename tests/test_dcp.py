@@ -97,3 +97,16 @@ def test_dcp_zero_step_leaves_manifold_matrices_unchanged():
     assert opt.state
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_md_state_dict_keeps_the_base_state_dicts_other_keys():
+    """MD over Muon: the base's top-level keys besides state and param_groups (Muon's "numerics") stay in MD's
+    state dict, and it loads back."""
+    model = _model()
+    opt = _optimizer("md-muon-hetero", model)
+    _, loss = model(torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long))
+    loss.backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert "numerics" in sd and sd["numerics"] == opt.base_optimizer.state_dict()["numerics"]
+    _optimizer("md-muon-hetero", _model()).load_state_dict(sd)

@@ -95,8 +95,10 @@ USER_BATCH, USER_T, USER_VOCAB = 4, 16, 32
 # ascent and the retractions the parameters differ by ≤ 6e-6 (measured, plain Muon; ≤ 1.4e-6 with manifolds/MD);
 # a wrong shard, owner or skipped step moves them by ≥ 1e-3.
 USER_ATOL = 3e-5
-USER_CASES = ("muon", "hetero", "md", "resume", "dcp", "dcp-hetero", "dcp-md")
-DCP_OF = {"dcp": "muon", "dcp-hetero": "hetero", "dcp-md": "md"}  # each DCP case resumes this case's run
+USER_CASES = ("muon", "hetero", "md", "md-adamw", "resume", "dcp", "dcp-hetero", "dcp-md", "dcp-md-adamw",
+              "dcp-md-full")
+# each DCP case resumes this case's run; "dcp-md-full" with full_state_dict=True (whole tensors gathered)
+DCP_OF = {"dcp": "muon", "dcp-hetero": "hetero", "dcp-md": "md", "dcp-md-adamw": "md-adamw", "dcp-md-full": "md"}
 
 
 def _user_model():
@@ -110,6 +112,8 @@ def _user_optimizer(case: str, model):
     from weightgeom.optim import MagnitudeDirection, Muon, param_groups
 
     case = DCP_OF.get(case, case)
+    if case == "md-adamw":  # every decoupled matrix in an AdamW group, stepped whole on its owner rank
+        return MagnitudeDirection(torch.optim.AdamW(model.parameters(), lr=3e-3), model=model, gain_lr=1e-2)
     strategy = "unconstrained" if case == "muon" else "hetero"
     opt = Muon(param_groups(model, strategy=strategy, lr=0.02, adamw_lr=3e-3, dual={"steps": 5}, verbose=False))
     return MagnitudeDirection(opt, model=model, gain_lr=1e-2) if case in ("md", "resume") else opt
@@ -146,13 +150,16 @@ def _user_train(case: str, model, rank: int = 0, world: int = 1, ckpt: str | Non
                 set_optimizer_state_dict,
             )
 
-            dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+            full = case == "dcp-md-full"
+            dcp.save({"optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full))},
+                     checkpoint_id=ckpt)
             opt = _user_optimizer(case, model)
-            osd = {"optim": get_optimizer_state_dict(model, opt)}  # the fresh optimizer's layout, filled by the load
-            dcp.load(osd, checkpoint_id=ckpt)
+            osd = {"optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full))}
+            dcp.load(osd, checkpoint_id=ckpt)  # into the fresh optimizer's own layout
             # strict=False: each Muon matrix's momentum (and an MD matrix's gains) lives on its owner rank only, so
             # a rank's dict has no entry for the matrices another rank owns (docs/training.md, "Your own FSDP2 loop")
-            set_optimizer_state_dict(model, opt, osd["optim"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(model, opt, osd["optim"],
+                                     options=StateDictOptions(strict=False, full_state_dict=full))
         x, y = _user_batch(s)
         _, loss = model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
         loss.backward()
@@ -280,9 +287,10 @@ def test_user_fsdp2_loop_matches_one_process(user_loop, case, monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(DCP_OF))
 def test_user_fsdp2_dcp_round_trip_continues_bit_identically(user_loop, case):
-    """Muon (plain; Stiefel/DGram groups) and MagnitudeDirection around Muon through torch.distributed.checkpoint
-    under FSDP2 (2 gloo ranks): saved with dcp.save after 2 steps, loaded into a fresh optimizer, the run ends bit for
-    bit where the uninterrupted run on the same ranks ends (momentum, dual state, MD's direction, radius and gains
+    """Muon (plain; Stiefel/DGram groups), MagnitudeDirection around Muon-hetero (also with full_state_dict=True)
+    and around torch's AdamW through torch.distributed.checkpoint under FSDP2 (2 gloo ranks): saved with dcp.save
+    after 2 steps, loaded into a fresh optimizer, the run ends bit for bit where the uninterrupted run on the same
+    ranks ends (momentum, dual state, MD's direction, radius and gains
     carried over on each matrix's owner rank; DCP's state-creating zero step changes no parameter)."""
     got = torch.load(user_loop / f"{case}.pt", weights_only=True)
     ref = torch.load(user_loop / f"{DCP_OF[case]}.pt", weights_only=True)

@@ -32,8 +32,8 @@ from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 __all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "held_shape", "dtype_supported",
            "param_label", "unsupported_dtype", "check_new_group", "check_fits_param", "is_torch_optimizer",
-           "torch_state_shapes", "check_group_kinds", "describe_state_dict", "check_torch_layout",
-           "check_param_state", "check_saved_state", "check_torch_state", "as_number"]
+           "torch_state_shapes", "param_shape", "fits_shape", "check_group_kinds", "describe_state_dict",
+           "check_torch_layout", "check_param_state", "check_saved_state", "check_torch_state", "as_number"]
 
 # The parameter dtypes every step path handles (msign, the manifold step, AdamW, MD's passes). Not complex (msign,
 # retractions and sphere norms are real), integer or bool (no gradients), nor float8 (no norm, isfinite or promotion).
@@ -153,7 +153,7 @@ def _misfit(p: torch.Tensor, state: Mapping[str, Any], shapes: Mapping[str, tupl
         t = state.get(key)
         if shape is None or not torch.is_tensor(t):
             continue
-        same_shape = tuple(t.shape) == tuple(shape)
+        same_shape = fits_shape(t, shape)
         if not same_shape or t.device != p.device or (key in param_like and t.dtype != p.dtype):
             return f"optimizer state {key!r}", t, same_shape
     return None
@@ -321,9 +321,10 @@ def check_param_state(who: str, label: str, state: Mapping[str, Any],
             if not _is_count(value):
                 raise ValueError(f"{where}: {label}: state {key!r} is {_shown(value)}, expected a step count (a "
                                  f"number ≥ 0 or a 0-dim tensor); {_NOTHING}")
-        elif not (torch.is_tensor(value) and value.is_floating_point() and held_shape(value) == tuple(shape)):
+        elif not (torch.is_tensor(value) and value.is_floating_point() and fits_shape(value, shape)):
+            shown = " or ".join(str(s) for s in sorted(shape)) if isinstance(shape, frozenset) else tuple(shape)
             raise ValueError(f"{where}: {label}: state {key!r} is {_shown(value)}, this optimizer keeps a floating "
-                             f"tensor of shape {tuple(shape)} there; {_NOTHING}")
+                             f"tensor of shape {shown} there; {_NOTHING}")
 
 
 def check_saved_state(who: str, groups: Sequence[Mapping[str, Any]], sd: Mapping[str, Any],
@@ -359,10 +360,26 @@ def is_torch_optimizer(opt: torch.optim.Optimizer) -> bool:
     return type(opt).__module__.startswith("torch.optim")
 
 
-def torch_state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...] | None]:
+def param_shape(p: torch.Tensor) -> tuple[int, ...] | frozenset[tuple[int, ...]]:
+    """The shape of p-shaped optimizer state: p's; for a DTensor p (FSDP2) either its local shard's (the state of an
+    elementwise parameter, stepped on the shard: a DTensor sharded like p, or a plain shard in older per-rank
+    checkpoints) or its whole shape (a matrix stepped whole on its owner rank, e.g. a magnitude–direction matrix)."""
+    if is_dtensor(p):
+        return frozenset({tuple(p.shape), tuple(p.to_local().shape)})
+    return tuple(p.shape)
+
+
+def fits_shape(t: torch.Tensor, shape: tuple[int, ...] | frozenset[tuple[int, ...]]) -> bool:
+    """Whether state tensor ``t`` has ``shape`` (``param_shape``: one shape, or a set of them), judged by what a rank
+    holds (``held_shape``) or by its whole shape."""
+    allowed = shape if isinstance(shape, frozenset) else {tuple(shape)}
+    return held_shape(t) in allowed or tuple(t.shape) in allowed
+
+
+def torch_state_shapes(p: torch.Tensor) -> dict[str, Any]:
     """The state a torch optimizer keeps for ``p``, as ``check_param_state``/``check_fits_param`` take it: the
-    ``PARAM_SHAPED_STATE`` keys (p's shape) and ``step`` (a count)."""
-    shapes: dict[str, tuple[int, ...] | None] = {key: tuple(p.shape) for key in PARAM_SHAPED_STATE}
+    ``PARAM_SHAPED_STATE`` keys (``param_shape``) and ``step`` (a count)."""
+    shapes: dict[str, Any] = {key: param_shape(p) for key in PARAM_SHAPED_STATE}
     shapes["step"] = None
     return shapes
 

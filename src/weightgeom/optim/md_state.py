@@ -126,7 +126,8 @@ def split(md: MagnitudeDirection, sd: Any) -> tuple[Any, Any]:
                          f"not decouple that parameter; {_NOTHING}")
     own = {"options": gains.get("md_options"), "names": md.decoupled_names, "state": entries,
            "gain_group": {k: v for k, v in gains.items() if k not in ("params", "md_options")}}
-    return {"state": base_state, "param_groups": list(base_groups)}, own
+    rest = {k: v for k, v in sd.items() if k not in ("state", "param_groups")}  # e.g. Muon's "numerics"
+    return {**rest, "state": base_state, "param_groups": list(base_groups)}, own
 
 
 def state_dict(md: MagnitudeDirection) -> dict[str, Any]:
@@ -155,7 +156,11 @@ def state_dict(md: MagnitudeDirection) -> dict[str, Any]:
     gains = {k: v for k, v in md._gain_groups[0].items() if k != "params"}
     gains["md_options"] = {"gains": md.gains, "parameterization": md.parameterization, "sphere": md.sphere,
                            "embeddings": md.embeddings, "embedding_radius": md.embedding_radius}
-    return {"state": state, "param_groups": [*base["param_groups"], {"params": [], **gains}]}
+    # in parameter order on every rank: DCP's full_state_dict gathers each DTensor entry by one collective, in the
+    # dict's order, so the ranks must list them alike (a rank's own matrices first would pair different matrices)
+    state = {k: state[k] for k in sorted(state, key=lambda k: (0, k, "") if isinstance(k, int) else (1, 0, str(k)))}
+    # the base's other top-level keys (Muon's "numerics") as the base saved them
+    return {**base, "state": state, "param_groups": [*base["param_groups"], {"params": [], **gains}]}
 
 
 def check(md: MagnitudeDirection, sd: Any) -> tuple[Any, Mapping[str, Any]]:

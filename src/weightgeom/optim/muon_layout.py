@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from weightgeom import manifolds
-from weightgeom.optim.sharded import is_dtensor
+from weightgeom.optim.checks import param_shape
 
 __all__ = ["STRUCTURAL_KEYS", "PARAM_LIKE_STATE", "DUAL_STATE", "param_name", "blocks", "stored", "tall_batch",
            "from_tall", "dual_shape", "step_counter", "structural", "state_shapes", "foreign_key", "dual_dtype",
@@ -82,15 +82,15 @@ def structural(value: Any) -> Any:
     return value.name if isinstance(value, manifolds.Manifold) else value
 
 
-def state_shapes(group: dict[str, Any], p: torch.Tensor) -> dict[str, tuple[int, ...] | None]:
+def state_shapes(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """The state Muon keeps for parameter ``p`` of ``group``: key → the shape of its floating tensor, or None for the
-    step count. AdamW: ``exp_avg``/``exp_avg_sq`` (p's shape; a DTensor's local shard's, as stepped on it); Muon:
-    ``momentum_buffer`` (p's shape) and, with a manifold, ``dual_multiplier``/``dual_cold`` (n×n per block, n the
-    smaller side of each (out, in) block)."""
+    step count. AdamW: ``exp_avg``/``exp_avg_sq`` (``checks.param_shape``: p's; for a DTensor its local shard's or,
+    stepped whole by a wrapper, its whole shape); Muon: ``momentum_buffer`` (p's shape) and, with a manifold,
+    ``dual_multiplier``/``dual_cold`` (n×n per block, n the smaller side of each (out, in) block)."""
     if group["algorithm"] == "adamw":
-        shape = tuple((p.to_local() if is_dtensor(p) else p).shape)
+        shape = param_shape(p)
         return {"step": None, "exp_avg": shape, "exp_avg_sq": shape}
-    shapes: dict[str, tuple[int, ...] | None] = {"step": None, "momentum_buffer": tuple(p.shape)}
+    shapes: dict[str, Any] = {"step": None, "momentum_buffer": tuple(p.shape)}
     if group["manifold"] is not None:
         k, (rows, cols) = group["split"], out_in(p.shape, group["layout"])
         n = min(rows // int(k), cols) if k else min(rows, cols)
