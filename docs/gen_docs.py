@@ -119,6 +119,8 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
         FileNotFoundError: no ``report.md`` or ``sweep.json`` in ``sweep_dir``.
     """
     sweep_dir = Path(sweep_dir)
+    if (sweep_dir / "compress.json").is_file() and not (sweep_dir / "report.md").is_file():
+        return _compress_figures(sweep_dir)
     report, manifest = sweep_dir / "report.md", sweep_dir / "sweep.json"
     for f in (report, manifest):
         if not f.is_file():
@@ -141,6 +143,20 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _compress_figures(sweep_dir: Path) -> list[dict[str, Any]]:
+    """A compression sweep's one figure (``compress.png``, drawn by ``weightgeom sweep continuity compress*``, which
+    writes ``compress.json`` and ``compress.md`` instead of a report), described as ``report_figures`` describes a
+    report's; ``runs`` is its number of compressed points, ``steps`` None (nothing trains)."""
+    record = json.loads((sweep_dir / "compress.json").read_text(encoding="utf-8"))
+    png = sweep_dir / "compress.png"
+    if not png.is_file():
+        raise FileNotFoundError(f"{png} not found: the sweep draws it when it finishes")
+    return [{"path": png, "alt": "perplexity vs parameters saved", "section": f"Compressing {record['model']}",
+             "source": f"weightgeom sweep continuity {record['label']}", "device": record.get("device_kind",
+             "not recorded"), "runs": len(record.get("rows") or []), "steps": None,
+             "recipe": "continuity", "label": record["label"]}]
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -159,7 +175,7 @@ def record_figures(sweep_dirs: Sequence[Path], figures_dir: Path = FIGURES_DIR,
     new: list[dict[str, Any]] = []
     for d in sweep_dirs:
         for fig in report_figures(Path(d)):
-            sweep = json.loads((Path(d) / "sweep.json").read_text(encoding="utf-8"))
+            sweep = fig if "recipe" in fig else json.loads((Path(d) / "sweep.json").read_text(encoding="utf-8"))
             name = f"{sweep['recipe']}-{sweep['label']}-{fig['path'].name}"
             new.append({"file": name, "sha256": _sha256(fig["path"]), "alt": fig["alt"], "section": fig["section"],
                         "source": fig["source"], "device": fig["device"], "runs": fig["runs"], "steps": fig["steps"],
@@ -228,7 +244,7 @@ def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/fig
         by_source.setdefault(e["source"], []).append(e)
     for source, figs in by_source.items():
         size = f"{figs[0]['runs']} runs × {figs[0]['steps']} steps" if figs[0].get("steps") else \
-            f"{figs[0]['runs']} runs"
+            f"{figs[0]['runs']} points"  # a sweep that trains nothing (compression): evaluated points
         lines += [f"### `{source.split(' (')[0]}`" + (" (in `weightgeom demo`)" if "(in weightgeom demo)" in source
                                                     else ""), "",
                   f"{size}, {figs[0]['device']}.", ""]

@@ -196,8 +196,15 @@ def model_table_md(rows: list[dict], baseline: float, methods, title: str, recor
     return "\n".join(lines) + "\n"
 
 
+USABLE_RATIO = 20.0
+"""A method whose perplexity stays within this factor of the uncompressed model's at every saved fraction is drawn in
+the plot's right panel too (linear scale, so that the usable methods can be told apart; the broken ones are
+orders of magnitude above and flatten them on the log scale)."""
+
+
 def plot_model(rows: list[dict], baseline: float, path: Path, title: str) -> Path | None:
-    """Perplexity against the fraction of the compressed parameters saved, one line per method (log scale)."""
+    """Perplexity against the fraction of the compressed parameters saved, one line per method: every method on a
+    log scale (left), the methods within ``USABLE_RATIO`` of the uncompressed perplexity on a linear one (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,18 +212,24 @@ def plot_model(rows: list[dict], baseline: float, path: Path, title: str) -> Pat
 
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in METHODS:
-        pts = sorted((r["saved_frac"], r["ppl"]) for r in rows if r["method"] == m)
-        if pts:
-            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=LABELS[m])
-    ax.axhline(baseline, color="k", ls="--", lw=1, label="uncompressed")
-    ax.set_yscale("log")
-    ax.set_xlabel("% of the attention + MLP parameters saved")
-    ax.set_ylabel("perplexity (held-out text)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=8)
+    lines = {m: sorted((r["saved_frac"] * 100, r["ppl"]) for r in rows if r["method"] == m) for m in METHODS}
+    lines = {m: pts for m, pts in lines.items() if pts}
+    usable = {m: pts for m, pts in lines.items() if max(p[1] for p in pts) <= USABLE_RATIO * baseline}
+    fig, axes = plt.subplots(1, 2 if usable else 1, figsize=(11.0 if usable else 6.4, 4.2), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    for ax, shown, log in ((axes[0][0], lines, True), *(((axes[0][1], usable, False),) if usable else ())):
+        for m, pts in shown.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=LABELS[m])
+        ax.axhline(baseline, color="k", ls="--", lw=1, label="uncompressed")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("% of the attention + MLP parameters saved")
+        ax.set_ylabel("perplexity (held-out text)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title("every method (log scale)" if log and usable else
+                     f"within ×{USABLE_RATIO:g} of uncompressed (linear scale)" if not log else "", fontsize=8)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
