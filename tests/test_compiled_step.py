@@ -406,3 +406,32 @@ def test_host_free_skip_also_skips_a_manifold_without_a_host_free_retraction():
         opt.step()
     after = [t for p in (a, b) for t in (p.detach(), *opt.state[p].values())]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True)) and int(opt.skipped_steps) == 1
+
+
+def test_compile_step_of_a_manifold_without_a_host_free_retraction_is_not_fullgraph():
+    """compile_step of a "skip" Muon whose manifold group has no host-free retraction (Stiefel with an SVD polar
+    factor: that group steps eagerly, a graph break) compiles without fullgraph and steps as eagerly; it used to
+    choose fullgraph=True and raise dynamo's Unsupported at the first step."""
+    from weightgeom.manifolds.stiefel import Stiefel
+    from weightgeom.optim import compile_step
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.nn.Parameter(torch.randn(16, 8, generator=g) / 4) for _ in range(2))
+        return (a, b), Muon([{"params": [a]}, {"params": [b], "manifold": Stiefel(method="svd")}], lr=0.02,
+                            on_nonfinite="skip", init="retract")
+
+    (a, b), opt = build()
+    (a2, b2), ref = build()
+    assert not opt.one_graph()
+    step = compile_step(opt, backend="eager")
+    assert not step.fullgraph
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(16, 8, generator=g) for _ in range(2)]
+        for (p, q), G in zip(((a, a2), (b, b2)), grads):
+            p.grad, q.grad = G.clone(), G.clone()
+        step()
+        ref.step()
+    torch.testing.assert_close(a, a2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b, b2, rtol=0, atol=1e-6)

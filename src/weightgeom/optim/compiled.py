@@ -94,10 +94,10 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
         opt: a Muon, MagnitudeDirection or torch optimizer.
         mode: torch.compile's mode; ``"default"``: ``default_mode(opt)`` (CUDA graphs on CUDA).
         backend: torch.compile's backend (None: inductor).
-        fullgraph: None: True when a step is one graph — a Muon with ``on_nonfinite="skip"`` (with ``"raise"`` the
-            check is a host read), or a MagnitudeDirection with ``on_nonfinite="skip"`` over torch's Adam/AdamW or
-            such a Muon (``md_core.one_graph``: the trace runs its host-free step, the base included); False
-            otherwise (torch's optimizers insert a graph break in ``step``).
+        fullgraph: None: True when a step is one graph — a Muon with ``on_nonfinite="skip"`` whose manifolds all
+            have a host-free retraction (``Muon.one_graph``), or a MagnitudeDirection with ``on_nonfinite="skip"``
+            over torch's Adam/AdamW or such a Muon (``md_core.one_graph``: the trace runs its host-free step, the
+            base included); False otherwise (torch's optimizers insert a graph break in ``step``).
 
     Returns:
         A ``CompiledStep`` (callable; ``compile_seconds`` after its third call).
@@ -109,10 +109,10 @@ def compile_step(opt: torch.optim.Optimizer, *, mode: str | None = "default", ba
 
     if mode == "default":
         mode = default_mode(opt)
-    if fullgraph is None:
-        fullgraph = (isinstance(opt, Muon) and opt.on_nonfinite == "skip") or (
-            isinstance(opt, MagnitudeDirection) and md_core.one_graph(opt))
     for o in (opt, getattr(opt, "base_optimizer", None)):  # a manifold without retract_host_free: refused now
         if isinstance(o, Muon) and o.host_free is not False:
             o.check_host_free()
+    if fullgraph is None:
+        fullgraph = (isinstance(opt, Muon) and opt.one_graph()) or (
+            isinstance(opt, MagnitudeDirection) and md_core.one_graph(opt))
     return CompiledStep(opt, mode, backend, fullgraph)

@@ -66,9 +66,10 @@ def own_adam(base: torch.optim.Optimizer) -> bool:
 
 def one_graph(md: MagnitudeDirection) -> bool:
     """Whether ``torch.compile(md.step)`` is one graph (no host read): ``on_nonfinite="skip"`` and a base whose step
-    is masked on the device — torch's Adam/AdamW (``own_adam``) or a Muon with ``on_nonfinite="skip"``."""
+    is masked on the device — torch's Adam/AdamW (``own_adam``) or a Muon whose step is one graph
+    (``Muon.one_graph``)."""
     base = md.base_optimizer
-    return md.on_nonfinite == "skip" and (own_adam(base) or (isinstance(base, Muon) and base.on_nonfinite == "skip"))
+    return md.on_nonfinite == "skip" and (own_adam(base) or (isinstance(base, Muon) and base.one_graph()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -534,6 +534,14 @@ class Muon(StepChecks, torch.optim.Optimizer):
                         self._refuse_pretrained(gi, group, i, p, "step refused")
         return work
 
+    def one_graph(self) -> bool:
+        """Whether ``torch.compile(opt.step)`` traces one graph: ``on_nonfinite="skip"`` (with ``"raise"`` the check
+        is a host read) and every manifold group's manifold has a host-free retraction (else that group steps
+        eagerly, a graph break; ``manifold_step.host_free_supported``)."""
+        return self.on_nonfinite == "skip" and all(
+            group["algorithm"] != "muon" or group["manifold"] is None
+            or manifold_step.host_free_supported(self._manifold(group)) for group in self.param_groups)
+
     def check_host_free(self, groups: Iterable[dict[str, Any]] | None = None) -> None:
         """Raise, changing nothing, the TypeError a host-free or compiled step raises for a manifold group whose
         manifold class does not implement ``retract_host_free`` (``manifold_step.host_free_supported``), over
