@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weightgeom.optim.sharded import is_dtensor
+from weightgeom.optim.sharded import is_dtensor, local
 from weightgeom.optim.state_checks import check_state_finite, state_entries
 
 __all__ = ["SUPPORTED_DTYPES", "PARAM_SHAPED_STATE", "is_bookkeeping_key", "held_shape", "dtype_supported",
@@ -351,7 +351,7 @@ def check_saved_state(who: str, groups: Sequence[Mapping[str, Any]], sd: Mapping
 def held_shape(t: torch.Tensor) -> tuple[int, ...]:
     """The shape a rank holds of a state tensor: a DTensor's local shard's (the state of an elementwise FSDP2
     parameter, sharded like it), else the tensor's."""
-    return tuple((t.to_local() if is_dtensor(t) else t).shape)
+    return tuple(local(t).shape)
 
 
 def is_torch_optimizer(opt: torch.optim.Optimizer) -> bool:
@@ -365,7 +365,7 @@ def param_shape(p: torch.Tensor) -> tuple[int, ...] | frozenset[tuple[int, ...]]
     elementwise parameter, stepped on the shard: a DTensor sharded like p, or a plain shard in older per-rank
     checkpoints) or its whole shape (a matrix stepped whole on its owner rank, e.g. a magnitude–direction matrix)."""
     if is_dtensor(p):
-        return frozenset({tuple(p.shape), tuple(p.to_local().shape)})
+        return frozenset({tuple(p.shape), held_shape(p)})
     return tuple(p.shape)
 
 

@@ -26,7 +26,7 @@ import torch
 from weightgeom.optim.md_functional import _ZERO_NORM, gain_init, normalize_rows_, sphere_norm
 from weightgeom.optim.md_state import GAIN_KEYS
 from weightgeom.optim.sharded import is_dtensor
-from weightgeom.optim.state_checks import is_zero_step
+from weightgeom.optim.state_checks import is_zero_step, kept
 
 if TYPE_CHECKING:  # pragma: no cover
     from weightgeom.optim.magnitude_direction import MagnitudeDirection
@@ -177,13 +177,11 @@ def dcp_init_step(md: MagnitudeDirection) -> Callable[[], None] | None:
     """
     if torch.compiler.is_compiling() or md.state or not is_zero_step(md.param_groups):
         return None
-    kept = [(p, p.detach().clone()) for p in (*md._decoupled, *md._unit_rows)]
-    kept += [(t, t.clone()) for p in md._decoupled for t in md.state[p].values() if torch.is_tensor(t)]
+    put_back = kept([*md._decoupled, *md._unit_rows,
+                     *(t for p in md._decoupled for t in md.state[p].values() if torch.is_tensor(t))])
 
     def undo() -> None:
-        with torch.no_grad():
-            for t, v in kept:
-                t.copy_(v)
+        put_back()
         for p in md._decoupled:
             md._versions[p] = p._version  # W equals γ_r Ŵ γ_c again
 

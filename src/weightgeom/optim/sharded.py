@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from weightgeom.optim.functional import NonFiniteGradientError, first_nonfinite
 
-__all__ = ["is_dtensor", "holds_dtensors", "assign_owners", "owned_here", "local_part", "broadcast_from_owners",
-           "agreed_first_nonfinite", "step_on_owners"]
+__all__ = ["is_dtensor", "holds_dtensors", "local", "assign_owners", "owned_here", "local_part",
+           "broadcast_from_owners", "agreed_first_nonfinite", "step_on_owners"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -117,7 +117,8 @@ def holds_dtensors(param_groups: Sequence[dict[str, Any]]) -> bool:
     return any(is_dtensor(p) for g in param_groups for p in g["params"])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of ``t``: a DTensor's local shard (the same storage), else ``t`` itself."""
     return t.to_local() if is_dtensor(t) else t
 
 
@@ -190,11 +191,18 @@ def owned_here(groups: Sequence[dict[str, Any]], whole: Callable[[dict[str, Any]
     """
     if not holds_dtensors(groups) or not dist.is_initialized():
         return None
-    wholes = [(f"{gi}.{i}", p) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])
-              if is_dtensor(p) and whole(g, p)]
-    owner = assign_owners([(k, p.numel()) for k, p in wholes], dist.get_world_size())
+    wholes, owner = _whole_owners(groups, whole, dist.get_world_size())
     rank = dist.get_rank()
     return {id(p) for k, p in wholes if owner[k] == rank}
+
+
+def _whole_owners(groups: Sequence[dict[str, Any]], whole: Callable[[dict[str, Any], torch.Tensor], bool],
+                  world: int) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+    """The whole-matrix DTensor parameters of ``groups`` keyed ``"group.index"``, and each key's owner rank
+    (``assign_owners``): the one assignment ``step_on_owners`` steps by and ``owned_here`` reports."""
+    wholes = [(f"{gi}.{i}", p) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])
+              if is_dtensor(p) and whole(g, p)]
+    return wholes, assign_owners([(k, p.numel()) for k, p in wholes], world)
 
 
 def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None], *,
@@ -253,13 +261,12 @@ def step_on_owners(optimizer: torch.optim.Optimizer, update: Callable[[], None],
     device = dtensors[0].to_local().device if dtensors else torch.device("cpu")
 
     graded = [(gi, g, i, p) for gi, g, i, p in entries if p.grad is not None]
-    bad = agreed_first_nonfinite([_local(p.grad) for *_, p in graded], device)
+    bad = agreed_first_nonfinite([local(p.grad) for *_, p in graded], device)
     if bad is not None:
         gi, g, i, p = graded[bad]
         raise NonFiniteGradientError.refused(who, name(gi, g, i), tuple(p.shape))
 
-    wholes = [(f"{gi}.{i}", p) for gi, g, i, p in entries if is_dtensor(p) and whole(g, p)]
-    owner = assign_owners([(k, p.numel()) for k, p in wholes], world)  # as ``owned_here`` computes it
+    wholes, owner = _whole_owners(groups, whole, world)
     mapping: dict[int, torch.Tensor | None] = {}
     back: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (owner, parameter, stand-in on the owner)
     # DTensor entries of a whole matrix's state (made from the DTensor parameter at construction, e.g. MD's direction)

@@ -18,23 +18,18 @@ values and are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from weightgeom.optim.functional import first_nonfinite
-from weightgeom.optim.sharded import is_dtensor
+from weightgeom.optim.sharded import is_dtensor, local
 
-__all__ = ["StateEntry", "state_entries", "check_state_finite", "is_zero_step"]
+__all__ = ["StateEntry", "state_entries", "check_state_finite", "is_zero_step", "kept"]
 
 StateEntry = tuple[str, str, torch.Tensor]
 """(parameter label, state key, tensor): one floating state tensor to check, labelled for the refusal."""
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """The values a rank holds: a DTensor's local shard, else the tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def state_entries(label: str, state: Any, prefix: str = "") -> list[StateEntry]:
@@ -69,7 +64,7 @@ def check_state_finite(who: str, entries: Sequence[StateEntry]) -> None:
     Raises:
         ValueError: one line naming the parameter, the state key and how many entries are NaN/Inf; nothing loaded.
     """
-    live = [(label, key, _values(t)) for label, key, t in entries if t.device.type != "meta"]
+    live = [(label, key, local(t)) for label, key, t in entries if t.device.type != "meta"]
     bad = first_nonfinite([t for *_, t in live])
     if bad is None:
         return
@@ -90,7 +85,20 @@ def is_zero_step(param_groups: Sequence[dict[str, Any]]) -> bool:
     if torch.compiler.is_compiling() or any(float(g["lr"]) != 0.0 for g in param_groups if "lr" in g):
         return False
     grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
-    zero = torch.tensor(float(all(not bool(_values(t).any()) for t in grads)))
+    zero = torch.tensor(float(all(not bool(local(t).any()) for t in grads)))
     if any(is_dtensor(t) for t in grads) and torch.distributed.is_initialized():
         torch.distributed.all_reduce(zero, op=torch.distributed.ReduceOp.MIN)
     return bool(zero)
+
+
+def kept(tensors: Iterable[torch.Tensor]) -> Callable[[], None]:
+    """Copies of ``tensors`` taken now, and the function that writes them back in place (no autograd): how Muon and
+    MagnitudeDirection undo what ``is_zero_step``'s step changed of their parameters and tensors."""
+    saved = [(t, t.detach().clone()) for t in tensors]
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for t, v in saved:
+                t.copy_(v)
+
+    return put_back

@@ -37,7 +37,7 @@ from weightgeom.optim.checks import (
 )
 from weightgeom.optim.muon_checks import MUON_DEFAULTS, validate_values
 from weightgeom.optim.muon_layout import DUAL_STATE, STRUCTURAL_KEYS, dual_dtype, param_name, state_shapes, structural
-from weightgeom.optim.state_checks import is_zero_step
+from weightgeom.optim.state_checks import is_zero_step, kept
 
 __all__ = ["TORCH_MUON", "ADAMW_EPS", "is_torch_muon_group", "rename_old_adamw_eps",
            "loadable_group", "check_state_dict", "restore_dual_dtype", "adopt_manifolds", "restore_manifolds",
@@ -280,11 +280,4 @@ def dcp_init_step(param_groups: Sequence[dict[str, Any]], state: Mapping[Any, An
     """
     if state or not any(g.get("manifold") for g in param_groups) or not is_zero_step(param_groups):
         return None
-    kept = [(p, p.detach().clone()) for g in param_groups if g.get("manifold") for p in g["params"]]
-
-    def undo() -> None:
-        with torch.no_grad():
-            for p, v in kept:
-                p.copy_(v)
-
-    return undo
+    return kept(p for g in param_groups if g.get("manifold") for p in g["params"])
