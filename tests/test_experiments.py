@@ -202,7 +202,9 @@ def test_sweep_runs_resumes_and_reports_manifolds(tmp_path, base_cfg, capsys):
     assert st["hetero-s0"] == "done" and st["all-dgram-s1"] == "diverged" and st["hetero-md-s1"] == "failed"
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["recipe"] == "manifolds" and len(saved["runs"]) == 14
-    assert json.loads((out / "hetero-s0" / "experiment.json").read_text())["variant"] == "hetero"
+    exp = json.loads((out / "hetero-s0" / "experiment.json").read_text())
+    assert exp["variant"] == "hetero" and exp["final"] == next(r["final"] for r in manifest["runs"] if r["name"] == "hetero-s0")
+    assert "final" not in json.loads((out / "hetero-md-s1" / "experiment.json").read_text())  # failed: no result
     # resume: only the failed run is tried again
     calls.clear()
     execute("manifolds", str(base_cfg), seeds=[0, 1], steps=40, out=out, train_fn=counting, report=False)

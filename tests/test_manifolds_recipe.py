@@ -8,6 +8,7 @@ import math
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -18,6 +19,7 @@ from weightgeom.diagnostics.monitors import collect, logit_stats
 from weightgeom.experiments.callbacks import build_callbacks
 from weightgeom.experiments.cli import execute, get_recipe
 from weightgeom.experiments.manifolds import ATTRIBUTION_ARMS, DEFAULT_LADDER, PAPER_STRATEGIES
+from weightgeom.experiments.report.common import fmt
 from weightgeom.experiments.report.manifolds import (
     attention_comparison,
     boundary_table,
@@ -172,6 +174,50 @@ def test_long_record_says_whether_divergence_followed_saturation(monkeypatch, sa
     else:
         assert f"DGram attention 1 of 1 (all-dgram ×8 at step {diverged_at})" in verdict
         assert "**Reproduced at this size**" in verdict
+
+
+def test_trend_recovers_a_planted_growth_rate_and_extrapolates_it():
+    steps = np.arange(2000, 10001, 50)
+    sigma = pd.Series(2.0 * 1.5 ** (steps / 1000), index=steps)
+    per, (at15, at20) = report_manifolds.trend(sigma, 6000, log=True)
+    assert per == pytest.approx(1.5, rel=1e-9)
+    assert at15 == pytest.approx(2.0 * 1.5 ** 15, rel=1e-9) and at20 == pytest.approx(2.0 * 1.5 ** 20, rel=1e-9)
+    sat = pd.Series(0.02 + 0.01 * steps / 1000, index=steps)
+    per, (at15, at20) = report_manifolds.trend(sat, 6000, log=False)
+    assert per == pytest.approx(0.01) and at15 == pytest.approx(0.17) and at20 == pytest.approx(0.22)
+    per, at = report_manifolds.trend(pd.Series(0.3 + 0.1 * steps / 1000, index=steps), 6000, log=False)
+    assert at == [1.0, 1.0]  # a fraction: the line is clipped to [0, 1]
+    per, at = report_manifolds.trend(sigma.iloc[:2], 0, log=True)  # too few points: no line
+    assert math.isnan(per) and all(math.isnan(v) for v in at)
+
+
+def test_constant_lr_report_gives_the_divergence_step_or_the_growth_and_the_training_time(monkeypatch):
+    """`long-const`'s report: a diverged DGram-attention run by its step, one that ran to the end by its growth per
+    1,000 steps (fitted on the later half after warm-up) and the values extrapolated to the paper's 15k/20k."""
+    steps = list(range(0, 10001, 50))
+    grow = {"qk_sigma_prod": [2.0 * 1.2 ** (s / 1000) for s in steps], "logit_max": [10.0 * 1.1 ** (s / 1000)
+                                                                                        for s in steps]}
+    monkeypatch.setattr(report_manifolds, "diag_aggregate", lambda run, suffix, how="max": pd.Series(
+        grow[suffix], index=steps))
+    monkeypatch.setattr(report_manifolds, "head_saturation_series", lambda run: pd.Series(
+        [0.1 + 0.005 * s / 1000 for s in steps], index=steps))
+    monkeypatch.setattr(report_manifolds, "loss_series", lambda run, split="val": pd.Series([3.0, 2.0],
+                                                                                             index=[0, 10000]))
+    monkeypatch.setattr(report_manifolds, "run_file", lambda run, name, shape: {"device_kind": "CPU test"})
+    runs = [_Run("d", "all-dgram", None), _Run("h", "hetero-inv", 4200), _Run("s", "hetero", None)]
+    for r in runs:
+        r.status["step"] = 10000 if not r.diverged else r.status["step"]
+        r.config["schedule"] = {"kind": "constant", "warmup": 200}
+        r.experiment["final"] = {"train_time_s": 3600.0}
+    lines = "\n".join(report_manifolds.constant_lr_lines([report_manifolds.long_record(r) for r in runs]))
+    assert "- all-dgram ×8: no divergence in 10,000 steps. Over steps 5,100–10,000, σQ·σK changes ×1.2 per " in lines
+    assert f"line at 15k/20k: {fmt(2.0 * 1.2 ** 15)}/{fmt(2.0 * 1.2 ** 20)}" in lines
+    assert "logit max ×1.1 (" in lines and "head saturation +0.005 (" in lines
+    assert "- hetero-inv ×8: diverged at step 4200." in lines
+    assert "hetero ×8" not in lines.split("| ")[-1] and "- hetero ×8" not in lines  # Stiefel attention: table only
+    assert "3.0 h over 3 of 3 runs, on CPU test" in lines
+    cosine = report_manifolds.long_record(_Run("c", "all-dgram", None))  # no schedule recorded: not constant
+    assert report_manifolds.constant_lr_lines([cosine]) == []
 
 
 def test_report_names_the_msign_arithmetic_of_the_published_algorithm():

@@ -960,7 +960,8 @@ class _Sweep:
                 print(f"{self.tag(i)}: FAILED {payload}", file=sys.stderr, flush=True)
         rec["wall_s"] = round(wall, 2)
         if run_dir.is_dir():
-            _write_json(run_dir / EXPERIMENT_FILE, {**spec.experiment_record(), "wall_s": rec["wall_s"]})
+            done = {"final": rec["final"]} if rec.get("final") else {}  # e.g. train_time_s, summed over resumes
+            _write_json(run_dir / EXPERIMENT_FILE, {**spec.experiment_record(), "wall_s": rec["wall_s"], **done})
         self._post(i)
         self.write_manifest()
         self.done_count += 1

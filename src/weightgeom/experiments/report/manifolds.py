@@ -38,7 +38,7 @@ from weightgeom.experiments.report.common import (
     run_metrics,
     tagged,
 )
-from weightgeom.experiments.report.inputs import CONTROLS, md_code, md_text, plot_text
+from weightgeom.experiments.report.inputs import CONTROLS, META, md_code, md_text, plot_text
 from weightgeom.optim.param_groups import STRATEGIES
 
 # The manifold-assignment paper's numbers (K. Yoshihara, arXiv:2606.13276; GPT-2 small, OpenWebText, 50k iters)
@@ -805,7 +805,11 @@ def long_record(run: RunData) -> dict:
         follows = f"no: diverged at {div} without saturation"
     finite = [float(x) for x in (sp.max() if len(sp) else math.nan, lg.max() if len(lg) else math.nan)]
     control = run.tags.get("control")
+    sched = run.config.get("schedule") or {}
+    train_time = (run.experiment.get("final") or {}).get("train_time_s")
     return {"run": run, "strategy": str(run.tags.get("strategy", "?")) + (f"+{control}" if control else ""),
+            "schedule": str(sched.get("kind", "?")), "warmup": int(sched.get("warmup") or 0),
+            "train_time": float(train_time) if isinstance(train_time, (int, float)) else math.nan,
             "lr": run.tags.get("lr"),
             "mult": run.tags.get("lr_multiplier"), "msign": str(run.tags.get("msign_dtype", "?")),
             "attn": _attn_manifold(run), "steps": run.status.get("step"), "diverged": div,
@@ -857,6 +861,111 @@ def long_verdict(records: Sequence[dict]) -> list[str]:
             lines.append(f"- **Not reproduced at this size**: Stiefel attention diverged as often or more "
                          f"({st_div} vs {dg_div}).")
     return lines
+
+
+PAPER_BLOWUP_STEPS = (15_000, 20_000)
+"""Where the manifold-assignment paper's published val-loss curves blow up (ALL-DGRAM near step 15k, HETERO-INV near
+20k, of a 50k cosine schedule): the steps a constant-learning-rate run's growth is extrapolated to."""
+
+TREND_WINDOW = 0.5
+"""Fraction of a constant-learning-rate run's steps after warm-up, counted back from its last step, through which
+the growth line is fitted (the later half: the early transient left out)."""
+
+
+def trend(s: pd.Series, start: int, log: bool, at: Sequence[int] = PAPER_BLOWUP_STEPS) -> tuple[float, list[float]]:
+    """A least-squares line through a step-indexed series over steps ≥ ``start``.
+
+    Args:
+        s: values indexed by training step.
+        start: first step of the fit.
+        log: fit log(value) (positive quantities that grow by factors: σQ·σK, logit max) instead of the value (a
+            fraction: head saturation).
+        at: steps to extrapolate the line to.
+
+    Returns:
+        The change per 1,000 steps (a factor when ``log``, else a difference) and the line's value at each step of
+        ``at`` (a fraction, clipped to [0, 1], when not ``log``); NaNs when fewer than 3 finite points are in the
+        window.
+    """
+    s = s[(s.index >= start) & np.isfinite(s.values)] if len(s) else s
+    if log:
+        s = s[s > 0]
+    if len(s) < 3:
+        return math.nan, [math.nan] * len(at)
+    x = s.index.to_numpy(dtype=float)
+    y = np.log(s.to_numpy(dtype=float)) if log else s.to_numpy(dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    line = [float(intercept + slope * a) for a in at]
+    if log:
+        return math.exp(1000.0 * slope), [math.exp(v) for v in line]
+    return 1000.0 * float(slope), [min(1.0, max(0.0, v)) for v in line]
+
+
+def trend_record(r: dict) -> dict:
+    """A constant-learning-rate long run (:func:`long_record`'s record): the fit window, and per link of the chain
+    (``sigma``, ``logit``, ``sat``) the last value, the change per 1,000 steps and the values extrapolated to
+    :data:`PAPER_BLOWUP_STEPS` (:func:`trend`)."""
+    last = int(r["steps"] or 0)
+    start = int(last - TREND_WINDOW * max(0, last - r["warmup"]))
+    out = {"from": start, "to": last}
+    for key, series, log in zip(("sigma", "logit", "sat"), r["curves"][:3], (True, True, False)):
+        out[key] = (final_value(series), *trend(series, start, log))
+    return out
+
+
+def _per_1k(x: float, log: bool) -> str:
+    return "—" if not math.isfinite(x) else (f"×{x:.3g}" if log else f"{x:+.3g}")
+
+
+def constant_lr_lines(records: Sequence[dict]) -> list[str]:
+    """At a constant learning rate (preset ``long-const``): per run how it ended, and for the runs that did not
+    diverge the growth per 1,000 steps of σQ·σK, logit max and head saturation and where each line leads at the
+    paper's blow-up steps; then in words for the DGram-attention runs, and the training time."""
+    recs = [r for r in records if r["schedule"] == "constant"]
+    if not recs:
+        return []
+    a, b = PAPER_BLOWUP_STEPS
+    rows, words = [], []
+    for r in recs:
+        t = trend_record(r)
+        end = f"diverged at {r['diverged']}" if r["diverged"] is not None else f"ran to {t['to']:,}"
+        cells = []
+        for key, log in (("sigma", True), ("logit", True), ("sat", False)):
+            last, per, (at_a, at_b) = t[key]
+            cells += [fmt(last), _per_1k(per, log), f"{fmt(at_a)} / {fmt(at_b)}" if r["diverged"] is None else "—"]
+        hours = r["train_time"] / 3600 if math.isfinite(r["train_time"]) else math.nan
+        rows.append([md_code(r["run"].name), md_text(r["strategy"]), f"{float(r['lr']):g} ({_times(r['mult'])})", end,
+                     *cells,
+                     fmt(hours, 2)])
+        if r["attn"] == "dgram":
+            if r["diverged"] is not None:
+                words.append(f"- {md_text(r['strategy'])} {_times(r['mult'])}: diverged at step {r['diverged']}.")
+            else:
+                (s_last, s_per, s_at), (l_last, l_per, l_at), (q_last, q_per, q_at) = t["sigma"], t["logit"], t["sat"]
+                words.append(
+                    f"- {md_text(r['strategy'])} {_times(r['mult'])}: no divergence in {t['to']:,} steps. Over steps "
+                    f"{t['from']:,}–{t['to']:,}, σQ·σK changes {_per_1k(s_per, True)} per 1,000 steps (now "
+                    f"{fmt(s_last)}, line at {a // 1000}k/{b // 1000}k: {fmt(s_at[0])}/{fmt(s_at[1])}), logit max "
+                    f"{_per_1k(l_per, True)} ({fmt(l_last)} → {fmt(l_at[0])}/{fmt(l_at[1])}), head saturation "
+                    f"{_per_1k(q_per, False)} ({fmt(q_last)} → {fmt(q_at[0])}/{fmt(q_at[1])}).")
+    times = [r["train_time"] for r in recs if math.isfinite(r["train_time"])]
+    kinds = sorted({str((run_file(r["run"], "meta.json", META) or {}).get("device_kind", "?")) for r in recs})
+    total = (f"Training time (steps and diagnostics, evaluation left out, summed over resumed sittings): "
+             f"{sum(times) / 3600:.1f} h over {len(times)} of {len(recs)} runs, on {md_text(', '.join(kinds))}."
+             if times else "")
+    return ["#### At a constant learning rate: growth per 1,000 steps and where it leads", "",
+            f"Runs whose learning rate stays at its peak after warm-up. For each run that did not diverge, a "
+            f"least-squares line through the later {TREND_WINDOW:.0%} of its post-warm-up steps: σQ·σK and logit max "
+            f"as a factor per 1,000 steps (a line in log scale), head saturation as a change of the fraction per "
+            f"1,000 steps; then the line's value at steps {a:,} and {b:,}, where the paper's ALL-DGRAM and "
+            f"HETERO-INV blew up. An extrapolation, not a measurement: it assumes the trend of the fitted window "
+            f"continues.", "",
+            md_table(["run", "strategy", "Muon lr", "end", "σQ·σK (last)", "σQ·σK per 1k steps",
+                      f"σQ·σK at {a // 1000}k / {b // 1000}k", "logit max (last)", "logit max per 1k steps",
+                      f"logit max at {a // 1000}k / {b // 1000}k", "saturation (last)", "saturation per 1k steps",
+                      f"saturation at {a // 1000}k / {b // 1000}k", "train time (h)"], rows), "",
+            *(words or ["- No DGram-attention run without a scale control at a constant learning rate."]),
+            *([total] if total else []), ""]
 
 
 def plot_long(records: Sequence[dict], path: Path) -> Path | None:
@@ -935,7 +1044,8 @@ def long_section(runs: Sequence[RunData], out: Path) -> str:
              md_table(["run", "strategy", "Muon lr", "dual-ascent msign", "steps", "final val loss", "σQ·σK",
                        f"σQ·σK > {SIGMA_PRODUCT_CROSSED:g} at", "logit max", f"logit > {LOGIT_CROSSED:g} at",
                        "head saturation (max)", f"saturation > {SATURATION_SEEN:g} at", "diverged at",
-                       "divergence after saturation?"], rows), "", *long_verdict(records), ""]
+                       "divergence after saturation?"], rows), "", *long_verdict(records), "",
+             *constant_lr_lines(records)]
     lines += image_lines(plot_long(records, out / "manifolds_long.png"), "long-run time courses")
     lines += image_lines(plot_heads(runs, out / "manifolds_long_heads.png"), "per-head statistics")
     return "\n".join(lines)
