@@ -304,9 +304,24 @@ def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
     # a rerun with the same settings resumes (nothing recomputed); other settings are refused
     again = run_compress_sweep(cfg, tmp_path / "sw", lm=smollm, progress=False)
     assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in rec["rows"]]
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(arms, savings\)"):  # points would be dropped
         run_compress_sweep(CompressSweep(model=cfg.model, roles=("K",), savings=(0.25,), arms=("input",),
                                          tokens=16, context=16), tmp_path / "sw", lm=smollm, progress=False)
+    # a grown grid (every earlier point still in it) reuses the earlier rows and computes only the new points
+    grown = run_compress_sweep(CompressSweep(model=cfg.model, roles=("K",), savings=(0.5, 0.25),
+                                             arms=("input", "output", "random"), tokens=16, context=16),
+                               tmp_path / "sw", lm=smollm, progress=False)
+    assert grown["rows"][:3] == rec["rows"] and [r["savings_target"] for r in grown["rows"][3:]] == [0.25] * 3
+
+
+def test_a_compression_sweep_resumes_into_a_grown_grid_only():
+    from weightgeom.experiments.compression import _changed_settings
+
+    old = {"model": "m", "savings": [0.2], "methods": ["svd-w", "auto-a"], "arms": ["input"], "tokens": 1024}
+    assert _changed_settings(old, dict(old)) == []
+    assert _changed_settings(old, {**old, "savings": [0.2, 0.1], "methods": ["svd-w", "paper-a", "auto-a"]}) == []
+    assert _changed_settings(old, {**old, "savings": [0.1]}) == ["savings"]  # 0.2's rows would be dropped
+    assert _changed_settings(old, {**old, "tokens": 512, "model": "n"}) == ["model", "tokens"]  # not grid axes
 
 
 def test_real_gguf_streamed_compress_maps_onto_the_transformers_model(smollm, tmp_path):

@@ -327,15 +327,14 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     """
     import torch
 
-
     cfg.check()
     out = Path(out)
     settings = _settings(cfg)
     rows: list[dict] = []
     if resume and (out / "compress.json").exists():
         old = read_json(out / "compress.json", what="compression sweep record")
-        if old.get("settings") != settings:
-            diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
+        diff = _changed_settings(old.get("settings") or {}, settings)
+        if diff:
             raise ValueError(f"{out} holds a compression sweep with other settings ({', '.join(diff)}); choose "
                              "another --out or pass --no-resume")
         rows = list(old.get("rows", []))
@@ -392,6 +391,23 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     return record
 
 
+GRID_AXES = ("savings", "methods", "arms")
+"""Settings that list the grid's points. A rerun into the same ``--out`` may add points along them (every earlier
+point stays in the grid, so its row is reused and nothing computed is dropped); any other change is refused."""
+
+
+def _changed_settings(old: dict, new: dict) -> list[str]:
+    """The settings of ``new`` that a resume cannot accept from an ``old`` record: any that differ, except a grid
+    axis (:data:`GRID_AXES`) whose new list holds every old entry."""
+    def accepted(k: str) -> bool:
+        if old.get(k) == new[k]:
+            return True
+        return (k in GRID_AXES and isinstance(old.get(k), list) and isinstance(new[k], list)
+                and all(v in new[k] for v in old[k]))
+
+    return sorted(k for k in new if not accepted(k))
+
+
 def _settings(cfg: CompressSweep) -> dict:
     d = asdict(cfg)
     return json.loads(json.dumps(d))
@@ -399,7 +415,6 @@ def _settings(cfg: CompressSweep) -> dict:
 
 def _write(out: Path, record: dict, cfg: CompressSweep, title: str, plot: bool) -> None:
     import pandas as pd
-
 
     rows = record["rows"]
     write_atomic(out / "compress.json", json.dumps(record, indent=1, default=str))
