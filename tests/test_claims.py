@@ -278,6 +278,27 @@ def test_merge_heads_each_claim_with_its_longest_runs():
     assert "| **reproduced** | b: `weightgeom sweep manifolds long`; not reproduced in tiny-shakespeare |" in row
 
 
+@pytest.mark.parametrize("gemma_verdict,verdict", [("partly reproduced", "partly reproduced"),
+                                                      ("reversed", "inconclusive")])
+def test_merge_pools_the_pretrained_sharing_claim_over_the_models(gemma_verdict, verdict):
+    """One whole-model compression sweep per model: one claims row, the models' common verdict, inconclusive when
+    they disagree; a finding of another kind (per-role weight-only sweep) stays beside it."""
+    smol = cl.Finding("c-pretrained", "partly reproduced", "SmolLM2: 176 vs 269 vs 178",
+                      "weightgeom sweep continuity compress-model", 0, 32, "CPU AVX512-BF16, 2 cores")
+    gemma = cl.Finding("c-pretrained", gemma_verdict, "gemma: 417 vs 617 vs 424",
+                       "weightgeom sweep continuity compress-gemma", 0, 32, "CPU AVX512-BF16, 2 cores")
+    per_role = cl.Finding("c-pretrained", "not reproduced", "per role", "weightgeom sweep manifolds long", 3000, 4,
+                          "d")
+    merged = cp.merge([gemma, smol, per_role])["c-pretrained"]
+    assert len(merged) == 2 and merged[0] is per_role  # a trained finding is not a model's (and heads: more steps)
+    pooled = merged[1]
+    assert pooled.verdict == verdict and pooled.runs == 64 and pooled.device == "CPU AVX512-BF16, 2 cores"
+    assert pooled.evidence.endswith("gemma: 417 vs 617 vs 424; SmolLM2: 176 vs 269 vs 178")  # by source
+    assert pooled.evidence.startswith("inconclusive (the models disagree)") == (verdict == "inconclusive")
+    assert pooled.source == "weightgeom sweep continuity compress-gemma and weightgeom sweep continuity compress-model"
+    assert cp.merge([smol])["c-pretrained"] == [smol]  # one model: as it is
+
+
 # ------------------------------------------------------------------------------- the repository's own pages
 def test_readme_and_results_page_are_generated_from_the_recorded_claims():
     """README's claims table and docs/results.md are exactly what `weightgeom claims docs/results/claims.json`

@@ -3,7 +3,9 @@
 
 Merging: a claim tested by several sweeps keeps every finding; its headline verdict is the finding from the longest
 runs (most training steps; then most runs), since the papers' effects grow with training length. The README row shows
-the headline and names the others; ``docs/results.md`` lists every finding with its rule and source.
+the headline and names the others; ``docs/results.md`` lists every finding with its rule and source. The
+pretrained-sharing claim is decided over every model measured: one whole-model compression sweep per model, pooled
+into one finding (:data:`POOLED_OVER_MODELS`).
 """
 
 from __future__ import annotations
@@ -60,9 +62,37 @@ def read_claims(path: Path, problems: Problems) -> list[Finding]:
     return out
 
 
+POOLED_OVER_MODELS = {"c-pretrained"}
+"""Claims decided over every pretrained model measured (one whole-model compression sweep per model): their findings
+from such sweeps are pooled into one, whose verdict is theirs when they agree and ``inconclusive`` (the models
+disagree) when not — the rule of :func:`weightgeom.experiments.report.claims.compress_model_findings`."""
+
+
+def _model_sweep(f: Finding) -> bool:
+    """A finding of a whole-model compression sweep (``weightgeom sweep continuity compress…``; nothing trains)."""
+    return f.steps == 0 and _command(f).startswith("weightgeom sweep continuity compress")
+
+
+def pool_models(fs: Sequence[Finding]) -> list[Finding]:
+    """One finding from the findings of several models' compression sweeps (see :data:`POOLED_OVER_MODELS`); other
+    findings are kept as they are."""
+    models = [f for f in fs if _model_sweep(f)]
+    if len(models) < 2:
+        return list(fs)
+    models.sort(key=lambda f: f.source)
+    verdicts = {f.verdict for f in models}
+    verdict = models[0].verdict if len(verdicts) == 1 else "inconclusive"
+    lead = "" if len(verdicts) == 1 else "inconclusive (the models disagree); "
+    pooled = Finding(models[0].key, verdict, lead + "; ".join(f.evidence for f in models),
+                     " and ".join(dict.fromkeys(f.source for f in models)), 0, sum(f.runs for f in models),
+                     ", ".join(dict.fromkeys(f.device for f in models)))
+    return [pooled, *[f for f in fs if not _model_sweep(f)]]
+
+
 def merge(findings: Iterable[Finding]) -> dict[str, list[Finding]]:
     """Claim key -> its findings, headline first (most steps, then most runs); every claim present (possibly
-    empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once."""
+    empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once; the
+    models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
     seen = set()
     for f in findings:
@@ -70,6 +100,8 @@ def merge(findings: Iterable[Finding]) -> dict[str, list[Finding]]:
         if ident not in seen:
             seen.add(ident)
             out[f.key].append(f)
+    for key in POOLED_OVER_MODELS:
+        out[key] = pool_models(out[key])
     for fs in out.values():
         fs.sort(key=lambda f: (-f.steps, -f.runs, f.source))
     return out
