@@ -51,6 +51,7 @@ from weightgeom.analysis.compress_budget import allocate, role_curves
 from weightgeom.analysis.compress_choice import choose_by_loss
 from weightgeom.analysis.perplexity import perplexity_of_ids
 from weightgeom.analysis.roles import assign_roles
+from weightgeom.experiments.report.common import arm_style
 
 __all__ = ["METHODS", "MODEL_ROLES", "method_config", "model_point", "run_model_sweep", "model_table_md",
            "plot_model"]
@@ -219,7 +220,8 @@ def plot_model(rows: list[dict], baseline: float, path: Path, title: str) -> Pat
     colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
     for ax, shown, log in ((axes[0][0], lines, True), *(((axes[0][1], usable, False),) if usable else ())):
         for m, pts in shown.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=LABELS[m])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[m], label=LABELS[m], fillstyle="none",
+                    **arm_style(METHODS.index(m)))  # marker and dash apart too: overlapping lines stay visible
         ax.axhline(baseline, color="k", ls="--", lw=1, label="uncompressed")
         if log:
             ax.set_yscale("log")
