@@ -312,6 +312,7 @@ def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
                                              arms=("input", "output", "random"), tokens=16, context=16),
                                tmp_path / "sw", lm=smollm, progress=False)
     assert grown["rows"][:3] == rec["rows"] and [r["savings_target"] for r in grown["rows"][3:]] == [0.25] * 3
+    assert grown["wall_s"] > again["wall_s"] > rec["wall_s"]  # summed over the invocations into the directory
 
 
 def test_a_compression_sweep_resumes_into_a_grown_grid_only():

@@ -329,6 +329,23 @@ def test_eval_compare_verdict_in_plain_words(nll, base_nll, vocab, max_ratio, sa
     assert says in _verdict(comp, base, vocab, max_ratio)
 
 
+def test_model_scope_sweep_resumed_keeps_its_continuity_analysis_and_sums_its_wall_time(tiny_lm, tmp_path,
+                                                                                         monkeypatch):
+    import weightgeom.experiments.compression as comp
+
+    monkeypatch.setattr(comp, "resolve_model", lambda model: model)
+    cfg = comp.CompressSweep(model="tiny", roles=("Q", "K"), savings=(0.3,), scope="model", methods=("shared",),
+                             tokens=30, context=16, calibration_tokens=48, layers_per_group=2)
+    first = comp.run_compress_sweep(cfg, tmp_path, lm=tiny_lm, progress=False)
+    assert set(first["spaces"]) == {"Q", "K"}  # the weight-only method's continuity analysis
+    grown = comp.run_compress_sweep(comp.CompressSweep(**{**cfg.__dict__, "methods": ("shared", "svd")}), tmp_path,
+                                    lm=tiny_lm, progress=False)
+    assert [r["method"] for r in grown["rows"]] == ["shared", "svd"]
+    assert grown["rows"][0]["ppl"] == first["rows"][0]["ppl"]  # reused, not recomputed
+    assert grown["spaces"] == first["spaces"]  # not recomputed, not lost
+    assert grown["wall_s"] > first["wall_s"]
+
+
 def test_model_scope_sweep_compresses_every_role_per_method_and_restores_the_weights(tiny_lm, tmp_path):
     from weightgeom.analysis.perplexity import perplexity_of_ids
     from weightgeom.experiments.compression import CompressSweep, _write

@@ -203,7 +203,8 @@ def test_sweep_runs_resumes_and_reports_manifolds(tmp_path, base_cfg, capsys):
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["recipe"] == "manifolds" and len(saved["runs"]) == 14
     exp = json.loads((out / "hetero-s0" / "experiment.json").read_text())
-    assert exp["variant"] == "hetero" and exp["final"] == next(r["final"] for r in manifest["runs"] if r["name"] == "hetero-s0")
+    final = next(r["final"] for r in manifest["runs"] if r["name"] == "hetero-s0")
+    assert exp["variant"] == "hetero" and exp["final"] == final
     assert "final" not in json.loads((out / "hetero-md-s1" / "experiment.json").read_text())  # failed: no result
     # resume: only the failed run is tried again
     calls.clear()

@@ -331,6 +331,7 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     out = Path(out)
     settings = _settings(cfg)
     rows: list[dict] = []
+    earlier: dict = {}  # the record being resumed: its wall time and continuity analysis carry over
     if resume and (out / "compress.json").exists():
         old = read_json(out / "compress.json", what="compression sweep record")
         diff = _changed_settings(old.get("settings") or {}, settings)
@@ -338,7 +339,13 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
             raise ValueError(f"{out} holds a compression sweep with other settings ({', '.join(diff)}); choose "
                              "another --out or pass --no-resume")
         rows = list(old.get("rows", []))
+        earlier = old
     t_start = time.perf_counter()
+
+    def elapsed() -> float:
+        """Wall seconds of this sweep, summed over the invocations that filled ``out``."""
+        before = earlier.get("wall_s")
+        return (float(before) if isinstance(before, (int, float)) else 0.0) + time.perf_counter() - t_start
     model_path = resolve_model(cfg.model)
     if lm is None:
         if progress:
@@ -354,10 +361,15 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
                   flush=True)
         record = {"settings": settings, "model_path": str(model_path), "model": lm.name,
                   "device_kind": device_kind(torch.device("cpu")), "torch_threads": torch.get_num_threads(),
-                  "baseline": base.as_dict(), "spaces": {}, "rows": rows, "label": label, "scope": "model"}
-        run_model_sweep(cfg, lm, ids, base, record, rows, lambda: _write(out, record, cfg, title, plot=False),
-                        progress=progress)
-        record["wall_s"] = time.perf_counter() - t_start
+                  "baseline": base.as_dict(), "spaces": dict(earlier.get("spaces") or {}), "rows": rows,
+                  "label": label, "scope": "model"}
+
+        def write_point() -> None:
+            record["wall_s"] = elapsed()
+            _write(out, record, cfg, title, plot=False)
+
+        run_model_sweep(cfg, lm, ids, base, record, rows, write_point, progress=progress)
+        record["wall_s"] = elapsed()
         _write(out, record, cfg, title, plot=True)
         return record
     by_role = assign_roles(lm.model.state_dict())
@@ -379,13 +391,13 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
             continue
         row = _point(lm, by_role, role, arm, s, cfg, spaces[role]["space"], ids)
         rows.append(row)
-        record["wall_s"] = time.perf_counter() - t_start
+        record["wall_s"] = elapsed()
         _write(out, record, cfg, title, plot=False)
         if progress:
             print(f"  [{i + 1}/{len(grid)}] {role:4s} saved {row['saved_frac']:.0%} {arm:6s} rank {row['rank']:>7s}: "
                   f"ppl {row['ppl']:.3f} (×{row['ppl'] / base.ppl:.2f})  compress {row['compress_s']:.1f} s, eval "
                   f"{row['eval_s']:.1f} s; {record['wall_s']:.0f} s elapsed", flush=True)
-    record["wall_s"] = time.perf_counter() - t_start
+    record["wall_s"] = elapsed()
     record["verdicts"] = verdicts(rows, spaces)
     _write(out, record, cfg, title, plot=True)
     return record
@@ -504,7 +516,8 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
                                  title=f"weightgeom sweep continuity {label}: {Path(rec_model(cfg)).name}")
     if progress:
         print(format_verdicts(rec))
-        print(f"wall time {rec['wall_s']:.0f} s on {rec['device_kind']}", file=sys.stdout)
+        print(f"wall time {rec['wall_s']:.0f} s on {rec['device_kind']} (every run of this sweep into {out})",
+              file=sys.stdout)
     return {"runs": [{"name": (f"{r['method']}-{r['savings_target']:g}" if cfg.scope == "model" else
                                f"{r['role']}-{r['arm']}-{r['savings_target']:g}"), "status": "done"}
                      for r in rec["rows"]]}, out / "compress.md"

@@ -145,12 +145,12 @@ def model_point(lm, by_role, method: str, savings: float, cfg, grams, continuity
 
 
 def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, progress: bool = True) -> None:
-    """Fill ``rows`` with the (method × savings) grid of a ``scope = "model"`` preset (``write()`` after each)."""
+    """Fill ``rows`` with the (method × savings) grid of a ``scope = "model"`` preset (``write()`` after each point,
+    which also records the wall time)."""
     by_role = assign_roles(lm.model.state_dict())
     missing = [r for r in cfg.roles if r not in by_role]
     if missing:
         raise ValueError(f"model {cfg.model}: no role {missing[0]} (it has {', '.join(by_role)})")
-    t_start = time.perf_counter()
     continuity: dict[str, dict] = dict(record.get("spaces") or {})
     grams = None
     if any(method_config(m, 0.5, 1, ("Q",))[1] for m in cfg.methods):
@@ -173,7 +173,6 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
             record["spaces"] = continuity
         row = model_point(lm, by_role, m, s, cfg, grams, continuity, ids, progress=progress)
         rows.append(row)
-        record["wall_s"] = time.perf_counter() - t_start
         write()
         if progress:
             print(f"  [{i + 1}/{len(grid)}] saved {row['saved_frac']:.0%} {m:8s}: ppl {row['ppl']:.3f} "
