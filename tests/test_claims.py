@@ -295,7 +295,10 @@ def test_merge_pools_the_pretrained_sharing_claim_over_the_models(gemma_verdict,
     assert pooled.verdict == verdict and pooled.runs == 64 and pooled.device == "CPU AVX512-BF16, 2 cores"
     assert pooled.evidence.endswith("gemma: 417 vs 617 vs 424; SmolLM2: 176 vs 269 vs 178")  # by source
     assert pooled.evidence.startswith("inconclusive (the models disagree)") == (verdict == "inconclusive")
-    assert pooled.source == "weightgeom sweep continuity compress-gemma and weightgeom sweep continuity compress-model"
+    both = ["weightgeom sweep continuity compress-gemma", "weightgeom sweep continuity compress-model"]
+    assert cp.sources(pooled) == both
+    row = next(x for x in cp.readme_table(cp.merge([gemma, smol])).splitlines() if "sharing a basis" in x)
+    assert row.endswith(f": `{both[0]}` and `{both[1]}` |")
     assert cp.merge([smol])["c-pretrained"] == [smol]  # one model: as it is
 
 

@@ -68,6 +68,15 @@ from such sweeps are pooled into one, whose verdict is theirs when they agree an
 disagree) when not — the rule of :func:`weightgeom.experiments.report.claims.compress_model_findings`."""
 
 
+SOURCE_SEP = " + "
+"""Between the commands of a pooled finding's ``source`` (:func:`pool_models`)."""
+
+
+def sources(f: Finding) -> list[str]:
+    """The commands (each with its note on where it ran) a finding comes from: one, or a pooled finding's several."""
+    return f.source.split(SOURCE_SEP)
+
+
 def _model_sweep(f: Finding) -> bool:
     """A finding of a whole-model compression sweep (``weightgeom sweep continuity compress…``; nothing trains)."""
     return f.steps == 0 and _command(f).startswith("weightgeom sweep continuity compress")
@@ -84,7 +93,8 @@ def pool_models(fs: Sequence[Finding]) -> list[Finding]:
     verdict = models[0].verdict if len(verdicts) == 1 else "inconclusive"
     lead = "" if len(verdicts) == 1 else "inconclusive (the models disagree); "
     pooled = Finding(models[0].key, verdict, lead + "; ".join(f.evidence for f in models),
-                     " and ".join(dict.fromkeys(f.source for f in models)), 0, sum(f.runs for f in models),
+                     SOURCE_SEP.join(dict.fromkeys(src for f in models for src in sources(f))), 0,
+                     sum(f.runs for f in models),
                      ", ".join(dict.fromkeys(f.device for f in models)))
     return [pooled, *[f for f in fs if not _model_sweep(f)]]
 
@@ -118,13 +128,19 @@ def _size(f: Finding) -> str:
 
 
 def _command(f: Finding) -> str:
-    """The finding's command without the note on where it ran."""
-    return f.source.split(" (")[0]
+    """The finding's (first) command without the note on where it ran."""
+    return sources(f)[0].split(" (")[0]
+
+
+def _commands_md(f: Finding) -> str:
+    """The finding's commands, each as code, without the notes on where they ran."""
+    return " and ".join(md_code(src.split(" (")[0]) for src in sources(f))
 
 
 def _label(f: Finding) -> str:
-    """A short name of the finding's sweep: the preset of ``weightgeom sweep RECIPE PRESET``."""
-    return md_text(_command(f).split()[-1])
+    """A short name of the finding's sweeps: the preset of ``weightgeom sweep RECIPE PRESET`` (``+``-joined when
+    pooled)."""
+    return md_text("+".join(src.split(" (")[0].split()[-1] for src in sources(f)))
 
 
 def _bold(verdict: str) -> str:
@@ -159,7 +175,7 @@ def readme_table(merged: dict[str, list[Finding]]) -> str:
     for c in CLAIMS:
         fs = merged.get(c.key) or []
         if fs:
-            ev = f"{md_text(fs[0].evidence)}: {md_code(_command(fs[0]))}"
+            ev = f"{md_text(fs[0].evidence)}: {_commands_md(fs[0])}"
             also: dict[str, list[str]] = {}
             for f in fs[1:]:
                 also.setdefault(f.verdict, [])
@@ -203,8 +219,8 @@ def results_page(merged: dict[str, list[Finding]]) -> str:
                 lines += [f"Not tested: {c.untested or 'no recorded run tests it'}.", ""]
                 continue
             lines += ["| verdict | evidence | command | runs | device |", "|---|---|---|---|---|"]
-            lines += [f"| {f.verdict} | {md_text(f.evidence)} | {md_code(f.source)} | {_size(f)} | "
-                      f"{md_text(f.device)} |" for f in fs]
+            lines += [f"| {f.verdict} | {md_text(f.evidence)} | {' and '.join(md_code(x) for x in sources(f))} | "
+                      f"{_size(f)} | {md_text(f.device)} |" for f in fs]
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
