@@ -283,9 +283,10 @@ def test_merge_heads_each_claim_with_its_longest_runs():
 def test_merge_pools_the_pretrained_sharing_claim_over_the_models(gemma_verdict, verdict):
     """One whole-model compression sweep per model: one claims row, the models' common verdict, inconclusive when
     they disagree; a finding of another kind (per-role weight-only sweep) stays beside it."""
-    smol = cl.Finding("c-pretrained", "partly reproduced", "SmolLM2: 176 vs 269 vs 178",
+    ev = cl.MODEL_SCOPE_EVIDENCE
+    smol = cl.Finding("c-pretrained", "partly reproduced", f"SmolLM2: {ev} at 20%: 176 vs 269 vs 178",
                       "weightgeom sweep continuity compress-model", 0, 32, "CPU AVX512-BF16, 2 cores")
-    gemma = cl.Finding("c-pretrained", gemma_verdict, "gemma: 417 vs 617 vs 424",
+    gemma = cl.Finding("c-pretrained", gemma_verdict, f"gemma: {ev} at 20%: 417 vs 617 vs 424",
                        "weightgeom sweep continuity compress-gemma", 0, 32, "CPU AVX512-BF16, 2 cores")
     per_role = cl.Finding("c-pretrained", "not reproduced", "per role", "weightgeom sweep manifolds long", 3000, 4,
                           "d")
@@ -293,13 +294,23 @@ def test_merge_pools_the_pretrained_sharing_claim_over_the_models(gemma_verdict,
     assert len(merged) == 2 and merged[0] is per_role  # a trained finding is not a model's (and heads: more steps)
     pooled = merged[1]
     assert pooled.verdict == verdict and pooled.runs == 64 and pooled.device == "CPU AVX512-BF16, 2 cores"
-    assert pooled.evidence.endswith("gemma: 417 vs 617 vs 424; SmolLM2: 176 vs 269 vs 178")  # by source
+    assert pooled.evidence.endswith(f"gemma: {ev} at 20%: 417 vs 617 vs 424; SmolLM2: {ev} at 20%: 176 vs 269 vs "
+                                    "178")  # by source
     assert pooled.evidence.startswith("inconclusive (the models disagree)") == (verdict == "inconclusive")
     both = ["weightgeom sweep continuity compress-gemma", "weightgeom sweep continuity compress-model"]
     assert cp.sources(pooled) == both
     row = next(x for x in cp.readme_table(cp.merge([gemma, smol])).splitlines() if "sharing a basis" in x)
     assert row.endswith(f": `{both[0]}` and `{both[1]}` |")
     assert cp.merge([smol])["c-pretrained"] == [smol]  # one model: as it is
+    # a per-role (weight-only) compression sweep of one model is not another model: not pooled with the whole-model one
+    role_sweep = cl.Finding("c-pretrained", "reproduced", "SmolLM2: continuity over random in the paper's space Q 3×",
+                            "weightgeom sweep continuity compress", 0, 72, "CPU AMX")
+    assert sorted(f.runs for f in cp.merge([smol, role_sweep])["c-pretrained"]) == [32, 72]
+    # the record keeps each model's finding: read back, alone or beside the sweeps' own files, it pools once
+    rec = [cl.Finding(**f) for f in cp.record([gemma, smol])["findings"]]
+    assert sorted(f.source for f in rec) == sorted([gemma.source, smol.source])
+    again = cp.merge([*rec, gemma, smol])["c-pretrained"]
+    assert [f.runs for f in again] == [64] and again[0].evidence == pooled.evidence
 
 
 # ------------------------------------------------------------------------------- the repository's own pages

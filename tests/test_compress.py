@@ -315,6 +315,19 @@ def test_real_pretrained_model_sweep_at_a_tiny_token_budget(smollm, tmp_path):
     assert grown["wall_s"] > again["wall_s"] > rec["wall_s"]  # summed over the invocations into the directory
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("savings", (0.3, 0.3), "savings: 0.3 is listed twice"),
+    ("methods", ("shared", "shared"), "methods: 'shared' is listed twice"),
+    ("savings", (), "savings: the list is empty"),
+    ("methods", (), "methods: the list is empty"),
+])
+def test_a_compression_sweep_refuses_an_empty_or_repeated_grid_axis(field, value, message):
+    from weightgeom.experiments.compression import CompressSweep
+
+    with pytest.raises(ValueError, match=message):
+        CompressSweep(model="m", scope="model", **{field: value}).check()
+
+
 def test_a_compression_sweep_resumes_into_a_grown_grid_only():
     from weightgeom.experiments.compression import _changed_settings
 

@@ -189,6 +189,11 @@ def test_trend_recovers_a_planted_growth_rate_and_extrapolates_it():
     assert at == [1.0, 1.0]  # a fraction: the line is clipped to [0, 1]
     per, at = report_manifolds.trend(sigma.iloc[:2], 0, log=True)  # too few points: no line
     assert math.isnan(per) and all(math.isnan(v) for v in at)
+    per, at = report_manifolds.trend(sigma.loc[:2900], 0, log=True)  # 900 steps: too short a span to extrapolate
+    assert math.isnan(per) and all(math.isnan(v) for v in at)
+    steep = pd.Series(np.exp(0.06 * steps), index=steps)  # grows past the float range by step 20,000: inf, no error
+    per, at = report_manifolds.trend(steep, 6000, log=True)
+    assert per == pytest.approx(math.exp(60)) and at == [math.inf, math.inf]
 
 
 def test_constant_lr_report_gives_the_divergence_step_or_the_growth_and_the_training_time(monkeypatch):
@@ -218,6 +223,12 @@ def test_constant_lr_report_gives_the_divergence_step_or_the_growth_and_the_trai
     assert "3.0 h over 3 of 3 runs, on CPU test" in lines
     cosine = report_manifolds.long_record(_Run("c", "all-dgram", None))  # no schedule recorded: not constant
     assert report_manifolds.constant_lr_lines([cosine]) == []
+    unknown = _Run("u", "all-dgram", 4200)
+    unknown.status = {}  # a diverged run whose status.json step was unusable: its last train step, never 0
+    monkeypatch.setattr(report_manifolds, "loss_series", lambda run, split="val": pd.Series([3.0, 9.0],
+                                                                                             index=[0, 4150]))
+    unknown.diverged = True
+    assert report_manifolds.long_record(unknown)["diverged"] == 4150
 
 
 def test_report_names_the_msign_arithmetic_of_the_published_algorithm():

@@ -105,6 +105,13 @@ class CompressSweep:
 
         if self.scope not in ("role", "model"):
             raise ValueError(f"[compress] scope: {self.scope!r} is not role or model")
+        for key in ("savings", "methods", "arms", "roles"):
+            values = list(getattr(self, key))
+            if not values:
+                raise ValueError(f"[compress] {key}: the list is empty; give at least one")
+            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+            if twice is not None:
+                raise ValueError(f"[compress] {key}: {twice!r} is listed twice; list each once")
         badm = [m for m in self.methods if m not in METHODS]
         if badm or not self.methods:
             raise ValueError(f"[compress] methods: unknown method {badm[0] if badm else '(none)'!r}; choose from "
@@ -330,16 +337,8 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
     cfg.check()
     out = Path(out)
     settings = _settings(cfg)
-    rows: list[dict] = []
-    earlier: dict = {}  # the record being resumed: its wall time and continuity analysis carry over
-    if resume and (out / "compress.json").exists():
-        old = read_json(out / "compress.json", what="compression sweep record")
-        diff = _changed_settings(old.get("settings") or {}, settings)
-        if diff:
-            raise ValueError(f"{out} holds a compression sweep with other settings ({', '.join(diff)}); choose "
-                             "another --out or pass --no-resume")
-        rows = list(old.get("rows", []))
-        earlier = old
+    earlier = resumed_record(cfg, out) if resume else {}  # its rows, wall time and continuity analysis carry over
+    rows: list[dict] = list(earlier.get("rows", []))
     t_start = time.perf_counter()
 
     def elapsed() -> float:
@@ -362,7 +361,8 @@ def run_compress_sweep(cfg: CompressSweep, out: str | Path, *, lm=None, progress
         record = {"settings": settings, "model_path": str(model_path), "model": lm.name,
                   "device_kind": device_kind(torch.device("cpu")), "torch_threads": torch.get_num_threads(),
                   "baseline": base.as_dict(), "spaces": dict(earlier.get("spaces") or {}), "rows": rows,
-                  "label": label, "scope": "model"}
+                  "label": label, "scope": "model",
+                  **({"calibration": earlier["calibration"]} if "calibration" in earlier else {})}
 
         def write_point() -> None:
             record["wall_s"] = elapsed()
@@ -418,6 +418,22 @@ def _changed_settings(old: dict, new: dict) -> list[str]:
                 and all(v in new[k] for v in old[k]))
 
     return sorted(k for k in new if not accepted(k))
+
+
+def resumed_record(cfg: CompressSweep, out: Path) -> dict:
+    """The ``compress.json`` record in ``out`` that a run of ``cfg`` resumes (``{}`` when there is none).
+
+    Raises:
+        ValueError: the record was written with settings this run cannot resume (one line naming them).
+    """
+    if not (out / "compress.json").exists():
+        return {}
+    old = read_json(out / "compress.json", what="compression sweep record")
+    diff = _changed_settings(old.get("settings") or {}, _settings(cfg))
+    if diff:
+        raise ValueError(f"{out} holds a compression sweep with other settings ({', '.join(diff)}); choose "
+                         "another --out or pass --no-resume")
+    return old
 
 
 def _settings(cfg: CompressSweep) -> dict:
@@ -501,6 +517,8 @@ def execute(config: str, out: str | Path | None = None, *, resume: bool = True, 
     if problem:
         raise ValueError(problem)
     resolve_model(cfg.model)  # a missing model package is one line before anything is written
+    if resume:
+        resumed_record(cfg, out)  # settings it cannot resume: one line, before the progress line
     if threads:
         import torch
 

@@ -152,8 +152,11 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
     if missing:
         raise ValueError(f"model {cfg.model}: no role {missing[0]} (it has {', '.join(by_role)})")
     continuity: dict[str, dict] = dict(record.get("spaces") or {})
+    done = {(r["method"], r["savings_target"]) for r in rows}
+    grid = [(s, m) for s in cfg.savings for m in cfg.methods]
+    todo = [m for s, m in grid if (m, s) not in done]
     grams = None
-    if any(method_config(m, 0.5, 1, ("Q",))[1] for m in cfg.methods):
+    if any(method_config(m, 0.5, 1, ("Q",))[1] for m in todo):  # calibration only for points still to compute
         holdout = cfg.calibration_holdout if {"auto-a", "budget-w"} & set(cfg.methods) else 0.0
         grams = collect_grams(lm, calibration_text(cfg.calibration), list(cfg.roles), tokens=cfg.calibration_tokens,
                               context=cfg.context, progress=progress, holdout=holdout)
@@ -161,8 +164,6 @@ def run_model_sweep(cfg, lm, ids, base, record: dict, rows: list[dict], write, p
                                  "held_tokens": grams.held_tokens, "seconds": grams.seconds}
         if progress:
             print(f"calibration: {grams.tokens} tokens in {grams.seconds:.1f} s", flush=True)
-    done = {(r["method"], r["savings_target"]) for r in rows}
-    grid = [(s, m) for s in cfg.savings for m in cfg.methods]
     for i, (s, m) in enumerate(grid):
         if (m, s) in done:
             continue

@@ -801,6 +801,11 @@ def _model_scope_verdict(by: dict[tuple[str, float], float], levels: list[float]
     return "not reproduced", ""
 
 
+MODEL_SCOPE_EVIDENCE = "perplexity in the paper's spaces vs the other space vs per-layer whitened SVD"
+"""How the evidence of a whole-model compression finding reads after the model's name: what marks a finding as one
+model's whole-model measurement (``claims_page.pool_models`` pools those over the models)."""
+
+
 def compress_model_findings(records: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
     """(key, verdict, evidence) of the pretrained-sharing claim from whole-model compression records (``scope =
     "model"``, the methods ``paper-a``, ``paper-rev-a`` and ``svd-w`` at common savings levels), one or more models:
@@ -817,8 +822,8 @@ def compress_model_findings(records: Sequence[dict[str, Any]]) -> list[tuple[str
         verdicts.append(verdict)
         pts = "; ".join(f"{lv:.0%}: {by[('paper-a', lv)]:.1f} vs {by[('paper-rev-a', lv)]:.1f} vs "
                         f"{by[('svd-w', lv)]:.1f}" for lv in levels)
-        parts.append(f"{rec.get('model', 'the model')}: perplexity in the paper's spaces vs the other space vs "
-                     f"per-layer whitened SVD at {pts} (uncompressed {rec.get('baseline', {}).get('ppl', math.nan):.1f}"
+        parts.append(f"{rec.get('model', 'the model')}: {MODEL_SCOPE_EVIDENCE} at {pts} (uncompressed "
+                     f"{rec.get('baseline', {}).get('ppl', math.nan):.1f}"
                      f"{_ppl_budget(rec)}) — {verdict}" + (f" ({reason})" if reason else ""))
     if not verdicts:
         return []

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from weightgeom._files import write_atomic
-from weightgeom.experiments.report.claims import CLAIM_BY_KEY, CLAIMS, VERDICTS, Claim, Finding
+from weightgeom.experiments.report.claims import (
+    CLAIM_BY_KEY,
+    CLAIMS,
+    MODEL_SCOPE_EVIDENCE,
+    VERDICTS,
+    Claim,
+    Finding,
+)
 from weightgeom.experiments.report.inputs import ListOf, NonNegInt, Problems, Str, load_json, md_code, md_text
 
 CLAIMS_FILE = "claims.json"
@@ -64,8 +71,10 @@ def read_claims(path: Path, problems: Problems) -> list[Finding]:
 
 POOLED_OVER_MODELS = {"c-pretrained"}
 """Claims decided over every pretrained model measured (one whole-model compression sweep per model): their findings
-from such sweeps are pooled into one, whose verdict is theirs when they agree and ``inconclusive`` (the models
-disagree) when not — the rule of :func:`weightgeom.experiments.report.claims.compress_model_findings`."""
+from such sweeps are pooled into one when the table and page are rendered, whose verdict is theirs when they agree and
+``inconclusive`` (the models disagree) when not — the rule of
+:func:`weightgeom.experiments.report.claims.compress_model_findings`. The record (``--record``) keeps each model's
+finding, so it reads back, and merges with the sweeps' own files, without pooling twice."""
 
 
 SOURCE_SEP = " + "
@@ -78,8 +87,10 @@ def sources(f: Finding) -> list[str]:
 
 
 def _model_sweep(f: Finding) -> bool:
-    """A finding of a whole-model compression sweep (``weightgeom sweep continuity compress…``; nothing trains)."""
-    return f.steps == 0 and _command(f).startswith("weightgeom sweep continuity compress")
+    """One model's finding from a whole-model compression sweep (nothing trains; its evidence is that of
+    :func:`weightgeom.experiments.report.claims.compress_model_findings`), not a pooled one."""
+    return (f.steps == 0 and len(sources(f)) == 1
+            and f.evidence.split(": ", 1)[-1].startswith(MODEL_SCOPE_EVIDENCE))
 
 
 def pool_models(fs: Sequence[Finding]) -> list[Finding]:
@@ -99,10 +110,10 @@ def pool_models(fs: Sequence[Finding]) -> list[Finding]:
     return [pooled, *[f for f in fs if not _model_sweep(f)]]
 
 
-def merge(findings: Iterable[Finding]) -> dict[str, list[Finding]]:
+def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Finding]]:
     """Claim key -> its findings, headline first (most steps, then most runs); every claim present (possibly
-    empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once; the
-    models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
+    empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once; with
+    ``pool``, the models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
     seen = set()
     for f in findings:
@@ -110,7 +121,7 @@ def merge(findings: Iterable[Finding]) -> dict[str, list[Finding]]:
         if ident not in seen:
             seen.add(ident)
             out[f.key].append(f)
-    for key in POOLED_OVER_MODELS:
+    for key in POOLED_OVER_MODELS if pool else ():
         out[key] = pool_models(out[key])
     for fs in out.values():
         fs.sort(key=lambda f: (-f.steps, -f.runs, f.source))
@@ -246,5 +257,6 @@ def replace_block(text: str, block: str) -> str:
 
 
 def record(findings: Sequence[Finding]) -> dict[str, Any]:
-    """The merged findings as one ``claims.json`` object (headline first per claim)."""
-    return {"findings": [f.to_json() for fs in merge(findings).values() for f in fs]}
+    """The merged findings as one ``claims.json`` object (headline first per claim; each model's finding of a claim in
+    :data:`POOLED_OVER_MODELS` kept apart, pooled only when rendered)."""
+    return {"findings": [f.to_json() for fs in merge(findings, pool=False).values() for f in fs]}

@@ -790,16 +790,25 @@ def _times(mult: Any) -> str:
     return f"×{float(mult):g}" if isinstance(mult, (int, float)) else "×?"
 
 
+def _divergence_step(run: RunData, train: pd.Series) -> int | str:
+    """A diverged run's step: its ``status.json`` step, else (a status without a usable step) its last logged train
+    step, else ``"?"``."""
+    step = run.status.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return int(train.index[-1]) if len(train) else "?"
+
+
 def long_record(run: RunData) -> dict:
     """One long run: its tags, how far it went, the first step each link of the chain crossed its threshold, and the
     time courses plotted (``curves``: σQ·σK, logit max, head saturation, train loss)."""
     sp, lg, sat = diag_aggregate(run, "qk_sigma_prod"), diag_aggregate(run, "logit_max"), head_saturation_series(run)
     train = loss_series(run, "train")
-    div = int(run.status.get("step", 0)) if run.diverged else None
+    div = _divergence_step(run, train) if run.diverged else None
     first_sat = _first_above(sat, SATURATION_SEEN)
     if div is None:
         follows = "no divergence"
-    elif first_sat is not None and first_sat <= div:
+    elif first_sat is not None and isinstance(div, int) and first_sat <= div:
         follows = f"yes (saturated at {first_sat}, diverged at {div})"
     else:
         follows = f"no: diverged at {div} without saturation"
@@ -871,6 +880,10 @@ TREND_WINDOW = 0.5
 """Fraction of a constant-learning-rate run's steps after warm-up, counted back from its last step, through which
 the growth line is fitted (the later half: the early transient left out)."""
 
+TREND_MIN_SPAN = 1000
+"""Fewest steps a fit window must span for its line to be reported and extrapolated: a line through a few hundred
+steps, extrapolated to 20,000, reads noise as a trend."""
+
 
 def trend(s: pd.Series, start: int, log: bool, at: Sequence[int] = PAPER_BLOWUP_STEPS) -> tuple[float, list[float]]:
     """A least-squares line through a step-indexed series over steps ≥ ``start``.
@@ -884,21 +897,24 @@ def trend(s: pd.Series, start: int, log: bool, at: Sequence[int] = PAPER_BLOWUP_
 
     Returns:
         The change per 1,000 steps (a factor when ``log``, else a difference) and the line's value at each step of
-        ``at`` (a fraction, clipped to [0, 1], when not ``log``); NaNs when fewer than 3 finite points are in the
-        window.
+        ``at`` (a fraction, clipped to [0, 1], when not ``log``; ``inf`` past the float range); NaNs when fewer than 3
+        finite points are in the window or they span fewer than :data:`TREND_MIN_SPAN` steps.
     """
     s = s[(s.index >= start) & np.isfinite(s.values)] if len(s) else s
     if log:
         s = s[s > 0]
-    if len(s) < 3:
+    if len(s) < 3 or s.index.max() - s.index.min() < TREND_MIN_SPAN:
         return math.nan, [math.nan] * len(at)
     x = s.index.to_numpy(dtype=float)
     y = np.log(s.to_numpy(dtype=float)) if log else s.to_numpy(dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
-    line = [float(intercept + slope * a) for a in at]
+    slope, intercept = (float(v) for v in np.polyfit(x, y, 1))
+    line = [intercept + slope * a for a in at]
     if log:
-        return math.exp(1000.0 * slope), [math.exp(v) for v in line]
-    return 1000.0 * float(slope), [min(1.0, max(0.0, v)) for v in line]
+        def exp(v: float) -> float:
+            return math.exp(v) if v < 700.0 else math.inf  # e^700 ≈ 1e304, near float64's limit
+
+        return exp(1000.0 * slope), [exp(v) for v in line]
+    return 1000.0 * slope, [min(1.0, max(0.0, v)) for v in line]
 
 
 def trend_record(r: dict) -> dict:
