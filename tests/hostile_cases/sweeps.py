@@ -245,13 +245,17 @@ def _killed_parent(tmp: Path) -> None:
 def _interrupted_parent(tmp: Path) -> None:
     # Ctrl-C / SIGTERM of the sweep process alone (not its process group): it must not wait for its workers' runs
     # (held here forever), but stop them so they unwind: runs marked failed, run locks released
+    from weightgeom.experiments.runner import WORKER_GRACE_S
     from weightgeom.train.rundir import read_lock
 
     out = tmp / "sw"
     proc, hold, workers = _held_workers(tmp, out)
     try:
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)  # the hold file still exists: waiting for the runs would never end
+        # the hold file still exists: waiting for the runs would never end. The bound leaves room for the workers'
+        # grace (WORKER_GRACE_S), a kill and the interpreter's exit on a loaded 2-core machine (60 s timed out once
+        # in CI beside two other jobs; alone it takes 10-32 s)
+        proc.wait(timeout=WORKER_GRACE_S + 100)
         assert not [p for p in workers if _running(p)], "workers outlived the interrupted sweep"
         for r in RUNS:
             st = json.loads((out / f"{r}-s0" / "status.json").read_text())
