@@ -100,7 +100,14 @@ def held_train(spec: Any, run_dir: Path, progress: bool) -> dict[str, Any]:
 
 
 DRIVER = """
+import signal
 import sys
+# a sweep started from a shell: Ctrl-C's default disposition and mask, whatever the test process passed down (an
+# inherited ignored or blocked SIGINT made the interrupted-parent row hang in the full suite)
+was = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+print("inherited SIGINT:", signal.getsignal(signal.SIGINT), "blocked" if signal.SIGINT in was else "unblocked",
+      flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from hostile_cases.sweeps import held_train
 from weightgeom.experiments.cli import execute
 config, out, only, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

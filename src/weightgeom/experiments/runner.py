@@ -767,6 +767,12 @@ def _one_line(e: BaseException) -> str:
     return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
 
 
+POOL_POLL_S = 0.5
+"""Longest the sweep process blocks at a time while its workers train. Ctrl-C may be delivered to one of the pool's
+helper threads; a main thread blocked on a lock without a timeout is then not woken, and the KeyboardInterrupt waited
+until a run finished (a held run: forever; seen as a hang of the interrupted-parent hostile row in the full suite).
+Waking every ``POOL_POLL_S`` lets the main thread run the pending handler."""
+
 WORKER_GRACE_S = 20.0
 """Seconds an interrupted sweep gives its workers to unwind (mark their runs failed, release their locks) before
 killing them; a worker is normally between two steps well within that on the CPU presets."""
@@ -1048,7 +1054,9 @@ class _Sweep:
                                   False)] = i
             if not pending:
                 continue
-            finished, _ = wait(list(pending), return_when=first_completed)
+            finished: set = set()
+            while not finished:  # short waits: see POOL_POLL_S
+                finished, _ = wait(list(pending), timeout=POOL_POLL_S, return_when=first_completed)
             for fut in finished:
                 i = pending.pop(fut)
                 try:
