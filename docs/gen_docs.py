@@ -203,21 +203,15 @@ def unrecorded_sweeps(entries: Sequence[dict[str, Any]], claims: Path = CLAIMS_R
         One dict per sweep: ``source`` (``weightgeom sweep RECIPE LABEL``), ``runs`` and ``steps`` (the largest over
         its findings; steps 0 for a sweep of evaluation points), ``device`` (as recorded).
     """
-    from weightgeom.experiments.report.claims_page import SOURCE_SEP
-
     if not claims.is_file():
         return []
     have = {e["source"] for e in entries}
     out: dict[str, dict[str, Any]] = {}
-    for f in json.loads(claims.read_text(encoding="utf-8"))["findings"]:
-        pooled = f["source"].split(SOURCE_SEP)  # a finding pooled over sweeps names each; its size is theirs together
-        for source in pooled:
-            if source in have:
-                continue
-            o = out.setdefault(source, {"source": source, "runs": 0, "steps": 0, "device": f["device"]})
-            o["steps"] = max(o["steps"], int(f.get("steps") or 0))
-            if len(pooled) == 1:
-                o["runs"] = max(o["runs"], int(f.get("runs") or 0))
+    for f in json.loads(claims.read_text(encoding="utf-8"))["findings"]:  # one sweep each: the record is not pooled
+        if f["source"] in have:
+            continue
+        o = out.setdefault(f["source"], {"source": f["source"], "runs": 0, "steps": 0, "device": f["device"]})
+        o["runs"], o["steps"] = max(o["runs"], int(f.get("runs") or 0)), max(o["steps"], int(f.get("steps") or 0))
     return list(out.values())
 
 
@@ -264,8 +258,7 @@ def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/fig
                   "Each command draws the sweep's plots in its sweep directory:", "",
                   "| sweep | size | device (as recorded) | plots from |", "|---|---|---|---|"]
         for m in missing:
-            runs = m["runs"] or "—"  # a sweep known only from a pooled finding: its own size is not recorded
-            size = f"{runs} runs × {m['steps']} steps" if m["steps"] else f"{runs} points"
+            size = f"{m['runs']} runs × {m['steps']} steps" if m["steps"] else f"{m['runs']} points"
             lines.append(f"| `{m['source']}` | {size} | {m['device']} | {_plots_from(m['source'])} |")
         lines.append("")
     lines.append(FIGURES_END)

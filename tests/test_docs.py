@@ -122,9 +122,7 @@ def test_recorded_figures_are_current_and_from_recorded_sweeps():
     assert not problems, "\n".join(problems)
     entries = json.loads(_docs.FIGURES_RECORD.read_text(encoding="utf-8"))["figures"]
     claims = json.loads((DOCS / "results" / "claims.json").read_text(encoding="utf-8"))["findings"]
-    from weightgeom.experiments.report.claims_page import SOURCE_SEP
-
-    sources = {src for f in claims for src in f["source"].split(SOURCE_SEP)}  # a pooled finding names each sweep
+    sources = {f["source"] for f in claims}
     assert entries and all(e["source"] in sources for e in entries), [e["source"] for e in entries]
     assert all(e["device"] != "not recorded" for e in entries)
 
@@ -161,16 +159,13 @@ def test_figures_section_names_the_quoted_sweeps_without_figures_and_their_comma
     findings = [{"source": entries[0]["source"], "runs": 8, "steps": 250, "device": "d"},
                 {"source": "weightgeom sweep manifolds long-const", "runs": 16, "steps": 10000, "device": "d"},
                 {"source": "weightgeom sweep manifolds long-const", "runs": 4, "steps": 10000, "device": "d"},
-                {"source": "weightgeom sweep continuity compress", "runs": 72, "steps": 0, "device": "CPU AMX"},
-                {"source": f"{entries[0]['source']} + weightgeom sweep continuity compress-x", "runs": 64,
-                 "steps": 0, "device": "CPU AMX"}]  # pooled over two sweeps: only the one without figures is listed
+                {"source": "weightgeom sweep continuity compress", "runs": 72, "steps": 0, "device": "CPU AMX"}]
     claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")
     section = _docs.render_figures(entries, claims=claims)
     rows = [ln for ln in section.splitlines() if ln.startswith("| `weightgeom sweep")]
-    assert len(rows) == 3, rows
+    assert len(rows) == 2, rows
     assert "16 runs × 10000 steps" in rows[0] and "weightgeom report runs/sweeps/manifolds-long-const" in rows[0]
     assert "72 points" in rows[1] and "runs/sweeps/continuity-compress/compress.png" in rows[1]
-    assert rows[2].startswith("| `weightgeom sweep continuity compress-x` | — points |"), rows[2]
     findings[1:] = []
     claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")
     assert "without recorded figures" not in _docs.render_figures(entries, claims=claims)

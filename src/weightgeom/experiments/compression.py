@@ -113,17 +113,15 @@ class CompressSweep:
             if twice is not None:
                 raise ValueError(f"[compress] {key}: {twice!r} is listed twice; list each once")
         badm = [m for m in self.methods if m not in METHODS]
-        if badm or not self.methods:
-            raise ValueError(f"[compress] methods: unknown method {badm[0] if badm else '(none)'!r}; choose from "
-                             f"{', '.join(METHODS)}")
+        if badm:
+            raise ValueError(f"[compress] methods: unknown method {badm[0]!r}; choose from {', '.join(METHODS)}")
         if self.calibration_tokens < 2:
             raise ValueError("[compress] calibration_tokens must be >= 2")
         if not 0 <= self.calibration_holdout < 1:
             raise ValueError("[compress] calibration_holdout must be a fraction in [0, 1)")
         bad = [a for a in self.arms if a not in ARMS]
-        if bad or not self.arms:
-            raise ValueError(f"[compress] arms: unknown arm {bad[0] if bad else '(none)'!r}; choose from "
-                             f"{', '.join(ARMS)}")
+        if bad:
+            raise ValueError(f"[compress] arms: unknown arm {bad[0]!r}; choose from {', '.join(ARMS)}")
         for s in self.savings:
             CompressConfig(share="input", savings=s, layers_per_group=self.layers_per_group,
                            roles=tuple(self.roles)).check()

@@ -138,20 +138,25 @@ def _size(f: Finding) -> str:
     return f"{f.runs} runs × {f.steps} steps" if f.steps else f"{f.runs} points"
 
 
+def _commands(f: Finding) -> list[str]:
+    """The finding's commands without the notes on where they ran."""
+    return [src.split(" (")[0] for src in sources(f)]
+
+
 def _command(f: Finding) -> str:
     """The finding's (first) command without the note on where it ran."""
-    return sources(f)[0].split(" (")[0]
+    return _commands(f)[0]
 
 
 def _commands_md(f: Finding) -> str:
     """The finding's commands, each as code, without the notes on where they ran."""
-    return " and ".join(md_code(src.split(" (")[0]) for src in sources(f))
+    return " and ".join(md_code(c) for c in _commands(f))
 
 
 def _label(f: Finding) -> str:
     """A short name of the finding's sweeps: the preset of ``weightgeom sweep RECIPE PRESET`` (``+``-joined when
     pooled)."""
-    return md_text("+".join(src.split(" (")[0].split()[-1] for src in sources(f)))
+    return md_text("+".join(c.split()[-1] for c in _commands(f)))
 
 
 def _bold(verdict: str) -> str:

@@ -951,8 +951,7 @@ def constant_lr_lines(records: Sequence[dict]) -> list[str]:
             cells += [fmt(last), _per_1k(per, log), f"{fmt(at_a)} / {fmt(at_b)}" if r["diverged"] is None else "—"]
         hours = r["train_time"] / 3600 if math.isfinite(r["train_time"]) else math.nan
         rows.append([md_code(r["run"].name), md_text(r["strategy"]), f"{float(r['lr']):g} ({_times(r['mult'])})", end,
-                     *cells,
-                     fmt(hours, 2)])
+                     *cells, fmt(hours, 2)])
         if r["attn"] == "dgram":
             if r["diverged"] is not None:
                 words.append(f"- {md_text(r['strategy'])} {_times(r['mult'])}: diverged at step {r['diverged']}.")
