@@ -164,9 +164,10 @@ def test_scale_control_claims_from_the_constant_lr_long_runs(tmp_path):
         _long_run(tmp_path, "hetero", m, None, 0.0, het)
         _long_run(tmp_path, "all-stiefel", m, None, 0.0, het + 0.1)
     found = {f.key: f for f in cl.findings([rep.load_run(d) for d in sorted(tmp_path.iterdir())])}
-    assert found["ma-qk-clip"].verdict == "gain" and "ALL-DGRAM ×8: peak saturation 0.40 → with qk-clip peak " \
-        "saturation 0.01" in found["ma-qk-clip"].evidence
-    assert found["ma-sigma-cap"].verdict == "no gain"
+    assert found["ma-qk-clip"].verdict == "gain" and "ALL-DGRAM ×8: peak saturation 0.40 → with qk-clip (τ 10) " \
+        "peak saturation 0.01" in found["ma-qk-clip"].evidence
+    assert found["ma-sigma-cap"].verdict == "no gain" and "with sigma-cap (σ ≤ 2) peak saturation 0.20" in \
+        found["ma-sigma-cap"].evidence
     assert found["ma-controlled-match"].verdict == "no gain" and "×8: best controlled all-dgram+qk-clip 1.530 vs " \
         "HETERO 1.500 (+0.030)" in found["ma-controlled-match"].evidence
     assert "4 of 4 DGram-attention" in found["ma-saturation"].evidence  # the plain arms only

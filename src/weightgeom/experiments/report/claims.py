@@ -455,6 +455,17 @@ def scale_control_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str,
     def what(r: RunData) -> str:
         return "diverges" if r.diverged else f"peak saturation {_f(chain_record(r)['sat'])}"
 
+    def setting(r: RunData) -> str:
+        """The control's own setting from the run's experiment.json, e.g. ``" (τ 10)"``; "" when unreadable."""
+        c = r.experiment.get("controls")
+        c = c if isinstance(c, dict) else {}
+        qk = c.get("qk_clip")
+        tau = qk.get("tau") if isinstance(qk, dict) else None
+        cap = c.get("sigma_cap")
+        if isinstance(tau, (int, float)) and not isinstance(tau, bool):
+            return f" (τ {tau:g})"
+        return f" (σ ≤ {cap:g})" if isinstance(cap, (int, float)) and not isinstance(cap, bool) else ""
+
     out: list[tuple[str, str, str, list[RunData]]] = []
     hit = {k: r for k, r in plain.items() if k[0] in ("all-dgram", "hetero-inv") and bad(r)}
     for c, claim in CONTROL_CLAIMS.items():
@@ -463,7 +474,8 @@ def scale_control_findings(runs: Sequence[RunData]) -> list[tuple[str, str, str,
         if not pairs:
             continue
         kept = [(k, r, rc) for k, r, rc in pairs if bad(rc)]
-        ev = "; ".join(f"{k[0].upper()} ×{k[1]:g}: {what(r)} → with {c} {what(rc)}" for k, r, rc in pairs)
+        ev = "; ".join(f"{k[0].upper()} ×{k[1]:g}: {what(r)} → with {c}{setting(rc)} {what(rc)}"
+                       for k, r, rc in pairs)
         used = [r for _, r, rc in pairs for r in (r, rc)]
         verdict = "no gain" if kept else "gain"
         if replicates([r for _, r, _ in pairs]) < MIN_SEEDS:
