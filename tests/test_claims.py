@@ -174,6 +174,24 @@ def test_scale_control_claims_from_the_constant_lr_long_runs(tmp_path):
     assert all(cl.CLAIM_BY_KEY[k].untested for k in ("ma-qk-clip", "ma-sigma-cap", "ma-controlled-match"))
 
 
+def test_a_verdict_from_part_of_a_sweep_says_how_many_runs_were_not_finished(tmp_path):
+    """A sweep stopped to be resumed (its sweep.json plans runs that have not finished) marks every finding read from
+    it; a run the sweep skipped by its own rule is not counted; a finished sweep adds nothing."""
+    _long_run(tmp_path, "all-dgram", 8, None, 0.4, 1.7)
+    _long_run(tmp_path, "all-dgram", 8, "qk-clip", 0.3, 1.8)
+    names = ["long-all-dgram-x8-s0", "long-all-dgram-x8-qk-clip-s0", "long-hetero-x8-s0", "long-all-dgram-x16-s0"]
+    status = ["done", "done", "running", "skipped"]
+    manifest = {"recipe": "manifolds", "label": "long-const",
+                "runs": [{"name": n, "status": s} for n, s in zip(names, status, strict=True)]}
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    runs = [rep.load_run(d) for d in sorted(tmp_path.iterdir()) if d.is_dir()]
+    found = {f.key: f for f in cl.findings(runs)}
+    assert found["ma-qk-clip"].evidence.endswith("(decided while 1 of the sweep's 4 runs were not finished)")
+    manifest["runs"] = manifest["runs"][:2] + manifest["runs"][3:]
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    assert "not finished" not in {f.key: f for f in cl.findings(runs)}["ma-qk-clip"].evidence
+
+
 def test_quick_demo_reads_one_seed_as_inconclusive_and_says_it_is_a_smoke_test(tmp_path, monkeypatch, capsys):
     """The quick demo's own report path (demo → report → claims.json → console) on a one-seed continuity sweep: no
     bold verdict, each reads "inconclusive (1 seed)", and the report and console say the verdicts are a smoke test

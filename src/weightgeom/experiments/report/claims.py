@@ -331,6 +331,20 @@ def source_of(directory: Path, problems: Problems | None = None) -> str:
     return cmd + (" (in weightgeom demo)" if " demo" in ran else "")
 
 
+def unfinished_note(directory: Path, finished: Sequence[RunData]) -> str:
+    """``" (decided while N of the sweep's M runs were not finished)"`` when the ``sweep.json`` in ``directory``
+    plans runs that are neither among ``finished`` nor skipped by the sweep's own rule (a sweep still running, or
+    stopped to be resumed), so a verdict read from part of a sweep says so; ``""`` otherwise or without a readable
+    manifest."""
+    man = load_json(Path(directory) / "sweep.json", MANIFEST, Problems())
+    recs = [r for r in (man or {}).get("runs") or [] if isinstance(r, dict)]
+    done = {r.path.name for r in finished}
+    left = [r for r in recs if r.get("status") != "skipped" and str(r.get("name")) not in done]
+    if not left:
+        return ""
+    return f" (decided while {len(left)} of the sweep's {len(recs)} runs were not finished)"
+
+
 # ------------------------------------------------------------------------------- manifold assignment
 def _attn(run: RunData) -> str:
     """The run's attention geometry as the manifold report names it, marked ``+md`` under the MD wrapper (whose
@@ -899,8 +913,10 @@ def findings(runs: Sequence[RunData]) -> list[Finding]:
     out: list[Finding] = []
     for (recipe, directory), rs in by_sweep.items():
         source = source_of(directory)
+        left = unfinished_note(directory, rs)
         for key, verdict, evidence, used in EVALUATORS[recipe](rs):
             assert key in CLAIM_BY_KEY and verdict in VERDICTS, (key, verdict)
+            evidence += left
             used = list({id(r): r for r in used}.values())
             out.append(Finding(key, verdict, evidence, source, _steps(used), len(used), _device(used, _meta)))
     order = {c.key: i for i, c in enumerate(CLAIMS)}

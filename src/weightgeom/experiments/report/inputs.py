@@ -296,7 +296,7 @@ META = {"num_params": Number, "n_params": Number, "params": Number, "device_kind
 """The keys of ``meta.json`` a report reads."""
 
 MANIFEST = {"recipe": Str, "config": Str, "label": Str, "wall_s": Number, "command": Str,
-            "runs": ListOf({"name": Str, "run_dir": Str})}
+            "runs": ListOf({"name": Str, "run_dir": Str, "status": Str})}
 """The keys of a sweep's ``sweep.json`` a report reads."""
 
 METRICS_ROW = {"step": NonNegInt, "split": Str}
