@@ -228,6 +228,32 @@ def test_parallel_jobs_match_sequential(tmp_path, base_cfg):
     assert all((tmp_path / "par" / r.name / "experiment.json").exists() for r in runs)
 
 
+def slow_train(spec, run_dir: Path, progress: bool) -> dict:
+    """``fake_train`` after 2 s at step 3 (a status.json as the trainer writes it at a checkpoint)."""
+    import time
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "running", "step": 3}))
+    time.sleep(2.0)
+    return fake_train(spec, run_dir, progress)
+
+
+def test_a_parallel_sweep_says_where_its_running_runs_are(tmp_path, base_cfg, monkeypatch, capsys):
+    """With --jobs the trainers print no progress bar; every PROGRESS_EVERY_S the sweep prints each running run's
+    last recorded step of its max_steps and how many runs ended."""
+    import weightgeom.experiments.runner as runner
+
+    monkeypatch.setattr(runner, "PROGRESS_EVERY_S", 0.5)
+    recipe = get_recipe("manifolds")
+    _, parts, sweep = load_parts(str(base_cfg))
+    runs = plan("manifolds", recipe.variants(parts, sweep, None), parts, [0], steps=10, only=["all-stiefel", "hetero"])
+    man = run_sweep(runs, tmp_path / "par", train_fn=slow_train, progress=True, jobs=2, threads=1)
+    assert [r["status"] for r in man["runs"]] == ["done"] * len(runs)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep: running ")]
+    assert lines and f"0 of {len(runs)} runs ended" in lines[0]
+    assert any(f"{runs[0].name} step 3/10, {runs[1].name} step 3/10;" in x for x in lines)
+
+
 def test_mechanism_absent_is_reported_honestly(tmp_path, base_cfg):
     def flat(spec, run_dir, progress):
         return fake_train(spec, run_dir, progress, grow=False)  # no σ growth anywhere

@@ -773,6 +773,11 @@ helper threads; a main thread blocked on a lock without a timeout is then not wo
 until a run finished (a held run: forever; seen as a hang of the interrupted-parent hostile row in the full suite).
 Waking every ``POOL_POLL_S`` lets the main thread run the pending handler."""
 
+PROGRESS_EVERY_S = 300.0
+"""Seconds between the sweep's "still running" lines while ``--jobs`` workers train (their trainers print no
+progress bar): each running run's last recorded step of its ``train.max_steps`` (from its ``status.json``, written at
+each evaluation and checkpoint) and how many runs have finished."""
+
 WORKER_GRACE_S = 20.0
 """Seconds an interrupted sweep gives its workers to unwind (mark their runs failed, release their locks) before
 killing them; a worker is normally between two steps well within that on the CPU presets."""
@@ -828,6 +833,7 @@ class _Sweep:
         self.records: list[dict[str, Any]] = []
         self._index = {spec.name: i for i, spec in enumerate(self.runs)}
         self.t0 = time.perf_counter()
+        self.last_progress = self.t0  # the last "still running" line (PROGRESS_EVERY_S)
         self.done_count = 0
 
     # -- manifest ------------------------------------------------------------------------------------------------
@@ -986,6 +992,20 @@ class _Sweep:
         print(f"{self.tag(i)}: {rec['status']} {where}{extra} in {duration(wall)}"
               f" (sweep {duration(elapsed)}, ~{duration(eta)} left)", flush=True)
 
+    def _print_running(self, running: list[int]) -> None:
+        """One line on the runs in flight: each one's last recorded step of its ``train.max_steps``."""
+        self.last_progress = time.perf_counter()
+        parts = []
+        for i in running:
+            step = read_status(self.out / self.runs[i].name).get("step")
+            total = (self.runs[i].config.get("train") or {}).get("max_steps")
+            of = f"/{total}" if isinstance(total, int) else ""
+            at = f"step {step}{of}" if isinstance(step, int) else f"starting ({total} steps)" if of else "starting"
+            parts.append(f"{self.runs[i].name} {at}")
+        ended = sum(1 for r in self.records[:len(self.runs)] if r.get("status") not in ("pending", "running"))
+        print(f"sweep: running {', '.join(parts)}; {ended} of {len(self.runs)} runs ended "
+              f"(sweep {duration(self.last_progress - self.t0)})", flush=True)
+
     # -- all runs ------------------------------------------------------------------------------------------------
     def run_sequential(self, todo: list[int]) -> None:
         """Train the runs ``todo`` one after another in this process."""
@@ -1057,6 +1077,8 @@ class _Sweep:
             finished: set = set()
             while not finished:  # short waits: see POOL_POLL_S
                 finished, _ = wait(list(pending), timeout=POOL_POLL_S, return_when=first_completed)
+                if self.progress and not finished and time.perf_counter() - self.last_progress >= PROGRESS_EVERY_S:
+                    self._print_running(sorted(pending.values()))
             for fut in finished:
                 i = pending.pop(fut)
                 try:
