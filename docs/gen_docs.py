@@ -112,8 +112,9 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
     Returns:
         One dict per figure: ``path`` (the PNG), ``alt``, ``section`` (the report heading above it), ``source``
         (``weightgeom sweep RECIPE LABEL``, with ``(in weightgeom demo)`` for a demo's sweep, as the claims record
-        names it), ``device`` (the runs' device kind), ``runs`` and ``steps`` (``"250"``, or ``"300–500"`` where runs
-        differ).
+        names it), ``device`` (the runs' device kind), ``runs`` (the finished runs the report drew) and ``steps``
+        (``"250"``, or ``"300–500"`` where runs differ), and ``planned`` (the sweep's runs, not counting those it
+        skipped by its own rule) where that is more than ``runs``.
 
     Raises:
         FileNotFoundError: no ``report.md`` or ``sweep.json`` in ``sweep_dir``.
@@ -129,8 +130,9 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
     source = f"weightgeom sweep {sweep['recipe']} {sweep['label']}"
     if re.search(r"\bdemo\b", str(sweep.get("command", ""))):
         source += " (in weightgeom demo)"
-    runs = sweep.get("runs") or []
-    counts = sorted({int(r.get("step") or 0) for r in runs if isinstance(r, dict)} - {0})
+    planned = [r for r in sweep.get("runs") or [] if isinstance(r, dict) and r.get("status") != "skipped"]
+    runs = [r for r in planned if r.get("status") in ("done", "diverged")]  # what the report drew
+    counts = sorted({int(r.get("step") or 0) for r in runs} - {0})
     steps = None if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     device = _first_meta(sweep_dir).get("device_kind", "not recorded")
     out, section = [], ""
@@ -139,7 +141,8 @@ def report_figures(sweep_dir: Path) -> list[dict[str, Any]]:
             section = m.group(2)
         elif (m := _IMAGE.match(line)) and (sweep_dir / m.group(2)).is_file():
             out.append({"path": sweep_dir / m.group(2), "alt": m.group(1), "section": section, "source": source,
-                        "device": device, "runs": len(runs), "steps": steps})
+                        "device": device, "runs": len(runs), "steps": steps,
+                        **({"planned": len(planned)} if len(planned) > len(runs) else {})})
     return out
 
 
@@ -179,7 +182,7 @@ def record_figures(sweep_dirs: Sequence[Path], figures_dir: Path = FIGURES_DIR,
             name = f"{sweep['recipe']}-{sweep['label']}-{fig['path'].name}"
             new.append({"file": name, "sha256": _sha256(fig["path"]), "alt": fig["alt"], "section": fig["section"],
                         "source": fig["source"], "device": fig["device"], "runs": fig["runs"], "steps": fig["steps"],
-                        "_path": fig["path"]})
+                        **({"planned": fig["planned"]} if "planned" in fig else {}), "_path": fig["path"]})
     sources = {e["source"] for e in new}
     entries = [e for e in entries if e["source"] not in sources] + new
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +248,8 @@ def render_figures(entries: Sequence[dict[str, Any]], prefix: str = "results/fig
     for source, figs in by_source.items():
         size = f"{figs[0]['runs']} runs × {figs[0]['steps']} steps" if figs[0].get("steps") else \
             f"{figs[0]['runs']} points"  # a sweep that trains nothing (compression): evaluated points
+        if figs[0].get("planned"):
+            size += f" (of the sweep's {figs[0]['planned']} runs; the others had not finished when it was drawn)"
         lines += [f"### `{source.split(' (')[0]}`" + (" (in `weightgeom demo`)" if "(in weightgeom demo)" in source
                                                     else ""), "",
                   f"{size}, {figs[0]['device']}.", ""]

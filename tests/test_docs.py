@@ -171,6 +171,30 @@ def test_figures_section_names_the_quoted_sweeps_without_figures_and_their_comma
     assert "without recorded figures" not in _docs.render_figures(entries, claims=claims)
 
 
+def test_figures_of_part_of_a_sweep_say_how_many_of_its_runs_they_show(tmp_path):
+    """A sweep drawn while some of its runs had not finished: the record counts the runs the report drew (not the
+    planned ones, nor the rungs the sweep skipped by its rule) and the caption says how many the sweep planned."""
+    import json
+
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "p.png").write_bytes(b"\x89PNG")
+    (d / "report.md").write_text("# r\n\n## Manifold assignment\n\n![long-run time courses](p.png)\n")
+    runs = [{"name": f"r{i}", "status": st, "step": 10000 if st == "done" else 2500}
+            for i, st in enumerate(["done", "done", "running", "pending", "skipped"])]
+    (d / "sweep.json").write_text(json.dumps({"recipe": "manifolds", "label": "long-const", "runs": runs}))
+    fig, = _docs.report_figures(d)
+    assert (fig["runs"], fig["planned"], fig["steps"]) == (2, 4, "10000")
+    entries = _docs.record_figures([d], tmp_path / "figures", tmp_path / "figures.json")
+    section = _docs.render_figures(entries, claims=tmp_path / "none.json")
+    assert "2 runs × 10000 steps (of the sweep's 4 runs; the others had not finished when it was drawn)" in section
+    for r in runs[2:4]:
+        r.update(status="done", step=10000)
+    (d / "sweep.json").write_text(json.dumps({"recipe": "manifolds", "label": "long-const", "runs": runs}))
+    fig, = _docs.report_figures(d)
+    assert (fig["runs"], fig["steps"]) == (4, "10000") and "planned" not in fig
+
+
 def test_mkdocs_serves_its_own_mathjax():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8").replace("!!python", "#"))
     extensions = [e if isinstance(e, str) else next(iter(e)) for e in config["markdown_extensions"]]
