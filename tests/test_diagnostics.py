@@ -16,6 +16,7 @@ from weightgeom.diagnostics import (
     logit_stats,
     matrix_stats,
     optimizer_stats,
+    qk_scale,
     qk_sigma_prod,
 )
 
@@ -441,10 +442,11 @@ def test_hf_bert_padding_mask_against_direct_computation(mlm):
 def test_hf_and_own_models_report_the_same_keys():
     own = collect(_gpt(), torch.randint(0, 32, (2, 8)), grads=False)
     own_keys = {k.split(".", 2)[2] for k in own if k.startswith("attn.")}
-    assert own_keys == set(ATTN_KEYS)
-    for m in (_hf_gpt2(), _hf_llama(), _hf_bert()):
+    gain = {"norm_gain_mean", "qk_sigma_prod_gain"}  # pre-norm blocks only: not BERT's post-norm
+    assert own_keys == set(ATTN_KEYS) | gain
+    for m, keys in ((_hf_gpt2(), own_keys), (_hf_llama(), own_keys), (_hf_bert(), set(ATTN_KEYS))):
         d = collect(m, torch.randint(0, 32, (2, 8)), grads=False)
-        assert {k for k in d if k.startswith("attn.")} == {f"attn.{i}.{k}" for i in range(2) for k in ATTN_KEYS}
+        assert {k for k in d if k.startswith("attn.")} == {f"attn.{i}.{k}" for i in range(2) for k in keys}
 
 
 def test_batch_forms_on_own_model():
@@ -509,3 +511,65 @@ def test_hf_monitors_on_cuda_match_cpu():
             if k.startswith("attn.") and not k.endswith("saturation"):
                 assert gpu[k] == pytest.approx(v, rel=1e-3, abs=1e-5), (type(m).__name__, k)
         assert gpu["grad_norm.total"] == pytest.approx(cpu["grad_norm.total"], rel=1e-3)
+
+
+# model -> (the attention's input norm per layer, or None for a post-norm block; (W_Q, W_K) per layer)
+QK_SCALE_MODELS = {
+    "gpt": (lambda: _gpt(bias=False), lambda m: [b.ln_1 for b in m.transformer.h],
+            lambda m: [b.attn.qk_weights() for b in m.transformer.h]),
+    "llama-gqa": (lambda: models.build_model("llama", n_layers=2, n_heads=4, n_kv_heads=2, dim=32, vocab_size=32,
+                                             max_seq_len=8),
+                  lambda m: [b.input_layernorm for b in m.model.layers],
+                  lambda m: [b.self_attn.qk_weights() for b in m.model.layers]),
+    "hf-gpt2": (lambda: _hf_gpt2(), lambda m: [b.ln_1 for b in m.transformer.h],
+                lambda m: [(b.attn.c_attn.weight[:, :16].T, b.attn.c_attn.weight[:, 16:32].T)
+                           for b in m.transformer.h]),
+    "hf-llama": (lambda: _hf_llama(), lambda m: [b.input_layernorm for b in m.model.layers],
+                 lambda m: [(b.self_attn.q_proj.weight, b.self_attn.k_proj.weight) for b in m.model.layers]),
+    "hf-bert": (lambda: _hf_bert(), lambda m: [None, None], lambda m: []),
+}
+
+
+@pytest.mark.parametrize("kind", list(QK_SCALE_MODELS))
+def test_qk_scale_folds_the_input_norm_gain_into_the_product(kind):
+    """attn.<i>.qk_sigma_prod_gain = σ_max(W_Q·diag g)·σ_max(W_K·diag g) against float64 SVD, with g the gain of the
+    norm before the attention (a random one, so it matters); a post-norm block (BERT) reports none; collect() carries
+    the same numbers."""
+    build, norms, qk = QK_SCALE_MODELS[kind]
+    m = build()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n in norms(m):
+            if n is not None:
+                n.weight.copy_(torch.rand_like(n.weight) * 3)
+    d = qk_scale(m)
+    if all(n is None for n in norms(m)):
+        assert d == {} and not any("gain" in k for k in collect(m))
+        return
+    for i, (n, (wq, wk)) in enumerate(zip(norms(m), qk(m), strict=True)):
+        g = n.weight.detach().double()
+        sq, sk = (float(torch.linalg.svdvals(w.detach().double() * g)[0]) for w in (wq, wk))
+        want = sq * sk
+        assert d[f"attn.{i}.qk_sigma_prod_gain"] == pytest.approx(want, rel=1e-5), (kind, i)
+        assert d[f"attn.{i}.norm_gain_mean"] == pytest.approx(float(g.abs().mean()), rel=1e-6)
+    c = collect(m)
+    assert {k: c[k] for k in d} == d
+
+
+def test_qk_scale_sees_the_scale_moved_from_the_weights_into_the_gain():
+    """The fused QKV matrix shrunk ×1/30 and the pre-norm's gain grown ×30 (the reparametrisation QK-clip's runs drifted
+    into): the model computes the same (bias-free LayerNorm), so the logits are unchanged, σ_max(W_Q)·σ_max(W_K) falls
+    ×900 and the gain-folded product stays."""
+    m = _gpt(bias=False)
+    x = torch.randint(0, 32, (4, 8))
+    base = collect(m, None, x, grads=False)
+    with torch.no_grad():
+        for blk in m.transformer.h:
+            blk.attn.c_attn.weight /= 30.0
+            blk.ln_1.weight *= 30.0
+    moved = collect(m, None, x, grads=False)
+    for i in range(2):
+        assert moved[f"attn.{i}.logit_max"] == pytest.approx(base[f"attn.{i}.logit_max"], rel=1e-4)
+        assert moved[f"attn.{i}.qk_sigma_prod"] == pytest.approx(base[f"attn.{i}.qk_sigma_prod"] / 900, rel=1e-4)
+        assert moved[f"attn.{i}.qk_sigma_prod_gain"] == pytest.approx(base[f"attn.{i}.qk_sigma_prod_gain"], rel=1e-4)
+        assert moved[f"attn.{i}.norm_gain_mean"] == pytest.approx(30 * base[f"attn.{i}.norm_gain_mean"], rel=1e-5)

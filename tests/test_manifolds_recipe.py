@@ -231,6 +231,54 @@ def test_constant_lr_report_gives_the_divergence_step_or_the_growth_and_the_trai
     assert report_manifolds.long_record(unknown)["diverged"] == 4150
 
 
+def test_the_report_says_where_the_attention_scale_sits_at_the_newest_checkpoint(tmp_path):
+    """From a run's newest checkpoint, with the model rebuilt from its config: σQ·σK on the weights, the input norm's
+    gain and the product with it folded in. A checkpoint whose weights moved ×1/30 into a ×30 gain shows σQ·σK ÷ 900
+    and the same folded product; a corrupt checkpoint or one of another model is a problem line, not an error."""
+    from weightgeom.train.checkpoint import checkpoint_name, save_checkpoint
+
+    model_cfg = {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": 32, "block_size": 8,
+                 "bias": False}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: v for k, v in model_cfg.items() if k != "kind"}))
+
+    def run_at(name: str, step: int) -> _Run:
+        r = _Run(name, "all-dgram+qk-clip", None)
+        r.path, r.problems = tmp_path / name, []
+        r.config = {"model": model_cfg, "schedule": {"kind": "constant"}}
+        (r.path / "checkpoints").mkdir(parents=True)
+        save_checkpoint(r.path / "checkpoints" / checkpoint_name(step), {"model": model.state_dict(), "step": step})
+        return r
+
+    base = report_manifolds.scale_at_last_checkpoint(run_at("base", 500))
+    with torch.no_grad():
+        for blk in model.transformer.h:
+            blk.attn.c_attn.weight /= 30.0
+            blk.ln_1.weight *= 30.0
+    moved_run = run_at("moved", 1000)
+    moved = report_manifolds.scale_at_last_checkpoint(moved_run)
+    assert moved["step"] == 1000 and moved["gain"] == pytest.approx(30.0) and base["gain"] == pytest.approx(1.0)
+    assert moved["sigma"] == pytest.approx(base["sigma"] / 900, rel=1e-4)
+    assert moved["sigma_gain"] == pytest.approx(base["sigma_gain"], rel=1e-4)
+    assert base["sigma_gain"] == pytest.approx(base["sigma"], rel=1e-6)  # unit gain: the same product
+    rec = {"run": moved_run, "schedule": "constant", "strategy": "all-dgram+qk-clip", "mult": 8,
+           "curves": (None, pd.Series([3.0, 12.5]), None, None)}
+    text = "\n".join(report_manifolds.scale_lines([rec]))
+    assert f"| `moved` | all-dgram+qk-clip | ×8 | 1,000 | {fmt(moved['sigma'])} | 30.000 |" in text
+    other = run_at("other", 500)
+    other.config["model"] = {**model_cfg, "n_embd": 32}
+    (tmp_path / "bad" / "checkpoints").mkdir(parents=True)
+    bad = _Run("bad", "all-dgram", None)
+    bad.path, bad.problems, bad.config = tmp_path / "bad", [], {"model": model_cfg}
+    (bad.path / "checkpoints" / checkpoint_name(500)).write_bytes(b"WGCKPT2 0 5\nhello")
+    for r in (other, bad):
+        assert report_manifolds.scale_at_last_checkpoint(r) is None
+        assert len(r.problems) == 1 and "not used for the attention scale" in r.problems[0], r.problems
+    empty = run_at("empty", 5)
+    (empty.path / "checkpoints" / checkpoint_name(5)).unlink()
+    assert report_manifolds.scale_at_last_checkpoint(empty) is None and not empty.problems  # nothing to say
+
+
 def test_report_names_the_msign_arithmetic_of_the_published_algorithm():
     run = _Run("r", "all-dgram", None)
     run.tags["algorithm"] = "paper"

@@ -4,6 +4,7 @@ GPT-2, Llama and BERT. See :mod:`weightgeom.diagnostics.monitors`.
 """
 
 from weightgeom.diagnostics.monitors import (
+    INPUT_NORMS,
     SATURATION_THRESHOLD,
     HFAttention,
     attention_modules,
@@ -13,10 +14,11 @@ from weightgeom.diagnostics.monitors import (
     matrix_stats,
     monitored_matrices,
     optimizer_stats,
+    qk_scale,
     qk_sigma_prod,
 )
 
 __all__ = [
-    "collect", "matrix_stats", "qk_sigma_prod", "logit_stats", "grad_norms", "optimizer_stats",
-    "monitored_matrices", "attention_modules", "HFAttention", "SATURATION_THRESHOLD",
+    "collect", "matrix_stats", "qk_sigma_prod", "qk_scale", "INPUT_NORMS", "logit_stats", "grad_norms",
+    "optimizer_stats", "monitored_matrices", "attention_modules", "HFAttention", "SATURATION_THRESHOLD",
 ]

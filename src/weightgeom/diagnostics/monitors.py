@@ -15,12 +15,15 @@ Metric names (flat, one float each; ``collect`` returns them for the trainer's `
   Hugging Face GPT-2, Llama and BERT self-attention — same names and definitions for both):
   ``attn.<i>.qk_sigma_prod`` = σ_max(W_Q)·σ_max(W_K) (whole matrices, weights only; |Z_ij| ≤ ‖x_i‖‖x_j‖·this/√d
   for every head), ``attn.<i>.qk_sigma_prod_head_max`` (max over heads of σ_max(W_Q^h)σ_max(W_K^h), the per-head
-  bound; GQA-aware); with a batch, from the scaled pre-softmax logits Z = q kᵀ/√d (after RoPE for Llama) under the
-  model's mask (causal for GPT/Llama, the padding ``attention_mask`` for all): ``attn.<i>.logit_max`` (max |Z| over
-  visible entries), ``attn.<i>.entropy`` (mean softmax entropy over heads and query positions, nats),
-  ``attn.<i>.saturation`` (fraction of rows whose max probability > :data:`SATURATION_THRESHOLD` = 0.99). Rows
-  with fewer than two visible keys (the first causal position) are always "saturated" and are left out of entropy
-  and saturation, as are the rows of padding query positions.
+  bound; GQA-aware); where the attention's input passes a norm with a gain g in its block (pre-norm: this package's
+  GPT/Llama, Hugging Face GPT-2/Llama), ``attn.<i>.norm_gain_mean`` (mean |g|) and ``attn.<i>.qk_sigma_prod_gain`` =
+  σ_max(W_Q·diag g)·σ_max(W_K·diag g), the same product with the gain folded into the weights (:func:`qk_scale`:
+  a gain can hold the scale that σQ·σK alone does not show); with a batch, from the scaled pre-softmax logits
+  Z = q kᵀ/√d (after RoPE for Llama) under the model's mask (causal for GPT/Llama, the padding ``attention_mask``
+  for all): ``attn.<i>.logit_max`` (max |Z| over visible entries), ``attn.<i>.entropy`` (mean softmax entropy over
+  heads and query positions, nats), ``attn.<i>.saturation`` (fraction of rows whose max probability >
+  :data:`SATURATION_THRESHOLD` = 0.99). Rows with fewer than two visible keys (the first causal position) are always
+  "saturated" and are left out of entropy and saturation, as are the rows of padding query positions.
 * ``grad_norm.<module>`` — L2 norm of the gradients of each module's own parameters, and ``grad_norm.total``.
   Uses ``.grad`` when set; otherwise (the trainer calls ``collect`` after ``zero_grad``) one extra backward on the
   diagnostic batch computes them with ``torch.autograd.grad`` (no ``.grad`` is written).
@@ -45,6 +48,8 @@ __all__ = [
     "matrix_stats",
     "bare_name",
     "qk_sigma_prod",
+    "qk_scale",
+    "INPUT_NORMS",
     "logit_stats",
     "grad_norms",
     "optimizer_stats",
@@ -126,6 +131,50 @@ def qk_sigma_prod(W_Q: torch.Tensor, W_K: torch.Tensor, n_head: int | None = Non
         group = n_head // n_kv
         prod = sq * sk.repeat_interleave(group)
         out["qk_sigma_prod_head_max"] = float(prod.max())
+    return out
+
+
+INPUT_NORMS = ("ln_1", "input_layernorm", "attention_norm")
+"""Names of the norm an attention's input passes in its block (a sibling of the attention module): this package's
+GPT (``ln_1``) and Llama (``input_layernorm``), Hugging Face GPT-2 (``ln_1``) and Llama (``input_layernorm``), and the
+Meta Llama spelling (``attention_norm``). A post-norm block (BERT) has none."""
+
+
+def _input_gain(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The gain vector of the norm named in :data:`INPUT_NORMS` beside the attention module ``name``; None without."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    for n in INPUT_NORMS:
+        w = getattr(getattr(parent, n, None), "weight", None)
+        if isinstance(w, torch.Tensor) and w.ndim == 1:
+            return w
+    return None
+
+
+def qk_scale(model: nn.Module) -> dict[str, float]:
+    """Where an attention layer's logit scale sits: in its W_Q, W_K or in the gain of the norm before it.
+
+    For a pre-norm attention, x = g ⊙ x̂ (+ b) with x̂ normalised, so the logits are x̂ᵀ diag(g) W_Qᵀ W_K diag(g) x̂ /
+    √d_h (bias aside): the weights alone bound them only together with g. A training that shrinks W_Q, W_K (QK-clip,
+    a σ cap, a constraint) can see g grow instead, and the reverse.
+
+    Args:
+        model: any model; attention layers as :func:`attention_modules` finds them, ``attn.<i>`` its i-th.
+
+    Returns:
+        Per attention layer i whose block has a norm of :data:`INPUT_NORMS` with a gain of the input's width:
+        ``attn.<i>.norm_gain_mean`` (mean |g|, dimensionless) and ``attn.<i>.qk_sigma_prod_gain`` =
+        σ_max(W_Q·diag g)·σ_max(W_K·diag g); layers without such a norm are left out.
+    """
+    out: dict[str, float] = {}
+    for i, (name, m) in enumerate(attention_modules(model)):
+        g = _input_gain(model, name)
+        W_Q, W_K = m.qk_weights()
+        if g is None or g.numel() != W_Q.shape[-1] or g.numel() != W_K.shape[-1]:
+            continue
+        g = g.detach().float()
+        out[f"attn.{i}.norm_gain_mean"] = float(g.abs().mean())
+        out[f"attn.{i}.qk_sigma_prod_gain"] = float(_sigma_max(W_Q.detach().float() * g)
+                                                    * _sigma_max(W_K.detach().float() * g))
     return out
 
 
@@ -567,6 +616,7 @@ def collect(model: nn.Module, optimizer=None, batch=None, *, max_seqs: int = MAX
         W_Q, W_K = m.qk_weights()
         for k, v in qk_sigma_prod(W_Q, W_K, getattr(m, "n_head", None), getattr(m, "n_kv_head", None)).items():
             out[f"attn.{i}.{k}"] = v
+    out.update(qk_scale(model))
     have_grads = any(p.grad is not None for p in model.parameters())
     if grads and have_grads:
         out.update(grad_norms((bare_name(n), p.grad) for n, p in model.named_parameters()))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from weightgeom.diagnostics.monitors import attention_modules, qk_scale, qk_sigma_prod
 from weightgeom.experiments.manifolds import DEFAULT_AUTO_THRESHOLD, DEFAULT_SIGMA_CAP
 from weightgeom.experiments.report.common import (
     LOSS_UNIT,
@@ -40,6 +41,8 @@ from weightgeom.experiments.report.common import (
 )
 from weightgeom.experiments.report.inputs import CONTROLS, META, md_code, md_text, plot_text
 from weightgeom.optim.param_groups import STRATEGIES
+from weightgeom.train.checkpoint import latest_checkpoint, load_checkpoint
+from weightgeom.train.trainer import model_from_config
 
 # The manifold-assignment paper's numbers (K. Yoshihara, arXiv:2606.13276; GPT-2 small, OpenWebText, 50k iters)
 SEED_MANIFOLDS = {
@@ -983,6 +986,67 @@ def constant_lr_lines(records: Sequence[dict]) -> list[str]:
             *([total] if total else []), ""]
 
 
+SCALE_CHECKPOINT_MAX_BYTES = 1 << 30
+"""Largest checkpoint the report reads for :func:`scale_at_last_checkpoint` (1 GiB; the file is read whole)."""
+
+
+def scale_at_last_checkpoint(run: RunData) -> dict[str, Any] | None:
+    """Where the attention's logit scale sits at the run's newest checkpoint (:func:`weightgeom.diagnostics.qk_scale`
+    on the model rebuilt from the run's config): the largest over attention layers of σ_max(W_Q)·σ_max(W_K), of the
+    attention-input norm's mean |gain| and of σQ·σK with that gain folded in, and the checkpoint's step. None
+    without a checkpoint; a checkpoint that cannot be used (over :data:`SCALE_CHECKPOINT_MAX_BYTES`, corrupt, another
+    model) is named in the run's problems. The model is built on the meta device, so a config cannot make the report
+    allocate more than the checkpoint holds."""
+    import torch
+
+    path = latest_checkpoint(run.path / "checkpoints")
+    if path is None:
+        return None
+    try:
+        if path.stat().st_size > SCALE_CHECKPOINT_MAX_BYTES:
+            raise ValueError(f"over {SCALE_CHECKPOINT_MAX_BYTES >> 20} MiB, not read")
+        state = load_checkpoint(path)
+        with torch.device("meta"):
+            model = model_from_config(dict(run.config.get("model") or {}))
+        model.load_state_dict(state["model"], assign=True)
+        sp = [qk_sigma_prod(*m.qk_weights())["qk_sigma_prod"] for _, m in attention_modules(model)]
+        d = qk_scale(model)
+    except Exception as e:  # noqa: BLE001 -- an untrusted run directory: say what was wrong, report the rest
+        run.problems.append(f"{run.name}: checkpoint {path.name} not used for the attention scale "
+                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})")
+        return None
+
+    def top(key: str) -> float:
+        vals = [v for k, v in d.items() if k.endswith("." + key)]
+        return max(vals) if vals else math.nan
+    return {"step": int(state.get("step") or 0), "sigma": max(sp, default=math.nan),
+            "gain": top("norm_gain_mean"), "sigma_gain": top("qk_sigma_prod_gain")}
+
+
+def scale_lines(records: Sequence[dict]) -> list[str]:
+    """The constant-lr runs' "where the attention scale sits" table (:func:`scale_at_last_checkpoint`)."""
+    rows = []
+    for r in (r for r in records if r["schedule"] == "constant"):
+        sc = scale_at_last_checkpoint(r["run"])
+        if sc is None:
+            continue
+        lg = r["curves"][1]
+        rows.append([md_code(r["run"].name), md_text(r["strategy"]), _times(r["mult"]), f"{sc['step']:,}",
+                     fmt(sc["sigma"]), fmt(sc["gain"]), fmt(sc["sigma_gain"]),
+                     fmt(float(lg.iloc[-1])) if len(lg) else "—"])
+    if not rows:
+        return []
+    return ["#### Where the attention scale sits (newest checkpoint)", "",
+            "σQ·σK is measured on the weights alone. Before a pre-norm attention its input passes a norm with a gain "
+            "g, so the logits are bounded by the product with g folded in, σ_max(W_Q·diag g)·σ_max(W_K·diag g). A "
+            "run that shrinks W_Q and W_K (QK-clip, the σ cap) can move the scale into g, and one that grows them "
+            "can shrink g. Largest over layers, from each run's newest checkpoint "
+            "(`weightgeom.diagnostics.qk_scale`; the trainer's diagnostics also log it as "
+            "`attn.<i>.qk_sigma_prod_gain` and `attn.<i>.norm_gain_mean`, in runs of a weightgeom that has it).", "",
+            md_table(["run", "strategy", "Muon lr", "checkpoint step", "σQ·σK (weights)", "input-norm gain (mean abs.)",
+                      "σQ·σK with g folded in", "logit max (last diagnostics)"], rows), ""]
+
+
 def plot_long(records: Sequence[dict], path: Path) -> Path | None:
     """Time courses per run: σQ·σK, logit max, largest head saturation and train loss; colour = strategy, line
     style = lr multiplier, ✕ = divergence."""
@@ -1060,7 +1124,7 @@ def long_section(runs: Sequence[RunData], out: Path) -> str:
                        f"σQ·σK > {SIGMA_PRODUCT_CROSSED:g} at", "logit max", f"logit > {LOGIT_CROSSED:g} at",
                        "head saturation (max)", f"saturation > {SATURATION_SEEN:g} at", "diverged at",
                        "divergence after saturation?"], rows), "", *long_verdict(records), "",
-             *constant_lr_lines(records)]
+             *constant_lr_lines(records), *scale_lines(records)]
     lines += image_lines(plot_long(records, out / "manifolds_long.png"), "long-run time courses")
     lines += image_lines(plot_heads(runs, out / "manifolds_long_heads.png"), "per-head statistics")
     return "\n".join(lines)
