@@ -1024,9 +1024,9 @@ def scale_at_last_checkpoint(run: RunData) -> dict[str, Any] | None:
 
 
 def scale_lines(records: Sequence[dict]) -> list[str]:
-    """The constant-lr runs' "where the attention scale sits" table (:func:`scale_at_last_checkpoint`)."""
+    """The long runs' "where the attention scale sits" table (:func:`scale_at_last_checkpoint`)."""
     rows = []
-    for r in (r for r in records if r["schedule"] == "constant"):
+    for r in records:
         sc = scale_at_last_checkpoint(r["run"])
         if sc is None:
             continue
