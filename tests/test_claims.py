@@ -295,6 +295,13 @@ def test_merge_heads_each_claim_with_its_longest_runs():
     assert merged["md-compute"] == [] and set(merged) == set(cl.CLAIM_BY_KEY)
     row = next(x for x in cp.readme_table(merged).splitlines() if "softmax saturation" in x)
     assert "| **reproduced** | b: `weightgeom sweep manifolds long`; not reproduced in tiny-shakespeare |" in row
+    # a longer sweep that cannot decide it (one seed) does not head it; alone, it does
+    longer = cl.Finding("ma-saturation", "inconclusive", "1 seed — c", "weightgeom sweep manifolds long-const", 10000,
+                        8, "d")
+    merged = cp.merge([short, longer, long])["ma-saturation"]
+    assert [f.evidence for f in merged] == ["b", "a", "1 seed — c"]
+    assert cp.merge([longer, cl.Finding("ma-saturation", "inconclusive", "1 seed — a", "x", 250, 4, "d")])[
+        "ma-saturation"][0] is longer
 
 
 @pytest.mark.parametrize("gemma_verdict,verdict", [("partly reproduced", "partly reproduced"),

@@ -2,7 +2,9 @@
 ``weightgeom claims`` generates from several reports' ``claims.json``.
 
 Merging: a claim tested by several sweeps keeps every finding; its headline verdict is the finding from the longest
-runs (most training steps; then most runs), since the papers' effects grow with training length. The README row shows
+runs (most training steps; then most runs), since the papers' effects grow with training length, among the findings
+that carry a verdict: an ``inconclusive`` one (one seed, within noise) heads only a claim no other finding decides.
+The README row shows
 the headline and names the others; ``docs/results.md`` lists every finding with its rule and source. The
 pretrained-sharing claim is decided over every model measured: one whole-model compression sweep per model, pooled
 into one finding (:data:`POOLED_OVER_MODELS`).
@@ -111,7 +113,8 @@ def pool_models(fs: Sequence[Finding]) -> list[Finding]:
 
 
 def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Finding]]:
-    """Claim key -> its findings, headline first (most steps, then most runs); every claim present (possibly
+    """Claim key -> its findings, headline first (decided before ``inconclusive``, then most steps, then most runs);
+    every claim present (possibly
     empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once; with
     ``pool``, the models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
@@ -124,7 +127,7 @@ def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Find
     for key in POOLED_OVER_MODELS if pool else ():
         out[key] = pool_models(out[key])
     for fs in out.values():
-        fs.sort(key=lambda f: (-f.steps, -f.runs, f.source))
+        fs.sort(key=lambda f: (f.verdict == "inconclusive", -f.steps, -f.runs, f.source))
     return out
 
 
@@ -220,7 +223,8 @@ def results_page(merged: dict[str, list[Finding]]) -> str:
              "    --record docs/results/claims.json --readme README.md --page docs/results.md", "```", "",
              "From the record alone: `weightgeom claims docs/results/claims.json --readme README.md --page "
              "docs/results.md`.", "",
-             "A claim tested by several sweeps is headed by the finding from the longest runs. \"Not reproduced\" "
+             "A claim tested by several sweeps is headed by the finding from the longest runs among those that "
+             "decide it (an inconclusive finding heads only a claim no other finding decides). \"Not reproduced\" "
              "means *not at this scale* (tiny models, hundreds to thousands of steps on 2 CPU cores), never "
              "\"false\".", "", "Verdicts:", ""]
     lines += [f"- **{v}**: {d}." for v, d in VERDICTS.items()]
