@@ -187,9 +187,18 @@ def test_a_verdict_from_part_of_a_sweep_says_how_many_runs_were_not_finished(tmp
     runs = [rep.load_run(d) for d in sorted(tmp_path.iterdir()) if d.is_dir()]
     found = {f.key: f for f in cl.findings(runs)}
     assert found["ma-qk-clip"].evidence.endswith("(decided while 1 of the sweep's 4 runs were not finished)")
-    manifest["runs"] = manifest["runs"][:2] + manifest["runs"][3:]
+    partial = {f.key: f for f in cl.findings(runs)}["ma-qk-clip"]
+    # a name listed twice counts once; a run recorded done whose directory is elsewhere is not "not finished"
+    manifest["runs"] += [{"name": "long-hetero-x8-s0", "status": "running"}, {"name": "gone-s0", "status": "done"}]
     (tmp_path / "sweep.json").write_text(json.dumps(manifest))
-    assert "not finished" not in {f.key: f for f in cl.findings(runs)}["ma-qk-clip"].evidence
+    assert {f.key: f for f in cl.findings(runs)}["ma-qk-clip"].evidence.endswith(
+        "(decided while 1 of the sweep's 5 runs were not finished)")
+    manifest["runs"] = manifest["runs"][:2] + manifest["runs"][3:4]
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    whole = {f.key: f for f in cl.findings(runs)}["ma-qk-clip"]
+    assert "not finished" not in whole.evidence
+    # the same finding read mid-sweep and at the end is one finding in the record, the end's
+    assert cp.merge([partial, whole])["ma-qk-clip"] == [whole] == cp.merge([whole, partial])["ma-qk-clip"]
 
 
 def test_quick_demo_reads_one_seed_as_inconclusive_and_says_it_is_a_smoke_test(tmp_path, monkeypatch, capsys):
@@ -302,6 +311,8 @@ def test_merge_heads_each_claim_with_its_longest_runs():
     assert [f.evidence for f in merged] == ["b", "a", "1 seed — c"]
     assert cp.merge([longer, cl.Finding("ma-saturation", "inconclusive", "1 seed — a", "x", 250, 4, "d")])[
         "ma-saturation"][0] is longer
+    untested = cl.Finding("ma-saturation", "not tested", "e", "hand-written", 50000, 1, "d")
+    assert cp.merge([untested, long])["ma-saturation"][0] is long
 
 
 @pytest.mark.parametrize("gemma_verdict,verdict", [("partly reproduced", "partly reproduced"),

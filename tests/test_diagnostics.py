@@ -11,6 +11,7 @@ import torch
 from weightgeom import models, optim
 from weightgeom.diagnostics import (
     SATURATION_THRESHOLD,
+    attention_modules,
     collect,
     grad_norms,
     logit_stats,
@@ -573,3 +574,27 @@ def test_qk_scale_sees_the_scale_moved_from_the_weights_into_the_gain():
         assert moved[f"attn.{i}.qk_sigma_prod"] == pytest.approx(base[f"attn.{i}.qk_sigma_prod"] / 900, rel=1e-4)
         assert moved[f"attn.{i}.qk_sigma_prod_gain"] == pytest.approx(base[f"attn.{i}.qk_sigma_prod_gain"], rel=1e-4)
         assert moved[f"attn.{i}.norm_gain_mean"] == pytest.approx(30 * base[f"attn.{i}.norm_gain_mean"], rel=1e-5)
+
+
+def test_qk_scale_never_breaks_collect():
+    """A non-finite gain reads NaN (collect still returns every other metric); a huge gain stays finite (the Gram is
+    formed after dividing by max |g|); a gain on the meta device is left out; Hugging Face GPT-2's cross-attention
+    (keys from the encoder) gets no gain of the self-attention's norm."""
+    m = _gpt(bias=False)
+    with torch.no_grad():
+        m.transformer.h[0].ln_1.weight[0] = float("nan")
+        m.transformer.h[1].ln_1.weight.mul_(1e30)
+    d = collect(m, torch.randint(0, 32, (2, 8)), grads=False)
+    assert math.isnan(d["attn.0.qk_sigma_prod_gain"]) and math.isnan(d["attn.0.norm_gain_mean"])
+    assert math.isfinite(d["attn.0.qk_sigma_prod"]) and "attn.1.entropy" in d  # the rest as before
+    wq, wk = (w.detach().double() * 1e30 for w in m.transformer.h[1].attn.qk_weights())
+    want = float(torch.linalg.svdvals(wq)[0]) * float(torch.linalg.svdvals(wk)[0])
+    assert d["attn.1.qk_sigma_prod_gain"] == pytest.approx(want, rel=1e-5)
+    m.transformer.h[0].ln_1.weight = torch.nn.Parameter(torch.ones(16, device="meta"))
+    assert "attn.0.norm_gain_mean" not in collect(m) and "attn.1.norm_gain_mean" in collect(m)
+    g = _hf_gpt2(add_cross_attention=True)
+    names = [n for n, _ in attention_modules(g)]
+    cross = [i for i, n in enumerate(names) if n.endswith("crossattention")]
+    d = qk_scale(g)
+    assert cross and all(f"attn.{i}.qk_sigma_prod_gain" not in d for i in cross)
+    assert all(f"attn.{i}.qk_sigma_prod_gain" in d for i in range(len(names)) if i not in cross)

@@ -273,7 +273,20 @@ def test_the_report_says_where_the_attention_scale_sits_at_the_newest_checkpoint
     (bad.path / "checkpoints" / checkpoint_name(500)).write_bytes(b"WGCKPT2 0 5\nhello")
     for r in (other, bad):
         assert report_manifolds.scale_at_last_checkpoint(r) is None
-        assert len(r.problems) == 1 and "not used for the attention scale" in r.problems[0], r.problems
+        assert len(r.problems) == 1 and "attention scale not computed from" in r.problems[0], r.problems
+    # what a checkpoint may not make the report do: crash the section on its step, allocate beyond the file (a
+    # stride-0 view claiming a 4096² matrix from one float), build more layers than it has
+    odd_step = run_at("odd-step", 5)
+    save_checkpoint(odd_step.path / "checkpoints" / checkpoint_name(6), {"model": model.state_dict(), "step": "abc"})
+    big = {k: v for k, v in model.state_dict().items()}
+    big["transformer.h.0.attn.c_attn.weight"] = torch.ones(1).expand(4096, 4096)
+    expanded = run_at("expanded", 5)
+    save_checkpoint(expanded.path / "checkpoints" / checkpoint_name(6), {"model": big, "step": 6})
+    deep = run_at("deep", 5)
+    deep.config["model"] = {**model_cfg, "n_layer": 1_000_000}
+    for r, why in ((odd_step, "its step is 'abc'"), (expanded, "claim"), (deep, "model.n_layer = 1000000 but the "
+                                                                             "checkpoint has 2 layers")):
+        assert report_manifolds.scale_at_last_checkpoint(r) is None and why in r.problems[0], r.problems
     empty = run_at("empty", 5)
     (empty.path / "checkpoints" / checkpoint_name(5)).unlink()
     assert report_manifolds.scale_at_last_checkpoint(empty) is None and not empty.problems  # nothing to say

@@ -134,20 +134,31 @@ def qk_sigma_prod(W_Q: torch.Tensor, W_K: torch.Tensor, n_head: int | None = Non
     return out
 
 
-INPUT_NORMS = ("ln_1", "input_layernorm", "attention_norm")
-"""Names of the norm an attention's input passes in its block (a sibling of the attention module): this package's
-GPT (``ln_1``) and Llama (``input_layernorm``), Hugging Face GPT-2 (``ln_1``) and Llama (``input_layernorm``), and the
-Meta Llama spelling (``attention_norm``). A post-norm block (BERT) has none."""
+INPUT_NORMS = {"attn": "ln_1", "self_attn": "input_layernorm", "attention": "attention_norm"}
+"""The attention module's name in its block → the norm its input passes there (a sibling module): this package's GPT
+and Hugging Face GPT-2 (``attn`` after ``ln_1``), this package's and Hugging Face Llama (``self_attn`` after
+``input_layernorm``), Meta Llama (``attention`` after ``attention_norm``). Other attention modules have none here:
+cross-attention (its keys come from elsewhere) and post-norm blocks such as BERT's."""
 
 
 def _input_gain(model: nn.Module, name: str) -> torch.Tensor | None:
-    """The gain vector of the norm named in :data:`INPUT_NORMS` beside the attention module ``name``; None without."""
-    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    for n in INPUT_NORMS:
-        w = getattr(getattr(parent, n, None), "weight", None)
-        if isinstance(w, torch.Tensor) and w.ndim == 1:
-            return w
-    return None
+    """The gain vector of the norm :data:`INPUT_NORMS` names for the attention module ``name``; None without one."""
+    parent_name, _, own = name.rpartition(".")
+    norm = INPUT_NORMS.get(own)
+    if norm is None:
+        return None
+    parent = model.get_submodule(parent_name) if parent_name else model
+    w = getattr(getattr(parent, norm, None), "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.ndim == 1 else None
+
+
+def _sigma_max_scaled(W: torch.Tensor, g: torch.Tensor) -> float:
+    """σ_max(W·diag g), with g divided by max |g| first and the result multiplied back (no float32 overflow of the
+    Gram for a large gain)."""
+    top = float(g.abs().max()) if g.numel() else 0.0
+    if top == 0.0:
+        return 0.0
+    return float(_sigma_max(W.detach().float() * (g / top))) * top
 
 
 def qk_scale(model: nn.Module) -> dict[str, float]:
@@ -161,20 +172,23 @@ def qk_scale(model: nn.Module) -> dict[str, float]:
         model: any model; attention layers as :func:`attention_modules` finds them, ``attn.<i>`` its i-th.
 
     Returns:
-        Per attention layer i whose block has a norm of :data:`INPUT_NORMS` with a gain of the input's width:
-        ``attn.<i>.norm_gain_mean`` (mean |g|, dimensionless) and ``attn.<i>.qk_sigma_prod_gain`` =
-        σ_max(W_Q·diag g)·σ_max(W_K·diag g); layers without such a norm are left out.
+        Per attention layer i that has a norm of :data:`INPUT_NORMS` before it, with a gain of the input's width on
+        the weights' device: ``attn.<i>.norm_gain_mean`` (mean |g|, dimensionless) and ``attn.<i>.qk_sigma_prod_gain``
+        = σ_max(W_Q·diag g)·σ_max(W_K·diag g); both NaN when g or W_Q, W_K are not finite. Layers without such a
+        norm are left out.
     """
     out: dict[str, float] = {}
     for i, (name, m) in enumerate(attention_modules(model)):
         g = _input_gain(model, name)
         W_Q, W_K = m.qk_weights()
-        if g is None or g.numel() != W_Q.shape[-1] or g.numel() != W_K.shape[-1]:
+        if (g is None or g.numel() != W_Q.shape[-1] or g.numel() != W_K.shape[-1] or g.device != W_Q.device
+                or g.device != W_K.device or g.is_meta):
             continue
         g = g.detach().float()
-        out[f"attn.{i}.norm_gain_mean"] = float(g.abs().mean())
-        out[f"attn.{i}.qk_sigma_prod_gain"] = float(_sigma_max(W_Q.detach().float() * g)
-                                                    * _sigma_max(W_K.detach().float() * g))
+        finite = bool(torch.isfinite(g).all() and torch.isfinite(W_Q).all() and torch.isfinite(W_K).all())
+        out[f"attn.{i}.norm_gain_mean"] = float(g.abs().mean()) if finite else math.nan
+        out[f"attn.{i}.qk_sigma_prod_gain"] = (_sigma_max_scaled(W_Q, g) * _sigma_max_scaled(W_K, g) if finite
+                                               else math.nan)
     return out
 
 

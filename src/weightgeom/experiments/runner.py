@@ -999,8 +999,9 @@ class _Sweep:
         for i in running:
             step = read_status(self.out / self.runs[i].name).get("step")
             total = (self.runs[i].config.get("train") or {}).get("max_steps")
-            of = f"/{total}" if isinstance(total, int) else ""
-            at = f"step {step}{of}" if isinstance(step, int) else f"starting ({total} steps)" if of else "starting"
+            of = f"/{total}" if isinstance(total, int) and not isinstance(total, bool) else ""
+            at = (f"step {step}{of}" if isinstance(step, int) and not isinstance(step, bool)
+                  else f"starting ({total} steps)" if of else "starting")
             parts.append(f"{self.runs[i].name} {at}")
         ended = sum(1 for r in self.records[:len(self.runs)] if r.get("status") not in ("pending", "running"))
         print(f"sweep: running {', '.join(parts)}; {ended} of {len(self.runs)} runs ended "

@@ -14,6 +14,7 @@ rendered from the same findings.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -331,18 +332,31 @@ def source_of(directory: Path, problems: Problems | None = None) -> str:
     return cmd + (" (in weightgeom demo)" if " demo" in ran else "")
 
 
+UNFINISHED_NOTE = re.compile(r" \(decided while (at least \d+ of the sweep's|\d+ of the sweep's \d+) runs were not "
+                             r"finished\)$")
+"""The note :func:`unfinished_note` appends to a finding's evidence (matched to tell a finding read mid-sweep from
+the same finding read when the sweep was done)."""
+
+
 def unfinished_note(directory: Path, finished: Sequence[RunData]) -> str:
     """``" (decided while N of the sweep's M runs were not finished)"`` when the ``sweep.json`` in ``directory``
-    plans runs that are neither among ``finished`` nor skipped by the sweep's own rule (a sweep still running, or
-    stopped to be resumed), so a verdict read from part of a sweep says so; ``""`` otherwise or without a readable
-    manifest."""
-    man = load_json(Path(directory) / "sweep.json", MANIFEST, Problems())
-    recs = [r for r in (man or {}).get("runs") or [] if isinstance(r, dict)]
+    lists runs (each name counted once) that are pending, running or failed and not among ``finished`` (a sweep
+    still running, or stopped to be resumed), so a verdict read from part of a sweep says so; ``""`` otherwise or
+    without a readable manifest. Runs the sweep skipped by its own rule, and runs it records as done whose directory
+    is elsewhere, are not counted."""
+    problems = Problems()
+    man = load_json(Path(directory) / "sweep.json", MANIFEST, problems)
+    status: dict[str, Any] = {}
+    for r in (man or {}).get("runs") or []:
+        if isinstance(r, dict) and isinstance(r.get("name"), str):
+            status.setdefault(r["name"], r.get("status"))
     done = {r.path.name for r in finished}
-    left = [r for r in recs if r.get("status") != "skipped" and str(r.get("name")) not in done]
+    left = [n for n, st in status.items() if n not in done and st not in ("done", "diverged", "skipped")]
     if not left:
         return ""
-    return f" (decided while {len(left)} of the sweep's {len(recs)} runs were not finished)"
+    if problems:  # a manifest the reader cut short (e.g. over its list limit): the counts are lower bounds
+        return f" (decided while at least {len(left)} of the sweep's runs were not finished)"
+    return f" (decided while {len(left)} of the sweep's {len(status)} runs were not finished)"
 
 
 # ------------------------------------------------------------------------------- manifold assignment

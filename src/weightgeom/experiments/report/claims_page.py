@@ -22,6 +22,7 @@ from weightgeom.experiments.report.claims import (
     CLAIM_BY_KEY,
     CLAIMS,
     MODEL_SCOPE_EVIDENCE,
+    UNFINISHED_NOTE,
     VERDICTS,
     Claim,
     Finding,
@@ -112,22 +113,28 @@ def pool_models(fs: Sequence[Finding]) -> list[Finding]:
     return [pooled, *[f for f in fs if not _model_sweep(f)]]
 
 
+UNDECIDED = ("inconclusive", "not tested")
+"""Verdicts that head a claim only when no finding of it decides it (:func:`merge`)."""
+
+
 def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Finding]]:
-    """Claim key -> its findings, headline first (decided before ``inconclusive``, then most steps, then most runs);
-    every claim present (possibly
-    empty), in :data:`CLAIMS` order. The same finding from two reports (same source and evidence) is kept once; with
+    """Claim key -> its findings, headline first (decided before :data:`UNDECIDED`, then most steps, then most runs);
+    every claim present (possibly empty), in :data:`CLAIMS` order. The same finding from two reports (same source and
+    evidence, the evidence's unfinished-sweep note aside: the one without it is kept) is kept once; with
     ``pool``, the models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
-    seen = set()
+    seen: dict[tuple[str, str, str], int] = {}
     for f in findings:
-        ident = (f.key, f.source, f.evidence)
+        ident = (f.key, f.source, UNFINISHED_NOTE.sub("", f.evidence))  # read mid-sweep or after: one finding
         if ident not in seen:
-            seen.add(ident)
+            seen[ident] = len(out[f.key])
             out[f.key].append(f)
+        elif UNFINISHED_NOTE.search(out[f.key][seen[ident]].evidence) and not UNFINISHED_NOTE.search(f.evidence):
+            out[f.key][seen[ident]] = f  # the same numbers, now from the whole sweep
     for key in POOLED_OVER_MODELS if pool else ():
         out[key] = pool_models(out[key])
     for fs in out.values():
-        fs.sort(key=lambda f: (f.verdict == "inconclusive", -f.steps, -f.runs, f.source))
+        fs.sort(key=lambda f: (f.verdict in UNDECIDED, -f.steps, -f.runs, f.source))
     return out
 
 

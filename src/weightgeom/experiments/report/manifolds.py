@@ -4,6 +4,7 @@ mechanism."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -986,40 +987,85 @@ def constant_lr_lines(records: Sequence[dict]) -> list[str]:
             *([total] if total else []), ""]
 
 
-SCALE_CHECKPOINT_MAX_BYTES = 1 << 30
-"""Largest checkpoint the report reads for :func:`scale_at_last_checkpoint` (1 GiB; the file is read whole)."""
+SCALE_CHECKPOINT_MAX_BYTES = 4 << 30
+"""Largest checkpoint file the report reads for :func:`scale_at_last_checkpoint` (4 GiB; it is read whole to check
+its hash, so a GPT-2-small checkpoint with its optimizer state fits)."""
+SCALE_MAX_TENSORS = 10_000
+"""Most tensors a checkpoint's model state may hold for :func:`scale_at_last_checkpoint` (Llama 70B has 723)."""
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _checked_model_state(state: Any, file_bytes: int) -> dict[str, Any]:
+    """The checkpoint's ``model`` state after the checks that bound what rebuilding it costs: a dict of at most
+    :data:`SCALE_MAX_TENSORS` real, finite-sized tensors whose bytes (numel × element size, views counted whole)
+    fit in the file, so a stride-0 or shared-storage view cannot stand for more memory than the file holds."""
+    import torch
+
+    sd = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(sd, dict) or not sd:
+        raise ValueError("no model state in it")
+    if len(sd) > SCALE_MAX_TENSORS:
+        raise ValueError(f"{len(sd):,} tensors in its model state, more than {SCALE_MAX_TENSORS:,}")
+    total = 0
+    for k, t in sd.items():
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.is_complex():
+            raise ValueError(f"model state {str(k)[:60]!r} is not a real tensor")
+        total += t.numel() * t.element_size()
+    if total > file_bytes:
+        raise ValueError(f"its model tensors claim {total:,} bytes, more than the file's {file_bytes:,}")
+    return sd
+
+
+def _layer_count_fits(model_cfg: dict[str, Any], sd: dict[str, Any]) -> None:
+    """Refuse a config with more layers than the checkpoint's keys number (before any module is built)."""
+    have = len({int(m.group(1)) for k in sd for m in [_LAYER_INDEX.search(str(k))] if m})
+    for key in ("n_layer", "n_layers"):
+        n = model_cfg.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > have:
+            raise ValueError(f"the config's model.{key} = {n} but the checkpoint has {have} layers")
 
 
 def scale_at_last_checkpoint(run: RunData) -> dict[str, Any] | None:
     """Where the attention's logit scale sits at the run's newest checkpoint (:func:`weightgeom.diagnostics.qk_scale`
     on the model rebuilt from the run's config): the largest over attention layers of σ_max(W_Q)·σ_max(W_K), of the
     attention-input norm's mean |gain| and of σQ·σK with that gain folded in, and the checkpoint's step. None
-    without a checkpoint; a checkpoint that cannot be used (over :data:`SCALE_CHECKPOINT_MAX_BYTES`, corrupt, another
-    model) is named in the run's problems. The model is built on the meta device, so a config cannot make the report
-    allocate more than the checkpoint holds."""
+    without a checkpoint; one that cannot be used (over :data:`SCALE_CHECKPOINT_MAX_BYTES`, corrupt, tensors that
+    claim more memory than the file holds, a config of another model or with more layers than it has) is named in
+    the run's problems. The model is built on the meta device and takes the checkpoint's tensors, so what the report
+    allocates is bounded by the file."""
     import torch
 
     path = latest_checkpoint(run.path / "checkpoints")
     if path is None:
         return None
     try:
-        if path.stat().st_size > SCALE_CHECKPOINT_MAX_BYTES:
+        size = path.stat().st_size
+        if size > SCALE_CHECKPOINT_MAX_BYTES:
             raise ValueError(f"over {SCALE_CHECKPOINT_MAX_BYTES >> 20} MiB, not read")
         state = load_checkpoint(path)
+        sd = _checked_model_state(state, size)
+        model_cfg = run.config.get("model")
+        if not isinstance(model_cfg, dict):
+            raise ValueError("the run's config has no [model] section")
+        _layer_count_fits(model_cfg, sd)
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
+            raise ValueError(f"its step is {str(step)[:40]!r}, not a step count")
         with torch.device("meta"):
-            model = model_from_config(dict(run.config.get("model") or {}))
-        model.load_state_dict(state["model"], assign=True)
+            model = model_from_config(dict(model_cfg))
+        model.load_state_dict(sd, assign=True)
         sp = [qk_sigma_prod(*m.qk_weights())["qk_sigma_prod"] for _, m in attention_modules(model)]
         d = qk_scale(model)
     except Exception as e:  # noqa: BLE001 -- an untrusted run directory: say what was wrong, report the rest
-        run.problems.append(f"{run.name}: checkpoint {path.name} not used for the attention scale "
-                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})")
+        why = " ".join(str(e).replace(str(path), path.name).split())
+        run.problems.append(f"{run.name}: attention scale not computed from {path.name} "
+                            f"({type(e).__name__}: {why[:300]})")
         return None
 
     def top(key: str) -> float:
-        vals = [v for k, v in d.items() if k.endswith("." + key)]
+        vals = [v for k, v in d.items() if k.endswith("." + key) and math.isfinite(v)]
         return max(vals) if vals else math.nan
-    return {"step": int(state.get("step") or 0), "sigma": max(sp, default=math.nan),
+    return {"step": step, "sigma": max(sp, default=math.nan),
             "gain": top("norm_gain_mean"), "sigma_gain": top("qk_sigma_prod_gain")}
 
 
