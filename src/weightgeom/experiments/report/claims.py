@@ -164,8 +164,9 @@ UNTESTED_LONG_CONST = ("needs the sweep weightgeom sweep manifolds long-const (1
 R_CONTROL = ("over the (strategy, learning rate) settings of the constant-lr long runs where the plain DGram-attention "
              f"arm (ALL-DGRAM, HETERO-INV) saturates (a head's peak saturated fraction above {SATURATION_SEEN:g}) or "
              "diverges, the same arm with {control}: gain when it does neither at every such setting, no gain when it "
-             f"still does at any; inconclusive (1 seed) from fewer than {MIN_SEEDS} such settings; no finding while no "
-             "plain arm saturates or diverges")
+             f"still does at any; inconclusive (1 seed) when those settings span fewer than {MIN_SEEDS} learning rates "
+             "or seeds (two strategies at one learning rate and seed are one replicate); no finding while no plain "
+             "arm saturates or diverges")
 CLAIMS: tuple[Claim, ...] = (
     Claim("ma-dgram-unstable", "manifold assignment", "DGram attention is unstable (ALL-DGRAM, HETERO-INV diverge; "
           "Stiefel attention does not)", R_DIVERGE, "manifolds"),
