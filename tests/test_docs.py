@@ -157,14 +157,14 @@ def test_figures_section_names_the_quoted_sweeps_without_figures_and_their_comma
     entries = json.loads(_docs.FIGURES_RECORD.read_text(encoding="utf-8"))["figures"]
     claims = tmp_path / "claims.json"
     findings = [{"source": entries[0]["source"], "runs": 8, "steps": 250, "device": "d"},
-                {"source": "weightgeom sweep manifolds long-const", "runs": 16, "steps": 10000, "device": "d"},
-                {"source": "weightgeom sweep manifolds long-const", "runs": 4, "steps": 10000, "device": "d"},
+                {"source": "weightgeom sweep manifolds long-x", "runs": 16, "steps": 10000, "device": "d"},
+                {"source": "weightgeom sweep manifolds long-x", "runs": 4, "steps": 10000, "device": "d"},
                 {"source": "weightgeom sweep continuity compress", "runs": 72, "steps": 0, "device": "CPU AMX"}]
     claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")
     section = _docs.render_figures(entries, claims=claims)
     rows = [ln for ln in section.splitlines() if ln.startswith("| `weightgeom sweep")]
     assert len(rows) == 2, rows
-    assert "16 runs × 10000 steps" in rows[0] and "weightgeom report runs/sweeps/manifolds-long-const" in rows[0]
+    assert "16 runs × 10000 steps" in rows[0] and "weightgeom report runs/sweeps/manifolds-long-x" in rows[0]
     assert "72 points" in rows[1] and "runs/sweeps/continuity-compress/compress.png" in rows[1]
     findings[1:] = []
     claims.write_text(json.dumps({"findings": findings}), encoding="utf-8")

@@ -1170,7 +1170,8 @@ def long_section(runs: Sequence[RunData], out: Path) -> str:
                        f"σQ·σK > {SIGMA_PRODUCT_CROSSED:g} at", "logit max", f"logit > {LOGIT_CROSSED:g} at",
                        "head saturation (max)", f"saturation > {SATURATION_SEEN:g} at", "diverged at",
                        "divergence after saturation?"], rows), "", *long_verdict(records), "",
-             *constant_lr_lines(records), *scale_lines(records)]
+             *constant_lr_lines(records)]
     lines += image_lines(plot_long(records, out / "manifolds_long.png"), "long-run time courses")
     lines += image_lines(plot_heads(runs, out / "manifolds_long_heads.png"), "per-head statistics")
+    lines += ["", *scale_lines(records)]
     return "\n".join(lines)
