@@ -3,7 +3,8 @@
 
 Merging: a claim tested by several sweeps keeps every finding; its headline verdict is the finding from the longest
 runs (most training steps; then most runs), since the papers' effects grow with training length, among the findings
-that carry a verdict: an ``inconclusive`` one (one seed, within noise) heads only a claim no other finding decides.
+that carry a verdict: an ``inconclusive`` one (one seed, within noise) or a ``not tested`` one (:data:`UNDECIDED`)
+heads only a claim no other finding decides.
 The README row shows
 the headline and names the others; ``docs/results.md`` lists every finding with its rule and source. The
 pretrained-sharing claim is decided over every model measured: one whole-model compression sweep per model, pooled
