@@ -920,3 +920,17 @@ def test_a_compress_sweep_dry_run_writes_nothing(tmp_path, capsys):
     assert not out.exists()
     assert cli_main(["sweep", "continuity", "compress", "--launcher", "slurm", "--out", str(out)]) == 2
     assert "run it without --launcher" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("manifest,says", [
+    ({"runs": [{}], "wall_s": 12.34}, "1 run, 12.3 s"),
+    ({"runs": [{}, {}], "invocations": [{"time": "t"}]}, "2 runs, stopped before it ended"),
+    ({"runs": [{}] * 16, "invocations": [{"wall_s": 100.0}, {}, {"wall_s": 2345.68}]},
+     "16 runs in 3 sittings, 2445.7 s of wall time in the 2 that ended; 1 stopped before it ended"),
+    ({"runs": [{}] * 16, "invocations": [{}, {"wall_s": float("nan")}]},
+     "16 runs in 2 sittings; 2 stopped before they ended"),
+])
+def test_report_times_a_sweep_by_its_sittings(manifest, says):
+    """A sweep resumed across sittings is timed by the sittings that ended (the manifest's own wall_s is the last
+    sitting's), and a sweep whose sitting was stopped says so instead of '? s'."""
+    assert rep.sweep_timing(manifest) == says

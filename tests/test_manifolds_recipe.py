@@ -171,10 +171,28 @@ def test_long_record_says_whether_divergence_followed_saturation(monkeypatch, sa
     if diverged_at is None:
         assert "Diverged: DGram attention 0 of 1; Stiefel attention 0 of 1" in verdict
         assert "**Not reproduced at this size**: no run diverged" in verdict
+        assert "a run at the peak learning rate (`weightgeom sweep manifolds long-const`)" in verdict
     else:
         assert f"DGram attention 1 of 1 (all-dgram ×8 at step {diverged_at})" in verdict
         assert "**Reproduced at this size**" in verdict
 
+
+
+@pytest.mark.parametrize("schedule,steps,says", [
+    ("cosine", 3000, "a run at the peak learning rate (`weightgeom sweep manifolds long-const`) or the paper's"),
+    ("constant", 10000, "held the peak learning rate for 10,000 steps; the next larger setting is a run to the "
+                        "paper's blow-up steps (`--steps 20000`) or the paper's own model"),
+    ("constant", 20000, "held the peak learning rate for 20,000 steps; the next larger setting is the paper's own "
+                        "model"),
+])
+def test_long_verdict_names_a_next_setting_the_runs_have_not_already_been(schedule, steps, says):
+    """Runs in which nothing diverged point to the next larger setting: never to a length they already ran."""
+    recs = [{"attn": attn, "diverged": None, "strategy": s, "mult": 8, "sat": 0.5, "logit": (1.0, 30.0),
+             "sigma": (1.0, 2.0), "sat_at": None, "schedule": schedule, "steps": steps}
+            for attn, s in (("dgram", "all-dgram"), ("stiefel", "hetero"))]
+    verdict = "\n".join(report_manifolds.long_verdict(recs))
+    assert "**Not reproduced at this size**: no run diverged." in verdict and says in verdict
+    assert "`--steps 10000`" not in verdict
 
 def test_trend_recovers_a_planted_growth_rate_and_extrapolates_it():
     steps = np.arange(2000, 10001, 50)

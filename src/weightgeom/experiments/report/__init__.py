@@ -111,6 +111,28 @@ def max_steps_warning(runs: Sequence[RunData]) -> str | None:
     return "; ".join(clauses) + "; their losses and optima are not comparable across step counts"
 
 
+def sweep_timing(manifest: dict[str, Any]) -> str:
+    """A sweep's size and wall time from its ``sweep.json``: each sitting (invocation of ``weightgeom sweep``) records
+    its wall time when it ends, so a sweep resumed across sittings is timed by the sittings that ended, and one
+    stopped before it ended says so (never "? s")."""
+    count = len(manifest.get("runs") or [])
+    n = f"{count} run" + ("" if count == 1 else "s")
+    sittings = [i for i in manifest.get("invocations") or [] if isinstance(i, dict)]
+    walls = [float(i["wall_s"]) for i in sittings
+             if isinstance(i.get("wall_s"), (int, float)) and math.isfinite(i["wall_s"])]
+    if len(sittings) <= 1:
+        wall = manifest.get("wall_s")
+        ended = isinstance(wall, (int, float)) and math.isfinite(wall)
+        return f"{n}, " + (f"{fmt(wall, 1)} s" if ended else "stopped before it ended")
+    text = f"{n} in {len(sittings)} sittings"
+    if walls:
+        text += f", {fmt(sum(walls), 1)} s of wall time in the {len(walls)} that ended"
+    if len(walls) < len(sittings):
+        cut = len(sittings) - len(walls)
+        text += f"; {cut} stopped before " + ("it" if cut == 1 else "they") + " ended"
+    return text
+
+
 def _manifest(directory: Path, problems: Problems) -> dict[str, Any] | None:
     """A sweep directory's ``sweep.json`` conformed (:data:`~.inputs.MANIFEST`), or None."""
     return load_json(Path(directory) / MANIFEST, MANIFEST_SHAPE, problems)
@@ -181,10 +203,8 @@ def make_report(paths: Sequence[str | Path], out: str | Path | None = None, titl
         print(f"weightgeom report: warning: {warning}", file=sys.stderr)
         parts.append(f"**Warning:** {md_text(warning)}.")
     for m, man, _ in (x for x in manifests if x[2]):
-        wall = man.get("wall_s")
         parts.append(f"Sweep {md_code(man.get('recipe', '?'))} on config {md_code(man.get('config', '?'))} "
-                     f"({len(man.get('runs') or [])} runs, {fmt(wall) if wall is not None else '?'} s): "
-                     f"{md_code(m)}.")
+                     f"({sweep_timing(man)}): {md_code(m)}.")
     parts.append("")
     found = claim_findings(runs)
     if found:

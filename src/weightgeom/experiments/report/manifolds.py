@@ -867,18 +867,33 @@ def long_verdict(records: Sequence[dict]) -> list[str]:
         if dg_div > st_div:
             lines.append("- **Reproduced at this size**: DGram attention diverges where Stiefel attention does not.")
         elif dg_div == st_div == 0:
-            lines.append("- **Not reproduced at this size**: no run diverged. The next larger setting is a longer run "
-                         "(`--steps 10000`) or the paper's own model and data (preset `gpt2-small-owt` with "
-                         "`optim.preset=paper` on GPUs; see docs/experiments.md for the command and its cost).")
+            lines.append("- **Not reproduced at this size**: no run diverged. " + _next_larger(records))
         else:
             lines.append(f"- **Not reproduced at this size**: Stiefel attention diverged as often or more "
                          f"({st_div} vs {dg_div}).")
     return lines
 
 
+
 PAPER_BLOWUP_STEPS = (15_000, 20_000)
 """Where the manifold-assignment paper's published val-loss curves blow up (ALL-DGRAM near step 15k, HETERO-INV near
 20k, of a 50k cosine schedule): the steps a constant-learning-rate run's growth is extrapolated to."""
+
+
+def _next_larger(records: Sequence[dict]) -> str:
+    """The next larger setting to try after long runs in which nothing diverged: the peak learning rate held (the
+    ``long-const`` preset) when the runs decayed it; a run to the paper's blow-up steps when they held it for fewer
+    steps; else only the paper's own model and data."""
+    paper = ("the paper's own model and data (preset `gpt2-small-owt` with `optim.preset=paper` on GPUs; see "
+             "docs/experiments.md for the command and its cost).")
+    if not all(r["schedule"] == "constant" for r in records):
+        return ("The next larger setting is a run at the peak learning rate (`weightgeom sweep manifolds long-const`) "
+                "or " + paper)
+    steps = max((r["steps"] for r in records if isinstance(r["steps"], int)), default=0)
+    held = f"These runs held the peak learning rate for {steps:,} steps; the next larger setting is "
+    if steps < PAPER_BLOWUP_STEPS[-1]:
+        return held + f"a run to the paper's blow-up steps (`--steps {PAPER_BLOWUP_STEPS[-1]}`) or " + paper
+    return held + paper
 
 TREND_WINDOW = 0.5
 """Fraction of a constant-learning-rate run's steps after warm-up, counted back from its last step, through which
