@@ -5,6 +5,7 @@ recorded ``docs/results/claims.json`` — so the README, the docs and the report
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -136,9 +137,10 @@ def test_chain_claims_need_two_replicates_per_side(tmp_path, seeds, lrs, verdict
     assert found["ma-sigma-growth"].evidence.startswith("1 seed — ") == (verdict == "inconclusive")
 
 
-def _long_run(root: Path, strategy: str, mult: float, control: str | None, sat: float, val: float) -> None:
+def _long_run(root: Path, strategy: str, mult: float, control: str | None, sat: float, val: float,
+              seed: int = 0) -> None:
     name = f"long-{strategy}-x{mult:g}" + (f"-{control}" if control else "")
-    d = root / f"{name}-s0"
+    d = root / f"{name}-s{seed}"
     d.mkdir(parents=True)
     rows = [{"step": s, "split": "diag", "attn.0.saturation": sat * s / 100, "attn.0.qk_sigma_prod": 1.0,
              "attn.0.logit_max": 2.0} for s in (0, 50, 100)] + [{"step": 100, "split": "val", "loss": val}]
@@ -147,7 +149,7 @@ def _long_run(root: Path, strategy: str, mult: float, control: str | None, sat: 
     tags = {"study": "long", "strategy": strategy, "lr_multiplier": mult, **({"control": control} if control else {})}
     controls = {"head_stats_every": 50, **({"qk_clip": {"tau": 10.0}} if control == "qk-clip" else {}),
                 **({"sigma_cap": 2.0} if control == "sigma-cap" else {})}
-    (d / "experiment.json").write_text(json.dumps({"recipe": "manifolds", "variant": name, "seed": 0, "tags": tags,
+    (d / "experiment.json").write_text(json.dumps({"recipe": "manifolds", "variant": name, "seed": seed, "tags": tags,
                                                    "controls": controls}))
     (d / "status.json").write_text(json.dumps({"state": "done", "step": 100}))
 
@@ -168,10 +170,44 @@ def test_scale_control_claims_from_the_constant_lr_long_runs(tmp_path):
         "peak saturation 0.01" in found["ma-qk-clip"].evidence
     assert found["ma-sigma-cap"].verdict == "no gain" and "with sigma-cap (σ ≤ 2) peak saturation 0.20" in \
         found["ma-sigma-cap"].evidence
-    assert found["ma-controlled-match"].verdict == "no gain" and "×8: best controlled all-dgram+qk-clip 1.530 vs " \
-        "HETERO 1.500 (+0.030)" in found["ma-controlled-match"].evidence
+    # a val-loss comparison: two learning rates at one seed are not two seeds
+    assert found["ma-controlled-match"].verdict == "inconclusive"
+    assert found["ma-controlled-match"].evidence.startswith("1 seed — ×8: best controlled all-dgram+qk-clip 1.530 vs "
+                                                            "HETERO 1.500 (+0.030); ×16")
+    assert "by its rule alone: no gain" in found["ma-controlled-match"].evidence
     assert "4 of 4 DGram-attention" in found["ma-saturation"].evidence  # the plain arms only
     assert all(cl.CLAIM_BY_KEY[k].untested for k in ("ma-qk-clip", "ma-sigma-cap", "ma-controlled-match"))
+
+
+# HETERO's and the controlled arm's final val loss per seed at one learning rate -> ma-controlled-match
+MATCH = [
+    ((1.50, 1.52), (1.52, 1.54), "gain"),  # +0.02, seed std 0.014: clearly within the 0.05 margin
+    ((1.50, 1.52), (1.60, 1.62), "no gain"),  # +0.10: clearly above it
+    ((1.50, 1.60), (1.52, 1.62), "inconclusive"),  # +0.02, but seed std 0.07: within noise of the margin
+    ((1.50, 1.52), (1.52, math.inf), "no gain"),  # one controlled seed diverged
+]
+
+
+@pytest.mark.parametrize("het,arm,verdict", MATCH)
+def test_controlled_match_is_a_val_loss_comparison_over_seeds(tmp_path, het, arm, verdict):
+    for seed in (0, 1):
+        _long_run(tmp_path, "all-dgram", 8, None, 0.4, 1.7, seed)
+        _long_run(tmp_path, "hetero", 8, None, 0.0, het[seed], seed)
+        if math.isfinite(arm[seed]):
+            _long_run(tmp_path, "all-dgram", 8, "qk-clip", 0.01, arm[seed], seed)
+        else:
+            _long_run(tmp_path, "all-dgram", 8, "qk-clip", 0.01, 9.9, seed)
+            d = tmp_path / "long-all-dgram-x8-qk-clip-s1"
+            (d / "status.json").write_text(json.dumps({"state": "diverged", "step": 100, "reason": "loss is nan"}))
+    found = {f.key: f for f in cl.findings([rep.load_run(d) for d in sorted(tmp_path.iterdir())])}
+    f = found["ma-controlled-match"]
+    assert f.verdict == verdict, f.evidence
+    if verdict == "inconclusive":
+        assert f.evidence.startswith("within noise — ")
+    if math.isfinite(arm[1]):
+        assert "mean of 2 seeds, seed std" in f.evidence
+    qk = found["ma-qk-clip"]  # each seed is its own setting: a diverged seed is one where the control fails
+    assert qk.verdict == ("gain" if math.isfinite(arm[1]) else "no gain") and "ALL-DGRAM ×8 seed 1:" in qk.evidence
 
 
 def test_a_verdict_from_part_of_a_sweep_says_how_many_runs_were_not_finished(tmp_path):
