@@ -497,3 +497,21 @@ def test_claims_never_rewrite_a_readme_from_nothing_or_through_a_link(tmp_path):
     twice.write_text(body + body)
     out = _claims_cli(good, "--readme", twice)
     assert out.returncode == 2 and "more than once" in out.stderr and twice.read_text() == body + body
+
+
+def test_merge_keeps_only_the_newest_reading_of_a_sweep_read_while_unfinished():
+    """Reading a sweep at 8 of 16 runs and again when it is whole gives two different findings (more runs, other
+    numbers): the record keeps the whole one. Two mid-sweep readings keep the one with more runs; another sweep's
+    partial reading, and the whole readings of two sweeps, stay."""
+    note = " (decided while 8 of the sweep's 16 runs were not finished)"
+    src, other = "weightgeom sweep manifolds long-const", "weightgeom sweep manifolds long"
+    early = cl.Finding("ma-qk-clip", "inconclusive", "1 seed — ×8: 1.00 → 0.96" + note, src, 10000, 4, "d")
+    later = cl.Finding("ma-qk-clip", "inconclusive", "1 seed — ×8, ×16 in part" + note.replace("8 of", "4 of"), src,
+                       10000, 6, "d")
+    whole = cl.Finding("ma-qk-clip", "no gain", "×8: 1.00 → 0.96; ×16: 1.00 → 0.95", src, 10000, 8, "d")
+    elsewhere = cl.Finding("ma-qk-clip", "inconclusive", "1 seed — cosine" + note, other, 3000, 2, "d")
+    assert cp.merge([early, whole, elsewhere])["ma-qk-clip"] == [whole, elsewhere]
+    assert cp.merge([whole, later, early])["ma-qk-clip"] == [whole]
+    assert cp.merge([early, later])["ma-qk-clip"] == [later] == cp.merge([later, early])["ma-qk-clip"]
+    whole2 = cl.Finding("ma-qk-clip", "gain", "another sweep of the same command", src, 10000, 8, "d")
+    assert cp.merge([whole, whole2])["ma-qk-clip"] == [whole, whole2]  # both whole: both kept

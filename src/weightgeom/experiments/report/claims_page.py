@@ -121,8 +121,9 @@ UNDECIDED = ("inconclusive", "not tested")
 def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Finding]]:
     """Claim key -> its findings, headline first (decided before :data:`UNDECIDED`, then most steps, then most runs);
     every claim present (possibly empty), in :data:`CLAIMS` order. The same finding from two reports (same source and
-    evidence, the evidence's unfinished-sweep note aside: the one without it is kept) is kept once; with
-    ``pool``, the models' findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
+    evidence, the evidence's unfinished-sweep note aside: the one without it is kept) is kept once, and a sweep read
+    while runs were unfinished keeps only its newest reading (:func:`_newest_reading`); with ``pool``, the models'
+    findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
     seen: dict[tuple[str, str, str], int] = {}
     for f in findings:
@@ -132,12 +133,27 @@ def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Find
             out[f.key].append(f)
         elif UNFINISHED_NOTE.search(out[f.key][seen[ident]].evidence) and not UNFINISHED_NOTE.search(f.evidence):
             out[f.key][seen[ident]] = f  # the same numbers, now from the whole sweep
+    for key, fs in out.items():
+        out[key] = _newest_reading(fs)
     for key in POOLED_OVER_MODELS if pool else ():
         out[key] = pool_models(out[key])
     for fs in out.values():
         fs.sort(key=lambda f: (f.verdict in UNDECIDED, -f.steps, -f.runs, f.source))
     return out
 
+
+def _newest_reading(fs: list[Finding]) -> list[Finding]:
+    """One claim's findings without the superseded readings of a sweep read while some of its runs were unfinished
+    (evidence with the unfinished-sweep note): such a reading goes when the same source also has a finding without
+    the note (the sweep read whole), else only the one that read the most runs (the later of equals) stays."""
+    partial = [f for f in fs if UNFINISHED_NOTE.search(f.evidence)]
+    whole = {f.source for f in fs if not UNFINISHED_NOTE.search(f.evidence)}
+    best: dict[str, Finding] = {}
+    for f in partial:
+        if f.source not in whole and (f.source not in best or f.runs >= best[f.source].runs):
+            best[f.source] = f
+    keep = {id(f) for f in best.values()}
+    return [f for f in fs if not UNFINISHED_NOTE.search(f.evidence) or id(f) in keep]
 
 def headline(claim: Claim, fs: Sequence[Finding]) -> str:
     """The claim's verdict: its headline finding's, else ``not tested``."""
