@@ -558,9 +558,11 @@ def controlled_match(plain: dict[tuple, RunData], ctrl: dict[tuple, RunData]
                    for m, d, (s, c), h, n, sd in rows) + f" (match margin {MATCH_MARGIN:g} nats)"
     if min(n for *_, n, _ in rows) < MIN_SEEDS:
         return ("ma-controlled-match", *inconclusive(verdict, ev, ONE_SEED), used)
-    clear = ([d > MATCH_MARGIN + SEED_NOISE * sd for _, d, _, _, _, sd in rows] if verdict == "no gain"
-             else [d <= MATCH_MARGIN - SEED_NOISE * sd for _, d, _, _, _, sd in rows])
-    if not (any(clear) if verdict == "no gain" else all(clear)):
+    if verdict == "no gain":  # some rate clearly above the margin
+        decided = any(d > MATCH_MARGIN + SEED_NOISE * sd for _, d, _, _, _, sd in rows)
+    else:  # every rate clearly within it
+        decided = all(d <= MATCH_MARGIN - SEED_NOISE * sd for _, d, _, _, _, sd in rows)
+    if not decided:
         return ("ma-controlled-match", *inconclusive(verdict, ev, WITHIN_NOISE), used)
     return "ma-controlled-match", verdict, ev, used
 

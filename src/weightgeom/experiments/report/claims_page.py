@@ -121,20 +121,17 @@ UNDECIDED = ("inconclusive", "not tested")
 def merge(findings: Iterable[Finding], pool: bool = True) -> dict[str, list[Finding]]:
     """Claim key -> its findings, headline first (decided before :data:`UNDECIDED`, then most steps, then most runs);
     every claim present (possibly empty), in :data:`CLAIMS` order. The same finding from two reports (same source and
-    evidence, the evidence's unfinished-sweep note aside: the one without it is kept) is kept once, and a sweep read
-    while runs were unfinished keeps only its newest reading (:func:`_newest_reading`); with ``pool``, the models'
+    evidence) is kept once, and a sweep read while runs were unfinished keeps only its newest reading, the whole
+    sweep's where there is one (:func:`_newest_reading`); with ``pool``, the models'
     findings of a claim in :data:`POOLED_OVER_MODELS` become one (:func:`pool_models`)."""
     out: dict[str, list[Finding]] = {c.key: [] for c in CLAIMS}
-    seen: dict[tuple[str, str, str], int] = {}
+    seen: set[tuple[str, str, str]] = set()
     for f in findings:
-        ident = (f.key, f.source, UNFINISHED_NOTE.sub("", f.evidence))  # read mid-sweep or after: one finding
-        if ident not in seen:
-            seen[ident] = len(out[f.key])
+        if (f.key, f.source, f.evidence) not in seen:
+            seen.add((f.key, f.source, f.evidence))
             out[f.key].append(f)
-        elif UNFINISHED_NOTE.search(out[f.key][seen[ident]].evidence) and not UNFINISHED_NOTE.search(f.evidence):
-            out[f.key][seen[ident]] = f  # the same numbers, now from the whole sweep
     for key, fs in out.items():
-        out[key] = _newest_reading(fs)
+        out[key] = _newest_reading(fs)  # read mid-sweep and after (same numbers or not): the whole sweep's
     for key in POOLED_OVER_MODELS if pool else ():
         out[key] = pool_models(out[key])
     for fs in out.values():
@@ -154,6 +151,7 @@ def _newest_reading(fs: list[Finding]) -> list[Finding]:
             best[f.source] = f
     keep = {id(f) for f in best.values()}
     return [f for f in fs if not UNFINISHED_NOTE.search(f.evidence) or id(f) in keep]
+
 
 def headline(claim: Claim, fs: Sequence[Finding]) -> str:
     """The claim's verdict: its headline finding's, else ``not tested``."""

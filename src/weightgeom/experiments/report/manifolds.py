@@ -874,7 +874,6 @@ def long_verdict(records: Sequence[dict]) -> list[str]:
     return lines
 
 
-
 PAPER_BLOWUP_STEPS = (15_000, 20_000)
 """Where the manifold-assignment paper's published val-loss curves blow up (ALL-DGRAM near step 15k, HETERO-INV near
 20k, of a 50k cosine schedule): the steps a constant-learning-rate run's growth is extrapolated to."""
@@ -894,6 +893,7 @@ def _next_larger(records: Sequence[dict]) -> str:
     if steps < PAPER_BLOWUP_STEPS[-1]:
         return held + f"a run to the paper's blow-up steps (`--steps {PAPER_BLOWUP_STEPS[-1]}`) or " + paper
     return held + paper
+
 
 TREND_WINDOW = 0.5
 """Fraction of a constant-learning-rate run's steps after warm-up, counted back from its last step, through which
